@@ -1,0 +1,33 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: all install demo test bench clean
+
+all: install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Reinstall when the requirements or the build inputs change.
+$(STAMP): $(PY) requirements.txt requirements-dev.txt setup.py $(wildcard pdkv/*.pyx pdkv/*.pxd pdkv/csrc/*.c pdkv/csrc/*.h)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) tools/demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m pdkv.bench engine
+
+clean:
+	rm -rf build *.egg-info pdkv/_messenger.c pdkv/*.so

@@ -1,0 +1,3 @@
+"""pdkv: LLM serving with disaggregated prefill and decode."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,119 @@
+/* pdkv transport interface: one-sided writes into registered memory, with immediates.
+ *
+ * Everything above this interface (the counter poller, page-batch planning, immediate counting,
+ * completion delivery to Python) is transport-blind. A transport is a vtable plus an opaque state.
+ *
+ * Connection set-up is two-phase so that verbs (per-connection QP data) and tcp (listener
+ * address) fit the same shape; the blobs travel over the messenger's control channel:
+ *   A: conn = prepare(peer=B, info_A)      B: conn = prepare(peer=A, info_B)
+ *   ... exchange info_A / info_B out of band ...
+ *   A: complete(conn, info_B)              B: complete(conn, info_A)
+ * After both complete, each side may post writes to the other through its conn.
+ *
+ * Error convention: functions return 0 (or a count) on success and a negative errno-style code
+ * on failure, with a human-readable reason written into the transport's last_error buffer
+ * (ops->last_error). Nothing here calls into Python; all functions may be called without the GIL.
+ *
+ * NOTE: a region may not be deregistered while a write from or into it can still land:
+ * dereg returns -EBUSY in that case, never frees under a pending write.
+ */
+#ifndef PDKV_TRANSPORT_H
+#define PDKV_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PDKV_INFO_MAX 512    /* largest connection-info blob */
+#define PDKV_REASON_MAX 160  /* longest error reason in a completion */
+
+enum pdkv_cq_kind {
+    PDKV_CQ_WRITE_DONE = 1, /* a local write (wr_id) completed: the source may be reused */
+    PDKV_CQ_IMM = 2,        /* a remote write carrying imm landed in our memory */
+    PDKV_CQ_ERROR = 3,      /* wr_id (or 0) / peer failed: reason says why */
+};
+
+typedef struct pdkv_completion {
+    uint32_t kind;     /* enum pdkv_cq_kind */
+    uint32_t imm;      /* PDKV_CQ_IMM: the immediate value */
+    uint64_t wr_id;    /* PDKV_CQ_WRITE_DONE / ERROR: the caller's id of the write (0 if none) */
+    uint64_t peer;     /* node id of the peer the completion concerns */
+    uint64_t len;      /* bytes written (WRITE_DONE) or landed (IMM) */
+    int32_t status;    /* 0, or a negative errno-style code for ERROR */
+    char reason[PDKV_REASON_MAX];
+} pdkv_completion;
+
+/* One write of a batch: local region+offset -> remote key+offset. */
+typedef struct pdkv_write {
+    uint64_t lkey, loff;
+    uint64_t rkey, roff;
+    uint64_t len;
+    uint64_t wr_id;
+    uint32_t imm;
+    uint32_t has_imm;
+} pdkv_write;
+
+typedef struct pdkv_transport pdkv_transport;
+
+typedef struct pdkv_transport_ops {
+    const char *name; /* "tcp", "verbs", "fake" */
+
+    /* Register [addr, addr+len). *key_out is what a peer names in its writes. */
+    int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+    /* Allow peer `peer` to write into region `key` (tcp checks this on every frame;
+     * verbs: no-op beyond the rkey itself). */
+    int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer);
+    /* -EBUSY while writes from or into the region are in flight; -ENOENT for an unknown key. */
+    int (*dereg)(pdkv_transport *t, uint64_t key);
+
+    /* Two-phase connect (see above). info_out has room for PDKV_INFO_MAX bytes. */
+    int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
+                   uint32_t *conn_out);
+    int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
+    /* Drop a connection: pending writes complete with ERROR; nothing is left running for it. */
+    int (*disconnect)(pdkv_transport *t, uint32_t conn);
+
+    /* Post n writes to the peer of conn. Returns n, or a negative code if none were posted. */
+    int (*post)(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+
+    /* Non-blocking: fill up to max completions, return how many. */
+    int (*poll)(pdkv_transport *t, pdkv_completion *out, int max);
+    /* An fd that is readable when poll may return something (eventfd semantics). */
+    int (*event_fd)(pdkv_transport *t);
+
+    const char *(*last_error)(pdkv_transport *t);
+    /* Stop every thread, close every fd, free everything. Safe with writes in flight. */
+    void (*destroy)(pdkv_transport *t);
+} pdkv_transport_ops;
+
+struct pdkv_transport {
+    const pdkv_transport_ops *ops;
+    uint64_t node_id; /* this node's id, sent to peers */
+};
+
+/* Constructors. Each returns NULL and writes a reason into err on failure. */
+typedef struct pdkv_tcp_opts {
+    const char *host;      /* listen address, e.g. "127.0.0.1" */
+    uint16_t port;         /* 0: any free port */
+    uint32_t num_streams;  /* connections per peer */
+} pdkv_tcp_opts;
+pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *opts, char *err,
+                                size_t errlen);
+
+typedef struct pdkv_verbs_opts {
+    const char *const *nics; /* device names, NULL-terminated; never "auto" here (Python resolves it) */
+    uint8_t port_num;        /* usually 1 */
+    int gid_index;           /* -1: pick a RoCE v2 / IB GID automatically */
+    uint32_t qps_per_peer;
+} pdkv_verbs_opts;
+/* Defined only when built with libibverbs (PDKV_HAVE_VERBS). */
+pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
+                                  size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDKV_TRANSPORT_H */

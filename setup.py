@@ -1,0 +1,52 @@
+"""Builds pdkv and its messenger extension.
+
+pdkv._messenger is Cython over C transports in pdkv/csrc/. The verbs transport is compiled in
+when the libibverbs headers are present (Debian: libibverbs-dev); otherwise only tcp is built
+and asking for verbs is a clear error at run time.
+"""
+
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+
+
+def have_verbs() -> bool:
+    if os.environ.get("PDKV_NO_VERBS"):
+        return False
+    return any(os.path.exists(os.path.join(d, "infiniband", "verbs.h"))
+               for d in ("/usr/include", "/usr/local/include"))
+
+
+def messenger_extension():
+    from Cython.Build import cythonize
+
+    sources = ["pdkv/_messenger.pyx"]
+    sources += sorted(os.path.join("pdkv/csrc", f) for f in os.listdir("pdkv/csrc")
+                      if f.endswith(".c") and f != "verbs.c")
+    macros, libraries = [], ["pthread"]
+    if have_verbs() and os.path.exists("pdkv/csrc/verbs.c"):
+        sources.append("pdkv/csrc/verbs.c")
+        macros.append(("PDKV_HAVE_VERBS", "1"))
+        libraries.append("ibverbs")
+    ext = Extension(
+        "pdkv._messenger",
+        sources=sources,
+        include_dirs=["pdkv/csrc"],
+        define_macros=macros,
+        libraries=libraries,
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    )
+    return cythonize([ext], language_level=3, compiler_directives={"embedsignature": True})
+
+
+setup(
+    name="pdkv",
+    version="0.1.0",
+    description="LLM serving with disaggregated prefill and decode",
+    packages=find_packages(include=["pdkv", "pdkv.*", "models", "models.*", "server", "server.*"]),
+    package_data={"pdkv": ["_messenger.pyi", "_messenger.pxd", "csrc/*.h"]},
+    python_requires=">=3.10",
+    ext_modules=messenger_extension() if "egg_info" not in sys.argv else [],
+    entry_points={"console_scripts": ["pdkv=pdkv.cli:main"]},
+)
