@@ -1,0 +1,223 @@
+"""The control channel between messengers: msgpack frames over one persistent TCP connection.
+
+Page data never travels here (it moves through the transport as one-sided writes); this channel
+carries the handshake, PREFILL / CANCEL / CANCEL_ACK / FAIL requests and heartbeats.
+
+Frame: a 4-byte big-endian length, then a msgpack map with a "type" key. A frame larger than
+``MAX_FRAME`` or one that does not decode to a map is a protocol error: the connection is
+dropped with an error that says what was wrong (nothing is half-applied).
+
+Handshake: each side sends HELLO first and reads the peer's. When the two disagree on anything
+that must match (model fingerprint, dtype, KV layout, page size, parallel plan, protocol
+version) each side sends REFUSE naming every difference, and both raise ``HandshakeRefused``.
+
+Liveness: each side sends HEARTBEAT every ``interval`` seconds; a peer silent for ``lease``
+seconds is declared dead (``on_dead`` fires once), which is what lets a decode node reuse pages
+that a dead prefill node might otherwise still write, and lets a prefill node free source pages
+of a decode node that disappeared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 << 20
+_LEN = struct.Struct(">I")
+
+# Fields of Hello that both sides must agree on, in the order differences are reported.
+MUST_MATCH = ("protocol", "model_fingerprint", "dtype", "kv_layout", "page_size", "parallel")
+
+
+class ControlError(ConnectionError):
+    """The control connection broke or the peer spoke something that is not the protocol."""
+
+
+class HandshakeRefused(ControlError):
+    """The two sides cannot work together; the message names every difference."""
+
+
+def model_fingerprint(config: dict, param_shapes: dict[str, tuple[int, ...]]) -> str:
+    """A short digest of what makes two model replicas interchangeable for KV transfer:
+    the architecture config (minus fields that do not affect the math) and every weight's shape."""
+    ignored = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+    cfg = {k: v for k, v in sorted(config.items()) if k not in ignored}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name in sorted(param_shapes):
+        h.update(f"{name}:{tuple(param_shapes[name])};".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Hello:
+    node_id: int
+    role: str  # "prefill" | "decode"
+    model_fingerprint: str
+    dtype: str
+    kv_layout: str
+    page_size: int
+    parallel: dict = field(default_factory=lambda: {"tp": 1})
+    protocol: int = PROTOCOL_VERSION
+    # What the data path needs; not compared: transport name and its connection blob,
+    # registered regions (key, length, page geometry), and anything else the role adds.
+    transport: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def differences(self, other: "Hello") -> list[str]:
+        out = []
+        for name in MUST_MATCH:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: this {self.role} node has {mine!r}, the {other.role} node has {theirs!r}")
+        if self.transport.get("name") != other.transport.get("name"):
+            out.append(f"transport: {self.transport.get('name')!r} vs {other.transport.get('name')!r}")
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Hello":
+        known = {f for f in cls.__dataclass_fields__}
+        missing = [f for f in ("node_id", "role", "model_fingerprint", "dtype", "kv_layout", "page_size")
+                   if f not in d]
+        if missing:
+            raise ControlError(f"peer HELLO lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def encode_frame(msg: dict) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ControlError(f"control frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _LEN.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    try:
+        head = await reader.readexactly(_LEN.size)
+    except asyncio.IncompleteReadError as e:
+        raise ControlError("control connection closed by peer") from e
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ControlError(f"peer sent a control frame of {n} bytes (limit {MAX_FRAME})")
+    try:
+        body = await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise ControlError("control connection closed in the middle of a frame") from e
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise ControlError(f"undecodable control frame: {e}") from e
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ControlError("control frame is not a map with a 'type' field")
+    return msg
+
+
+class ControlChannel:
+    """One side of an established, handshaken control connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 local: Hello, peer: Hello):
+        self.reader, self.writer = reader, writer
+        self.local, self.peer = local, peer
+        self.last_heard = time.monotonic()
+        self._hb_task: asyncio.Task | None = None
+        self._closed = False
+
+    # -- establishing --------------------------------------------------------------------
+    @classmethod
+    async def connect(cls, host: str, port: int, hello: Hello, timeout: float = 10.0) -> "ControlChannel":
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise ControlError(f"cannot reach {hello.role} peer at {host}:{port}: {e}") from e
+        return await cls._handshake(reader, writer, hello, timeout)
+
+    @classmethod
+    async def accept(cls, reader, writer, hello: Hello, timeout: float = 10.0) -> "ControlChannel":
+        return await cls._handshake(reader, writer, hello, timeout)
+
+    @classmethod
+    async def _handshake(cls, reader, writer, hello: Hello, timeout: float) -> "ControlChannel":
+        try:
+            writer.write(encode_frame({"type": "HELLO", **asdict(hello)}))
+            await writer.drain()
+            msg = await asyncio.wait_for(read_frame(reader), timeout)
+            if msg["type"] == "REFUSE":
+                raise HandshakeRefused(f"peer refused the handshake: {msg.get('reason')}")
+            if msg["type"] != "HELLO":
+                raise ControlError(f"expected HELLO from peer, got {msg['type']}")
+            peer = Hello.from_dict({k: v for k, v in msg.items() if k != "type"})
+            diffs = hello.differences(peer)
+            if diffs:
+                reason = "; ".join(diffs)
+                writer.write(encode_frame({"type": "REFUSE", "reason": reason}))
+                await writer.drain()
+                raise HandshakeRefused(f"refusing peer node {peer.node_id:#x}: {reason}")
+        except asyncio.TimeoutError as e:
+            writer.close()
+            raise ControlError(f"peer sent no HELLO within {timeout} s") from e
+        except (ControlError, OSError):
+            writer.close()
+            raise
+        return cls(reader, writer, hello, peer)
+
+    # -- traffic -------------------------------------------------------------------------
+    async def send(self, msg: dict) -> None:
+        if self._closed:
+            raise ControlError("control channel is closed")
+        try:
+            self.writer.write(encode_frame(msg))
+            await self.writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise ControlError(f"control channel to node {self.peer.node_id:#x} broke: {e}") from e
+
+    async def recv(self) -> dict:
+        """Next non-heartbeat message. Heartbeats only refresh ``last_heard``."""
+        while True:
+            msg = await read_frame(self.reader)
+            self.last_heard = time.monotonic()
+            if msg["type"] != "HEARTBEAT":
+                return msg
+
+    def start_heartbeat(self, interval: float, lease: float,
+                        on_dead: Callable[[str], Awaitable[None] | None]) -> None:
+        """Send heartbeats every ``interval`` s; call ``on_dead(reason)`` once if the peer is silent
+        for ``lease`` s. Receiving is the caller's loop (``recv``), which refreshes liveness."""
+        async def beat():
+            while not self._closed:
+                try:
+                    await self.send({"type": "HEARTBEAT", "t": time.time()})
+                except ControlError as e:
+                    await _maybe_await(on_dead(str(e)))
+                    return
+                silent = time.monotonic() - self.last_heard
+                if silent > lease:
+                    await _maybe_await(on_dead(f"peer silent for {silent:.1f} s (lease {lease} s)"))
+                    self.close()
+                    return
+                await asyncio.sleep(interval)
+        self._hb_task = asyncio.get_running_loop().create_task(beat())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._hb_task is not None and self._hb_task is not asyncio.current_task():
+            self._hb_task.cancel()
+        self.writer.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x):
+        await x

@@ -1,0 +1,149 @@
+"""The control channel over real loopback sockets: handshake, refusals, framing errors, leases."""
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+
+from pdkv.control import (MAX_FRAME, ControlChannel, ControlError, HandshakeRefused, Hello,
+                          model_fingerprint)
+
+
+def hello(role, **kw):
+    base = dict(node_id=1 if role == "decode" else 2, role=role, model_fingerprint="abc",
+                dtype="float32", kv_layout="HND", page_size=16, parallel={"tp": 1},
+                transport={"name": "tcp"})
+    base.update(kw)
+    return Hello(**base)
+
+
+async def pair(server_hello, client_hello):
+    """Start a listener that accepts with server_hello; connect with client_hello."""
+    accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on_conn(reader, writer):
+        try:
+            accepted.set_result(await ControlChannel.accept(reader, writer, server_hello, timeout=5))
+        except Exception as e:  # surfaced through the future
+            accepted.set_exception(e)
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        client = await ControlChannel.connect("127.0.0.1", port, client_hello, timeout=5)
+    except Exception as e:
+        client = e
+    try:
+        server = await asyncio.wait_for(accepted, 5)
+    except Exception as e:
+        server = e
+    srv.close()
+    return client, server
+
+
+def test_handshake_and_messages_roundtrip():
+    async def main():
+        client, server = await pair(hello("prefill"), hello("decode"))
+        assert client.peer.role == "prefill" and server.peer.role == "decode"
+        await client.send({"type": "PREFILL", "req": "r1", "tokens": list(range(100)), "imm": 7})
+        msg = await asyncio.wait_for(server.recv(), 5)
+        assert msg == {"type": "PREFILL", "req": "r1", "tokens": list(range(100)), "imm": 7}
+        client.close(); server.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("model_fingerprint", "zzz", "model_fingerprint"),
+    ("page_size", 32, "page_size: this"),
+    ("kv_layout", "NHD", "kv_layout"),
+    ("dtype", "bfloat16", "dtype"),
+    ("parallel", {"tp": 2}, "parallel"),
+])
+def test_handshake_refuses_and_names_the_difference(field, value, words):
+    async def main():
+        client, server = await pair(hello("prefill", **{field: value}), hello("decode"))
+        for side in (client, server):
+            assert isinstance(side, HandshakeRefused), side
+            assert words in str(side)
+        # both values are in the message so an operator sees what to fix
+        assert repr(value) in str(client) or repr(value) in str(server)
+    asyncio.run(main())
+
+
+def test_oversized_and_garbage_frames_are_clear_errors():
+    async def main():
+        got = []
+
+        async def on_conn(reader, writer):
+            try:
+                await ControlChannel.accept(reader, writer, hello("prefill"), timeout=5)
+            except ControlError as e:
+                got.append(str(e))
+
+        srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        for payload in (struct.pack(">I", MAX_FRAME + 1),
+                        struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+                        struct.pack(">I", 2) + msgpack.packb([1])):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(payload)
+            await w.drain()
+            await asyncio.sleep(0.1)
+            w.close()
+        for _ in range(50):
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.05)
+        srv.close()
+        return got
+    got = asyncio.run(main())
+    assert len(got) == 3
+    assert "limit" in got[0]
+    assert "undecodable" in got[1] or "not a map" in got[1]
+    assert "not a map" in got[2]
+
+
+def test_silent_peer_is_declared_dead_once():
+    async def main():
+        client, server = await pair(hello("prefill"), hello("decode"))
+        deaths = []
+        # server beats but the client never answers (it does not start heartbeats)
+        server.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
+        await asyncio.sleep(0.8)
+        assert len(deaths) == 1 and "silent" in deaths[0]
+        assert server.closed
+        client.close()
+    asyncio.run(main())
+
+
+def test_live_peer_keeps_its_lease_and_heartbeats_are_invisible():
+    async def main():
+        client, server = await pair(hello("prefill"), hello("decode"))
+        deaths = []
+        server.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
+        client.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
+
+        async def drain(ch):
+            try:
+                while True:
+                    await ch.recv()
+            except ControlError:
+                pass
+        tasks = [asyncio.create_task(drain(server)), asyncio.create_task(drain(client))]
+        await asyncio.sleep(0.8)
+        assert deaths == []
+        await client.send({"type": "CANCEL", "req": "x"})
+        client.close(); server.close()
+        for t in tasks:
+            t.cancel()
+    asyncio.run(main())
+
+
+def test_fingerprint_sees_shapes_and_config_but_not_paths():
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "_name_or_path": "/a"}
+    shapes = {"w": (64, 64)}
+    fp = model_fingerprint(cfg, shapes)
+    assert fp == model_fingerprint({**cfg, "_name_or_path": "/b"}, shapes)
+    assert fp != model_fingerprint({**cfg, "hidden_size": 128}, shapes)
+    assert fp != model_fingerprint(cfg, {"w": (64, 65)})
