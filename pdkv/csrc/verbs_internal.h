@@ -1,0 +1,117 @@
+/* Internal state of the verbs transport (verbs.c, verbs_setup.c, verbs_conn.c, verbs_post.c).
+ * Only compiled when libibverbs is present (PDKV_HAVE_VERBS). */
+#ifndef PDKV_VERBS_INTERNAL_H
+#define PDKV_VERBS_INTERNAL_H
+
+#include "transport.h"
+
+#include <infiniband/verbs.h>
+#include <pthread.h>
+
+#define VB_MAX_QPS 16          /* qps_per_peer limit */
+#define VB_MAX_CONNS 1024
+#define VB_SQ_DEPTH 1024       /* send WRs per QP (capped by the device's max_qp_wr) */
+#define VB_SRQ_DEPTH 4096      /* zero-length receives kept posted (capped by max_srq_wr) */
+#define VB_SIGNAL_EVERY 64     /* signal at least every N WRs so the SQ never fills */
+#define VB_SPIN_POLLS 256      /* empty CQ polls before the progress thread sleeps */
+#define VB_RECV_ID UINT64_MAX  /* wr_id of every receive; sends use sequence numbers */
+#define VB_INFO_MAGIC 0x766b6470u /* "pdkv" */
+#define VB_INFO_VERSION 1
+
+typedef struct vb_region {
+    struct ibv_mr *mr; /* NULL: free slot */
+    uint64_t key, len;
+    uint32_t inflight; /* local writes from this region not yet completed */
+} vb_region;
+
+typedef struct vb_pending { uint64_t wr_id, len; uint32_t region; } vb_pending;
+
+typedef struct vb_qp {
+    struct ibv_qp *qp;
+    vb_pending *ring;    /* posted, not yet completed WRs; index = seq % sq_depth */
+    uint64_t head_seq;   /* oldest outstanding sequence number */
+    uint64_t next_seq;
+    uint32_t count;      /* outstanding WRs */
+    uint32_t psn;
+} vb_qp;
+
+typedef struct vb_conn {
+    int used, ready, broken;
+    uint64_t peer;
+    uint32_t rr; /* round-robin cursor over qps */
+    vb_qp qps[VB_MAX_QPS];
+    pdkv_write *backlog; /* accepted writes not yet on a send queue (ring) */
+    uint32_t bl_head, bl_count, bl_cap;
+} vb_conn;
+
+/* Connection data exchanged through the messenger's control channel (native byte order is
+ * fine: both ends check magic and version, and RDMA peers share an ABI in practice). */
+typedef struct vb_info {
+    uint32_t magic, version;
+    uint64_t node_id;
+    uint8_t gid[16];
+    uint16_t lid;
+    uint8_t mtu, link_layer;
+    uint32_t num_qps;
+    uint32_t qpn[VB_MAX_QPS];
+    uint32_t psn[VB_MAX_QPS];
+} vb_info;
+
+typedef struct vb_transport {
+    pdkv_transport base;
+    pthread_mutex_t mu;
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_comp_channel *channel;
+    struct ibv_cq *cq;
+    struct ibv_srq *srq;
+    uint8_t port_num, link_layer, mtu;
+    uint16_t lid;
+    int gid_index;
+    union ibv_gid gid;
+    uint32_t qps_per_peer, sq_depth, srq_depth;
+    vb_region *regions;
+    uint32_t num_regions;
+    vb_conn *conns;
+    uint32_t conns_hi; /* conns[conns_hi..] have never been used: lookups stop there */
+    pdkv_completion *cq_ring; /* completions waiting for poll() */
+    uint32_t cq_head, cq_count, cq_cap;
+    int efd, wake_fd;
+    pthread_t thread;
+    int thread_started, stop;
+    char err[256];
+} vb_transport;
+
+extern const pdkv_transport_ops vb_ops;
+
+/* verbs.c: completions and the progress thread */
+void vb_fail(vb_transport *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void vb_push(vb_transport *t, const pdkv_completion *c);
+void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int vb_start_progress(vb_transport *t);
+void vb_stop_progress(vb_transport *t);
+
+/* verbs_setup.c: device, regions, receives, destroy */
+int vb_set_nonblock(int fd);
+int vb_post_recvs(vb_transport *t, int n);
+int vb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer);
+int vb_dereg(pdkv_transport *t, uint64_t key);
+void vb_destroy(pdkv_transport *t);
+vb_region *vb_find_region(vb_transport *t, uint64_t key);
+
+/* verbs_conn.c: connections */
+vb_qp *vb_find_qp(vb_transport *t, uint32_t qp_num, vb_conn **conn_out);
+int vb_prepare(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
+               uint32_t *conn_out);
+int vb_complete(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
+int vb_disconnect(pdkv_transport *t, uint32_t conn);
+void vb_drop_conn(vb_transport *t, vb_conn *c, const char *why);
+
+/* verbs_post.c: posting through the backlog */
+int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+void vb_pump(vb_transport *t, vb_conn *c);
+void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
+
+#endif

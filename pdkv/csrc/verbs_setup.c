@@ -1,0 +1,303 @@
+/* pdkv verbs transport: opening the NIC, memory regions, the SRQ, and teardown.
+ * Compiled into the extension only with libibverbs (PDKV_HAVE_VERBS); see verbs.c. */
+#ifdef PDKV_HAVE_VERBS
+#define _GNU_SOURCE
+#include "verbs_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+int vb_set_nonblock(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+/* Zero-length receives: WRITE_WITH_IMM consumes one and places no data into it. */
+int vb_post_recvs(vb_transport *t, int n)
+{
+    struct ibv_recv_wr wrs[64], *bad;
+    while (n > 0) {
+        int k = n < 64 ? n : 64;
+        for (int i = 0; i < k; i++) {
+            memset(&wrs[i], 0, sizeof wrs[i]);
+            wrs[i].wr_id = VB_RECV_ID;
+            wrs[i].next = i + 1 < k ? &wrs[i + 1] : NULL;
+        }
+        if (ibv_post_srq_recv(t->srq, wrs, &bad))
+            return -1;
+        n -= k;
+    }
+    return 0;
+}
+
+static int is_ipv4_mapped(const union ibv_gid *g)
+{
+    static const uint8_t p[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    return !memcmp(g->raw, p, sizeof p);
+}
+
+/* RoCE: prefer a RoCE v2 GID with an IPv4 address (routable, what NCCL/NIXL pick), then any
+ * RoCE v2 GID, then index 0. IB: index 0 (the port GID); routing uses the LID. */
+static int pick_gid(vb_transport *t, int wanted, int tbl_len)
+{
+    if (wanted >= 0) {
+        if (ibv_query_gid(t->ctx, t->port_num, wanted, &t->gid)) {
+            vb_fail(t, "verbs: GID index %d does not exist on port %u", wanted, t->port_num);
+            return -1;
+        }
+        t->gid_index = wanted;
+        return 0;
+    }
+    int best = -1, best_score = 0;
+    for (int i = 0; t->link_layer == IBV_LINK_LAYER_ETHERNET && i < tbl_len; i++) {
+        struct ibv_gid_entry e;
+        if (ibv_query_gid_ex(t->ctx, t->port_num, (uint32_t)i, &e, 0) ||
+            e.gid_type != IBV_GID_TYPE_ROCE_V2)
+            continue;
+        int score = is_ipv4_mapped(&e.gid) ? 2 : 1;
+        if (score > best_score)
+            best = i, best_score = score;
+    }
+    t->gid_index = best >= 0 ? best : 0;
+    if (ibv_query_gid(t->ctx, t->port_num, t->gid_index, &t->gid)) {
+        vb_fail(t, "verbs: cannot read GID %d of port %u", t->gid_index, t->port_num);
+        return -1;
+    }
+    return 0;
+}
+
+static struct ibv_context *open_nic(vb_transport *t, const char *name)
+{
+    int num = 0;
+    errno = 0;
+    struct ibv_device **list = ibv_get_device_list(&num);
+    if (!list) {
+        /* A kernel without RDMA answers NULL + ENOSYS, not an empty list. */
+        if (errno == ENOSYS)
+            vb_fail(t, "verbs: no RDMA device: this kernel has no RDMA support "
+                       "(ibv_get_device_list: ENOSYS); use the tcp transport");
+        else
+            vb_fail(t, "verbs: no RDMA device: ibv_get_device_list failed: %s",
+                    strerror(errno ? errno : EIO));
+        return NULL;
+    }
+    struct ibv_context *ctx = NULL;
+    char names[160] = "";
+    int found = 0;
+    for (int i = 0; i < num; i++) {
+        const char *n = ibv_get_device_name(list[i]);
+        if (!strcmp(n, name) && !found++)
+            ctx = ibv_open_device(list[i]);
+        size_t used = strlen(names);
+        snprintf(names + used, sizeof names - used, "%s%s", i ? ", " : "", n);
+    }
+    if (!num)
+        vb_fail(t, "verbs: no RDMA device found (the device list is empty)");
+    else if (!ctx)
+        vb_fail(t, "verbs: NIC '%s' %s; available: %s", name,
+                found ? "could not be opened" : "not found", names);
+    ibv_free_device_list(list);
+    return ctx;
+}
+
+static int open_resources(vb_transport *t, const pdkv_verbs_opts *o)
+{
+    struct ibv_device_attr dev;
+    struct ibv_port_attr port;
+    if (!(t->ctx = open_nic(t, o->nics[0])))
+        return -1;
+    const char *nic = ibv_get_device_name(t->ctx->device);
+    if (ibv_query_device(t->ctx, &dev) || ibv_query_port(t->ctx, t->port_num, &port)) {
+        vb_fail(t, "verbs: cannot query NIC %s port %u", nic, t->port_num);
+        return -1;
+    }
+    if (port.state != IBV_PORT_ACTIVE) {
+        vb_fail(t, "verbs: port %u of NIC %s is not active (state %d)", t->port_num, nic,
+                (int)port.state);
+        return -1;
+    }
+    t->link_layer = port.link_layer;
+    t->mtu = (uint8_t)port.active_mtu;
+    t->lid = port.lid;
+    if (t->link_layer != IBV_LINK_LAYER_ETHERNET && !t->lid) {
+        vb_fail(t, "verbs: InfiniBand port %u of NIC %s has no LID (subnet manager?)",
+                t->port_num, nic);
+        return -1;
+    }
+    if (pick_gid(t, o->gid_index, port.gid_tbl_len))
+        return -1;
+    t->sq_depth = VB_SQ_DEPTH < dev.max_qp_wr ? VB_SQ_DEPTH : (uint32_t)dev.max_qp_wr;
+    t->srq_depth = VB_SRQ_DEPTH < dev.max_srq_wr ? VB_SRQ_DEPTH : (uint32_t)dev.max_srq_wr;
+    int cqe = 65536 < dev.max_cqe ? 65536 : dev.max_cqe;
+    struct ibv_srq_init_attr sa = {.attr = {.max_wr = t->srq_depth, .max_sge = 1}};
+    if (!(t->pd = ibv_alloc_pd(t->ctx)) || !(t->channel = ibv_create_comp_channel(t->ctx)) ||
+        !(t->cq = ibv_create_cq(t->ctx, cqe, t, t->channel, 0)) ||
+        !(t->srq = ibv_create_srq(t->pd, &sa)) || vb_post_recvs(t, (int)t->srq_depth)) {
+        vb_fail(t, "verbs: cannot create PD/CQ/SRQ on NIC %s: %s", nic, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,
+                                  size_t errlen)
+{
+    vb_transport *t = calloc(1, sizeof *t);
+    if (!t) {
+        snprintf(err, errlen, "verbs: out of memory");
+        return NULL;
+    }
+    t->base.ops = &vb_ops;
+    t->base.node_id = node_id;
+    t->efd = t->wake_fd = -1;
+    t->port_num = o && o->port_num ? o->port_num : 1;
+    t->qps_per_peer = o && o->qps_per_peer ? o->qps_per_peer : 1;
+    pthread_mutex_init(&t->mu, NULL);
+    t->conns = calloc(VB_MAX_CONNS, sizeof *t->conns);
+    int n = 0;
+    while (o && o->nics && o->nics[n])
+        n++;
+    if (!t->conns)
+        vb_fail(t, "verbs: out of memory");
+    else if (n != 1)
+        vb_fail(t, "verbs: exactly one NIC name is supported per transport, got %d", n);
+    else if (!strcmp(o->nics[0], "auto") || !o->nics[0][0])
+        vb_fail(t, "verbs: NIC '%s' must be resolved to a device name before the transport "
+                   "is created", o->nics[0]);
+    else if (t->qps_per_peer > VB_MAX_QPS)
+        vb_fail(t, "verbs: qps_per_peer must be 1..%d, got %u", VB_MAX_QPS, t->qps_per_peer);
+    if (!t->err[0] && !open_resources(t, o) && !vb_start_progress(t))
+        return &t->base;
+    snprintf(err, errlen, "%s", t->err);
+    vb_destroy(&t->base);
+    return NULL;
+}
+
+vb_region *vb_find_region(vb_transport *t, uint64_t key)
+{
+    uint64_t idx = (key >> 44);
+    if (!idx || idx > t->num_regions || !t->regions[idx - 1].mr || t->regions[idx - 1].key != key)
+        return NULL;
+    return &t->regions[idx - 1];
+}
+
+int vb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
+{
+    vb_transport *t = (vb_transport *)base;
+    if (!addr || !len) {
+        vb_fail(t, "verbs: cannot register an empty region (addr %p, len %llu)", addr,
+                (unsigned long long)len);
+        return -EINVAL;
+    }
+    uint64_t pgoff = (uintptr_t)addr & 4095;
+    int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    struct ibv_mr *mr = ibv_reg_mr_iova(t->pd, addr, len, pgoff, access);
+    if (!mr) {
+        int e = errno ? errno : ENOMEM;
+        vb_fail(t, "verbs: ibv_reg_mr(%p, %llu) failed: %s", addr, (unsigned long long)len,
+                strerror(e));
+        return -e;
+    }
+    pthread_mutex_lock(&t->mu);
+    uint32_t i = 0;
+    while (i < t->num_regions && t->regions[i].mr)
+        i++;
+    if (i == t->num_regions) {
+        vb_region *r = i < (1u << 20) - 1 ? realloc(t->regions, (i + 1) * sizeof *r) : NULL;
+        if (!r) {
+            pthread_mutex_unlock(&t->mu);
+            ibv_dereg_mr(mr);
+            vb_fail(t, "verbs: too many regions");
+            return -ENOMEM;
+        }
+        t->regions = r;
+        t->num_regions++;
+    }
+    vb_region *r = &t->regions[i];
+    r->mr = mr;
+    r->len = len;
+    r->inflight = 0;
+    r->key = (uint64_t)(i + 1) << 44 | pgoff << 32 | mr->rkey;
+    *key_out = r->key;
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+/* The rkey is the grant: the NIC enforces it. Only check that the key is ours. */
+int vb_grant(pdkv_transport *base, uint64_t key, uint64_t peer)
+{
+    vb_transport *t = (vb_transport *)base;
+    pthread_mutex_lock(&t->mu);
+    int ok = vb_find_region(t, key) != NULL;
+    pthread_mutex_unlock(&t->mu);
+    if (!ok) {
+        vb_fail(t, "verbs: grant of unknown key 0x%llx", (unsigned long long)key);
+        return -ENOENT;
+    }
+    return 0;
+}
+
+int vb_dereg(pdkv_transport *base, uint64_t key)
+{
+    vb_transport *t = (vb_transport *)base;
+    pthread_mutex_lock(&t->mu);
+    vb_region *r = vb_find_region(t, key);
+    int rc = 0;
+    if (!r) {
+        vb_fail(t, "verbs: dereg of unknown key 0x%llx", (unsigned long long)key);
+        rc = -ENOENT;
+    } else if (r->inflight) {
+        vb_fail(t, "verbs: region 0x%llx has %u writes in flight", (unsigned long long)key,
+                r->inflight);
+        rc = -EBUSY;
+    } else if (ibv_dereg_mr(r->mr)) {
+        vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(errno));
+        rc = -EIO;
+    } else {
+        r->mr = NULL;
+        r->key = 0;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* Stop the progress thread first, then break every QP (nothing can land or complete after
+ * ibv_destroy_qp), then free in dependency order. Safe with writes in flight. */
+void vb_destroy(pdkv_transport *base)
+{
+    vb_transport *t = (vb_transport *)base;
+    vb_stop_progress(t);
+    pthread_mutex_lock(&t->mu);
+    for (uint32_t i = 0; t->conns && i < VB_MAX_CONNS; i++)
+        if (t->conns[i].used)
+            vb_drop_conn(t, &t->conns[i], "transport destroyed");
+    for (uint32_t i = 0; i < t->num_regions; i++)
+        if (t->regions[i].mr)
+            ibv_dereg_mr(t->regions[i].mr);
+    pthread_mutex_unlock(&t->mu);
+    if (t->srq)
+        ibv_destroy_srq(t->srq);
+    if (t->cq)
+        ibv_destroy_cq(t->cq);
+    if (t->channel)
+        ibv_destroy_comp_channel(t->channel);
+    if (t->pd)
+        ibv_dealloc_pd(t->pd);
+    if (t->ctx)
+        ibv_close_device(t->ctx);
+    if (t->efd >= 0)
+        close(t->efd);
+    if (t->wake_fd >= 0)
+        close(t->wake_fd);
+    pthread_mutex_destroy(&t->mu);
+    free(t->regions);
+    free(t->conns);
+    free(t->cq_ring);
+    free(t);
+}
+#endif /* PDKV_HAVE_VERBS */

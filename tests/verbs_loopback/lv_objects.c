@@ -1,0 +1,245 @@
+/* Loopback verbs device: devices, contexts, queries, PDs, MRs, CQs, completion channels, SRQs.
+ * See lv_internal.h for the model. Exported names carry the real library's symbol versions
+ * (libibverbs.map). */
+#include "lv_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#undef ibv_query_port
+#undef ibv_reg_mr
+#undef ibv_reg_mr_iova
+#undef ibv_get_device_list
+
+pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
+
+static struct ibv_device g_devices[LV_MAX_DEVICES];
+static int g_num_devices = -1;
+static struct lv_mr *g_mrs;
+static uint32_t g_next_key = 0x1000;
+static uint32_t g_next_handle = 1;
+
+/* PDKV_LOOPBACK_NICS="a,b" names the devices (default one device "lo_verbs0"). */
+static void init_devices(void)
+{
+    if (g_num_devices >= 0)
+        return;
+    const char *env = getenv("PDKV_LOOPBACK_NICS");
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", env && *env ? env : "lo_verbs0");
+    g_num_devices = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && g_num_devices < LV_MAX_DEVICES;
+         tok = strtok_r(NULL, ",", &save)) {
+        struct ibv_device *d = &g_devices[g_num_devices++];
+        memset(d, 0, sizeof *d);
+        d->node_type = IBV_NODE_CA;
+        d->transport_type = IBV_TRANSPORT_IB;
+        snprintf(d->name, sizeof d->name, "%s", tok);
+        snprintf(d->dev_name, sizeof d->dev_name, "uverbs%d", g_num_devices - 1);
+    }
+}
+
+struct ibv_device **ibv_get_device_list(int *num)
+{
+    pthread_mutex_lock(&g_mu);
+    init_devices();
+    struct ibv_device **list = calloc(g_num_devices + 1, sizeof *list);
+    for (int i = 0; list && i < g_num_devices; i++)
+        list[i] = &g_devices[i];
+    if (num)
+        *num = list ? g_num_devices : 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!list)
+        errno = ENOMEM;
+    return list;
+}
+
+void ibv_free_device_list(struct ibv_device **list) { free(list); }
+const char *ibv_get_device_name(struct ibv_device *device) { return device->name; }
+
+struct ibv_context *ibv_open_device(struct ibv_device *device)
+{
+    struct lv_context *c = calloc(1, sizeof *c);
+    if (!c || pipe2(c->async_pipe, O_CLOEXEC) || lv_listener_acquire()) {
+        free(c);
+        errno = EIO;
+        return NULL;
+    }
+    c->ctx.device = device;
+    c->ctx.cmd_fd = -1;
+    c->ctx.async_fd = c->async_pipe[0];
+    c->ctx.num_comp_vectors = 1;
+    c->ctx.abi_compat = NULL; /* not an extended context: verbs.h falls back to plain symbols */
+    pthread_mutex_init(&c->ctx.mutex, NULL);
+    c->ctx.ops.post_send = lv_post_send;
+    c->ctx.ops.post_recv = lv_post_recv;
+    c->ctx.ops.post_srq_recv = lv_post_srq_recv;
+    extern int lv_poll_cq(struct ibv_cq *, int, struct ibv_wc *);
+    extern int lv_req_notify_cq(struct ibv_cq *, int);
+    c->ctx.ops.poll_cq = lv_poll_cq;
+    c->ctx.ops.req_notify_cq = lv_req_notify_cq;
+    return &c->ctx;
+}
+
+int ibv_close_device(struct ibv_context *ctx)
+{
+    struct lv_context *c = (struct lv_context *)ctx;
+    close(c->async_pipe[0]);
+    close(c->async_pipe[1]);
+    free(c);
+    lv_listener_release();
+    return 0;
+}
+
+int ibv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
+{
+    memset(a, 0, sizeof *a);
+    snprintf(a->fw_ver, sizeof a->fw_ver, "pdkv-loopback");
+    a->max_mr_size = UINT64_MAX;
+    a->max_qp = 1 << 16;
+    a->max_qp_wr = 16384;
+    a->max_sge = 16;
+    a->max_cq = 1 << 16;
+    a->max_cqe = 1 << 22;
+    a->max_mr = 1 << 20;
+    a->max_pd = 1 << 16;
+    a->max_srq = 1 << 16;
+    a->max_srq_wr = 16384;
+    a->max_srq_sge = 1;
+    a->phys_port_cnt = 1;
+    return 0;
+}
+
+/* The caller (verbs.h's inline wrapper) zeroed the whole struct; fill the compat fields only. */
+int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_port_attr *attr)
+{
+    struct ibv_port_attr *a = (struct ibv_port_attr *)attr;
+    if (port != 1)
+        return EINVAL;
+    a->state = IBV_PORT_ACTIVE;
+    a->max_mtu = IBV_MTU_4096;
+    a->active_mtu = IBV_MTU_4096;
+    a->gid_tbl_len = 1;
+    a->max_msg_sz = 1u << 31;
+    a->pkey_tbl_len = 1;
+    a->phys_state = 5; /* LinkUp */
+    a->link_layer = lv_link_is_ib() ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
+    a->lid = lv_local_lid();
+    return 0;
+}
+
+int ibv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gid *gid)
+{
+    if (port != 1 || index != 0)
+        return -1;
+    lv_local_gid(gid);
+    return 0;
+}
+
+int _ibv_query_gid_ex(struct ibv_context *ctx, uint32_t port, uint32_t index,
+                      struct ibv_gid_entry *e, uint32_t flags, size_t size)
+{
+    if (port != 1 || index != 0 || size < sizeof *e)
+        return index != 0 ? ENODATA : EINVAL;
+    memset(e, 0, sizeof *e);
+    lv_local_gid(&e->gid);
+    e->port_num = 1;
+    e->gid_type = lv_link_is_ib() ? IBV_GID_TYPE_IB : IBV_GID_TYPE_ROCE_V2;
+    e->ndev_ifindex = 1;
+    return 0;
+}
+
+struct ibv_pd *ibv_alloc_pd(struct ibv_context *ctx)
+{
+    struct lv_pd *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    p->pd.context = ctx;
+    pthread_mutex_lock(&g_mu);
+    p->pd.handle = g_next_handle++;
+    pthread_mutex_unlock(&g_mu);
+    return &p->pd;
+}
+
+int ibv_dealloc_pd(struct ibv_pd *pd)
+{
+    free(pd);
+    return 0;
+}
+
+struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova,
+                                unsigned int access)
+{
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+        errno = EINVAL; /* the spec requires LOCAL_WRITE with REMOTE_WRITE */
+        return NULL;
+    }
+    struct lv_mr *m = calloc(1, sizeof *m);
+    if (!m) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    m->mr.context = pd->context;
+    m->mr.pd = pd;
+    m->mr.addr = addr;
+    m->mr.length = len;
+    m->iova = iova;
+    m->access = (int)access;
+    pthread_mutex_lock(&g_mu);
+    m->mr.handle = g_next_handle++;
+    m->mr.lkey = g_next_key++;
+    m->mr.rkey = (g_next_key++) * 2654435761u; /* scattered, like hardware keys */
+    m->next = g_mrs;
+    g_mrs = m;
+    pthread_mutex_unlock(&g_mu);
+    return &m->mr;
+}
+
+struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
+{
+    return ibv_reg_mr_iova2(pd, addr, len, (uintptr_t)addr, (unsigned)access);
+}
+
+struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
+{
+    return ibv_reg_mr_iova2(pd, addr, len, iova, (unsigned)access);
+}
+
+/* NOTE: waits until no payload copy into or out of the MR is in progress, then unlinks it. */
+int ibv_dereg_mr(struct ibv_mr *mr)
+{
+    struct lv_mr *m = (struct lv_mr *)mr;
+    pthread_mutex_lock(&g_mu);
+    while (m->busy)
+        pthread_cond_wait(&g_cond, &g_mu);
+    for (struct lv_mr **p = &g_mrs; *p; p = &(*p)->next)
+        if (*p == m) {
+            *p = m->next;
+            break;
+        }
+    pthread_mutex_unlock(&g_mu);
+    free(m);
+    return 0;
+}
+
+struct lv_mr *lv_find_mr_rkey(uint32_t rkey)
+{
+    for (struct lv_mr *m = g_mrs; m; m = m->next)
+        if (m->mr.rkey == rkey)
+            return m;
+    return NULL;
+}
+
+struct lv_mr *lv_find_mr_lkey(uint32_t lkey)
+{
+    for (struct lv_mr *m = g_mrs; m; m = m->next)
+        if (m->mr.lkey == lkey)
+            return m;
+    return NULL;
+}
