@@ -1,0 +1,133 @@
+"""The ``pdkv`` command line (also ``python -m pdkv``).
+
+    pdkv serve  -c configs/colocated.yaml [--set server.port=8001 --set model.path=/models/qwen]
+    pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
+    pdkv default-model                                     # build the embedded model, print its path
+
+Config errors exit with status 2 and one line that names the file (or --set), the field and
+what was expected; a model that cannot be loaded exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Sequence
+
+from pdkv.config import Config, ConfigError, config_to_dict, load_config
+
+log = logging.getLogger("pdkv")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdkv", description="LLM serving with disaggregated prefill and decode.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def config_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-c", "--config", metavar="FILE", help="YAML role config (default: built-in defaults)")
+        sp.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a config field with a dotted key mirroring the YAML, "
+                             "e.g. --set server.port=8001 (repeatable)")
+
+    serve = sub.add_parser("serve", help="serve one role over HTTP (OpenAI-compatible API)")
+    config_args(serve)
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+                       help="log level (default: PDKV_LOG_LEVEL or info)")
+    show = sub.add_parser("config", help="print the resolved config (after --set) as YAML")
+    config_args(show)
+    sub.add_parser("default-model", help="build the embedded default model if needed and print its path")
+    return p
+
+
+def _setup_logging(level: str | None) -> None:
+    from pdkv.env import ENV
+
+    logging.basicConfig(level=(level or ENV.log_level).upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _progress_bar(desc: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback that draws a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    state: dict[str, tqdm] = {}
+
+    def progress(done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=True)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress
+
+
+def load_engine(cfg: Config):
+    """Load the engine of ``cfg`` with a progress bar while the weights load."""
+    from pdkv.engine import LLMEngine
+
+    where = cfg.model.path or "the embedded default model"
+    log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
+    engine = LLMEngine.from_config(cfg, progress=_progress_bar("loading weights"))
+    stats = engine.stats()
+    log.info("model '%s' ready: max_model_len %d, KV cache %d pages of %d tokens",
+             engine.model_name, engine.max_model_len, stats.get("num_pages_total", 0), cfg.kv_cache.page_size)
+    return engine
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.role != "colocated":
+        raise ConfigError(f"{cfg.source}: role {cfg.role!r} cannot be served yet: the prefill and decode roles "
+                          f"arrive with the disaggregation work; use role: colocated")
+    from pdkv.errors import PdkvError
+
+    try:
+        engine = load_engine(cfg)
+    except (PdkvError, OSError) as e:
+        print(f"pdkv: cannot load the model ({cfg.source}, model.path={cfg.model.path!r}): {e}", file=sys.stderr)
+        return 1
+    from server import serve
+
+    try:
+        serve(cfg, engine)
+    except OSError as e:
+        print(f"pdkv: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    cfg = load_config(args.config, args.overrides, check_paths=False)
+    print(f"# resolved from {cfg.source}" + "".join(f" --set {o}" for o in args.overrides))
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def cmd_default_model(args: argparse.Namespace) -> int:
+    _setup_logging(None)
+    from pdkv.default_model import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"serve": cmd_serve, "config": cmd_config, "default-model": cmd_default_model}
+    try:
+        return commands[args.command](args)
+    except ConfigError as e:
+        print(f"pdkv: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

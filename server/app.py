@@ -1,0 +1,97 @@
+"""The aiohttp application: OpenAI routes, /health, /metrics, auth and error middleware.
+
+``build_app(cfg, engine)`` embeds an engine that is already loaded. The engine thread starts
+with the app (``on_startup``, where the event loop is known) and stops with it
+(``on_cleanup``), aborting whatever is still running so no page is left taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from pdkv.config import Config
+from server.async_engine import AsyncEngine
+from server.errors import MAX_BODY_BYTES, error_middleware, error_response
+from server.metrics import ServerMetrics
+from server.openai_api import OpenAIRoutes
+
+log = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("pdkv.config", Config)
+ASYNC_ENGINE = web.AppKey("pdkv.async_engine", AsyncEngine)
+METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
+
+
+def served_model_name(cfg: Config, engine) -> str:
+    return cfg.model.served_name or engine.model_name
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        # Only the API is protected; /health and /metrics stay open to probes and scrapers
+        # (as in vLLM). compare_digest: no timing hint about the key.
+        if request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                      401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return auth
+
+
+def build_app(cfg: Config, engine) -> web.Application:
+    """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``."""
+    middlewares = [error_middleware]
+    if cfg.server.api_key:
+        middlewares.append(_auth_middleware(cfg.server.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.server.max_body_bytes)
+    name = served_model_name(cfg, engine)
+    metrics = ServerMetrics(name)
+    app[CONFIG] = cfg
+    app[MAX_BODY_BYTES] = cfg.server.max_body_bytes
+    app[METRICS] = metrics
+    routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes)
+
+    async def start_engine(app: web.Application) -> None:
+        aengine = AsyncEngine(engine, metrics, asyncio.get_running_loop())
+        aengine.start()
+        app[ASYNC_ENGINE] = aengine
+        routes.aengine = aengine
+
+    async def stop_engine(app: web.Application) -> None:
+        aengine = app.get(ASYNC_ENGINE)
+        if aengine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+
+    async def health(request: web.Request) -> web.Response:
+        aengine = request.app.get(ASYNC_ENGINE)
+        if aengine is None or not aengine.is_alive():
+            return error_response("the engine thread is not running", 503)
+        return web.json_response({"status": "ok", "model": name, "role": cfg.role})
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        body, content_type = metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    async def version(request: web.Request) -> web.Response:
+        import pdkv
+
+        return web.json_response({"version": pdkv.__version__})
+
+    app.on_startup.append(start_engine)
+    app.on_cleanup.append(stop_engine)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/version", version)
+    routes.add_to(app)
+    return app

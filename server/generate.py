@@ -1,0 +1,148 @@
+"""From a parsed request to a stream of engine outputs: tokenize, validate, submit, abort.
+
+Everything that can be refused is refused here, before the first ``submit``: the prompt is
+tokenized (chat: the model's chat template first), every choice's ``SamplingParams`` is built
+and checked with ``engine.validate_request`` — so a 400 never leaves work in the engine. After
+submission, ``Generation.outputs()`` yields ``(choice_index, RequestOutput)``; leaving it in
+any way (finished, client gone, handler cancelled) aborts whatever has not finished, which frees
+those requests' pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pdkv.engine import SamplingParams
+from pdkv.errors import InvalidRequest
+from server.async_engine import AsyncEngine, EngineFailure
+from server.errors import APIError
+from server.protocol import GenerateRequest
+
+
+@dataclass
+class Choice:
+    index: int
+    rid: str
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
+class Generation:
+    """The choices of one HTTP request, submitted to the engine together."""
+
+    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str):
+        self.aengine = aengine
+        self.req = req
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.prompt_token_ids: list[list[int]] = []
+        self.choices: list[Choice] = []
+        self._params: list[SamplingParams] = []
+        self._sink: asyncio.Queue = asyncio.Queue()
+        self._open: set[str] = set()
+
+    # ---- before submission: everything that can fail with a 400 ---------------------------
+    def prepare(self) -> None:
+        engine, req = self.aengine.engine, self.req
+        tok = engine.tokenizer
+        if req.chat:
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+                raise APIError(f"the model's chat template cannot render these messages: {e}", 400,
+                               param="messages") from None
+            # The template already wrote any BOS token; encode must not add a second one.
+            self.prompt_token_ids = [_encode(tok, text, add_special_tokens=False)]
+        else:
+            self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
+                                     for p in req.prompts]
+        for i, ids in enumerate(self.prompt_token_ids):
+            for j in range(req.n):
+                max_tokens = req.max_tokens
+                if max_tokens is None:  # chat default: whatever the context has room for
+                    max_tokens = max(1, engine.max_model_len - len(ids))
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    seed=None if req.seed is None else req.seed + j, stop=list(req.stop),
+                    stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                try:
+                    params.validate()
+                    engine.validate_request(ids, params)
+                except InvalidRequest as e:
+                    raise APIError(str(e), 400, param=_param_of(str(e))) from None
+                index = i * req.n + j
+                self.choices.append(Choice(index, f"{self.id}-{index}", i))
+                self._params.append(params)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    # ---- after submission --------------------------------------------------------------------
+    async def outputs(self) -> AsyncIterator[tuple[Choice, object]]:
+        """Submit every choice and yield ``(choice, RequestOutput)`` as the engine produces them.
+
+        Raises EngineFailure if the engine fails a request. On exit — normal, exception, or
+        cancellation because the client went away — unfinished choices are aborted.
+        """
+        try:
+            for c, params in zip(self.choices, self._params):
+                self.aengine.submit(c.rid, self.prompt_token_ids[c.prompt_index], params, self._sink, c,
+                                    self.arrival)
+                self._open.add(c.rid)
+            while self._open:
+                c, out = await self._sink.get()
+                if isinstance(out, Exception):
+                    self._open.discard(c.rid)
+                    raise out
+                c.text.append(out.new_text)
+                c.token_ids.extend(out.new_token_ids)
+                c.num_output_tokens = out.num_output_tokens
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    self._open.discard(c.rid)
+                    if out.finish_reason == "error":  # the engine already freed its pages
+                        raise EngineFailure(f"the engine failed while generating choice {c.index}; "
+                                            f"see the server log")
+                yield c, out
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for rid in self._open:
+            self.aengine.abort(rid)
+        self._open.clear()
+
+
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return list(tok.encode(text, add_special_tokens=add_special_tokens))
+    except TypeError:  # a tokenizer whose encode has no such switch
+        return list(tok.encode(text))
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine message is about, for the ``param`` of the error JSON."""
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "prompt"):
+        if name in message:
+            return name
+    return None
+
+
+__all__ = ["Generation", "Choice", "EngineFailure"]

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server, in the vocabulary users of vLLM/SGLang dashboards know.
+
+Each app owns its own ``CollectorRegistry`` (not prometheus-client's global one) so several
+servers in one process — tests start many — never clash. The engine thread records latencies
+and sets the gauges; the ``/metrics`` handler only renders. prometheus-client's metric objects
+are thread-safe, so no extra lock is needed.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets (seconds): from sub-millisecond decode steps on a GPU to long CPU prefills.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0)
+
+
+class ServerMetrics:
+    """All metrics of one server; ``render()`` gives the Prometheus text exposition."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.time_to_first_token = hist("pdkv_time_to_first_token_seconds",
+                                        "Arrival of a request to its first generated token.", _TTFT_BUCKETS)
+        self.inter_token_latency = hist("pdkv_inter_token_latency_seconds",
+                                        "Time between two consecutive generated tokens of one request.",
+                                        _ITL_BUCKETS)
+        self.queue_wait = hist("pdkv_request_queue_time_seconds",
+                               "Arrival of a request to the first engine step that schedules it.", _TTFT_BUCKETS)
+        self.e2e_latency = hist("pdkv_e2e_request_latency_seconds",
+                                "Arrival of a request to its last token.", _E2E_BUCKETS)
+        self.num_running = gauge("pdkv_num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("pdkv_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_pages_used = gauge("pdkv_kv_cache_pages_used", "KV cache pages held by requests.")
+        self.kv_pages_total = gauge("pdkv_kv_cache_pages_total", "KV cache pages in the pool.")
+        self.kv_usage = gauge("pdkv_kv_cache_usage_ratio", "Share of KV cache pages in use (0..1).")
+        self.prompt_tokens = counter("pdkv_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("pdkv_generation_tokens", "Generated tokens.")
+        self._finished = Counter("pdkv_request_success", "Finished requests by finish reason.",
+                                 labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort", "error"):  # visible at 0 before the first one
+            self._finished.labels(model_name, reason)
+
+    def request_finished(self, reason: str | None) -> None:
+        self._finished.labels(self._model_name, reason or "unknown").inc()
+
+    def set_engine_stats(self, stats: dict) -> None:
+        """Copy the engine's ``stats()`` (num_running, num_waiting, num_pages_*) into the gauges."""
+        self.num_running.set(stats.get("num_running", 0))
+        self.num_waiting.set(stats.get("num_waiting", 0))
+        used, total = stats.get("num_pages_used", 0), stats.get("num_pages_total", 0)
+        self.kv_pages_used.set(used)
+        self.kv_pages_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

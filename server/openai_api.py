@@ -1,0 +1,155 @@
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Streaming answers are Server-Sent Events: one ``data: {json}`` chunk per engine delta, a final
+chunk with ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), then
+``data: [DONE]``. Chunk shapes follow OpenAI's (``text_completion`` and
+``chat.completion.chunk``) so the ``openai`` client parses them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from server.async_engine import EngineFailure
+from server.errors import APIError, error_body
+from server.generate import Choice, Generation
+from server.protocol import GenerateRequest, parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIRoutes:
+    def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int):
+        self.aengine = aengine
+        self.model_name = model_name
+        self.model_root = model_root
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdkv",
+                "root": self.model_root, "max_model_len": self.aengine.engine.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await self._json(request))
+        return await self._serve(request, req, "cmpl")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat(await self._json(request))
+        return await self._serve(request, req, "chatcmpl")
+
+    # ---- shared ------------------------------------------------------------------------------
+    async def _json(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        raw = await request.read()  # aiohttp enforces client_max_size while reading chunked bodies
+        if not raw:
+            raise APIError("the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+
+    async def _serve(self, request: web.Request, req: GenerateRequest, prefix: str) -> web.StreamResponse:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}' "
+                           f"(see GET /v1/models)", 404, param="model", code="model_not_found")
+        if not self.aengine.is_alive():
+            raise APIError("the engine is not running", 503)
+        gen = Generation(self.aengine, req, prefix)
+        gen.prepare()
+        try:
+            if req.stream:
+                return await self._stream(request, gen)
+            return await self._collect(gen)
+        finally:
+            gen.abort()  # the client left or something failed: free every unfinished request
+
+    async def _collect(self, gen: Generation) -> web.Response:
+        try:
+            async for _ in gen.outputs():
+                pass
+        except EngineFailure as e:
+            raise APIError(str(e), 500, code="engine_error") from None
+        chat = gen.req.chat
+        choices = []
+        for c in gen.choices:
+            text = "".join(c.text)
+            choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if gen.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = {"id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": gen.created,
+                "model": self.model_name, "choices": choices, "usage": gen.usage()}
+        if gen.req.return_token_ids:
+            body["prompt_token_ids"] = gen.prompt_token_ids
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        chat, req = gen.req.chat, gen.req
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        started: set[int] = set()
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+            await resp.write(f"data: {data}\n\n".encode())
+
+        def chunk(choice: dict[str, Any] | None, usage: dict | None = None) -> dict[str, Any]:
+            body = {"id": gen.id, "object": obj, "created": gen.created, "model": self.model_name,
+                    "choices": [] if choice is None else [choice]}
+            if usage is not None:
+                body["usage"] = usage
+            return body
+
+        def choice_of(c: Choice, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
+            if chat:
+                ch = {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": finish}
+            else:
+                ch = {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+            if req.return_token_ids:
+                ch["token_ids"] = token_ids
+                if c.index not in started:
+                    ch["prompt_token_ids"] = gen.prompt_token_ids[c.prompt_index]
+            return ch
+
+        try:
+            if chat:  # OpenAI opens every chat choice with the assistant role
+                for c in gen.choices:
+                    await send(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
+            try:
+                async for c, out in gen.outputs():
+                    if out.new_text or (req.return_token_ids and out.new_token_ids) or out.finished:
+                        await send(chunk(choice_of(c, out.new_text, list(out.new_token_ids),
+                                                   out.finish_reason if out.finished else None)))
+                        started.add(c.index)
+            except EngineFailure as e:
+                await send(error_body(str(e), 500, code="engine_error"))
+            else:
+                if req.include_usage:
+                    await send(chunk(None, usage=gen.usage()))
+            await send("[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away mid-stream; _serve's finally aborts what is left.
+            log.info("client disconnected from %s; aborting its requests", gen.id)
+        return resp

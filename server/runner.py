@@ -1,0 +1,123 @@
+"""Running the app: in the foreground until a signal (``serve``) or on a background thread.
+
+Both use aiohttp's ``AppRunner`` with ``handler_cancellation=True``: when a client disconnects,
+aiohttp cancels its handler task, and the handler's ``finally`` aborts the engine requests —
+that is how a client that walks away gets its pages returned, even while it is still waiting
+for a first token and nothing is being written to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+from aiohttp import web
+
+from pdkv.config import Config
+from server.app import build_app, served_model_name
+
+log = logging.getLogger(__name__)
+
+
+async def _start(cfg: Config, engine) -> tuple[web.AppRunner, int]:
+    app = build_app(cfg, engine)
+    # shutdown_timeout: on SIGINT, in-flight requests get a few seconds to finish, then their
+    # handlers are cancelled (which aborts them in the engine) instead of holding the exit for 60 s.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(e.errno, f"cannot listen on {cfg.server.host}:{cfg.server.port} (server.host, server.port "
+                               f"in {cfg.source}): {e.strerror}") from None
+    port = runner.addresses[0][1]
+    return runner, port
+
+
+def serve(cfg: Config, engine) -> None:
+    """Serve until SIGINT or SIGTERM, then stop the engine cleanly."""
+
+    async def main() -> None:
+        runner, port = await _start(cfg, engine)
+        name = served_model_name(cfg, engine)
+        log.info("pdkv %s server for model '%s' listening on http://%s:%d (OpenAI API at /v1, /health, /metrics)",
+                 cfg.role, name, cfg.server.host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+            log.info("shutting down")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """The server on a background thread with its own event loop (tests, tools, benchmarks).
+
+    ``with ServerThread(cfg, engine) as srv: ... srv.url ...``; ``cfg.server.port = 0`` picks a
+    free port, available as ``srv.port`` once started.
+    """
+
+    def __init__(self, cfg: Config, engine):
+        self.cfg = cfg
+        self.engine = engine
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pdkv-server", daemon=True)
+        self.app: web.Application | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.server.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"server did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:
+                pass
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            try:
+                runner, self.port = await _start(self.cfg, self.engine)
+                self.app = runner.app
+            except BaseException as e:  # noqa: BLE001 - reported to start()
+                self._error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await runner.cleanup()
+
+        asyncio.run(main())

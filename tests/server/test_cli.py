@@ -1,0 +1,78 @@
+"""The command line (``python -m pdkv``) and the embedded default model, run as real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pdkv.cli import main
+from pdkv.default_model import NAME, default_model_dir, ensure_default_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_pdkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdkv", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_config_command_prints_resolved_yaml(capsys):
+    assert main(["config", "-c", "configs/colocated.yaml", "--set", "server.port=8123",
+                 "--set", "kv_cache.layout=NHD"]) == 0
+    out = capsys.readouterr().out
+    data = yaml.safe_load(out)
+    assert data["server"]["port"] == 8123 and data["kv_cache"]["layout"] == "NHD"
+    assert data["role"] == "colocated"
+
+
+def test_python_dash_m_reports_config_errors_with_status_2():
+    r = run_pdkv("serve", "-c", "configs/colocated.yaml", "--set", "kv_cache.layout=HDN")
+    assert r.returncode == 2
+    assert "--set kv_cache.layout=HDN: kv_cache.layout must be one of HND, NHD, got 'HDN'" in r.stderr
+    r = run_pdkv("serve", "-c", "configs/missing.yaml")
+    assert r.returncode == 2 and "configs/missing.yaml: cannot read config file" in r.stderr
+
+
+def test_disaggregated_roles_are_refused_clearly(capsys):
+    assert main(["serve", "-c", "configs/colocated.yaml", "--set", "role=decode"]) == 2
+    assert "role 'decode' cannot be served yet" in capsys.readouterr().err
+
+
+def test_unknown_command_is_an_argparse_error():
+    r = run_pdkv("frobnicate")
+    assert r.returncode == 2 and "invalid choice: 'frobnicate'" in r.stderr
+
+
+def test_default_model_is_built_once_and_atomically(tmp_path):
+    # Two processes race to build it; both must return the same complete folder, and no
+    # temporary folder may be left behind.
+    code = ("import sys; from pdkv.default_model import ensure_default_model; "
+            "print(ensure_default_model(sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    target = default_model_dir(tmp_path)
+    assert outs == [str(target)] * 2
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [NAME]
+    mtime = (target / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(tmp_path) == str(target)  # reused, not rebuilt
+    assert (target / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_env_is_typed_and_checked():
+    import pytest
+
+    from pdkv.env import read_env
+
+    env = read_env({"PDKV_CACHE_DIR": "/tmp/x", "PDKV_LOG_LEVEL": "DEBUG", "PDKV_NO_VERBS": "1"})
+    assert str(env.cache_dir) == "/tmp/x" and env.log_level == "debug" and env.no_verbs
+    env = read_env({"XDG_CACHE_HOME": "/c"})
+    assert str(env.cache_dir) == "/c/pdkv" and env.log_level == "info" and not env.no_verbs
+    with pytest.raises(ValueError, match="PDKV_LOG_LEVEL must be debug, info, warning or error, got 'loud'"):
+        read_env({"PDKV_LOG_LEVEL": "loud"})

@@ -1,0 +1,131 @@
+"""``make demo``: start the server on configs/colocated.yaml, stream one answer, stop the server.
+
+The server runs as a real subprocess (``python -m pdkv serve``) and the request is real HTTP;
+tokens are printed the moment their Server-Sent Event arrives. The default model has random
+weights, so the words are not meaningful — serve a real folder to read real text:
+``python tools/demo.py --set model.path=/models/Qwen2.5-0.5B-Instruct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"demo: the server exited with status {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"demo: the server was not healthy after {timeout:.0f} s")
+
+
+def stream_completion(host: str, port: int, body: dict) -> dict:
+    """POST a streamed chat completion and print each delta as it arrives; returns the usage."""
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise SystemExit(f"demo: HTTP {resp.status}: {resp.read().decode()}")
+    usage, t0, first = {}, time.perf_counter(), None
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            text = choice.get("delta", {}).get("content")
+            if text:
+                first = first or time.perf_counter()
+                print(text, end="", flush=True)
+    print()
+    elapsed = time.perf_counter() - t0
+    if first is not None:
+        usage["time_to_first_token_s"] = round(first - t0, 4)
+    usage["total_s"] = round(elapsed, 4)
+    return usage
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "colocated.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--prompt", default="Tell me about disaggregated prefill and decode.")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args(argv)
+
+    from pdkv.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    host, port = cfg.server.host, cfg.server.port
+    overrides = list(args.overrides)
+    if not port_is_free(host, port):
+        port = free_port(host)
+        print(f"demo: port {cfg.server.port} is taken; using {port}", flush=True)
+        overrides.append(f"server.port={port}")
+    cmd = [sys.executable, "-m", "pdkv", "serve", "-c", args.config] + [a for o in overrides for a in ("--set", o)]
+    print("demo: starting", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        wait_healthy(proc, host, port, timeout=300)
+        body = {"messages": [{"role": "user", "content": args.prompt}], "max_tokens": args.max_tokens,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        print(f"demo: POST http://{host}:{port}/v1/chat/completions (stream) :: {args.prompt!r}", flush=True)
+        print("-" * 72, flush=True)
+        usage = stream_completion(host, port, body)
+        print("-" * 72)
+        print("demo: usage", json.dumps(usage))
+        return 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print(f"demo: server stopped (status {proc.returncode})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
