@@ -13,7 +13,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # Reinstall when the requirements or the build inputs change.
-$(STAMP): $(PY) requirements.txt requirements-dev.txt setup.py $(wildcard pdkv/*.pyx pdkv/*.pxd pdkv/csrc/*.c pdkv/csrc/*.h)
+$(STAMP): $(PY) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)

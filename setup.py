@@ -22,20 +22,24 @@ def messenger_extension():
     from Cython.Build import cythonize
 
     sources = ["pdkv/_messenger.pyx"]
-    sources += sorted(os.path.join("pdkv/csrc", f) for f in os.listdir("pdkv/csrc")
-                      if f.endswith(".c") and f != "verbs.c")
+    csrc = sorted(f for f in os.listdir("pdkv/csrc") if f.endswith(".c"))
+    # verbs*.c need libibverbs; every other C file is transport-blind or tcp/fake.
+    sources += [os.path.join("pdkv/csrc", f) for f in csrc if not f.startswith("verbs")]
     macros, libraries = [], ["pthread"]
-    if have_verbs() and os.path.exists("pdkv/csrc/verbs.c"):
-        sources.append("pdkv/csrc/verbs.c")
+    if have_verbs() and "verbs.c" in csrc:
+        sources += [os.path.join("pdkv/csrc", f) for f in csrc if f.startswith("verbs")]
         macros.append(("PDKV_HAVE_VERBS", "1"))
         libraries.append("ibverbs")
     ext = Extension(
         "pdkv._messenger",
         sources=sources,
         include_dirs=["pdkv/csrc"],
+        # headers and .pxi includes: editing one rebuilds (a NEW .c file needs build_ext --force)
+        depends=sorted(os.path.join("pdkv/csrc", f) for f in os.listdir("pdkv/csrc") if f.endswith(".h"))
+        + ["pdkv/_messenger.pxd", "pdkv/_messenger_errors.pxi", "pdkv/_messenger_wire.pxi"],
         define_macros=macros,
         libraries=libraries,
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-Wno-format-truncation"],
     )
     return cythonize([ext], language_level=3, compiler_directives={"embedsignature": True})
 

@@ -1,5 +1,485 @@
 # cython: language_level=3
-"""Placeholder until the messenger issue fills it."""
+"""The messenger core: one-sided page writes with immediates over tcp, verbs or a fake.
 
-def version():
-    return "0"
+A ``Messenger`` owns one transport and one poller thread (C, no GIL) that counts incoming
+immediates, sums local write completions per batch and posts page batches when watched int64
+counters reach their values. Results come back as ``Event`` tuples from ``drain()``; ``fileno()``
+is readable whenever ``drain()`` may return something (``loop.add_reader(m.fileno(), ...)``).
+
+NOTE: memory handed to ``register``/``watch`` stays referenced by the messenger until it is
+deregistered/unwatched or the messenger is closed, so it cannot be freed under a pending write.
+"""
+import errno as _errno
+import os
+import socket
+import time
+from collections import namedtuple
+
+import numpy as np
+
+from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset, strlen
+from libc.stdlib cimport free, malloc
+
+include "_messenger_errors.pxi"
+
+HAVE_VERBS = bool(pdkv_have_verbs())
+
+
+def transports():
+    """Names of the transports this build can create."""
+    return ["tcp", "verbs", "fake"] if HAVE_VERBS else ["tcp", "fake"]
+
+
+cdef inline uint64_t _u64(object v, str name) except? 0:
+    if v < 0:
+        raise InvalidRequestError(_errno.EINVAL, f"{name} must be >= 0, got {v}")
+    return v
+
+
+cdef class Messenger:
+    """A node's end of the KV messenger.
+
+    transport: "tcp" (host, port, num_streams), "verbs" (nics, port_num, gid_index,
+    qps_per_peer) or "fake" (in-process, fault injection for tests). The poller spins for
+    spin_us after its last work, yields for yield_us, then sleeps sleep_us per poll while
+    batches are queued (or blocks when none are); cpus pins it.
+    """
+
+    def __cinit__(self):
+        self.core = NULL
+        self.t = NULL
+        self._pinned = {}
+        self._watched = {}
+        self._busy = 0
+        self._closing = 0
+
+    def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
+                 int num_streams=2, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
+                 int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+        cdef char err[256]
+        cdef pdkv_tcp_opts tcp
+        cdef pdkv_verbs_opts verbs
+        cdef pdkv_core_opts copts
+        cdef int cpu_list[64]
+        cdef const char *nic_ptrs[17]
+        if not 0 <= port <= 65535:
+            raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {port}")
+        if num_streams < 1 or qps_per_peer < 1 or spin_us < 0 or yield_us < 0 or sleep_us < 0:
+            raise InvalidRequestError(_errno.EINVAL, "num_streams and qps_per_peer must be >= 1, "
+                                      "spin_us / yield_us / sleep_us >= 0")
+        nic_bytes = [str(n).encode() for n in nics]
+        if len(nic_bytes) > 16:
+            raise InvalidRequestError(_errno.EINVAL, "at most 16 NICs")
+        for i, nb in enumerate(nic_bytes):
+            nic_ptrs[i] = nb
+        nic_ptrs[len(nic_bytes)] = NULL
+        host_b = host.encode()
+        name_b = transport.encode()
+        tcp.host = host_b
+        tcp.port = port
+        tcp.num_streams = num_streams
+        verbs.nics = nic_ptrs
+        verbs.port_num = port_num
+        verbs.gid_index = gid_index
+        verbs.qps_per_peer = qps_per_peer
+        cpus = list(cpus or ())[:64]
+        for i, c in enumerate(cpus):
+            cpu_list[i] = c
+        copts.spin_us = spin_us
+        copts.yield_us = yield_us
+        copts.sleep_us = sleep_us
+        copts.cpus = cpu_list
+        copts.num_cpus = len(cpus)
+        err[0] = 0
+        cdef const char *name_p = name_b
+        cdef pdkv_transport *t
+        with nogil:
+            t = pdkv_transport_create(name_p, node_id, &tcp, &verbs, err, sizeof(err))
+        if t == NULL:
+            cls = InvalidRequestError if transport not in ("tcp", "verbs", "fake") else TransportUnavailableError
+            raise cls(_errno.ENODEV, f"cannot create transport {transport!r}: {err.decode('utf-8', 'replace')}")
+        with nogil:
+            self.core = pdkv_core_create(t, &copts, err, sizeof(err))
+        if self.core == NULL:
+            raise MessengerError(_errno.EIO, f"cannot start the messenger: {err.decode('utf-8', 'replace')}")
+        self.t = t
+        self.transport = transport
+        self.node_id = node_id
+
+    def __dealloc__(self):
+        if self.core != NULL:
+            with nogil:
+                pdkv_core_destroy(self.core)
+            self.core = NULL
+
+    cdef int _check(self) except -1:
+        if self.core == NULL or self._closing:
+            raise MessengerError(_errno.EBADF, "the messenger is closed")
+        return 0
+
+    cdef int _enter(self) except -1:
+        """Check, then count a call that is about to release the GIL: close() waits for it.
+        NOTE: nothing between _enter() and `with nogil` may run Python code."""
+        self._check()
+        self._busy += 1
+        return 0
+
+    def close(self):
+        """Stop the poller and the transport's threads, close every fd. Idempotent.
+
+        Writes still in flight end without events (nobody is left to drain them)."""
+        cdef pdkv_core *c
+        if self.core == NULL or self._closing:
+            return
+        self._closing = 1  # new calls fail from here on
+        while self._busy:  # other threads are inside calls that released the GIL
+            time.sleep(0.001)
+        c = self.core
+        self.core = NULL
+        self.t = NULL
+        with nogil:
+            pdkv_core_destroy(c)
+        self._pinned.clear()
+        self._watched.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed(self):
+        return self.core == NULL or self._closing != 0
+
+    @property
+    def port(self):
+        """The tcp listen port (None for other transports)."""
+        self._check()
+        p = pdkv_tcp_port(self.t)
+        return p if p >= 0 else None
+
+    def fileno(self):
+        """An eventfd, readable when drain() may return events."""
+        self._check()
+        return pdkv_core_event_fd(self.core)
+
+    # ---- memory ----
+
+    def register(self, buf):
+        """Register a contiguous buffer (numpy array, bytearray, memoryview...) -> key.
+
+        The buffer object is kept alive until deregister()/close()."""
+        cdef Py_buffer view
+        self._check()
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_ANY_CONTIGUOUS | PyBUF_WRITABLE)
+        except BufferError:
+            PyObject_GetBuffer(buf, &view, PyBUF_ANY_CONTIGUOUS)  # read-only: a source only
+        try:
+            key = self.register_address(<uint64_t>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+        self._pinned[key] = buf
+        return key
+
+    def register_address(self, uint64_t addr, uint64_t length):
+        """Register raw memory [addr, addr+length) -> key. The caller keeps it alive."""
+        cdef uint64_t key = 0
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.reg(self.t, <void *>addr, length, &key)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "register")
+        return key
+
+    def grant(self, uint64_t key, uint64_t peer):
+        """Allow node `peer` to write into region `key`."""
+        cdef int rc
+        self._check()
+        rc = self.t.ops.grant(self.t, key, peer)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "grant")
+
+    def deregister(self, uint64_t key):
+        """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
+        cdef char err[160]
+        cdef int rc
+        self._check()
+        err[0] = 0
+        self._enter()
+        try:
+            with nogil:
+                rc = pdkv_core_dereg(self.core, key, err)
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, err, "deregister")
+        self._pinned.pop(key, None)
+
+    # ---- connections ----
+
+    def prepare(self, uint64_t peer):
+        """Start a connection to node `peer` -> (conn, info bytes for the peer's complete())."""
+        cdef char info[512]
+        cdef uint32_t n = 0, conn = 0
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.prepare(self.t, peer, info, &n, &conn)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "prepare")
+        return conn, info[:n]
+
+    def complete(self, uint32_t conn, bytes info):
+        """Finish connection `conn` with the peer's info (from its prepare())."""
+        cdef const char *p = info
+        cdef uint32_t n = len(info)
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.complete(self.t, conn, p, n)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "complete")
+
+    def disconnect(self, uint32_t conn):
+        """Drop `conn`: its pending writes end with errors; its threads are joined."""
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.disconnect(self.t, conn)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "disconnect")
+
+    # ---- writes ----
+
+    cdef int _fill_batch(self, pdkv_page_batch *b, object src_pages, object dst_pages, list keep,
+                         uint64_t lkey, uint64_t rkey, uint64_t seg_len, uint64_t src_page_stride,
+                         uint64_t dst_page_stride, uint64_t src_off, uint64_t dst_off,
+                         uint32_t num_segs, uint64_t src_seg_stride, uint64_t dst_seg_stride,
+                         object imm) except -1:
+        cdef const int64_t[::1] sp = np.ascontiguousarray(src_pages, dtype=np.int64).reshape(-1)
+        cdef const int64_t[::1] dp = np.ascontiguousarray(dst_pages, dtype=np.int64).reshape(-1)
+        if sp.shape[0] != dp.shape[0]:
+            raise InvalidRequestError(_errno.EINVAL, f"src_pages has {sp.shape[0]} pages, dst_pages {dp.shape[0]}")
+        if sp.shape[0] >= 2 ** 32:
+            raise InvalidRequestError(_errno.EINVAL, "too many pages in one batch")
+        keep.append(sp)
+        keep.append(dp)
+        memset(b, 0, sizeof(pdkv_page_batch))
+        b.lkey = lkey
+        b.rkey = rkey
+        b.seg_len = seg_len
+        b.src_page_stride = src_page_stride
+        b.dst_page_stride = dst_page_stride
+        b.src_off = src_off
+        b.dst_off = dst_off
+        b.num_segs = num_segs
+        b.src_seg_stride = src_seg_stride
+        b.dst_seg_stride = dst_seg_stride
+        b.num_pages = <uint32_t>sp.shape[0]
+        b.src_pages = &sp[0] if sp.shape[0] else NULL
+        b.dst_pages = &dp[0] if dp.shape[0] else NULL
+        if imm is not None:
+            if not 0 <= imm < 2 ** 32:
+                raise InvalidRequestError(_errno.EINVAL, f"imm must be a 32-bit unsigned value, got {imm}")
+            b.imm = imm
+            b.has_imm = 1
+        return 0
+
+    def write(self, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t rkey, uint64_t roff,
+              uint64_t length, imm=None, uint64_t tag=0):
+        """One write: lkey@loff -> rkey@roff, `length` bytes. A batch_done(tag) event follows."""
+        return self.write_pages(conn, lkey, rkey, [0], [0], seg_len=length, src_off=loff, dst_off=roff,
+                                imm=imm, tag=tag)
+
+    def write_pages(self, uint32_t conn, uint64_t lkey, uint64_t rkey, src_pages, dst_pages, *,
+                    uint64_t seg_len, uint64_t src_page_stride=0, uint64_t dst_page_stride=0,
+                    uint64_t src_off=0, uint64_t dst_off=0, uint32_t num_segs=1,
+                    uint64_t src_seg_stride=0, uint64_t dst_seg_stride=0, imm=None, uint64_t tag=0):
+        """Post one write per (page, segment) now; returns the number of writes.
+
+        src_pages, dst_pages: int sequences, shape [num_pages]. Write (i, s) copies seg_len bytes
+        from src_off + src_pages[i]*src_page_stride + s*src_seg_stride of lkey to the same
+        expression with dst_* of rkey, each carrying `imm` if given."""
+        cdef pdkv_page_batch b
+        cdef char err[160]
+        cdef int64_t rc
+        keep = []
+        self._check()
+        self._fill_batch(&b, src_pages, dst_pages, keep, lkey, rkey, seg_len, src_page_stride,
+                         dst_page_stride, src_off, dst_off, num_segs, src_seg_stride, dst_seg_stride, imm)
+        err[0] = 0
+        self._enter()
+        try:
+            with nogil:
+                rc = pdkv_core_post(self.core, conn, &b, tag, err)
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, err, "write")
+        return rc
+
+    # ---- counters ----
+
+    def watch(self, buf, Py_ssize_t index=0):
+        """Watch int64 element `index` of a writable buffer (numpy int64 array...) -> watch id."""
+        arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.int64)
+        if not 0 <= index < arr.shape[0]:
+            raise InvalidRequestError(_errno.EINVAL, f"counter index {index} outside a buffer of {arr.shape[0]} int64")
+        w = self.watch_address(arr.ctypes.data + 8 * index)
+        self._watched[w] = buf
+        return w
+
+    def watch_address(self, uint64_t addr):
+        """Watch the int64 at `addr` (8-byte aligned; the caller keeps it alive) -> watch id."""
+        cdef char err[160]
+        cdef uint32_t wid = 0
+        cdef int rc
+        self._check()
+        rc = pdkv_core_watch(self.core, <const int64_t *>addr, &wid, err)
+        if rc < 0:
+            _raise(rc, err, "watch")
+        return wid
+
+    def unwatch(self, uint32_t watch):
+        """Stop watching; its queued batches end with batch_done status -ECANCELED."""
+        cdef char err[160]
+        cdef int rc
+        self._check()
+        rc = pdkv_core_unwatch(self.core, watch, err)
+        if rc < 0:
+            _raise(rc, err, "unwatch")
+        self._watched.pop(watch, None)
+
+    def queue_pages(self, uint32_t watch, int64_t value, uint32_t conn, uint64_t lkey, uint64_t rkey,
+                    src_pages, dst_pages, *, uint64_t seg_len, uint64_t src_page_stride=0,
+                    uint64_t dst_page_stride=0, uint64_t src_off=0, uint64_t dst_off=0,
+                    uint32_t num_segs=1, uint64_t src_seg_stride=0, uint64_t dst_seg_stride=0,
+                    imm=None, uint64_t tag=0):
+        """Like write_pages, but posted by the poller once the watched counter is >= value."""
+        cdef pdkv_page_batch b
+        cdef char err[160]
+        cdef int rc
+        keep = []
+        self._check()
+        self._fill_batch(&b, src_pages, dst_pages, keep, lkey, rkey, seg_len, src_page_stride,
+                         dst_page_stride, src_off, dst_off, num_segs, src_seg_stride, dst_seg_stride, imm)
+        err[0] = 0
+        self._enter()
+        try:
+            with nogil:
+                rc = pdkv_core_queue(self.core, watch, value, conn, &b, tag, err)
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, err, "queue_pages")
+
+    # ---- immediates ----
+
+    def expect(self, uint32_t imm, uint64_t count):
+        """Fire one imm_done event when `count` writes carrying `imm` have landed (earlier
+        arrivals count). InvalidRequestError if imm is already expected or over-delivered."""
+        cdef char err[160]
+        cdef int rc
+        self._check()
+        err[0] = 0
+        rc = pdkv_core_expect(self.core, imm, count, err)
+        if rc < 0:
+            _raise(rc, err, "expect")
+
+    def forget(self, uint32_t imm):
+        """Drop imm's counter -> the writes it had counted (0 if it had none)."""
+        cdef char err[160]
+        cdef int64_t rc
+        self._check()
+        rc = pdkv_core_forget(self.core, imm, err)
+        return 0 if rc == -_errno.ENOENT else rc
+
+    # ---- results ----
+
+    def drain(self, int max_events=4096):
+        """Reset fileno() and return up to max_events pending Events (possibly none)."""
+        cdef pdkv_event *ev
+        cdef int n, i
+        self._check()
+        if max_events <= 0:
+            return []
+        ev = <pdkv_event *>malloc(max_events * sizeof(pdkv_event))
+        if ev == NULL:
+            raise MemoryError()
+        try:
+            self._enter()
+            try:
+                with nogil:
+                    n = pdkv_core_drain(self.core, ev, max_events)
+            finally:
+                self._busy -= 1
+            out = []
+            for i in range(n):
+                out.append(Event(_KINDS.get(ev[i].kind, "error"), ev[i].tag, ev[i].imm, ev[i].peer,
+                                 ev[i].count, ev[i].bytes, ev[i].num_errors, ev[i].status,
+                                 ev[i].reason.decode("utf-8", "replace")))
+            return out
+        finally:
+            free(ev)
+
+    def stats(self):
+        """Poller counters: polls, posted_batches, last_post_poll, writes_posted, writes_done,
+        imms, sleeps, blocks, queued."""
+        cdef pdkv_core_stats s
+        self._check()
+        pdkv_core_get_stats(self.core, &s)
+        return s
+
+    def polls(self):
+        """Poller iterations so far (cheap; never releases the GIL)."""
+        cdef pdkv_core_stats s
+        self._check()
+        pdkv_core_get_stats(self.core, &s)
+        return s.polls
+
+    # ---- fault injection (fake transport only) ----
+
+    def add_fault(self, str kind, uint64_t first, uint64_t count=1, uint32_t delay_us=0):
+        """FAKE transport: apply `kind` (drop, delay, duplicate, corrupt, error, vanish) to the
+        writes numbered [first, first+count) that this node posts (count 0: all later ones)."""
+        cdef int rc
+        self._check()
+        if self.transport != "fake":
+            raise InvalidRequestError(_errno.EINVAL, "faults exist only on the fake transport")
+        if kind not in _FAULTS:
+            raise InvalidRequestError(_errno.EINVAL, f"unknown fault {kind!r} (one of {sorted(_FAULTS)})")
+        rc = pdkv_fake_add_fault(self.t, _FAULTS[kind], first, count, delay_us)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "add_fault")
+
+
+include "_messenger_wire.pxi"

@@ -1,0 +1,153 @@
+# C declarations of the messenger core and transports (pdkv/csrc), and the Messenger class's
+# fields. Bodies live in _messenger.pyx.
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t, uint8_t
+
+
+cdef extern from "transport.h" nogil:
+    enum:
+        PDKV_INFO_MAX
+        PDKV_REASON_MAX
+
+    ctypedef struct pdkv_transport_ops:
+        const char *name
+        int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
+        int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer) noexcept nogil
+        int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) noexcept nogil
+        int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len) noexcept nogil
+        int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
+        const char *(*last_error)(pdkv_transport *t) noexcept nogil
+
+    ctypedef struct pdkv_transport:
+        const pdkv_transport_ops *ops
+        uint64_t node_id
+
+    ctypedef struct pdkv_tcp_opts:
+        const char *host
+        uint16_t port
+        uint32_t num_streams
+
+    ctypedef struct pdkv_verbs_opts:
+        const char *const *nics
+        uint8_t port_num
+        int gid_index
+        uint32_t qps_per_peer
+
+
+cdef extern from "core.h" nogil:
+    enum:
+        PDKV_EV_BATCH_DONE
+        PDKV_EV_IMM_DONE
+        PDKV_EV_ERROR
+
+    ctypedef struct pdkv_event:
+        uint32_t kind
+        uint32_t imm
+        uint64_t tag
+        uint64_t peer
+        uint64_t count
+        uint64_t bytes
+        uint32_t num_errors
+        int32_t status
+        char reason[160]
+
+    ctypedef struct pdkv_page_batch:
+        uint64_t lkey, rkey
+        uint64_t src_off, dst_off
+        uint64_t src_page_stride, dst_page_stride
+        uint64_t src_seg_stride, dst_seg_stride
+        uint64_t seg_len
+        uint32_t num_segs
+        uint32_t num_pages
+        const int64_t *src_pages
+        const int64_t *dst_pages
+        uint32_t imm
+        uint32_t has_imm
+
+    ctypedef struct pdkv_core_opts:
+        uint32_t spin_us, yield_us, sleep_us
+        const int *cpus
+        int num_cpus
+
+    ctypedef struct pdkv_core_stats:
+        uint64_t polls, posted_batches, last_post_poll, writes_posted, writes_done, imms
+        uint64_t sleeps, blocks, queued
+
+    ctypedef struct pdkv_core:
+        pass
+
+    pdkv_core *pdkv_core_create(pdkv_transport *t, const pdkv_core_opts *o, char *err, size_t errlen)
+    void pdkv_core_destroy(pdkv_core *c)
+    pdkv_transport *pdkv_core_transport(pdkv_core *c)
+    int pdkv_core_event_fd(pdkv_core *c)
+    int pdkv_core_drain(pdkv_core *c, pdkv_event *out, int max)
+    int pdkv_core_expect(pdkv_core *c, uint32_t imm, uint64_t count, char *err)
+    int64_t pdkv_core_forget(pdkv_core *c, uint32_t imm, char *err)
+    int64_t pdkv_core_post(pdkv_core *c, uint32_t conn, const pdkv_page_batch *b, uint64_t tag, char *err)
+    int pdkv_core_watch(pdkv_core *c, const int64_t *addr, uint32_t *id, char *err)
+    int pdkv_core_unwatch(pdkv_core *c, uint32_t id, char *err)
+    int pdkv_core_queue(pdkv_core *c, uint32_t watch, int64_t value, uint32_t conn,
+                        const pdkv_page_batch *b, uint64_t tag, char *err)
+    int pdkv_core_dereg(pdkv_core *c, uint64_t key, char *err)
+    void pdkv_core_get_stats(pdkv_core *c, pdkv_core_stats *s)
+
+
+cdef extern from "fake.h" nogil:
+    int pdkv_fake_add_fault(pdkv_transport *t, int kind, uint64_t first, uint64_t count, uint32_t delay_us)
+
+
+cdef extern from "tcp_wire.h" nogil:
+    ctypedef struct c_tcp_frame "tcp_frame":
+        uint32_t magic
+        uint16_t type, flags
+        uint32_t imm
+        uint32_t check
+        uint64_t key, off, len
+
+    ctypedef struct c_tcp_hello "tcp_hello":
+        uint32_t magic, version
+        uint64_t node_id, token
+        uint32_t stream, num_streams
+
+    ctypedef struct tcp_conninfo:
+        uint32_t magic, version
+        uint64_t node_id, token
+        uint16_t port
+        char host[64]
+
+    uint32_t TCP_HELLO_MAGIC, TCP_VERSION
+    uint32_t tcp_frame_check(const c_tcp_frame *f)
+    void tcp_frame_make(c_tcp_frame *f, uint16_t type, uint64_t key, uint64_t off, uint64_t len,
+                        uint32_t imm, int has_imm)
+    int tcp_frame_parse(const void *raw, c_tcp_frame *f, char *why, size_t n)
+
+
+cdef extern from *:
+    """
+    int pdkv_have_verbs(void);
+    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen);
+    int pdkv_tcp_port(pdkv_transport *t);
+    """
+    int pdkv_have_verbs() nogil
+    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen) nogil
+    int pdkv_tcp_port(pdkv_transport *t) nogil
+
+
+cdef class Messenger:
+    cdef pdkv_core *core
+    cdef pdkv_transport *t
+    cdef readonly str transport
+    cdef readonly uint64_t node_id
+    cdef dict _pinned       # key -> the Python object whose memory is registered
+    cdef dict _watched      # watch id -> the object holding the counter
+    cdef int _busy          # calls now running without the GIL (close() waits for them)
+    cdef int _closing       # close() has begun: every new call fails
+
+    cdef int _check(self) except -1
+    cdef int _enter(self) except -1
+    cdef int _fill_batch(self, pdkv_page_batch *b, object src_pages, object dst_pages, list keep,
+                         uint64_t lkey, uint64_t rkey, uint64_t seg_len, uint64_t src_page_stride,
+                         uint64_t dst_page_stride, uint64_t src_off, uint64_t dst_off,
+                         uint32_t num_segs, uint64_t src_seg_stride, uint64_t dst_seg_stride,
+                         object imm) except -1

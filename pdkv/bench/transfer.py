@@ -1,0 +1,247 @@
+"""`python -m pdkv.bench transfer`: page writes between two processes over loopback.
+
+For each page size it measures, in the same run:
+  pdkv     the messenger's transport (tcp by default): page batches with one immediate, timed
+           from the first post until the receiver's imm_done (so every byte has landed);
+  raw-1    a plain socket pair, sendall() of page-sized chunks / recv_into a preallocated buffer;
+  raw-N    the same over N sockets (N = the transport's stream count), one thread per socket;
+  memcpy   numpy copy bandwidth of the same bytes (the ceiling of any in-memory transfer);
+  nixl / mooncake  when importable (optional; skipped with a message otherwise).
+Numbers are GB/s (1e9 bytes/s) and writes/s; `ratio` is pdkv / raw-N.
+
+    python -m pdkv.bench transfer [--sizes 4K,16K,...] [--streams 2] [--seconds 0.5]
+                                  [--peers-python /path/to/venv/bin/python] [--no-peers]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import select
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+SIZES = "4K,16K,64K,256K,1M,4M"
+REGION = 64 << 20  # bytes registered on each side; pages wrap around inside it
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def num_writes(size: int, seconds: float) -> int:
+    """Writes per measurement: about `seconds` at 2 GB/s, at least 64, at most 400k."""
+    return int(min(max(2e9 * seconds / size, 64), 400_000))
+
+
+# ---- pdkv ----
+
+def _pdkv_receiver(conn, transport: str, streams: int) -> None:
+    from pdkv._messenger import Messenger
+
+    m = Messenger(transport, 2, num_streams=streams)
+    dst = np.zeros(REGION, dtype=np.uint8)
+    key = m.register(dst)
+    m.grant(key, 1)
+    c, info = m.prepare(1)
+    conn.send((key, info))
+    m.complete(c, conn.recv())
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        imm, count = msg
+        m.expect(imm, count)
+        conn.send("expecting")
+        done = None
+        while done is None:
+            select.select([m.fileno()], [], [], 1.0)
+            for ev in m.drain():
+                if ev.kind == "imm_done" and ev.imm == imm:
+                    done = ev
+                elif ev.kind == "error":
+                    done = ev
+        conn.send((done.kind, done.count, done.reason))
+    m.close()
+    conn.send("bye")
+
+
+def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int) -> dict[int, tuple[float, float]]:
+    from pdkv._messenger import Messenger
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, streams), daemon=True)
+    proc.start()
+    m = Messenger(transport, 1, num_streams=streams)
+    src = np.random.default_rng(0).integers(0, 255, REGION, dtype=np.uint8)
+    lkey = m.register(src)
+    rkey, rinfo = parent.recv()
+    c, info = m.prepare(2)
+    m.complete(c, rinfo)
+    parent.send(info)
+    assert parent.recv() == "ready"
+    out = {}
+    for imm, size in enumerate(sizes, start=1):
+        n = num_writes(size, seconds)
+        pages = np.arange(n, dtype=np.int64) % (REGION // size)
+        parent.send((imm, n))
+        assert parent.recv() == "expecting"
+        t0 = time.perf_counter()
+        step = 8192
+        for i in range(0, n, step):
+            m.write_pages(c, lkey, rkey, pages[i:i + step], pages[i:i + step], seg_len=size,
+                          src_page_stride=size, dst_page_stride=size, imm=imm, tag=imm)
+        kind, count, reason = parent.recv()
+        dt = time.perf_counter() - t0
+        if kind != "imm_done":
+            raise RuntimeError(f"pdkv transfer of {size}-byte pages failed: {reason}")
+        m.drain()
+        out[size] = (n * size / dt / 1e9, n / dt)
+    parent.send(None)
+    parent.recv()
+    proc.join(10)
+    m.close()
+    return out
+
+
+# ---- raw sockets ----
+
+def _raw_receiver(conn, streams: int) -> None:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(streams)
+    conn.send(ls.getsockname()[1])
+    socks = [ls.accept()[0] for _ in range(streams)]
+    bufs = [bytearray(4 << 20) for _ in socks]
+    while True:
+        total = conn.recv()
+        if total is None:
+            break
+        got = [0] * streams
+
+        def rx(i: int, want: int) -> None:
+            view = memoryview(bufs[i])
+            while got[i] < want:
+                r = socks[i].recv_into(view, min(len(view), want - got[i]))
+                if r == 0:
+                    return
+                got[i] += r
+
+        ths = [threading.Thread(target=rx, args=(i, total[i])) for i in range(streams)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        conn.send(sum(got))
+    for s in socks:
+        s.close()
+
+
+def bench_raw(sizes: list[int], seconds: float, streams: int) -> dict[int, tuple[float, float]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_receiver, args=(child, streams), daemon=True)
+    proc.start()
+    port = parent.recv()
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    src = np.random.default_rng(0).integers(0, 255, REGION, dtype=np.uint8)
+    view = memoryview(src)
+    out = {}
+    for size in sizes:
+        n = num_writes(size, seconds)
+        per = [n // streams + (1 if i < n % streams else 0) for i in range(streams)]
+        parent.send([p * size for p in per])
+        wraps = REGION // size
+
+        def tx(i: int) -> None:
+            s = socks[i]
+            for k in range(per[i]):
+                off = (k % wraps) * size
+                s.sendall(view[off:off + size])
+
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=tx, args=(i,)) for i in range(streams)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        got = parent.recv()
+        dt = time.perf_counter() - t0
+        assert got == n * size, (got, n * size)
+        out[size] = (n * size / dt / 1e9, n / dt)
+    parent.send(None)
+    proc.join(10)
+    for s in socks:
+        s.close()
+    return out
+
+
+def bench_memcpy(nbytes: int = 64 << 20, reps: int = 10) -> float:
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(b, a)
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+# ---- optional peers ----
+
+def bench_optional(name: str, sizes: list[int], seconds: float, python: str) -> dict[int, tuple[float, float]] | str:
+    """NIXL / Mooncake over loopback tcp when importable by `python`; else why they were skipped."""
+    from pdkv.bench import _peers
+
+    return _peers.run(name, sizes, seconds, python)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pdkv.bench transfer", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=SIZES, help=f"page sizes (default {SIZES})")
+    ap.add_argument("--streams", type=int, default=2, help="tcp streams per peer (default 2)")
+    ap.add_argument("--seconds", type=float, default=0.5, help="target seconds per measurement at 2 GB/s")
+    ap.add_argument("--transport", default="tcp", help="tcp (default) or verbs")
+    ap.add_argument("--no-peers", action="store_true", help="skip NIXL / Mooncake even if installed")
+    ap.add_argument("--peers-python", default=os.environ.get("PDKV_PEERS_PYTHON", sys.executable),
+                    help="interpreter that has nixl / mooncake installed (default: this one, or $PDKV_PEERS_PYTHON)")
+    a = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    print(f"pdkv transfer benchmark: {a.transport}, {a.streams} streams, loopback, {os.cpu_count()} CPUs")
+    memcpy = bench_memcpy()
+    pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams)
+    raw1 = bench_raw(sizes, a.seconds, 1)
+    rawn = bench_raw(sizes, a.seconds, a.streams) if a.streams > 1 else raw1
+    peers = {} if a.no_peers else {p: bench_optional(p, sizes, a.seconds, a.peers_python) for p in ("nixl", "mooncake")}
+    print(f"memcpy: {memcpy:.2f} GB/s")
+    ok_peers = {p: r for p, r in peers.items() if isinstance(r, dict)}
+    head = f"{'page':>6} {'pdkv GB/s':>10} {'writes/s':>10} {'raw-1 GB/s':>11} {f'raw-{a.streams} GB/s':>11} {'ratio':>6}"
+    for p in ok_peers:
+        head += f" {p + ' GB/s':>14} {'pdkv/' + p:>13}"
+    print(head)
+    for s in sizes:
+        g, w = pdkv[s]
+        line = f"{fmt(s):>6} {g:10.2f} {w:10.0f} {raw1[s][0]:11.2f} {rawn[s][0]:11.2f} {g / rawn[s][0]:6.2f}"
+        for p, r in ok_peers.items():
+            line += f" {r[s][0]:14.2f} {g / r[s][0]:13.2f}" if s in r else f" {'-':>14} {'-':>13}"
+        print(line)
+    for p, r in peers.items():
+        if p not in ok_peers:
+            print(f"{p}: {r}")
+    big = [pdkv[s][0] / rawn[s][0] for s in sizes if s >= 64 << 10]
+    if big:
+        print(f"target: pdkv >= 0.85 x raw-{a.streams} at >= 64K: min ratio {min(big):.2f}")
+    if 4096 in pdkv:
+        print(f"target: >= 100000 writes/s at 4K: {pdkv[4096][1]:.0f}")
+    return 0
+
+
+def fmt(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"

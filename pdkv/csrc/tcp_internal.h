@@ -1,0 +1,96 @@
+/* Private state of the tcp transport, shared by tcp.c (set-up, post, vtable), tcp_tx.c (one
+ * sender thread per outgoing stream) and tcp_rx.c (listener + one receiver thread per incoming
+ * stream). Not part of the API. */
+#ifndef PDKV_TCP_INTERNAL_H
+#define PDKV_TCP_INTERNAL_H
+
+#include <pthread.h>
+
+#include "cq.h"
+#include "regions.h"
+#include "tcp_wire.h"
+#include "transport.h"
+
+typedef struct tcp_op {
+    tcp_frame hdr; /* prebuilt DATA header */
+    const uint8_t *src;
+    uint64_t lkey, wr_id;
+} tcp_op;
+
+struct tcp_conn;
+struct tcp_t;
+
+typedef struct tcp_stream {
+    struct tcp_t *t;
+    struct tcp_conn *conn;
+    int fd; /* -1 once closed; changed under mu */
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu; /* queue, fd, dead, sleeping */
+    tcp_op *q;
+    uint32_t qcap, qhead, qcount;
+    int wake_fd;
+    int sleeping, dead;
+    uint64_t queued_bytes; /* atomic: picks the least loaded stream */
+} tcp_stream;
+
+enum { CONN_PREPARED = 1, CONN_CONNECTED = 2, CONN_DEAD = 3 };
+
+typedef struct tcp_conn {
+    uint32_t id;
+    uint64_t peer, token;
+    int state; /* atomic */
+    uint32_t num_streams;
+    tcp_stream *streams;
+    pthread_mutex_t mu; /* state transitions, reason */
+    char reason[PDKV_REASON_MAX];
+} tcp_conn;
+
+typedef struct tcp_rx {
+    struct tcp_t *t;
+    int fd; /* -1 once closed; changed under t->rxmu */
+    pthread_t thread;
+    uint64_t peer;
+    uint32_t conn;
+    int done, stopping;
+    struct tcp_rx *next;
+} tcp_rx;
+
+typedef struct tcp_t {
+    pdkv_transport base;
+    uint32_t num_streams;
+    char host[64];
+    uint16_t port;
+    int lfd, stop_fd;
+    pthread_t listener;
+    int listener_started;
+    int stopping; /* atomic */
+    pthread_rwlock_t lock; /* conns[] */
+    tcp_conn **conns;
+    uint32_t num_conns;
+    pthread_mutex_t rxmu; /* rx list */
+    tcp_rx *rx;
+    pdkv_regions regions;
+    pdkv_cq cq;
+} tcp_t;
+
+/* tcp.c */
+int tcp_err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void tcp_sockopts(int fd);
+int tcp_send_all(int fd, const void *buf, size_t len);
+int tcp_recv_all(int fd, void *buf, size_t len);
+tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id);                         /* caller holds t->lock */
+/* tcp_conn.c */
+tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token); /* caller holds t->lock */
+int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out);
+int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blob_len);
+int tcp_disconnect(pdkv_transport *bt, uint32_t id);
+void tcp_conn_free(tcp_t *t, tcp_conn *c); /* fail, stop its receivers, join its senders, free */
+void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason);
+/* tcp_tx.c */
+void *tcp_tx_main(void *arg);
+/* tcp_rx.c */
+void *tcp_listener_main(void *arg);
+void tcp_rx_stop(tcp_t *t, uint32_t conn, int all); /* shut down + join receivers */
+
+#endif

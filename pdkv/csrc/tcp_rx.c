@@ -1,0 +1,232 @@
+/* tcp transport: the listener and one receiver thread per incoming stream.
+ *
+ * A receiver first checks the hello (the token must be one that this node handed to that peer
+ * in prepare()), then loops: read a 40-byte header, check it (magic, check word, type), check
+ * that the key exists, is granted to this peer and that [off, off+len) lies inside the region,
+ * and only then receive the payload straight into the region. Anything wrong: an ERROR
+ * completion here, an ERROR frame to the writer, and the stream is closed without writing a byte.
+ *
+ * NOTE: the region stays pinned while its payload is being received, so dereg() is -EBUSY then.
+ * Payload reads use readv([rest of payload, next header]) so a stream of small pages costs about
+ * one syscall per page instead of two.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "tcp_internal.h"
+
+#define HELLO_TIMEOUT_S 10
+
+static int quiet(tcp_rx *rx) {
+    return __atomic_load_n(&rx->stopping, __ATOMIC_ACQUIRE) || __atomic_load_n(&rx->t->stopping, __ATOMIC_ACQUIRE);
+}
+
+/* Report locally and tell the writer, then let the caller close. */
+static void reject(tcp_rx *rx, int status, const char *reason) {
+    tcp_t *t = rx->t;
+    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, status, 0, "from peer %llu: %s",
+                  (unsigned long long)rx->peer, reason);
+    tcp_frame f;
+    size_t n = strlen(reason);
+    tcp_frame_make(&f, TCP_FR_ERROR, 0, 0, n, 0, 0);
+    /* best effort, never blocks: the writer may be stuck sending to us */
+    struct iovec iov[2] = {{&f, sizeof(f)}, {(void *)reason, n}};
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
+    ssize_t r = sendmsg(rx->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)r;
+}
+
+static void send_ack(int fd, const char *reason) {
+    tcp_frame f;
+    size_t n = reason ? strlen(reason) : 0;
+    tcp_frame_make(&f, TCP_FR_ACK, 0, 0, n, 0, 0);
+    tcp_send_all(fd, &f, sizeof(f));
+    if (n) tcp_send_all(fd, reason, n);
+}
+
+static int hello(tcp_rx *rx) {
+    tcp_t *t = rx->t;
+    tcp_hello h;
+    struct timeval tv = {HELLO_TIMEOUT_S, 0};
+    setsockopt(rx->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (tcp_recv_all(rx->fd, &h, sizeof(h)) <= 0) return -1; /* not a peer, or gone: nothing to report */
+    char why[PDKV_REASON_MAX];
+    if (h.magic != TCP_HELLO_MAGIC || h.version != TCP_VERSION) {
+        snprintf(why, sizeof(why), "not a pdkv tcp hello (magic 0x%08x version %u)", h.magic, h.version);
+        goto bad;
+    }
+    pthread_rwlock_rdlock(&t->lock);
+    tcp_conn *c = tcp_conn_by_token(t, h.node_id, h.token);
+    if (c) rx->conn = c->id;
+    pthread_rwlock_unlock(&t->lock);
+    if (!c) {
+        snprintf(why, sizeof(why), "connection from node %llu with a token this node did not give it",
+                 (unsigned long long)h.node_id);
+        goto bad;
+    }
+    rx->peer = h.node_id;
+    send_ack(rx->fd, NULL);
+    tv.tv_sec = 0;
+    setsockopt(rx->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return 0;
+bad:
+    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, h.node_id, 0, -EACCES, 0, "rejected a connection: %s", why);
+    send_ack(rx->fd, why);
+    return -1;
+}
+
+static void frames(tcp_rx *rx) {
+    tcp_t *t = rx->t;
+    uint8_t hb[sizeof(tcp_frame)];
+    size_t have = 0;
+    char why[PDKV_REASON_MAX];
+    for (;;) {
+        while (have < sizeof(hb)) {
+            ssize_t r = recv(rx->fd, hb + have, sizeof(hb) - have, 0);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                if (quiet(rx)) return;
+                if (have)
+                    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, -EPROTO, 0,
+                                  "peer %llu: truncated frame header (%zu of %zu bytes)",
+                                  (unsigned long long)rx->peer, have, sizeof(hb));
+                else
+                    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, -ECONNRESET, 0,
+                                  "peer %llu closed the connection%s", (unsigned long long)rx->peer,
+                                  r < 0 ? " (reset)" : "");
+                return;
+            }
+            have += (size_t)r;
+        }
+        tcp_frame f;
+        int rc = tcp_frame_parse(hb, &f, why, sizeof(why));
+        if (rc == 0 && f.type == TCP_FR_BYE) return;
+        if (rc == 0 && f.type != TCP_FR_DATA) {
+            snprintf(why, sizeof(why), "unexpected frame type %u on a write stream", f.type);
+            rc = -EPROTO;
+        }
+        uint8_t *dst = NULL;
+        if (rc == 0) rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, why, sizeof(why));
+        if (rc < 0) {
+            reject(rx, rc, why);
+            return;
+        }
+        uint64_t got = 0;
+        have = 0;
+        while (got < f.len) {
+            struct iovec iov[2] = {{dst + got, f.len - got}, {hb, sizeof(hb)}};
+            ssize_t r = readv(rx->fd, iov, 2);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                pdkv_regions_unpin(&t->regions, f.key);
+                if (!quiet(rx))
+                    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, f.len, -ECONNRESET, f.imm,
+                                  "peer %llu disconnected mid-write (%llu of %llu bytes into key 0x%llx)",
+                                  (unsigned long long)rx->peer, (unsigned long long)got,
+                                  (unsigned long long)f.len, (unsigned long long)f.key);
+                return;
+            }
+            if ((uint64_t)r <= f.len - got) {
+                got += (uint64_t)r;
+            } else {
+                have = (size_t)((uint64_t)r - (f.len - got));
+                got = f.len;
+            }
+        }
+        pdkv_regions_unpin(&t->regions, f.key);
+        if (f.flags & TCP_FL_IMM)
+            pdkv_cq_pushf(&t->cq, PDKV_CQ_IMM, 0, rx->peer, f.len, 0, f.imm, NULL);
+    }
+}
+
+static void *rx_main(void *arg) {
+    tcp_rx *rx = arg;
+    if (hello(rx) == 0) frames(rx);
+    pthread_mutex_lock(&rx->t->rxmu);
+    if (rx->fd >= 0) {
+        shutdown(rx->fd, SHUT_RDWR);
+        close(rx->fd);
+        rx->fd = -1;
+    }
+    rx->done = 1;
+    pthread_mutex_unlock(&rx->t->rxmu);
+    return NULL;
+}
+
+/* Join receivers that ended on their own (caller holds rxmu). */
+static void reap(tcp_t *t) {
+    for (tcp_rx **p = &t->rx; *p;) {
+        tcp_rx *rx = *p;
+        if (rx->done) {
+            *p = rx->next;
+            pthread_join(rx->thread, NULL);
+            free(rx);
+        } else {
+            p = &rx->next;
+        }
+    }
+}
+
+void tcp_rx_stop(tcp_t *t, uint32_t conn, int all) {
+    tcp_rx *mine = NULL;
+    pthread_mutex_lock(&t->rxmu);
+    for (tcp_rx **p = &t->rx; *p;) {
+        tcp_rx *rx = *p;
+        if (all || rx->conn == conn) {
+            *p = rx->next;
+            __atomic_store_n(&rx->stopping, 1, __ATOMIC_RELEASE);
+            if (rx->fd >= 0) shutdown(rx->fd, SHUT_RDWR);
+            rx->next = mine;
+            mine = rx;
+        } else {
+            p = &rx->next;
+        }
+    }
+    pthread_mutex_unlock(&t->rxmu);
+    while (mine) {
+        tcp_rx *rx = mine;
+        mine = rx->next;
+        pthread_join(rx->thread, NULL); /* it closes its own fd */
+        free(rx);
+    }
+}
+
+void *tcp_listener_main(void *arg) {
+    tcp_t *t = arg;
+    for (;;) {
+        struct pollfd pf[2] = {{t->lfd, POLLIN, 0}, {t->stop_fd, POLLIN, 0}};
+        if (poll(pf, 2, -1) < 0 && errno != EINTR) break;
+        if (__atomic_load_n(&t->stopping, __ATOMIC_ACQUIRE) || pf[1].revents) break;
+        if (!(pf[0].revents & POLLIN)) continue;
+        int fd = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        tcp_sockopts(fd);
+        tcp_rx *rx = calloc(1, sizeof(*rx));
+        if (!rx) {
+            close(fd);
+            continue;
+        }
+        rx->t = t;
+        rx->fd = fd;
+        rx->conn = 0;
+        pthread_mutex_lock(&t->rxmu);
+        reap(t);
+        if (pthread_create(&rx->thread, NULL, rx_main, rx) != 0) {
+            pthread_mutex_unlock(&t->rxmu);
+            close(fd);
+            free(rx);
+            continue;
+        }
+        rx->next = t->rx;
+        t->rx = rx;
+        pthread_mutex_unlock(&t->rxmu);
+    }
+    return NULL;
+}

@@ -1,0 +1,148 @@
+"""Fixtures for the messenger tests: the transport parameter and child-process endpoints.
+
+`transport` is "tcp" always and "verbs" when pdkv was built with libibverbs AND the loopback
+verbs device (tests/verbs_loopback) builds here; verbs endpoints get LD_LIBRARY_PATH pointing
+at that device, only in their own processes.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+LOOPBACK_NIC = "lo_verbs0"
+RPC_TIMEOUT = 60.0  # a peer call that takes longer is a hang: the peer is killed, the test fails
+
+
+class RemoteError(Exception):
+    """An exception raised inside a peer process: .name is its class, .errno its code."""
+
+    def __init__(self, name: str, msg: str, errno: int | None):
+        super().__init__(f"{name}: {msg}")
+        self.name, self.msg, self.errno = name, msg, errno
+
+
+class Peer:
+    """A child process running peer.Agent; attribute calls become RPCs."""
+
+    def __init__(self, transport: str, node_id: int, env: dict, **kwargs):
+        self.transport, self.node_id = transport, node_id
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "peer.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, cwd=str(ROOT), env=env)
+        self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        if transport == "verbs":
+            kwargs.setdefault("nics", [LOOPBACK_NIC])
+        self.rpc("create", transport, node_id, kwargs)
+
+    def rpc(self, op: str, *args, **kwargs):
+        self.proc.stdin.write(msgpack.packb([op, list(args), kwargs], use_bin_type=True))
+        self.proc.stdin.flush()
+        res = next(self.unpacker, None)
+        while res is None:
+            if not select.select([self.proc.stdout], [], [], RPC_TIMEOUT)[0]:
+                self.kill()
+                raise RemoteError("Hang", f"peer {self.node_id}: no answer to {op}{args!r} in {RPC_TIMEOUT} s", None)
+            data = os.read(self.proc.stdout.fileno(), 1 << 20)
+            if not data:
+                raise RemoteError("PeerDied", f"peer {self.node_id} exited (rc {self.proc.poll()})", None)
+            self.unpacker.feed(data)
+            res = next(self.unpacker, None)
+        if "err" in res:
+            raise RemoteError(res["err"], res["msg"], res["errno"])
+        return res["ok"]
+
+    def __getattr__(self, op: str):
+        return lambda *a, **k: self.rpc(op, *a, **k)
+
+    def m(self, method: str, *args, **kwargs):
+        """Call a Messenger method in the peer."""
+        return self.rpc("call", method, list(args), kwargs)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.rpc("close")
+            except (RemoteError, BrokenPipeError):
+                pass
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _connect(a: Peer, b: Peer) -> tuple[int, int]:
+    """Two-phase connect both ways -> (conn of a to b, conn of b to a)."""
+    ca, ia = a.m("prepare", b.node_id)
+    cb, ib = b.m("prepare", a.node_id)
+    a.m("complete", ca, ib)
+    b.m("complete", cb, ia)
+    return ca, cb
+
+
+def _loopback_dir(tmp_root: Path) -> str:
+    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
+    try:
+        from build import build_loopback_verbs  # tests/verbs_loopback/build.py
+    finally:
+        sys.path.pop(0)
+    return build_loopback_verbs(tmp_root)
+
+
+def _transports() -> list:
+    from pdkv._messenger import HAVE_VERBS
+
+    verbs = pytest.param("verbs", marks=pytest.mark.skipif(not HAVE_VERBS, reason="pdkv built without libibverbs"))
+    return ["tcp", verbs]
+
+
+@pytest.fixture(scope="session")
+def loopback_verbs_dir():
+    try:
+        # cached by source hash under the repo's (git-ignored) .cache: rebuilt only on change
+        return _loopback_dir(ROOT / ".cache" / "verbs_loopback")
+    except Exception as e:  # no gcc / headers: the verbs cases skip with the reason
+        pytest.skip(f"loopback verbs device unavailable: {e}")
+
+
+@pytest.fixture(params=_transports())
+def transport(request):
+    return request.param
+
+
+@pytest.fixture
+def spawn(transport, request):
+    """spawn(node_id, **messenger_kwargs) -> Peer; every peer is stopped after the test."""
+    env = dict(os.environ)
+    env.pop("LD_LIBRARY_PATH", None)
+    if transport == "verbs":
+        env["LD_LIBRARY_PATH"] = request.getfixturevalue("loopback_verbs_dir")
+    peers: list[Peer] = []
+
+    def make(node_id: int, **kwargs) -> Peer:
+        p = Peer(transport, node_id, env, **kwargs)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.stop()
+
+
+@pytest.fixture
+def connect():
+    """connect(a, b) -> (conn of a to b, conn of b to a): the two-phase set-up both ways."""
+    return _connect

@@ -1,0 +1,151 @@
+"""A messenger endpoint in its own process, driven by the test over a pipe (msgpack RPC).
+
+Every transport test runs its two endpoints as children of the test, so one test body serves
+tcp and verbs alike: the verbs children get LD_LIBRARY_PATH pointing at the loopback
+libibverbs.so.1, which is never loaded into the pytest process itself.
+
+Run as `python peer.py`; requests on stdin, replies on a dup of stdout (fd 1 itself is pointed
+at stderr so that nothing else can corrupt the reply stream).
+"""
+from __future__ import annotations
+
+import os
+import select
+import sys
+import time
+
+import msgpack
+import numpy as np
+
+from pdkv._messenger import Messenger  # loaded before the baseline is taken
+
+GUARD = 4096  # guard bytes on each side of every buffer
+GUARD_BYTE = 0xA5
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.m = None
+        self.bufs: dict[str, np.ndarray] = {}  # name -> guard + region + guard
+        self.counters: dict[str, np.ndarray] = {}
+        self.events: list = []
+        self.baseline = self.resources()  # threads / fds before any messenger exists
+
+    # -- setup --
+    def create(self, transport: str, node_id: int, kwargs: dict) -> None:
+        self.m = Messenger(transport, node_id, **kwargs)
+
+    def alloc(self, name: str, size: int, seed: int | None = None) -> None:
+        raw = np.full(size + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
+        region = raw[GUARD:GUARD + size]
+        region[:] = 0 if seed is None else np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        self.bufs[name] = raw
+
+    def region(self, name: str) -> np.ndarray:
+        raw = self.bufs[name]
+        return raw[GUARD:len(raw) - GUARD]
+
+    def register(self, name: str) -> int:
+        return self.m.register(self.region(name))
+
+    def read(self, name: str, off: int = 0, length: int | None = None) -> bytes:
+        r = self.region(name)
+        return r[off:len(r) if length is None else off + length].tobytes()
+
+    def fill(self, name: str, seed: int) -> None:
+        r = self.region(name)
+        r[:] = np.random.default_rng(seed).integers(0, 256, len(r), dtype=np.uint8)
+
+    def guards_ok(self, name: str) -> bool:
+        raw = self.bufs[name]
+        return bool((raw[:GUARD] == GUARD_BYTE).all() and (raw[-GUARD:] == GUARD_BYTE).all())
+
+    def call(self, method: str, args: list, kwargs: dict):
+        return getattr(self.m, method)(*args, **kwargs)
+
+    # -- counters --
+    def counter(self, name: str) -> int:
+        self.counters[name] = np.zeros(1, dtype=np.int64)
+        return self.m.watch(self.counters[name])
+
+    def bump(self, name: str, value: int) -> None:
+        self.counters[name][0] = value
+
+    def poller_under_gil(self, name: str, value: int, batches_before: int) -> dict:
+        """Hold the GIL in a busy Python loop (switch interval 100 s, so no other Python thread
+        could run), move the counter, and watch the C poller post the batch anyway."""
+        m, ctr = self.m, self.counters[name]
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(100.0)
+        try:
+            polls_before = m.polls()
+            ctr[0] = value  # the "layer done" store, made while this thread holds the GIL
+            deadline = time.perf_counter() + 20.0
+            spins = 0
+            while m.stats()["posted_batches"] <= batches_before and time.perf_counter() < deadline:
+                spins += 1  # pure Python: the GIL is never released in here
+            s = m.stats()
+        finally:
+            sys.setswitchinterval(old)
+        return {"posted": s["posted_batches"] > batches_before, "polls_before": polls_before,
+                "post_poll": s["last_post_poll"], "spins": spins}
+
+    # -- results --
+    def wait(self, kind: str | None = None, count: int = 1, timeout: float = 10.0, imm: int | None = None) -> list:
+        """Drain events until `count` of `kind` (and imm; kind "failed": any failure) were seen or timeout; returns all
+        events drained since the last wait(), as tuples."""
+        deadline = time.monotonic() + timeout
+
+        def hit(e) -> bool:
+            if kind == "failed":  # a failure in any form: error event, or a batch with failed writes
+                return e[0] == "error" or (e[0] == "batch_done" and e[6] > 0)
+            return (kind is None or e[0] == kind) and (imm is None or e[2] == imm)
+
+        def matched() -> int:
+            return sum(1 for e in self.events if hit(e))
+
+        while True:
+            self.events += [tuple(e) for e in self.m.drain()]
+            left = deadline - time.monotonic()
+            if (kind is not None and matched() >= count) or left <= 0:
+                break
+            select.select([self.m.fileno()], [], [], min(left, 0.2))
+        out, self.events = self.events, []
+        return out
+
+    def resources(self) -> dict:
+        return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
+
+    def get_baseline(self) -> dict:
+        return self.baseline
+
+    def close(self) -> None:
+        if self.m is not None:
+            self.m.close()
+            self.m = None
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def main() -> None:
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    inp = os.fdopen(0, "rb", buffering=0)
+    agent = Agent()
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    while True:
+        data = inp.read(1 << 16)
+        if not data:
+            return
+        unpacker.feed(data)
+        for op, args, kwargs in unpacker:
+            try:
+                res = {"ok": getattr(agent, op)(*args, **kwargs)}
+            except Exception as e:  # crosses to the test as data, re-raised there
+                res = {"err": type(e).__name__, "msg": str(e), "errno": getattr(e, "errno", None)}
+            out.write(msgpack.packb(res, use_bin_type=True))
+
+
+if __name__ == "__main__":
+    main()
