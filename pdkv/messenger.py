@@ -1,0 +1,70 @@
+"""The Python face of the messenger: turning a ``MessengerConfig`` into a running ``Messenger``.
+
+Policy lives here, loops live in C: which NIC a verbs transport drives and which CPUs its poller
+thread may run on come from the node topology (``pdkv.topo``) when the config says
+``nics: [auto]``; an explicit NIC list always wins and is checked by the transport itself
+against the devices libibverbs reports (sysfs may not list every verbs device, e.g. in a
+container or with the test suite's loopback device).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from pdkv import topo
+from pdkv.config import MessengerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MessengerPlacement:
+    transport: str
+    nics: tuple[str, ...]  # what the transport is told to open (verbs), () for tcp
+    cpus: tuple[int, ...]  # poller affinity, () = not pinned
+    reason: str
+
+
+def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
+                   sysfs_root: str = "/") -> MessengerPlacement:
+    """Decide NICs and poller CPUs. Raises ``topo.TopologyError`` (a ValueError) with a message
+    that names the problem: ``auto`` on a host without RDMA devices, ``auto`` mixed with names."""
+    if cfg.transport != "verbs":
+        return MessengerPlacement(cfg.transport, (), (), f"{cfg.transport}: no NIC choice")
+    names = list(cfg.nics)
+    if names == ["auto"] or "auto" in names:
+        p = topo.placement(topo.discover(sysfs_root), gpu_bus_id, names)
+        nics, cpus, reason = p.nics, p.cpus, p.reason
+        if len(nics) > 1:
+            # NOTE: one verbs transport drives one NIC today; the others are named so an operator
+            # can see the bandwidth left on the table.
+            reason += f"; using {nics[0]} (one NIC per transport), not {', '.join(nics[1:])}"
+            nics = nics[:1]
+    else:
+        nics, cpus, reason = names, [], "explicit NIC list"
+        try:  # CPUs near the named NIC, when sysfs knows it
+            p = topo.placement(topo.discover(sysfs_root), gpu_bus_id, names)
+            cpus, reason = p.cpus, p.reason
+        except topo.TopologyError as e:
+            reason += f" (not in sysfs: {e}; poller not pinned)"
+    usable = sorted(set(cpus) & os.sched_getaffinity(0))
+    if cpus and not usable:
+        reason += "; none of those CPUs is available to this process: poller not pinned"
+    return MessengerPlacement("verbs", tuple(nics), tuple(usable), reason)
+
+
+def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None = None,
+                   sysfs_root: str = "/"):
+    """A ``pdkv._messenger.Messenger`` for this config; logs where it runs and why."""
+    from pdkv._messenger import Messenger
+
+    where = plan_placement(cfg, gpu_bus_id, sysfs_root)
+    log.info("messenger: %s transport; %s", cfg.transport, where.reason)
+    kwargs = dict(spin_us=cfg.spin_us, cpus=list(where.cpus) or None)
+    if cfg.transport == "tcp":
+        kwargs.update(host=cfg.host, port=cfg.port, num_streams=cfg.num_streams)
+    elif cfg.transport == "verbs":
+        kwargs.update(nics=list(where.nics))
+    return Messenger(cfg.transport, node_id, **kwargs)

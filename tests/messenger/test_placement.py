@@ -1,0 +1,90 @@
+"""The messenger takes its NIC and poller CPUs from the topology when told `nics: [auto]`.
+
+The verbs cases open a real verbs transport over the loopback verbs device in a child process
+whose device list holds only the NIC the topology should choose: picking any other NIC fails.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdkv.config import MessengerConfig
+from pdkv.messenger import plan_placement
+from pdkv.topo import TopologyError
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "topo" / "fixtures"
+DGX = str(FIXTURES / "dgx-h100")
+
+
+def test_auto_follows_the_gpu_and_pins_to_cpus_that_exist_here():
+    p = plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), "0000:3d:00.0", DGX)
+    assert p.nics == ("mlx5_2",)
+    # the fixture's NUMA node 0 has CPUs 0-55; only those this process may run on are kept
+    assert set(p.cpus) == set(range(56)) & os.sched_getaffinity(0)
+    assert "same PCIe switch" in p.reason
+
+
+def test_auto_with_several_nearby_nics_uses_one_and_says_so():
+    p = plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), "0000:4b:00.0",
+                       str(FIXTURES / "aws-p5"))
+    assert p.nics == ("rdmap71s0",)
+    assert "rdmap72s0" in p.reason
+
+
+def test_explicit_list_wins_over_topology():
+    p = plan_placement(MessengerConfig(transport="verbs", nics=("mlx5_5",)), "0000:3d:00.0", DGX)
+    assert p.nics == ("mlx5_5",)
+
+
+def test_auto_without_rdma_is_a_clear_error():
+    with pytest.raises(TopologyError, match="no RDMA device"):
+        plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), None,
+                       str(FIXTURES / "no-accel"))
+
+
+def test_tcp_ignores_nics():
+    p = plan_placement(MessengerConfig(transport="tcp", nics=("auto",)), None,
+                       str(FIXTURES / "no-accel"))
+    assert p.nics == () and p.cpus == ()
+
+
+CHILD = """
+import sys
+from pdkv.config import MessengerConfig
+from pdkv.messenger import open_messenger
+nics = tuple(sys.argv[1].split(","))
+m = open_messenger(MessengerConfig(transport="verbs", nics=nics), 7, gpu_bus_id="0000:3d:00.0",
+                   sysfs_root=sys.argv[2])
+key = m.register(bytearray(4096))
+print("opened", key > 0)
+m.close()
+"""
+
+
+def run_child(loopback_dir, device_list, nics):
+    env = dict(os.environ, LD_LIBRARY_PATH=loopback_dir, PDKV_LOOPBACK_NICS=device_list)
+    return subprocess.run([sys.executable, "-c", CHILD, nics, DGX], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("device_list,nics,ok", [
+    ("mlx5_2", "auto", True),            # topology picks mlx5_2: the only device there is
+    ("mlx5_0,mlx5_1", "auto", False),    # ... so a host without it cannot satisfy auto
+    ("mlx5_7", "mlx5_7", True),          # explicit wins, whatever the GPU
+    ("mlx5_2", "mlx5_9", False),         # a NIC that does not exist is named
+])
+def test_verbs_transport_opens_the_chosen_nic(loopback_verbs_dir, device_list, nics, ok):
+    from pdkv._messenger import HAVE_VERBS
+    if not HAVE_VERBS:
+        pytest.skip("pdkv built without libibverbs")
+    r = run_child(loopback_verbs_dir, device_list, nics)
+    if ok:
+        assert r.returncode == 0 and "opened True" in r.stdout, r.stderr
+    else:
+        assert r.returncode != 0
+        wanted = "mlx5_2" if nics == "auto" else nics
+        assert wanted in r.stderr and "not found" in r.stderr, r.stderr
