@@ -1,0 +1,78 @@
+"""What every attention backend gets from the model runner, and the interface it implements.
+
+A step's tokens are flattened: sequence ``i`` owns query tokens ``qo_indptr[i]:qo_indptr[i+1]``.
+Its keys after this step are its first ``kv_lens[i]`` tokens, held in pages ``page_ids[i]``.
+The runner puts sequences with one query token (decodes, and 1-token prefill chunks) first, so a
+backend can run them as one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    q_lens: list[int]  # query tokens per sequence this step
+    kv_lens: list[int]  # tokens in the cache per sequence after this step (includes the new ones)
+    page_ids: list[list[int]]  # pages of each sequence, in order
+    num_decodes: int  # the first num_decodes sequences have q_len == 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def page_table(page_ids: list[list[int]], device) -> torch.Tensor:
+    """[S, max_pages] long, rows padded with page 0 (a valid page, masked out by length)."""
+    width = max(len(p) for p in page_ids)
+    return torch.tensor([p + [0] * (width - len(p)) for p in page_ids], dtype=torch.long, device=device)
+
+
+def write_slots(batch: AttentionBatch, table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each new token's K/V goes: (page [T], slot in page [T]), built without a Python
+    loop over tokens. table: page_table(batch.page_ids)."""
+    dev = table.device
+    if batch.num_decodes == len(batch.q_lens):  # decodes only: one slot per sequence, no tensor math
+        last = [n - 1 for n in batch.kv_lens]
+        return (torch.tensor([p[i // page_size] for p, i in zip(batch.page_ids, last)], device=dev),
+                torch.tensor([i % page_size for i in last], device=dev))
+    q_lens = torch.tensor(batch.q_lens, device=dev)
+    starts = torch.tensor(batch.kv_lens, device=dev) - q_lens  # first new position per sequence
+    seq = torch.repeat_interleave(torch.arange(len(batch.q_lens), device=dev), q_lens)  # [T]
+    first_tok = torch.cumsum(q_lens, 0) - q_lens  # flat index of each sequence's first token
+    pos = starts[seq] + torch.arange(seq.shape[0], device=dev) - first_tok[seq]  # [T]
+    return table[seq, pos // page_size], pos % page_size
+
+
+class AttentionBackend:
+    """One object per engine; ``plan`` once per step, ``forward`` once per layer."""
+
+    name = "base"
+
+    @classmethod
+    def check_available(cls, device: str, dtype) -> None:
+        """Raises BackendUnavailable when this backend cannot run on ``device`` with ``dtype``;
+        called before the weights load, so a bad choice fails fast."""
+
+    def __init__(self, kv_cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        self.kv = kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def plan(self, batch: AttentionBatch) -> object:
+        """Builds the step's metadata (index tensors, masks) once; returns it."""
+        raise NotImplementedError
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """Writes k/v into the cache, then attends.
+
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rope applied).
+        Returns [T, num_heads * head_dim].
+        """
+        raise NotImplementedError

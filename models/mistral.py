@@ -1,0 +1,12 @@
+"""Mistral (``MistralForCausalLM``): the Llama architecture without biases, plus sliding-window
+attention when ``sliding_window`` is set (keys more than that many positions back are masked)."""
+
+from __future__ import annotations
+
+from models.registry import register_model
+from models.transformer import CausalLM
+
+
+@register_model("MistralForCausalLM")
+class MistralForCausalLM(CausalLM):
+    pass

@@ -1,0 +1,65 @@
+"""Rotary position embeddings with the scalings found in configs: default, linear, llama3.
+
+The cos/sin table is computed once for every position up to the model's context and indexed by
+position at run time, so a step with mixed prefill chunks and decodes needs one gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pdkv.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Returns inv_freq: shape [head_dim // 2], float32, as transformers computes it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ModelLoadError(f"config.json: rope type '{rope_type}' is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin cache over full head_dim: cos = [c, c], sin = [-s, s], each [max_positions, head_dim],
+    float32, so that rope(x) = x * cos + swap_halves(x) * sin, three ops per call."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
+        super().__init__()
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] → (cos, sin) each [T, 1, head_dim], broadcast over heads."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (rotate-half convention, as Hugging Face Llama); cos/sin: [T, 1, D] from
+    RotaryEmbedding.table. Equals [x1 * c - x2 * s, x2 * c + x1 * s] for x = [x1, x2]."""
+    T, H, D = x.shape
+    swapped = x.reshape(T, H, 2, D // 2).flip(2).reshape(T, H, D)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin)

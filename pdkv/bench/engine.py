@@ -1,0 +1,193 @@
+"""`python -m pdkv.bench engine`: prefill and decode throughput of the pdkv engine against
+Hugging Face `generate` on the same model, prompts and machine, in the same run; plus the floor
+of a decode step (weight bytes over the memory read bandwidth measured now).
+
+Model: a seeded random ~57M-parameter Llama (hidden 512, 8 layers, 8 heads / 2 KV heads,
+intermediate 1536, vocab 32000, float32) written by pdkv.tiny_model unless --model is given.
+Workload per batch size B: B prompts of --prompt-len random tokens, --new-tokens greedy tokens
+each (eos ignored). Prefill tok/s = B * prompt_len / time to every request's first token;
+decode tok/s = B * (new_tokens - 1) / time of the remaining steps. Hugging Face is timed the same
+way inside one `generate` call (a streamer notes the first new token). Each system runs
+``--repeats`` times per batch size, interleaved; the best time of each is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_read_bandwidth(threads: int, nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes/s of reading a buffer larger than any cache, best over 1 thread and ``threads``
+    threads and ``reps`` tries (the best makes the floor strictest)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        x.sum()
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    return nbytes / best
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes a decode step must read: every parameter except the embedding table (only B rows of
+    it are gathered), unless the LM head is tied to it."""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
+    emb = model.model.embed_tokens.weight
+    return total - (0 if model.lm_head is None else emb.numel() * emb.element_size())
+
+
+def bench_pdkv(engine, prompts, new_tokens):
+    from pdkv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    t0 = time.perf_counter()
+    first = set()
+    while len(first) < len(prompts):
+        first.update(o.request_id for o in engine.step())
+    t1 = time.perf_counter()
+    steps = 0
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.output_token_ids
+        steps += 1
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, steps, [outs[f"b{i}"] for i in range(len(prompts))]
+
+
+class _TokenClock:
+    """A transformers streamer that notes when generate emits its first new token, so HF's
+    prefill and decode are split inside one `generate` call, the way ours are."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:  # call 1 is the prompt, call 2 the first sampled token
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def bench_hf(model, prompts, new_tokens, threads):
+    """Returns (seconds to first token, seconds of the remaining tokens, tokens)."""
+    torch.set_num_threads(threads)  # our runner may have left it at 1 after a decode step
+    ids = torch.tensor(prompts)
+    clock = _TokenClock()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
+        end = time.perf_counter()
+    return clock.first - t0, end - clock.first, out[:, ids.shape[1]:].tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pdkv.bench engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a model folder (default: build the 57M bench model)")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layout", default="HND")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="torch threads for both systems (default: the cores this process may use)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per system and batch; best kept")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    ap.add_argument("--out", default="bench-results/engine.json")
+    a = ap.parse_args(argv)
+
+    from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+    from pdkv.engine import LLMEngine
+
+    threads = a.threads
+    torch.set_num_threads(threads)
+    tmp = None
+    if a.model is None:
+        from pdkv.tiny_model import make_tiny_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
+        a.model = str(make_tiny_model(Path(tmp.name) / "bench-57m", hidden_size=512, num_layers=8,
+                                      num_heads=8, num_kv_heads=2, intermediate_size=1536,
+                                      vocab_size=32000, max_position_embeddings=4096, seed=0))
+    sizes = [int(b) for b in a.batch_sizes.split(",")]
+    max_b = max(sizes)
+    num_pages = max_b * (-(-(a.prompt_len + a.new_tokens) // a.page_size)) + 8
+    engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=a.page_size, num_pages=num_pages,
+                                                                layout=a.layout),
+                       SchedulerConfig(max_num_batched_tokens=max_b * a.prompt_len, chunk_size=a.prompt_len,
+                                       max_num_seqs=max_b), num_threads=threads)
+    nparams = sum(p.numel() for p in engine.loaded.model.parameters())
+    bw = measure_read_bandwidth(threads)
+    wbytes = decode_weight_bytes(engine.loaded.model)
+    floor_s = wbytes / bw
+    hf = None
+    if not a.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    bench_pdkv(engine, [[1] * 16], 4)  # warm-up
+    results = []
+    print(f"model {a.model}: {nparams / 1e6:.1f}M params, {threads} threads, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; decode reads {wbytes / 1e6:.0f} MB of weights "
+          f"-> floor {floor_s * 1e3:.2f} ms/step ({1 / floor_s:.1f} steps/s)")
+    for b in sizes:
+        prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
+        # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
+        pre = dec = hpre = hdec = float("inf")
+        for _ in range(a.repeats):
+            p_, d_, steps, ours = bench_pdkv(engine, prompts, a.new_tokens)
+            pre, dec = min(pre, p_), min(dec, d_)
+            if hf is not None:
+                hp_, hd_, theirs = bench_hf(hf, prompts, a.new_tokens, threads)
+                hpre, hdec = min(hpre, hp_), min(hdec, hd_)
+        row = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+               "pdkv_prefill_tok_s": b * a.prompt_len / pre,
+               "pdkv_decode_tok_s": b * (a.new_tokens - 1) / dec,
+               "pdkv_decode_ms_per_step": dec / steps * 1e3,
+               "floor_ms_per_step": floor_s * 1e3}
+        row["decode_step_over_floor"] = row["pdkv_decode_ms_per_step"] / row["floor_ms_per_step"]
+        if hf is not None:
+            row.update({"hf_prefill_tok_s": b * a.prompt_len / hpre,
+                        "hf_decode_tok_s": b * (a.new_tokens - 1) / hdec})
+            row["prefill_ratio"] = row["pdkv_prefill_tok_s"] / row["hf_prefill_tok_s"]
+            row["decode_ratio"] = row["pdkv_decode_tok_s"] / row["hf_decode_tok_s"]
+            row["same_tokens_as_hf"] = sum(x == y for x, y in zip(ours, theirs)) / b
+        results.append(row)
+        line = (f"B={b:>3}  pdkv prefill {row['pdkv_prefill_tok_s']:8.0f} tok/s  decode "
+                f"{row['pdkv_decode_tok_s']:7.1f} tok/s ({row['pdkv_decode_ms_per_step']:.2f} ms/step, "
+                f"{row['decode_step_over_floor']:.2f}x floor)")
+        if hf is not None:
+            line += (f" | HF prefill {row['hf_prefill_tok_s']:8.0f} decode {row['hf_decode_tok_s']:7.1f} | "
+                     f"ratio prefill {row['prefill_ratio']:.2f}x decode {row['decode_ratio']:.2f}x "
+                     f"| same tokens {row['same_tokens_as_hf']:.0%}")
+        print(line, flush=True)
+    report = {"bench": "engine", "model": a.model, "params": nparams, "threads": threads,
+              "torch": torch.__version__, "load_average_1m": os.getloadavg()[0], "machine": platform.machine(), "read_bandwidth_GBps": bw / 1e9,
+              "decode_weight_bytes": wbytes, "results": results}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0

@@ -1,0 +1,76 @@
+"""A request's state machine and the output records the engine returns.
+
+  WAITING ──schedule──► RUNNING ──eos/stop/length──► FINISHED
+     ▲                    │
+     └──── preempted ─────┘ (pages freed; prompt + outputs recomputed later)
+  WAITING_FOR_REMOTE_KV ──remote KV landed──► RUNNING       (disaggregated decode side)
+  any state ──abort──► ABORTED
+
+NOTE: every exit (finish, abort, preemption) frees the request's pages exactly once: the
+scheduler empties ``pages`` in the same call that frees them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdkv.engine.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: object  # pdkv.detokenizer.IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    generator: object = None  # torch.Generator when params.seed is set
+    num_preemptions: int = 0
+    num_returned: int = 0  # output tokens already reported in a RequestOutput
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    output_token_ids: list[int]  # all output tokens so far
+    text: str = ""  # all output text so far (stop-truncated)

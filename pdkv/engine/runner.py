@@ -1,0 +1,79 @@
+"""The model runner: scheduled sequences in, sampled token ids out. The only engine part that
+builds tensors.
+
+Sequences with one new token (decodes, 1-token chunks) go first so the attention backend can run
+them as one batch; logits are computed only for rows that sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from models.attention import AttentionBatch
+from pdkv.engine.sampler import Sampler
+from pdkv.engine.scheduler import ScheduledSeq
+from pdkv.engine.threads import ThreadTuner
+
+
+# Steps with at most this many rows are memory-bound; their thread count is tuned by measuring
+# (see pdkv/engine/threads.py). Larger steps are compute-bound and use every thread.
+SMALL_STEP_TOKENS = 4
+
+
+class ModelRunner:
+    def __init__(self, model, backend, device, sampler: Sampler, num_threads: int | None = None):
+        self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
+        self._hook: Callable[[int], None] | None = None
+        self.num_threads = num_threads or torch.get_num_threads()
+        self.tuner = ThreadTuner(self.num_threads)
+
+    def set_layer_hook(self, fn: Callable[[int], None] | None) -> None:
+        """``fn(layer_idx)`` runs after each layer's o_proj in every forward pass; None: no call."""
+        self._hook = fn
+
+    @staticmethod
+    def _set_threads(n: int) -> None:
+        if torch.get_num_threads() != n:  # asked each step: another user may have changed it
+            torch.set_num_threads(n)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> dict[str, int]:
+        """Runs one forward pass over ``seqs``; returns {request_id: sampled token} for the
+        sequences whose ``sample`` is set."""
+        seqs = sorted(seqs, key=lambda s: len(s.token_ids) != 1)  # stable: decodes first
+        num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
+        ids, positions, q_lens, kv_lens, sample_rows, sampled = [], [], [], [], [], []
+        for s in seqs:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + n))
+            q_lens.append(n)
+            kv_lens.append(s.start_pos + n)
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(s.request)
+        tuned = self.device.type == "cpu" and len(ids) <= SMALL_STEP_TOKENS
+        if self.device.type == "cpu":
+            threads = self.tuner.choose() if tuned else self.num_threads
+            self._set_threads(threads)
+            t0 = time.perf_counter()
+        batch = AttentionBatch(q_lens, kv_lens, [s.request.pages for s in seqs], num_decodes)
+        meta = self.backend.plan(batch)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, self.backend, meta, self._hook)  # [T, H]
+        if not sampled:
+            return {}
+        if len(sample_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [N, V] float32
+        self.last_logits = logits  # kept for tests and debugging (one step's rows only)
+        self.last_sampled_ids = [r.request_id for r in sampled]
+        tokens = self.sampler(logits, sampled)
+        if tuned:
+            # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
+            self.tuner.record(threads, time.perf_counter() - t0)
+        return {r.request_id: t for r, t in zip(sampled, tokens)}

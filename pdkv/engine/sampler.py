@@ -1,0 +1,53 @@
+"""Turns the logits of the sampled rows into token ids: greedy, temperature, top-k, top-p, with a
+per-request generator when the request has a seed (same seed → same tokens, whatever the batch).
+
+Temperature, top-k and top-p are applied to the whole batch at once (one sort at most); only the
+final draw runs per row, because each seeded request owns its generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] float32; temperature, top_p: [N] float; top_k: [N] long (V = off).
+    Returns temperature-scaled logits with -inf outside each row's top-k / top-p set."""
+    V = logits.shape[-1]
+    x = logits / temperature[:, None]
+    if bool((top_k < V).any()):
+        k_max = int(top_k.max())
+        kth = torch.topk(x, k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((top_p < 1.0).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token when the tokens strictly before it already reach top_p (keeps at least one).
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list) -> list[int]:
+        """logits: [N, V] float32, row i for requests[i] → N token ids."""
+        greedy = logits.argmax(-1).tolist()
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not rows:
+            return greedy
+        V = logits.shape[-1]
+        params = [requests[i].params for i in rows]
+        x = filter_logits(
+            logits[rows].float().cpu(),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+        probs = x.softmax(-1)
+        for j, i in enumerate(rows):
+            gen = requests[i].generator if requests[i].generator is not None else self.generator
+            greedy[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+        return greedy

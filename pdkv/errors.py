@@ -1,0 +1,35 @@
+"""pdkv's error types. Each message names what was wrong (a field, a file, a number).
+
+``InvalidRequest`` subclasses ValueError so callers that only know Python's builtins still catch
+it; the server maps it to HTTP 400.
+"""
+
+from __future__ import annotations
+
+
+class PdkvError(Exception):
+    """Base of every error pdkv raises on purpose."""
+
+
+class InvalidRequest(PdkvError, ValueError):
+    """A request (prompt or sampling parameters) that the engine refuses; nothing was changed."""
+
+
+class ModelLoadError(PdkvError, ValueError):
+    """A model folder that cannot be loaded; the message names the file and what is wrong."""
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    """config.json names an architecture no model family implements."""
+
+
+class BackendUnavailable(PdkvError, RuntimeError):
+    """An attention backend was chosen that cannot run here (not installed, no GPU, bad layout)."""
+
+
+class OutOfPages(PdkvError, RuntimeError):
+    """The page allocator cannot hand out the pages asked for; nothing was allocated."""
+
+
+class PageStateError(PdkvError, RuntimeError):
+    """A page was freed twice, or a pinned page was freed without being unpinned first."""

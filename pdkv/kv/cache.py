@@ -1,0 +1,75 @@
+"""The paged KV cache: one tensor per layer, cut into pages of P tokens.
+
+Layouts (per layer):
+  HND  [num_pages, 2, num_kv_heads, P, head_dim]   (default: a head's slice of a page is contiguous,
+                                                    so a tensor-parallel shard moves in one write)
+  NHD  [num_pages, 2, P, num_kv_heads, head_dim]
+Index 0 of dim 1 is K, 1 is V. Page ``p`` of layer ``i`` starts ``p * page_nbytes`` bytes after
+``data_ptr(i)``; the messenger registers the memory and computes write offsets from these.
+
+Memory comes from ``torch.empty`` or from a caller buffer (a uint8 tensor or any object with the
+buffer protocol, e.g. a shared-memory mmap the messenger registered); with a buffer every layer
+tensor is a view into it, layer after layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdkv.config import LAYOUTS
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, layout: str = "HND",
+                 device: str | torch.device = "cpu", buffer=None):
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv_cache.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
+                            ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if int(value) < 1:
+                raise ValueError(f"KVCache: {name} must be >= 1, got {value}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype, self.layout = num_kv_heads, head_dim, dtype, layout
+        if layout == "HND":
+            self.page_shape = (2, num_kv_heads, page_size, head_dim)
+        else:
+            self.page_shape = (2, page_size, num_kv_heads, head_dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.page_nbytes = 2 * num_kv_heads * page_size * head_dim * itemsize
+        self.layer_nbytes = self.page_nbytes * num_pages
+        self.nbytes = self.layer_nbytes * num_layers
+        shape = (num_pages, *self.page_shape)
+        if buffer is None:
+            self._buffer = None
+            self._layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        else:
+            flat = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(buffer, dtype=torch.uint8)
+            flat = flat.reshape(-1).view(torch.uint8)
+            if flat.device.type != torch.device(device).type:
+                raise ValueError(f"KVCache: buffer is on {flat.device}, the cache was asked for {device}")
+            if flat.numel() < self.nbytes:
+                raise ValueError(f"KVCache: buffer holds {flat.numel()} bytes, the cache needs "
+                                 f"{self.nbytes} ({num_layers} layers x {num_pages} pages x "
+                                 f"{self.page_nbytes} bytes)")
+            self._buffer = flat  # NOTE: keeps the caller's memory alive as long as the cache
+            self._layers = [flat[i * self.layer_nbytes:(i + 1) * self.layer_nbytes].view(dtype).view(shape)
+                            for i in range(num_layers)]
+        self.device = self._layers[0].device
+
+    def layer(self, i: int) -> torch.Tensor:
+        """The layer-``i`` tensor, shaped as the layout says (see module docstring)."""
+        return self._layers[i]
+
+    def data_ptr(self, i: int) -> int:
+        """Address of page 0 of layer ``i``."""
+        return self._layers[i].data_ptr()
+
+    def page_offset(self, layer: int, page: int) -> int:
+        """Byte offset of (layer, page) from ``data_ptr(0)`` when built over a caller buffer."""
+        return layer * self.layer_nbytes + page * self.page_nbytes
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, pages={self.num_pages}, P={self.page_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, {self.layout})")

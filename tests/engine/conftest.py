@@ -1,0 +1,30 @@
+"""Fixtures for the engine tests: engines over the session's tiny model, built small."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    """make_engine(path=None, page_size=16, num_pages=256, layout="HND", budget=2048, chunk=512,
+    max_seqs=64, **model_kw) → LLMEngine."""
+    from pdkv.engine import LLMEngine
+
+    def make(path=None, page_size=16, num_pages=256, layout="HND", budget=2048, chunk=512, max_seqs=64,
+             **model_kw):
+        return LLMEngine(ModelConfig(path=str(path or tiny_model_dir), **model_kw),
+                         KVCacheConfig(page_size=page_size, num_pages=num_pages, layout=layout),
+                         SchedulerConfig(max_num_batched_tokens=budget, chunk_size=chunk, max_num_seqs=max_seqs))
+    return make
+
+
+@pytest.fixture(scope="module")
+def base_engine(tiny_model_dir):
+    """One shared engine (page 16, 256 pages) for tests that leave it empty when they finish."""
+    from pdkv.engine import LLMEngine
+
+    return LLMEngine(ModelConfig(path=str(tiny_model_dir)), KVCacheConfig(page_size=16, num_pages=256),
+                     SchedulerConfig())
