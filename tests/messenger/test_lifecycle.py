@@ -20,9 +20,6 @@ def _flood(a, ca, lkey, rkey, n=32, imm=1):
 
 
 def test_close_with_writes_in_flight(spawn, connect, transport):
-    if transport == "verbs":
-        pytest.skip("the loopback verbs device sends inside ibv_post_send (a NIC does not), so a "
-                    "frozen receiver would block the poster itself")
     a, b = spawn(1), spawn(2)
     a.alloc("src", REGION, seed=1)
     b.alloc("dst", REGION)
@@ -39,8 +36,10 @@ def test_close_with_writes_in_flight(spawn, connect, transport):
         assert a.resources() == a.get_baseline()
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
-    # the receiver sees its writer go away, and is still healthy
-    assert any(e[0] == "error" for e in b.wait("error", timeout=10))
+    # the receiver sees its writer go away (tcp: the stream closes; with one-sided RDMA nothing
+    # tells the responder, so liveness comes from the control channel's lease), and is healthy
+    if transport == "tcp":
+        assert any(e[0] == "error" for e in b.wait("error", timeout=10))
     assert b.guards_ok("dst")
     b.close()
     assert b.resources() == b.get_baseline()
