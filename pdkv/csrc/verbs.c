@@ -38,11 +38,19 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+/* Per thread, so the progress thread and a Python thread posting at once don't mix their
+ * reasons (the same rule as tcp.c). */
+static __thread char tls_err[256];
+
+const char *vb_errbuf(void) { return tls_err; }
+void vb_clear_error(void) { tls_err[0] = 0; }
+
 void vb_fail(vb_transport *t, const char *fmt, ...)
 {
     va_list ap;
+    (void)t;
     va_start(ap, fmt);
-    vsnprintf(t->err, sizeof t->err, fmt, ap);
+    vsnprintf(tls_err, sizeof tls_err, fmt, ap);
     va_end(ap);
 }
 
@@ -290,7 +298,7 @@ static int vb_poll(pdkv_transport *base, pdkv_completion *out, int max)
 }
 
 static int vb_event_fd(pdkv_transport *base) { return ((vb_transport *)base)->efd; }
-static const char *vb_last_error(pdkv_transport *base) { return ((vb_transport *)base)->err; }
+static const char *vb_last_error(pdkv_transport *base) { (void)base; return tls_err; }
 
 const pdkv_transport_ops vb_ops = {
     .name = "verbs",

@@ -79,13 +79,14 @@ typedef struct vb_transport {
     int efd, wake_fd;
     pthread_t thread;
     int thread_started, stop;
-    char err[256];
 } vb_transport;
 
 extern const pdkv_transport_ops vb_ops;
 
 /* verbs.c: completions and the progress thread */
 void vb_fail(vb_transport *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *vb_errbuf(void); /* this thread's last failure reason */
+void vb_clear_error(void);
 void vb_push(vb_transport *t, const pdkv_completion *c);
 void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));

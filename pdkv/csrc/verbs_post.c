@@ -112,7 +112,7 @@ void vb_pump(vb_transport *t, vb_conn *c)
             vb_region *r = vb_find_region(t, w[j].lkey);
             if (r && r->inflight)
                 r->inflight--;
-            vb_push_error(t, w[j].wr_id, c->peer, -EIO, "%s", t->err);
+            vb_push_error(t, w[j].wr_id, c->peer, -EIO, "%s", vb_errbuf());
         }
     }
     if (c->broken)

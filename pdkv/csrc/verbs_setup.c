@@ -155,6 +155,7 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
     t->base.ops = &vb_ops;
     t->base.node_id = node_id;
     t->efd = t->wake_fd = -1;
+    vb_clear_error(); /* a reason left by an earlier call on this thread is not ours */
     t->port_num = o && o->port_num ? o->port_num : 1;
     t->qps_per_peer = o && o->qps_per_peer ? o->qps_per_peer : 1;
     pthread_mutex_init(&t->mu, NULL);
@@ -171,9 +172,9 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
                    "is created", o->nics[0]);
     else if (t->qps_per_peer > VB_MAX_QPS)
         vb_fail(t, "verbs: qps_per_peer must be 1..%d, got %u", VB_MAX_QPS, t->qps_per_peer);
-    if (!t->err[0] && !open_resources(t, o) && !vb_start_progress(t))
+    if (!vb_errbuf()[0] && !open_resources(t, o) && !vb_start_progress(t))
         return &t->base;
-    snprintf(err, errlen, "%s", t->err);
+    snprintf(err, errlen, "%s", vb_errbuf());
     vb_destroy(&t->base);
     return NULL;
 }
