@@ -86,6 +86,9 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     attention_cls = Attention
+    # Tensor parallelism (models/parallel.py): sums the row-parallel o_proj / down_proj partial
+    # outputs across ranks, in place. None (one rank): no call.
+    reduce = None
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, attention_cls=Attention):
         super().__init__()
@@ -97,9 +100,14 @@ class DecoderLayer(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, cos, sin, backend, meta, hook) -> torch.Tensor:
         """x: [T, H] residual stream → [T, H]."""
         attn = self.self_attn.forward(layer, self.input_layernorm.forward(x), cos, sin, backend, meta)
+        if self.reduce is not None:
+            attn = self.reduce(attn)
         if hook is not None:
             # NOTE: fires after o_proj, when this layer's K/V are in the cache: the messenger
-            # may post this layer's page writes from here on.
+            # may post this layer's page writes from here on. With tensor parallelism it fires
+            # after the all-reduce, which every rank joins only once it wrote its K/V: every
+            # rank's pages of this layer are final.
             hook(layer)
         x = x + attn
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        mlp = self.mlp.forward(self.post_attention_layernorm.forward(x))
+        return x + (mlp if self.reduce is None else self.reduce(mlp))

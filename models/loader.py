@@ -29,6 +29,9 @@ class LoadedModel:
     hf_config: dict  # config.json as read
     dtype: torch.dtype
     path: Path
+    # With tensor parallelism ``arch`` is this rank's share (heads, intermediate size: what its
+    # modules, KV cache and attention backend are built from) and ``full_arch`` the checkpoint's.
+    full_arch: ArchConfig | None = None
 
 
 def read_json(path: Path) -> dict:
@@ -81,8 +84,11 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None,
-               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """Builds the model for ``path``'s config.json and loads its weights onto ``device``."""
+               progress: Callable[[int, int], None] | None = None, tp=None) -> LoadedModel:
+    """Builds the model for ``path``'s config.json and loads its weights onto ``device``.
+
+    ``tp`` (a models.parallel.TensorParallel): load only this rank's slice of every tensor and
+    all-reduce the row-parallel outputs in the forward pass."""
     from safetensors import safe_open  # noqa: PLC0415
 
     folder = Path(path)
@@ -97,6 +103,15 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
             f"(supported: {', '.join(supported_architectures())})")
     torch_dtype = resolve_dtype(dtype, hf_config)
     files = weight_files(folder)
+    full_arch, layout = arch, None
+    if tp is not None and tp.size > 1:
+        from models.parallel import TPLayout  # noqa: PLC0415
+
+        try:
+            layout = TPLayout(tp.rank, tp.size, full_arch)
+        except ValueError as e:
+            raise ModelLoadError(f"{config_path}: {e}") from None
+        arch = layout.local_arch()
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch.architecture](arch, torch_dtype)
     model = model.to_empty(device=device)
@@ -123,6 +138,11 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                     tensor = handle.get_tensor(name)
                 except Exception as e:
                     raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from e
+                if layout is not None:
+                    try:
+                        tensor = layout.shard_tensor(name, tensor)
+                    except ValueError as e:
+                        raise ModelLoadError(f"{f}: {e}") from None
                 target = params[pname] if rows is None else params[pname][rows]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -140,5 +160,9 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if torch.device(device).type == "cpu":
         transpose_linear_weights(model)
     model.init_rope(max_positions or arch.max_position_embeddings, device)
+    if layout is not None:
+        from models.parallel import attach  # noqa: PLC0415
+
+        attach(model, tp)
     model.eval()
-    return LoadedModel(model, arch, hf_config, torch_dtype, folder)
+    return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch)
