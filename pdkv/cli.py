@@ -1,6 +1,7 @@
 """The ``pdkv`` command line (also ``python -m pdkv``).
 
     pdkv serve  -c configs/colocated.yaml [--set server.port=8001 --set model.path=/models/qwen]
+    pdkv up     -c configs/local-disagg.yaml [--set ...]   # 1 prefill + 1 decode node on loopback
     pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
     pdkv default-model                                     # build the embedded model, print its path
 
@@ -34,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     config_args(serve)
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                        help="log level (default: PDKV_LOG_LEVEL or info)")
+    upp = sub.add_parser("up", help="start a local disaggregated cluster (1 prefill + 1 decode node) and "
+                                     "serve the API until Ctrl-C")
+    config_args(upp)
+    upp.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     show = sub.add_parser("config", help="print the resolved config (after --set) as YAML")
     config_args(show)
     sub.add_parser("default-model", help="build the embedded default model if needed and print its path")
@@ -70,7 +75,12 @@ def load_engine(cfg: Config):
 
     where = cfg.model.path or "the embedded default model"
     log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
-    engine = LLMEngine.from_config(cfg, progress=_progress_bar("loading weights"))
+    kw = {}
+    if cfg.role in ("prefill", "decode"):  # one contiguous KV buffer, registered with the messenger
+        from pdkv.disagg.node import kv_buffer_factory
+
+        kw["kv_buffer"] = kv_buffer_factory(cfg.model.device)
+    engine = LLMEngine.from_config(cfg, progress=_progress_bar("loading weights"), **kw)
     stats = engine.stats()
     log.info("model '%s' ready: max_model_len %d, KV cache %d pages of %d tokens",
              engine.model_name, engine.max_model_len, stats.get("num_pages_total", 0), cfg.kv_cache.page_size)
@@ -80,9 +90,6 @@ def load_engine(cfg: Config):
 def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     cfg = load_config(args.config, args.overrides)
-    if cfg.role != "colocated":
-        raise ConfigError(f"{cfg.source}: role {cfg.role!r} cannot be served yet: the prefill and decode roles "
-                          f"arrive with the disaggregation work; use role: colocated")
     from pdkv.errors import PdkvError
 
     try:
@@ -98,6 +105,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdkv: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    if not args.config:
+        raise ConfigError("pdkv up needs a cluster file: pdkv up -c configs/local-disagg.yaml")
+    from pdkv.disagg.launcher import up
+
+    return up(args.config, args.overrides, args.log_level)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -119,7 +135,7 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "config": cmd_config, "default-model": cmd_default_model}
+    commands = {"serve": cmd_serve, "up": cmd_up, "config": cmd_config, "default-model": cmd_default_model}
     try:
         return commands[args.command](args)
     except ConfigError as e:

@@ -69,6 +69,26 @@ class MessengerConfig:
     nics: tuple[str, ...] = ("auto",)
     num_streams: int = 2
     spin_us: int = 50
+    node_id: int = 0  # 0: a random id per process (each node of a cluster needs a distinct one)
+    # Disaggregation (roles prefill / decode).
+    control_host: str = "127.0.0.1"  # prefill: where the control listener binds
+    control_port: int = 0  # prefill: control listener port (decode nodes dial it); 0: any free port
+    prefill_peers: tuple[str, ...] = ()  # decode: "host:port" of each prefill node's control listener
+    layerwise: bool = True  # stream each layer's pages as it finishes; false: after the forward pass
+    transfer_timeout_s: float = 30.0  # decode: PREFILL sent -> KV landed, else the request fails
+    heartbeat_s: float = 1.0  # control channel heartbeat interval
+    lease_s: float = 5.0  # a peer silent this long is dead: its requests fail, their pages return
+    connect_timeout_s: float = 30.0  # decode: how long to keep dialing a prefill peer at start-up
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Tensor parallelism on one node: rank 0 runs the engine (scheduler, server, messenger) and
+    # starts ranks 1..tp-1 as processes that follow its steps. CPU: gloo, KV in shared memory;
+    # GPU: NCCL, rank r on cuda:(N + r) for model.device cuda:N, KV in cuMem shared with rank 0.
+    tp: int = 1
+    timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
+    startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     messenger: MessengerConfig = field(default_factory=MessengerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = "<defaults>"  # the file this config came from, for error messages
 
 
@@ -285,6 +306,11 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         need(value in choices, name, f"one of {', '.join(choices)}", value)
 
     m, kv, s, sv, ms = cfg.model, cfg.kv_cache, cfg.scheduler, cfg.server, cfg.messenger
+    pc = cfg.parallel
+    need(pc.tp >= 1, "parallel.tp", "a positive integer (tensor-parallel ranks)", pc.tp)
+    need(pc.timeout_s > 0, "parallel.timeout_s", "a positive number of seconds", pc.timeout_s)
+    need(pc.startup_timeout_s > 0, "parallel.startup_timeout_s", "a positive number of seconds",
+         pc.startup_timeout_s)
     one_of("role", cfg.role, ROLES)
     one_of("model.dtype", m.dtype, DTYPES)
     one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
@@ -316,3 +342,21 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
     need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
+    need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)
+    need(0 <= ms.control_port <= 65535, "messenger.control_port", "a TCP port in 0..65535", ms.control_port)
+    for name in ("transfer_timeout_s", "heartbeat_s", "lease_s", "connect_timeout_s"):
+        need(getattr(ms, name) > 0, f"messenger.{name}", "a positive number of seconds", getattr(ms, name))
+    need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
+         f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
+    for peer in ms.prefill_peers:
+        host, _, port = peer.rpartition(":")
+        need(bool(host) and port.isdigit() and 0 < int(port) <= 65535, "messenger.prefill_peers",
+             "a list of host:port (each prefill node's messenger.control_port)", peer)
+    if cfg.role in ("prefill", "decode"):
+        # NOTE: the transports read and write KV pages as host memory; GPU KV caches need GPUDirect
+        # RDMA registration (cuMem export to the NIC), which the disaggregated roles do not do yet.
+        need(m.device == "cpu", "model.device", f"cpu for role {cfg.role} (disaggregated serving moves KV "
+             f"pages from host memory; GPU KV caches are not supported by the messenger yet)", m.device)
+    if cfg.role == "decode":
+        need(bool(ms.prefill_peers), "messenger.prefill_peers",
+             "at least one host:port for role decode (the prefill nodes to use)", list(ms.prefill_peers))

@@ -68,3 +68,39 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     elif cfg.transport == "verbs":
         kwargs.update(nics=list(where.nics))
     return Messenger(cfg.transport, node_id, **kwargs)
+
+
+# ---- the asyncio side: events and connections ----------------------------------------------------
+
+def new_node_id(cfg: MessengerConfig) -> int:
+    """``messenger.node_id`` or, when 0, a random 63-bit id (distinct per process)."""
+    import secrets
+
+    return cfg.node_id or (secrets.randbits(62) | 1)
+
+
+class EventPump:
+    """Delivers a messenger's completion events on an asyncio loop: the messenger's eventfd is
+    watched with ``add_reader`` and each readable edge drains every pending event into
+    ``on_event(event)`` (a ``pdkv._messenger.Event``). No thread, no polling from Python."""
+
+    def __init__(self, messenger, loop, on_event):
+        self.messenger, self.loop, self.on_event = messenger, loop, on_event
+        self._fd = messenger.fileno()
+        loop.add_reader(self._fd, self._ready)
+
+    def _ready(self) -> None:
+        while True:
+            events = self.messenger.drain()
+            for ev in events:
+                try:
+                    self.on_event(ev)
+                except Exception:  # noqa: BLE001 - one bad handler must not stop the others
+                    log.exception("messenger event handler failed for %s", ev)
+            if len(events) < 4096:
+                return
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.loop.remove_reader(self._fd)
+            self._fd = None

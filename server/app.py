@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 CONFIG = web.AppKey("pdkv.config", Config)
 ASYNC_ENGINE = web.AppKey("pdkv.async_engine", AsyncEngine)
 METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
+NODE = web.AppKey("pdkv.node", object)  # the disaggregated node (role prefill/decode), else None
 
 
 def served_model_name(cfg: Config, engine) -> str:
@@ -47,8 +48,10 @@ def _auth_middleware(api_key: str):
     return auth
 
 
-def build_app(cfg: Config, engine) -> web.Application:
-    """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``."""
+def build_app(cfg: Config, engine, node=None) -> web.Application:
+    """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``.
+    ``node``: a pdkv.disagg.node.DecodeNode for role decode (its engine thread admits requests
+    through remote prefill), None for colocated."""
     middlewares = [error_middleware]
     if cfg.server.api_key:
         middlewares.append(_auth_middleware(cfg.server.api_key))
@@ -58,11 +61,15 @@ def build_app(cfg: Config, engine) -> web.Application:
     app[CONFIG] = cfg
     app[MAX_BODY_BYTES] = cfg.server.max_body_bytes
     app[METRICS] = metrics
+    app[NODE] = node
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes)
 
     async def start_engine(app: web.Application) -> None:
-        aengine = AsyncEngine(engine, metrics, asyncio.get_running_loop())
-        aengine.start()
+        if node is not None:
+            aengine = await node.start(metrics, asyncio.get_running_loop())
+        else:
+            aengine = AsyncEngine(engine, metrics, asyncio.get_running_loop())
+            aengine.start()
         app[ASYNC_ENGINE] = aengine
         routes.aengine = aengine
 
@@ -70,12 +77,19 @@ def build_app(cfg: Config, engine) -> web.Application:
         aengine = app.get(ASYNC_ENGINE)
         if aengine is not None:
             await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+        if node is not None:
+            await node.stop()
 
     async def health(request: web.Request) -> web.Response:
         aengine = request.app.get(ASYNC_ENGINE)
         if aengine is None or not aengine.is_alive():
             return error_response("the engine thread is not running", 503)
-        return web.json_response({"status": "ok", "model": name, "role": cfg.role})
+        a = engine.allocator
+        body = {"status": "ok", "model": name, "role": cfg.role, "num_pages_free": a.num_free,
+                "num_pages_total": a.num_total}
+        if node is not None:
+            body.update(node.health())
+        return web.json_response(body)
 
     async def metrics_route(request: web.Request) -> web.Response:
         body, content_type = metrics.render()

@@ -21,8 +21,17 @@ from server.app import build_app, served_model_name
 log = logging.getLogger(__name__)
 
 
-async def _start(cfg: Config, engine) -> tuple[web.AppRunner, int]:
-    app = build_app(cfg, engine)
+async def _start(cfg: Config, engine, node=None) -> tuple[web.AppRunner, int]:
+    if cfg.role == "prefill":
+        from pdkv.disagg.node import build_prefill_app
+
+        app = build_prefill_app(cfg, engine, node)
+    elif cfg.role == "decode":
+        from pdkv.disagg.node import DecodeNode
+
+        app = build_app(cfg, engine, node or DecodeNode(cfg, engine))
+    else:
+        app = build_app(cfg, engine)
     # shutdown_timeout: on SIGINT, in-flight requests get a few seconds to finish, then their
     # handlers are cancelled (which aborts them in the engine) instead of holding the exit for 60 s.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -66,9 +75,12 @@ class ServerThread:
     free port, available as ``srv.port`` once started.
     """
 
-    def __init__(self, cfg: Config, engine):
+    def __init__(self, cfg: Config, engine, node=None):
+        """``node``: for roles prefill/decode, a pdkv.disagg.node.PrefillNode/DecodeNode to use
+        instead of the default one (tests pass nodes on the fault-injecting fake transport)."""
         self.cfg = cfg
         self.engine = engine
+        self.node = node
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -108,7 +120,7 @@ class ServerThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             try:
-                runner, self.port = await _start(self.cfg, self.engine)
+                runner, self.port = await _start(self.cfg, self.engine, self.node)
                 self.app = runner.app
             except BaseException as e:  # noqa: BLE001 - reported to start()
                 self._error = e

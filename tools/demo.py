@@ -1,6 +1,8 @@
-"""``make demo``: start the server on configs/colocated.yaml, stream one answer, stop the server.
+"""``make demo``: start a local disaggregated cluster (``pdkv up -c configs/local-disagg.yaml``:
+one prefill node + one decode node on loopback), stream one answer, stop the cluster.
 
-The server runs as a real subprocess (``python -m pdkv serve``) and the request is real HTTP;
+The cluster runs as real subprocesses (``python -m pdkv up``) and the request is real HTTP to
+the decode node, whose prompt KV is computed by the prefill node and streamed over tcp;
 tokens are printed the moment their Server-Sent Event arrives. The default model has random
 weights, so the words are not meaningful — serve a real folder to read real text:
 ``python tools/demo.py --set model.path=/models/Qwen2.5-0.5B-Instruct``.
@@ -88,22 +90,32 @@ def stream_completion(host: str, port: int, body: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "colocated.yaml"))
+    ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "local-disagg.yaml"),
+                    help="a `pdkv up` cluster file (default: configs/local-disagg.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--prompt", default="Tell me about disaggregated prefill and decode.")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args(argv)
 
-    from pdkv.config import load_config
+    import tempfile
 
-    cfg = load_config(args.config, args.overrides)
-    host, port = cfg.server.host, cfg.server.port
+    from pdkv.disagg.launcher import role_configs
+
     overrides = list(args.overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        roles = role_configs(args.config, overrides, Path(tmp))  # config errors before anything starts
+    cfg = roles["decode"][2]
+    host, port = cfg.server.host, cfg.server.port
     if not port_is_free(host, port):
         port = free_port(host)
         print(f"demo: port {cfg.server.port} is taken; using {port}", flush=True)
         overrides.append(f"server.port={port}")
-    cmd = [sys.executable, "-m", "pdkv", "serve", "-c", args.config] + [a for o in overrides for a in ("--set", o)]
+    p = roles["prefill"][2]
+    if not port_is_free(p.server.host, p.server.port):
+        overrides.append(f"prefill.server.port={free_port(p.server.host)}")
+    if not port_is_free(p.messenger.control_host, p.messenger.control_port):
+        overrides.append(f"prefill.messenger.control_port={free_port(p.messenger.control_host)}")
+    cmd = [sys.executable, "-m", "pdkv", "up", "-c", args.config] + [a for o in overrides for a in ("--set", o)]
     print("demo: starting", " ".join(cmd[1:]), flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
@@ -124,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        print(f"demo: server stopped (status {proc.returncode})")
+        print(f"demo: cluster stopped (status {proc.returncode})")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class Request:
     generator: object = None  # torch.Generator when params.seed is set
     num_preemptions: int = 0
     num_returned: int = 0  # output tokens already reported in a RequestOutput
+    prefill_only: bool = False  # disaggregated prefill: never sampled, pages held after the last chunk
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,12 +27,23 @@ class ModelRunner:
     def __init__(self, model, backend, device, sampler: Sampler, num_threads: int | None = None):
         self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
         self._hook: Callable[[int], None] | None = None
+        # Tensor parallelism: a pdkv.tp.TPLeader that ranks 1.. follow (run_step announces the
+        # forward pass each of them then runs with us); None with one rank.
+        self.followers = None
+        self._hidden_listener: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
 
     def set_layer_hook(self, fn: Callable[[int], None] | None) -> None:
         """``fn(layer_idx)`` runs after each layer's o_proj in every forward pass; None: no call."""
         self._hook = fn
+
+    def set_hidden_listener(self, fn: Callable[[list[ScheduledSeq], torch.Tensor], None] | None) -> None:
+        """``fn(seqs, hidden)`` runs after every forward pass: ``seqs`` in the order of the rows
+        of ``hidden`` [num_tokens, hidden_size] (the final hidden states after the last norm,
+        what the LM head sees; HF's hidden_states[-1]). Disaggregated prefill sends a prompt's
+        last row to the decode node from here; None: no call."""
+        self._hidden_listener = fn
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -64,7 +75,11 @@ class ModelRunner:
         meta = self.backend.plan(batch)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.followers is not None:
+            self.followers.run_step(ids, positions, batch)
         hidden = self.model(input_ids, pos, self.backend, meta, self._hook)  # [T, H]
+        if self._hidden_listener is not None:
+            self._hidden_listener(seqs, hidden)
         if not sampled:
             return {}
         if len(sample_rows) != hidden.shape[0]:

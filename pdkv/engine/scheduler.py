@@ -75,6 +75,23 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
+    def add_prefill(self, req: Request) -> None:
+        """Disaggregated prefill: all of the prompt's pages up front (raises OutOfPages and
+        changes nothing when they are not free), so the request never grows and is never a
+        preemption victim whose pages an in-flight write could still be reading."""
+        req.pages = self.allocator.allocate(self.pages_for(req.num_prompt_tokens))
+        req.prefill_only = True
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def detach(self, req: Request) -> list[int]:
+        """Removes ``req`` from scheduling and hands its pages to the caller WITHOUT freeing
+        them (a remote writer may still write them, or a local write may still read them);
+        the caller frees them exactly once later (LLMEngine.release)."""
+        self._remove(req)
+        pages, req.pages = req.pages, []
+        return pages
+
     # ---- exits (each frees pages exactly once) -----------------------------------------------
     def _release(self, req: Request) -> None:
         pages, req.pages = req.pages, []
@@ -130,7 +147,8 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        return ScheduledSeq(req, req.token_ids(start, start + n), start, start + n == req.num_tokens)
+        last = start + n == req.num_tokens
+        return ScheduledSeq(req, req.token_ids(start, start + n), start, last and not req.prefill_only)
 
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.budget
@@ -151,6 +169,8 @@ class Scheduler:
             i += 1
         # Admit waiting requests only when nothing was preempted this step (it would just thrash).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            # NOTE: a prefill-only request holds all its pages already, so _grow never fails for
+            # it and it never needs a victim (see add_prefill).
             req = self.waiting[0]
             n = self._plan(req, budget)
             if not self._grow(req, n):

@@ -36,9 +36,10 @@ def test_python_dash_m_reports_config_errors_with_status_2():
     assert r.returncode == 2 and "configs/missing.yaml: cannot read config file" in r.stderr
 
 
-def test_disaggregated_roles_are_refused_clearly(capsys):
+def test_decode_role_without_prefill_peers_is_refused_clearly(capsys):
     assert main(["serve", "-c", "configs/colocated.yaml", "--set", "role=decode"]) == 2
-    assert "role 'decode' cannot be served yet" in capsys.readouterr().err
+    assert "configs/colocated.yaml: messenger.prefill_peers must be at least one host:port for role decode" \
+        in capsys.readouterr().err
 
 
 def test_unknown_command_is_an_argparse_error():

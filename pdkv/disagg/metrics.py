@@ -1,0 +1,48 @@
+"""Disaggregation metrics, registered in a node's own Prometheus registry (server.metrics).
+
+Both clocks are the same host's on loopback; across hosts ``exposed transfer`` compares the
+prefill node's wall clock (stamped in DONE_AT) with the decode node's, so it is only as good as
+their clock sync (NTP/PTP): the assumption is documented, not hidden.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_T = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DisaggMetrics:
+    def __init__(self, registry, model_name: str, role: str):
+        lab = ["model_name", "role"]
+
+        def h(name, doc):
+            return Histogram(name, doc, lab, buckets=_T, registry=registry).labels(model_name, role)
+
+        def c(name, doc):
+            return Counter(name, doc, lab, registry=registry).labels(model_name, role)
+
+        def g(name, doc):
+            return Gauge(name, doc, lab, registry=registry).labels(model_name, role)
+
+        self.kv_bytes = c("pdkv_kv_transfer_bytes", "KV-cache and hidden-state bytes sent (prefill) or "
+                                                   "received (decode).")
+        self.transfer_time = h("pdkv_kv_transfer_seconds", "Per request: first write queued (prefill) or "
+                                                          "PREFILL sent (decode) to all writes done / landed.")
+        self.exposed_transfer = h("pdkv_kv_transfer_exposed_seconds", "End of the last prefill forward to "
+                                                                      "the decode node seeing the KV ready.")
+        self.failures = Counter("pdkv_kv_transfer_failures", "Requests whose transfer failed, by reason.",
+                                lab + ["reason"], registry=registry)
+        self._lab = (model_name, role)
+        self.queue_admission = h("pdkv_queue_admission_seconds", "Decode: arrival to pages reserved.")
+        self.queue_prefill = h("pdkv_queue_prefill_seconds", "Prefill: PREFILL received to first chunk "
+                                                             "computed (queue wait on the prefill node).")
+        self.ttft_transfer = h("pdkv_ttft_remote_seconds", "Decode: PREFILL sent to the KV landed (prefill "
+                                                           "queue + compute + transfer, as seen by decode).")
+        self.pages_pinned = g("pdkv_kv_pages_pinned_remote", "Pages reserved for remote writes or held "
+                                                            "until a peer quiesced.")
+        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error"):
+            self.failures.labels(*self._lab, reason)
+
+    def failed(self, reason: str) -> None:
+        self.failures.labels(*self._lab, reason).inc()

@@ -1,0 +1,92 @@
+"""In-process disaggregated clusters: a prefill node and a decode node on loopback (tcp), each an
+aiohttp app on its own thread with its own engine and messenger (real sockets, real HTTP)."""
+from __future__ import annotations
+
+from server.app import NODE
+
+import dataclasses
+
+import pytest
+
+from pdkv.config import config_from_dict
+
+
+def node_config(model_dir, role: str, **over):
+    """A small config for ``role``; ``over``: dotted overrides like messenger__lease_s=2."""
+    d = {"role": role, "model": {"path": str(model_dir)},
+         "kv_cache": {"page_size": 4, "num_pages": 64},
+         "scheduler": {"max_num_batched_tokens": 64, "chunk_size": 16, "max_num_seqs": 8},
+         "server": {"port": 0},
+         "messenger": {"heartbeat_s": 0.2, "lease_s": 1.5, "transfer_timeout_s": 20.0,
+                       "connect_timeout_s": 10.0}}
+    for k, v in over.items():
+        sec, _, name = k.partition("__")
+        d.setdefault(sec, {})[name] = v
+    return config_from_dict(d)
+
+
+def make_engine(cfg):
+    from pdkv.disagg.node import kv_buffer_factory
+    from pdkv.engine import LLMEngine
+
+    return LLMEngine.from_config(cfg, kv_buffer=kv_buffer_factory("cpu"), num_threads=1)
+
+
+class Cluster:
+    """prefill + decode ServerThreads; ``.url`` is the decode node's API."""
+
+    def __init__(self, model_dir, prefill_over=None, decode_over=None, prefill_faults=()):
+        """``prefill_faults``: (kind, first, count, delay_us) applied to the prefill node's writes;
+        given, both nodes run on the FAKE in-process transport (fault injection), else on tcp."""
+        from pdkv.disagg.node import DecodeNode, PrefillNode
+        from server.runner import ServerThread
+
+        pfactory = dfactory = None
+        if prefill_faults:
+            from pdkv._messenger import Messenger
+
+            def pfactory(cfg, node_id):
+                m = Messenger("fake", node_id)
+                for f in prefill_faults:
+                    m.add_fault(*f)
+                return m
+
+            def dfactory(cfg, node_id):
+                return Messenger("fake", node_id)
+
+        pcfg = node_config(model_dir, "prefill", **(prefill_over or {}))
+        self.prefill_engine = make_engine(pcfg)
+        self.prefill = ServerThread(pcfg, self.prefill_engine,
+                                    PrefillNode(pcfg, self.prefill_engine, pfactory)).start()
+        port = self.prefill.app[NODE].control_port
+        dcfg = node_config(model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{port}"],
+                           **(decode_over or {}))
+        self.decode_engine = make_engine(dcfg)
+        self.decode = ServerThread(dcfg, self.decode_engine,
+                                   DecodeNode(dcfg, self.decode_engine, messenger_factory=dfactory)).start()
+        self.url = self.decode.url
+        self.coordinator = self.decode.app[NODE].coordinator
+
+    def stop(self):
+        self.decode.stop()
+        self.prefill.stop()
+
+    def model_name(self) -> str:
+        import json
+        import urllib.request
+
+        return json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][0]["id"]
+
+    def pools_full(self) -> bool:
+        a, b = self.prefill_engine.allocator, self.decode_engine.allocator
+        return a.num_free == a.num_total and b.num_free == b.num_total
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.02)

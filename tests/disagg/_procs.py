@@ -1,0 +1,79 @@
+"""Nodes as child processes (``python -m pdkv serve``), for tests that kill them or that need
+the loopback verbs device (LD_LIBRARY_PATH only in the children)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProc:
+    def __init__(self, tmp: Path, name: str, cfg: dict, env_extra: dict | None = None):
+        self.port = cfg["server"]["port"]
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        env = dict(os.environ)
+        env.pop("LD_LIBRARY_PATH", None)
+        env.update(env_extra or {})
+        self.log = open(tmp / f"{name}.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdkv", "serve", "-c", str(path), "--log-level",
+                                      "warning"], cwd=str(ROOT), env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = tmp / f"{name}.log"
+
+    def wait_healthy(self, timeout: float = 60.0) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                return json.loads(urllib.request.urlopen(self.url + "/health", timeout=2).read())
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"node not healthy in {timeout} s: {self.log_path.read_text()[-2000:]}")
+
+    def health(self) -> dict:
+        return json.loads(urllib.request.urlopen(self.url + "/health", timeout=5).read())
+
+    def signal(self, sig) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def node_dict(model_dir, role: str, *, port: int, control_port: int = 0, peers=(), transport: str = "tcp",
+              nics=None, page_size: int = 4, num_pages: int = 64, chunk: int = 16) -> dict:
+    m = {"transport": transport, "heartbeat_s": 0.2, "lease_s": 1.5, "transfer_timeout_s": 20.0,
+         "connect_timeout_s": 20.0, "control_port": control_port, "prefill_peers": list(peers)}
+    if nics:
+        m["nics"] = list(nics)
+    return {"role": role, "model": {"path": str(model_dir)},
+            "kv_cache": {"page_size": page_size, "num_pages": num_pages},
+            "scheduler": {"max_num_batched_tokens": 64, "chunk_size": chunk, "max_num_seqs": 8},
+            "server": {"port": port}, "messenger": m}

@@ -1,0 +1,164 @@
+"""Greedy tokens through prefill + decode (tcp, layer-wise) equal the colocated engine's, and the
+hidden state the prefill node sends equals the colocated one at the same position."""
+from __future__ import annotations
+
+from server.app import NODE
+
+import json
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from _cluster import Cluster, make_engine, node_config
+from pdkv.disagg.writes import pages_to_send
+from pdkv.engine import SamplingParams
+
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 5, 13, 21, 40)] + [[7] * 9, list(range(100, 131))]
+
+
+def _colocated(model_dir):
+    """Reference tokens and final hidden states at position len(prompt) - 2."""
+    cfg = node_config(model_dir, "colocated")
+    eng = make_engine(cfg)
+    want_hidden = {}
+
+    def listen(seqs, hidden):
+        row = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            target = s.request.num_prompt_tokens - 2
+            if s.start_pos <= target < s.start_pos + n:
+                want_hidden[tuple(s.request.prompt_token_ids)] = hidden[row + target - s.start_pos].clone()
+            row += n
+    eng.runner.set_hidden_listener(listen)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 6 for o in outs)
+    # the text of the same incremental detokenizer the server uses (token ids do not cross the API)
+    return [(o.output_token_ids, o.text) for o in outs], want_hidden
+
+
+def _complete(url, name, prompt, results, i):
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        results[i] = json.loads(r.read())
+
+
+def test_pages_to_send_covers_each_page_once_whatever_the_chunking():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, p = int(rng.integers(1, 60)), int(rng.choice([1, 2, 4, 8, 16]))
+        sent, start = [], 0
+        while start < n:
+            k = int(rng.integers(1, n - start + 1))
+            sent.extend(pages_to_send(start, k, p, start + k == n))
+            start += k
+        assert sent == list(range(-(-n // p))), (n, p, sent)
+
+
+@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (8, False)])
+def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwise):
+    want_tokens, want_hidden = _colocated(tiny_model_dir)
+    over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise}
+    c = Cluster(tiny_model_dir, prefill_over=over)
+    try:
+        name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
+        results = [None] * len(PROMPTS)
+        threads = [threading.Thread(target=_complete, args=(c.url, name, p, results, i))
+                   for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        got = [None if r is None else r["usage"] for r in results]
+        assert all(r is not None for r in results), got
+        assert [r["usage"]["completion_tokens"] for r in results] == [6] * len(PROMPTS)
+        assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
+        # the hidden state that arrived (one per remote request; a 2-token prompt sends 1 row)
+        hs = c.coordinator.hidden_states
+        assert len(hs) == len(PROMPTS)
+        by_prompt = {}
+        for r, p in zip(results, PROMPTS):
+            by_prompt[tuple(p)] = hs[r["id"] + "-0"]
+        for p in PROMPTS:
+            torch.testing.assert_close(by_prompt[tuple(p)], want_hidden[tuple(p)], rtol=1e-4, atol=1e-5)
+        # the writes were driven by the layer counter: every forward moved it by num_layers
+        pc = c.prefill.app[NODE].coordinator
+        L = c.prefill_engine.kv.num_layers
+        per_step = L if layerwise else L + 1  # after-forward: one more bump when the forward returned
+        assert pc.counter.value() % per_step == 0 and pc.counter.value() > 0
+        st = pc.m.stats()
+        pages = sum(-(-(len(p) - 1) // 4) for p in PROMPTS)
+        assert st["queued"] == 0
+        # every page once per layer, plus one hidden-state row per request: nothing more, nothing less
+        assert st["writes_posted"] == st["writes_done"] == pages * L + len(PROMPTS)
+        assert c.decode.app[NODE].messenger.stats()["imms"] == pages * L + len(PROMPTS)
+        # metrics on both sides: bytes moved agree; every request's exposed transfer was measured
+        def metric(url, name):
+            text = urllib.request.urlopen(url + "/metrics").read().decode()
+            return [float(x.split()[-1]) for x in text.splitlines() if x.startswith(name)]
+        kv_bytes = c.prefill_engine.kv.page_nbytes * pages * L + len(PROMPTS) * 64 * 4
+        assert metric(c.prefill.url, "pdkv_kv_transfer_bytes_total") == [kv_bytes]
+        assert metric(c.url, "pdkv_kv_transfer_bytes_total") == [kv_bytes]
+        assert metric(c.url, "pdkv_kv_transfer_exposed_seconds_count") == [len(PROMPTS)]
+        assert metric(c.url, "pdkv_queue_admission_seconds_count") == [len(PROMPTS)]
+        assert metric(c.prefill.url, "pdkv_queue_prefill_seconds_count") == [len(PROMPTS)]
+    finally:
+        c.stop()
+    assert c.prefill_engine.allocator.num_free == c.prefill_engine.allocator.num_total
+    assert c.decode_engine.allocator.num_free == c.decode_engine.allocator.num_total
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_layer_writes_post_while_later_layers_compute(tiny_model_dir, layerwise):
+    """The C poller posts layer l's pages as soon as the runner's hook bumped the counter past
+    layer l, during the forward pass; in after-forward mode nothing leaves before it returns."""
+    import time
+
+    c = Cluster(tiny_model_dir, prefill_over={"messenger__layerwise": layerwise, "scheduler__chunk_size": 64})
+    try:
+        peng = c.prefill_engine
+        pc = c.prefill.app[NODE].coordinator
+        hook, seen = peng.runner._hook, []
+
+        def slow_hook(layer):  # FAULT INJECTION: a slow layer, so the poller's timing is visible
+            hook(layer)
+            time.sleep(0.05)
+            seen.append((layer, pc.m.stats()["posted_batches"]))
+        peng.runner.set_layer_hook(slow_hook)
+        body = json.dumps({"model": c.model_name(), "prompt": list(range(3, 30)), "max_tokens": 1}).encode()
+        urllib.request.urlopen(urllib.request.Request(c.url + "/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=30).read()
+        L = peng.kv.num_layers
+        assert [layer for layer, _ in seen] == list(range(L))
+        if layerwise:  # layer 0's pages left while layer 1.. were still computing
+            assert [n for _, n in seen] == list(range(1, L + 1)), seen
+        else:
+            assert all(n == 0 for _, n in seen), seen
+        assert pc.m.stats()["posted_batches"] == L
+    finally:
+        c.stop()
+
+
+def test_decode_admission_waits_for_pages(tiny_model_dir):
+    """A decode pool that holds one request at a time: the others wait in the admission queue
+    (nothing fails) and every answer still equals the colocated one."""
+    want, _ = _colocated(tiny_model_dir)
+    c = Cluster(tiny_model_dir, decode_over={"kv_cache__num_pages": 16})  # 64 tokens: one 46-token request
+    try:
+        name = c.model_name()
+        results = [None] * len(PROMPTS)
+        threads = [threading.Thread(target=_complete, args=(c.url, name, p, results, i))
+                   for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want
+    finally:
+        c.stop()
+    assert c.pools_full()

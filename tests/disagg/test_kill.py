@@ -1,0 +1,177 @@
+"""Peers that die: a prefill node SIGKILLed while a decode node waits for its KV, a decode node
+SIGKILLed while the prefill node streams its pages. The survivor fails only the affected
+requests (clearly), returns every page, and keeps serving."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from _cluster import Cluster, make_engine, node_config, wait_for
+from _procs import NodeProc, free_port, node_dict
+from pdkv.disagg.node import DecodeNode
+from server.app import NODE
+from server.runner import ServerThread
+
+
+def _post(url, body, timeout=30):
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path):
+    cport = free_port()
+    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport))
+    try:
+        pre.wait_healthy()
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
+                           messenger__lease_s=30.0)  # the death is seen by the broken connection
+        eng = make_engine(dcfg)
+        with ServerThread(dcfg, eng) as dec:
+            coord = dec.app[NODE].coordinator
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            pre.signal(signal.SIGSTOP)
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("r", _post(dec.url, {
+                "model": name, "prompt": list(range(5, 40)), "max_tokens": 4})))
+            t.start()
+            wait_for(lambda: coord.slots, 10, "PREFILL sent")
+            assert eng.allocator.num_free < eng.allocator.num_total
+            t0 = time.monotonic()
+            pre.signal(signal.SIGKILL)
+            t.join(20)
+            status, body = box["r"]
+            assert time.monotonic() - t0 < 5
+            assert status == 500 and "prefill node died" in body["error"]["message"], body
+            wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
+            health = json.loads(urllib.request.urlopen(dec.url + "/health").read())
+            assert health["prefill_peers"][0]["connected"] is False
+            # a prompt of one token never needs a prefill node; longer ones get a clear error
+            assert _post(dec.url, {"model": name, "prompt": [5], "max_tokens": 2})[0] == 200
+            status, body = _post(dec.url, {"model": name, "prompt": [5, 6, 7], "max_tokens": 2})
+            assert status == 500 and "no prefill node is connected" in body["error"]["message"]
+    finally:
+        pre.stop()
+
+
+def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
+    pcfg = node_config(tiny_model_dir, "prefill", messenger__lease_s=30.0)
+    peng = make_engine(pcfg)
+    with ServerThread(pcfg, peng) as pre:
+        pnode = pre.app[NODE]
+        hook = peng.runner._hook
+        # FAULT INJECTION (slow prefill): 20 ms per layer, so the kill lands mid-stream
+        peng.runner.set_layer_hook(lambda layer: (time.sleep(0.02), hook(layer)))
+        dec = NodeProc(tmp_path, "decode", node_dict(tiny_model_dir, "decode", port=free_port(),
+                                                     peers=[f"127.0.0.1:{pnode.control_port}"], chunk=8))
+        try:
+            dec.wait_healthy()
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            def doomed():  # its server is killed under it
+                try:
+                    _post(dec.url, {"model": name, "prompt": list(range(5, 150)), "max_tokens": 4}, 10)
+                except OSError:
+                    pass
+            threading.Thread(target=doomed, daemon=True).start()
+            coord = pnode.coordinator
+            wait_for(lambda: any(j.num_writes for j in list(coord.jobs.values())), 20, "writes streaming")
+            dec.signal(signal.SIGKILL)
+            wait_for(lambda: peng.allocator.num_free == peng.allocator.num_total and not coord.jobs, 10,
+                     "prefill pool full")
+        finally:
+            dec.stop()
+        peng.runner.set_layer_hook(hook)
+        # the prefill node still serves a new decode node
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"])
+        with ServerThread(dcfg, make_engine(dcfg)) as d2:
+            name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
+            status, body = _post(d2.url, {"model": name, "prompt": list(range(5, 30)), "max_tokens": 3})
+            assert status == 200, body
+
+
+def test_handshake_refuses_a_different_page_size_or_model(tiny_model_dir, tmp_path):
+    import pytest
+
+    from pdkv.control import HandshakeRefused
+    from pdkv.tiny_model import make_tiny_model
+
+    c = Cluster(tiny_model_dir)
+    try:
+        port = c.prefill.app[NODE].control_port
+        for model, over, word in ((tiny_model_dir, {"kv_cache__page_size": 8}, "page_size"),
+                                  (make_tiny_model(tmp_path / "other", hidden_size=32), {}, "model_fingerprint")):
+            dcfg = node_config(model, "decode", messenger__prefill_peers=[f"127.0.0.1:{port}"], **over)
+            eng = make_engine(dcfg)
+            with pytest.raises(HandshakeRefused) as e:
+                ServerThread(dcfg, eng, DecodeNode(dcfg, eng)).start()
+            assert word in str(e.value), e.value
+            assert eng.allocator.num_free == eng.allocator.num_total
+        # the prefill node is unharmed
+        assert _post(c.url, {"model": c.model_name(), "prompt": list(range(5, 20)), "max_tokens": 3})[0] == 200
+    finally:
+        c.stop()
+
+
+def test_client_leaves_while_prefill_is_frozen_pages_wait_for_the_ack(tiny_model_dir, tmp_path):
+    """A frozen (SIGSTOPped) prefill node may still write: the decode node keeps the pages of a
+    request whose client left until the thawed prefill node acknowledged the CANCEL."""
+    import socket
+
+    cport = free_port()
+    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport))
+    try:
+        pre.wait_healthy()
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
+                           messenger__lease_s=30.0)
+        eng = make_engine(dcfg)
+        with ServerThread(dcfg, eng) as dec:
+            coord = dec.app[NODE].coordinator
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            pre.signal(signal.SIGSTOP)
+            raw = json.dumps({"model": name, "prompt": list(range(5, 40)), "max_tokens": 4}).encode()
+            s = socket.create_connection(("127.0.0.1", dec.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            wait_for(lambda: coord.slots, 10, "PREFILL sent")
+            s.close()
+            wait_for(lambda: eng.num_held_pages > 0, 5, "pages quarantined")
+            time.sleep(1.0)
+            assert eng.num_held_pages > 0  # NOTE: never reused while the peer may still write them
+            pre.signal(signal.SIGCONT)
+            wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
+            wait_for(lambda: pre.health()["num_pages_free"] == pre.health()["num_pages_total"], 10,
+                     "prefill pool full")
+            assert _post(dec.url, {"model": name, "prompt": list(range(5, 20)), "max_tokens": 2})[0] == 200
+    finally:
+        pre.stop()
+
+
+def test_frozen_prefill_past_its_lease_is_dead(tiny_model_dir, tmp_path):
+    """A prefill node silent for messenger.lease_s is declared dead: its waiting request fails
+    clearly, the data connection is torn down, then the pages return."""
+    cport = free_port()
+    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport))
+    try:
+        pre.wait_healthy()
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
+                           messenger__lease_s=1.0, messenger__heartbeat_s=0.2)
+        eng = make_engine(dcfg)
+        with ServerThread(dcfg, eng) as dec:
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            pre.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            status, body = _post(dec.url, {"model": name, "prompt": list(range(5, 40)), "max_tokens": 4})
+            assert status == 500 and "prefill node died" in body["error"]["message"], body
+            assert "lease 1.0 s" in body["error"]["message"]
+            assert time.monotonic() - t0 < 5
+            wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
+    finally:
+        pre.stop()
