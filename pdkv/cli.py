@@ -76,7 +76,8 @@ def load_engine(cfg: Config):
     where = cfg.model.path or "the embedded default model"
     log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
     kw = {}
-    if cfg.role in ("prefill", "decode"):  # one contiguous KV buffer, registered with the messenger
+    # one contiguous KV buffer, registered with the messenger (with tp > 1 pdkv.tp makes every rank's)
+    if cfg.role in ("prefill", "decode") and cfg.parallel.tp == 1:
         from pdkv.disagg.node import kv_buffer_factory
 
         kw["kv_buffer"] = kv_buffer_factory(cfg.model.device)

@@ -28,8 +28,9 @@ import torch
 from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.prefill_engine import PrefillEngineSide
+from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
-from pdkv.shard import plan_transfers
+from pdkv.shard import ShardPlan, request_seed
 
 log = logging.getLogger(__name__)
 NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per request finishing a prefill)
@@ -41,10 +42,11 @@ class Link:
 
     channel: ControlChannel
     conn: int
-    kv_rkey: int
+    kv_rkeys: list[int]  # the decode node's KV region key per decode rank
     hidden_rkey: int
     dst: Geometry
     hidden_nbytes: int
+    plan: ShardPlan  # this node's ShardSpec -> the decode node's (agreed in the handshake)
     jobs: dict = field(default_factory=dict)  # req id -> Job
     dead: bool = False
 
@@ -60,6 +62,7 @@ class Job:
     hidden_off: int
     tag: int
     arrival: float
+    seed: int = 0  # replica assignment (pdkv.shard.request_seed of the decode node's request id)
     outstanding: int = 0  # batches queued/posted, not yet batch_done (under Prefill.lock)
     num_writes: int = 0  # queued or posted
     num_ok: int = 0  # completed locally without error: they landed or will land (what CANCEL_ACK reports)
@@ -80,10 +83,8 @@ class PrefillCoordinator(PrefillEngineSide):
 
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        kv = engine.kv
-        self.src = Geometry.of(kv)
-        self.plan = plan_transfers(1, 1, P.kv_geometry(engine))
-        self.kv_key = messenger.register_address(kv.data_ptr(0), kv.nbytes)
+        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self.src = self.kv.geometry
         hidden = int(engine.loaded.arch.hidden_size)
         self.staging = torch.zeros(NUM_HIDDEN_STAGING, hidden, dtype=engine.loaded.dtype)
         self.hidden_nbytes = hidden * self.staging.element_size()
@@ -133,9 +134,15 @@ class PrefillCoordinator(PrefillEngineSide):
     async def _accept(self, reader, writer) -> None:
         try:
             ch = await ControlChannel.accept(reader, writer, self.hello, self.mcfg.connect_timeout_s)
+            try:
+                plan = plan_link(self.kv.spec, "prefill", ch.peer.extra)
+            except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
+                await ch.send({"type": P.REFUSE, "reason": str(e)})
+                raise
             msg = await ch.recv()
             if msg["type"] != P.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
+            rkeys = check_keys(plan, msg.get("kv_keys", [msg["kv_key"]]))
             conn, info = self.m.prepare(ch.peer.node_id)
             self.m.complete(conn, msg["info"])
             await ch.send({"type": P.CONNECTED, "info": info})
@@ -144,10 +151,11 @@ class PrefillCoordinator(PrefillEngineSide):
             writer.close()
             return
         ex = ch.peer.extra
-        link = Link(ch, conn, msg["kv_key"], msg["hidden_key"],
-                    Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes)
+        link = Link(ch, conn, rkeys, msg["hidden_key"],
+                    Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
         self.links.append(link)
-        log.info("prefill: decode node %#x connected", ch.peer.node_id)
+        log.info("prefill: decode node %#x connected (prefill tp=%d -> decode tp=%d)", ch.peer.node_id,
+                 plan.prefill.tp, plan.decode.tp)
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(link, r))
         try:
             while not link.dead:
@@ -160,7 +168,7 @@ class PrefillCoordinator(PrefillEngineSide):
         if kind == P.PREFILL:
             job = Job(f"{link.channel.peer.node_id:x}:{msg['req']}", msg["req"], link, list(msg["tokens"]),
                       np.asarray(msg["pages"], dtype=np.int64), int(msg["imm"]), int(msg["hidden_off"]),
-                      next(self._tags), time.perf_counter())
+                      next(self._tags), time.perf_counter(), int(msg.get("seed", request_seed(msg["req"]))))
             link.jobs[job.req] = job
             self.jobs[job.key] = job
             self._by_tag[job.tag] = job

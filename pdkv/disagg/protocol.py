@@ -2,9 +2,11 @@
 
 Messages (msgpack maps over pdkv.control, after HELLO):
 
-  decode -> prefill  CONNECT{info, kv_key, hidden_key}     data-path set-up (prepare/complete)
-  prefill -> decode  CONNECTED{info}
-  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected}
+  decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
+                     kv_keys: one region key per decode rank (kv_key = kv_keys[0])
+  prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
+  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed}
+                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req))
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)
@@ -18,10 +20,12 @@ pages (on tcp a write completes locally once it is in the kernel, before it land
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdkv.control import Hello, model_fingerprint
 from pdkv.shard import KVGeometry
 
-CONNECT, CONNECTED = "CONNECT", "CONNECTED"
+CONNECT, CONNECTED, REFUSE = "CONNECT", "CONNECTED", "REFUSE"
 PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT = "PREFILL", "CANCEL", "CANCEL_ACK", "FAIL", "DONE_AT"
 
 
@@ -35,16 +39,39 @@ def kv_geometry(engine) -> KVGeometry:
                       dtype=dtype_name(engine), layout=kv.layout)
 
 
+# What ``parallel`` must equal on both sides: the TP degrees may differ (the shard plan bridges
+# them, pdkv/disagg/sharded.py), the way KV moves between them may not.
+PARALLEL = {"kv_transfer": "pdkv.shard/1"}
+
+
+def checkpoint_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's full shape (safetensors headers only), whatever this node's TP
+    degree: rank 0's parameters are its slice, so they cannot identify the model across TP."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from models.loader import weight_files  # noqa: PLC0415
+
+    shapes = {}
+    for f in weight_files(Path(engine.loaded.path)):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
 def make_hello(engine, node_id: int, role: str, transport: str) -> Hello:
-    """What this node tells its peer. Model, dtype, layout, page size and TP plan must match
+    """What this node tells its peer. Model, dtype, layout and page size must match
     (pdkv.control refuses naming every difference); ``extra`` carries this side's KV byte
-    layout, which may differ (each side sizes its own pool)."""
-    shapes = {n: tuple(p.shape) for n, p in engine.loaded.model.named_parameters()}
+    layout, which may differ (each side sizes its own pool), and its ShardSpec (``shard``: the
+    TP degree; the two sides' specs make the link's plan, pdkv/disagg/sharded.py)."""
+    from pdkv.tp import shard_spec  # noqa: PLC0415
+
     kv = engine.kv
-    return Hello(node_id=node_id, role=role, model_fingerprint=model_fingerprint(engine.config, shapes),
+    return Hello(node_id=node_id, role=role,
+                 model_fingerprint=model_fingerprint(engine.config, checkpoint_shapes(engine)),
                  dtype=dtype_name(engine), kv_layout=kv.layout, page_size=kv.page_size,
-                 parallel={"tp": 1}, transport={"name": transport},
+                 parallel=dict(PARALLEL), transport={"name": transport},
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),
-                        "model_name": engine.model_name})
+                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire()})

@@ -5,7 +5,8 @@ chunks. A page is sent once it is COMPLETE: after the chunk that fills it, or, f
 final partial page, after the last chunk. So each page goes exactly once per layer whatever the
 chunking, and the decode side's expected count is a function of the page count alone:
 
-    expected = writes_per_page (shard plan) x num_pages x num_layers + 1 (the hidden state)
+    expected = sum(writes_per_page) (shard plan, all decode ranks) x num_pages x num_layers
+               + 1 (the hidden state)
 
 Layer-wise: layer ``l`` of a forward pass that starts with the layer counter at ``base`` is
 queued with target ``base + l + 1``; the C poller posts it as soon as the model runner's hook has
@@ -48,8 +49,9 @@ class Geometry:
 
 
 def expected_writes(plan: ShardPlan, num_pages: int, num_layers: int) -> int:
-    """What the decode node counts for one request: page writes plus one hidden-state write."""
-    return plan.expected_writes(0, num_pages, num_layers) + 1
+    """What the decode node counts for one request: page writes to all its ranks plus one
+    hidden-state write (rank 0's). Every write carries the request's immediate."""
+    return plan.expected_writes_total(num_pages, num_layers) + 1
 
 
 class QueueError(RuntimeError):
@@ -61,29 +63,39 @@ class QueueError(RuntimeError):
         self.num_batches = num_batches
 
 
-def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int, lkey: int, rkey: int,
-                src: Geometry, dst: Geometry, plan: ShardPlan, src_pages: np.ndarray,
-                dst_pages: np.ndarray, imm: int, tag: int) -> tuple[int, int]:
+def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int, lkeys: list[int],
+                rkeys: list[int], src: Geometry, dst: Geometry, plan: ShardPlan, seed: int,
+                src_pages: np.ndarray, dst_pages: np.ndarray, imm: int, tag: int) -> tuple[int, int]:
     """Queue one chunk's page writes, layer by layer, on the counter ``watch``.
 
-    src_pages, dst_pages: int64 [n] page ids on each side. Returns (batches queued, writes).
-    NOTE: TP1 -> TP1 for now (prefill rank 0 -> decode rank 0); the plan's segments already
-    describe any ratio, the other ranks' regions are what a TP node would add."""
+    For each (prefill rank p, decode rank d) pair of the request's replica assignment
+    (``plan.active_pairs(seed)``), each of the pair's segments is one batch: every page of the
+    chunk, from region ``lkeys[p]`` (this node's rank p) to region ``rkeys[d]`` (the decode
+    node's rank d). Every rank's page p of layer l sits at the same offset of its own region
+    (all ranks have the same pages and shapes), so ``src``/``dst`` describe every region.
+    src_pages, dst_pages: int64 [n] page ids on each side. Returns (batches queued, writes)."""
     if len(src_pages) == 0:
         return 0, 0
-    segments = plan.segments(0, 0)
+    pairs = plan.active_pairs(seed)
     num_batches = num_writes = 0
     for layer in range(src.num_layers):
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
-        for seg in segments:
-            try:
-                messenger.queue_pages(watch, target, conn, lkey, rkey, src_pages, dst_pages,
-                                      seg_len=seg.length, src_page_stride=src.page_nbytes,
-                                      dst_page_stride=dst.page_nbytes,
-                                      src_off=layer * src.layer_nbytes + seg.src_offset,
-                                      dst_off=layer * dst.layer_nbytes + seg.dst_offset, imm=imm, tag=tag)
-            except Exception as e:  # noqa: BLE001
-                raise QueueError(num_batches, e) from e
-            num_batches += 1
-            num_writes += len(src_pages)
+        for pair in pairs:
+            lkey, rkey = lkeys[pair.prefill_rank], rkeys[pair.decode_rank]
+            for seg in pair.segments:
+                try:
+                    messenger.queue_pages(watch, target, conn, lkey, rkey, src_pages, dst_pages,
+                                          seg_len=seg.length, src_page_stride=src.page_nbytes,
+                                          dst_page_stride=dst.page_nbytes,
+                                          src_off=layer * src.layer_nbytes + seg.src_offset,
+                                          dst_off=layer * dst.layer_nbytes + seg.dst_offset, imm=imm, tag=tag)
+                except Exception as e:  # noqa: BLE001
+                    raise QueueError(num_batches, e) from e
+                num_batches += 1
+                num_writes += len(src_pages)
     return num_batches, num_writes
+
+
+def batches_per_layer(plan: ShardPlan, seed: int) -> int:
+    """How many batches queue_chunk queues per layer for the request with ``seed``."""
+    return sum(len(pair.segments) for pair in plan.active_pairs(seed))

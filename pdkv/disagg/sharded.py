@@ -1,0 +1,56 @@
+"""Tensor-parallel nodes on the data path: every rank's KV region registered in rank 0's
+messenger, and the shard plan a link agrees on in its handshake.
+
+A node of any TP degree (pdkv/tp) offers, in its HELLO's ``extra``, its ShardSpec
+(``shard``: TP degree + KV geometry). After the HELLO each side builds the same ShardPlan from the
+two specs (``pdkv.shard.plan_specs``, prefill spec first); a combination the planner cannot serve
+is refused, naming both sides' TP degrees and the reason (the prefill side answers REFUSE instead
+of CONNECTED; the decode side raises HandshakeRefused before it sets anything up).
+
+Regions: one per rank, by rank (``pdkv.tp.kv_regions``); rank r's memory is registered as key
+``keys[r]``. The decode node sends its keys in CONNECT (``kv_keys``), so the prefill node posts
+the writes of pair (p, d) from its ``keys[p]`` to the peer's ``kv_keys[d]``.
+"""
+
+from __future__ import annotations
+
+from pdkv.control import HandshakeRefused
+from pdkv.disagg.writes import Geometry
+from pdkv.shard import ShardPlan, ShardPlanError, ShardSpec, plan_specs
+from pdkv.tp import kv_regions, shard_spec
+
+
+class NodeKV:
+    """This node's KV memory as the messenger sees it: every rank's region, registered."""
+
+    def __init__(self, engine, messenger):
+        self.regions = kv_regions(engine)
+        self.spec: ShardSpec = shard_spec(engine)
+        # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
+        self.geometry = Geometry.of(self.regions[0].cache)
+        self.keys = [messenger.register_address(r.address, r.nbytes) for r in self.regions]
+
+
+def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:
+    """The link's plan from this node's spec and the peer's HELLO ``extra``; HandshakeRefused
+    naming both TP degrees and the reason if the planner cannot serve the pair."""
+    peer_role = "decode" if local_role == "prefill" else "prefill"
+    wire = peer_extra.get("shard") if isinstance(peer_extra, dict) else None
+    peer_tp = wire.get("tp") if isinstance(wire, dict) else None
+    tps = {local_role: local.tp, peer_role: peer_tp}
+    try:
+        if wire is None:
+            raise ShardPlanError(f"the {peer_role} node sent no shard spec in its HELLO")
+        peer = ShardSpec.from_wire(wire, role=peer_role)
+        return plan_specs(local, peer) if local_role == "prefill" else plan_specs(peer, local)
+    except ShardPlanError as e:
+        raise HandshakeRefused(f"cannot transfer KV from prefill tp={tps['prefill']} to decode "
+                               f"tp={tps['decode']}: {e}") from None
+
+
+def check_keys(plan: ShardPlan, keys) -> list[int]:
+    """The decode node's region keys from CONNECT: one int per decode rank."""
+    if not isinstance(keys, list) or len(keys) != plan.decode.tp or not all(isinstance(k, int) for k in keys):
+        raise HandshakeRefused(f"decode node sent kv_keys {keys!r}; expected {plan.decode.tp} integer key(s), "
+                               f"one per decode rank")
+    return keys

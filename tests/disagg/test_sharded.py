@@ -1,0 +1,211 @@
+"""Disaggregation between nodes of different tensor-parallel degrees (CPU, gloo, tcp): greedy
+tokens through prefill TP2 -> decode TP1, TP1 -> TP2 and TP2 -> TP2 equal the colocated TP1
+engine's, also for a model with fewer KV heads than ranks (replicated KV heads, seeded choice of
+the source replica set); the handshake refuses a pair the shard planner cannot serve, naming it.
+
+One set of nodes per model for the whole module (TP2 engines start follower processes):
+prefill P1 (TP1) and P2 (TP2); decode D1 (TP1, fed by P2) and D2 (TP2, fed by P1 and P2 in turn).
+"""
+from __future__ import annotations
+
+from server.app import NODE
+
+import asyncio
+import dataclasses
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from _cluster import make_engine, node_config, wait_for
+from _procs import NodeProc, free_port, node_dict
+from pdkv.control import ControlChannel, HandshakeRefused
+from pdkv.disagg.sharded import plan_link
+from pdkv.engine import LLMEngine, SamplingParams
+from pdkv.shard import KVGeometry, ShardSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 6, 13, 21, 34)]  # odd count: see _run_twice
+MAX_TOKENS = 5
+
+
+def _engine(cfg):
+    # tp > 1: pdkv.tp makes (and the messenger registers) every rank's KV memory itself
+    return make_engine(cfg) if cfg.parallel.tp == 1 else LLMEngine.from_config(cfg, num_threads=1)
+
+
+class Nodes:
+    """P1, P2 (prefill TP1/TP2), D1 (TP1 <- P2), D2 (TP2 <- P1, P2); ServerThreads on loopback."""
+
+    def __init__(self, model_dir):
+        from pdkv.disagg.node import DecodeNode, PrefillNode
+        from server.runner import ServerThread
+
+        self.threads, self.engines = [], []
+
+        def start(role, tp, node_cls, **over):
+            cfg = node_config(model_dir, role, parallel__tp=tp, parallel__timeout_s=30.0, **over)
+            eng = _engine(cfg)
+            self.engines.append(eng)
+            t = ServerThread(cfg, eng, node_cls(cfg, eng)).start()
+            self.threads.append(t)
+            return t
+
+        self.p1 = start("prefill", 1, PrefillNode)
+        self.p2 = start("prefill", 2, PrefillNode)
+        addr = {n: f"127.0.0.1:{t.app[NODE].control_port}" for n, t in (("p1", self.p1), ("p2", self.p2))}
+        self.d1 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]])
+        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]])
+
+    def close(self):
+        for t in reversed(self.threads):
+            t.stop()
+        for e in self.engines:
+            e.close()
+
+    def pools_full(self) -> bool:
+        return all(e.allocator.num_free == e.allocator.num_total for e in self.engines)
+
+
+def _reference(model_dir):
+    eng = make_engine(node_config(model_dir, "colocated"))
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return [o.output_token_ids for o in outs]
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    name = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _run_twice(url: str) -> list[list[int]]:
+    """Every prompt, one at a time, twice: a decode node with two prefill peers takes them in
+    turn, and with an odd number of prompts each prompt goes through both peers."""
+    got = [[_complete(url, p) for p in PROMPTS] for _ in range(2)]
+    assert got[0] == got[1]
+    return got[0]
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["kv2-sharded", "kv1-replicated"])
+def nodes(request, tmp_path_factory, tiny_model_dir):
+    """kv2: 2 KV heads, split one per rank at TP2. kv1: 1 KV head, on both ranks at TP2 (two
+    replica sets per TP2 node)."""
+    if request.param == 2:
+        model_dir = tiny_model_dir
+    else:
+        from pdkv.tiny_model import make_tiny_model
+
+        model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny_kv1"), num_kv_heads=1, seed=3)
+    n = Nodes(model_dir)
+    n.want = _reference(model_dir)
+    n.num_kv_heads = request.param
+    yield n
+    n.close()
+
+
+@pytest.mark.parametrize("decode", ["d1", "d2"])
+def test_greedy_tokens_equal_colocated_tp1(nodes, decode):
+    """d1: prefill TP2 -> decode TP1; d2: prefill TP1 -> decode TP2 and TP2 -> TP2."""
+    node = getattr(nodes, decode)
+    c = node.app[NODE].coordinator
+    assert c.kv.spec.tp == (1 if decode == "d1" else 2)
+    assert len(c.kv.keys) == c.kv.spec.tp  # every rank's region is registered
+    assert _run_twice(node.url) == nodes.want
+    served = sorted((p.plan.prefill.tp, p.plan.decode.tp) for p in c.peers)
+    assert served == ([(2, 1)] if decode == "d1" else [(1, 2), (2, 2)])
+    if nodes.num_kv_heads == 1 and decode == "d2":
+        # both sides replicate the head: two source sets, two destination sets
+        assert [len(p.plan.prefill.replica_sets) for p in c.peers] == [1, 2]
+        assert all(len(p.plan.decode.replica_sets) == 2 for p in c.peers)
+    wait_for(nodes.pools_full, 10, "every page back in every pool")
+
+
+def test_prefill_refuses_a_pair_the_planner_cannot_serve(nodes):
+    """A decode node announcing tp=3 for 2 KV heads (kv1: another layout) gets REFUSE naming both
+    TP degrees and why; the decode side's check names the pair the same way."""
+    p2 = nodes.p2.app[NODE].coordinator
+    good = nodes.d1.app[NODE].coordinator.hello
+    g = KVGeometry.from_wire(good.extra["shard"]["geometry"])
+    if nodes.num_kv_heads == 2:
+        shard, why = {"tp": 3, "geometry": g.to_wire()}, "decode tp=3 cannot replicate 2 KV heads"
+    else:  # any tp can replicate one head: make the geometries disagree instead
+        shard, why = {"tp": 2, "geometry": {**g.to_wire(), "layout": "NHD"}}, "layout 'HND' (prefill) != 'NHD'"
+    bad = dataclasses.replace(good, extra={**good.extra, "shard": shard})
+
+    async def dial():
+        ch = await ControlChannel.connect("127.0.0.1", p2.port, bad, 10.0)
+        try:
+            return await asyncio.wait_for(ch.recv(), 10.0)
+        finally:
+            ch.close()
+
+    msg = asyncio.run(dial())
+    assert msg["type"] == "REFUSE"
+    assert msg["reason"].startswith(f"cannot transfer KV from prefill tp=2 to decode tp={shard['tp']}: ")
+    assert why in msg["reason"], msg
+    # the decode side's check, on the same pair: prefill tp=2 -> decode tp=3
+    if nodes.num_kv_heads == 2:
+        with pytest.raises(HandshakeRefused, match="from prefill tp=3 to decode tp=1: prefill tp=3 cannot"):
+            plan_link(ShardSpec(1, g), "decode", {"shard": {"tp": 3, "geometry": g.to_wire()}})
+    with pytest.raises(HandshakeRefused, match=r"from prefill tp=1 to decode tp=1: .*head_dim 32 \(prefill\)"):
+        plan_link(ShardSpec(1, g), "decode", {"shard": {"tp": 1, "geometry": {**g.to_wire(), "head_dim": 32}}})
+    with pytest.raises(HandshakeRefused, match="decode node sent no shard spec"):
+        plan_link(ShardSpec(2, g), "prefill", {})
+    # the prefill node still serves its decode nodes afterwards
+    assert _complete(nodes.d1.url, PROMPTS[2]) == nodes.want[2]
+
+
+@pytest.fixture(scope="module")
+def verbs_dir():
+    """The loopback verbs device (tests/verbs_loopback), as in test_verbs.py."""
+    import sys
+
+    from pdkv._messenger import HAVE_VERBS
+
+    if not HAVE_VERBS:
+        pytest.skip("pdkv built without libibverbs")
+    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
+    try:
+        from build import build_loopback_verbs
+
+        return build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
+    except Exception as e:  # no gcc / headers
+        pytest.skip(f"loopback verbs device unavailable: {e}")
+    finally:
+        sys.path.pop(0)
+
+
+def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, verbs_dir):
+    """`pdkv serve` child processes on the loopback verbs device: prefill P2 (TP2) feeds decode D1
+    (TP1: two source regions rebuild each page) and D2 (TP2: region to region). TP1 -> TP2 is
+    the tcp test's (the data path per pair is the same; this keeps the test's process count down)."""
+    want = _reference(tiny_model_dir)
+    env = {"LD_LIBRARY_PATH": verbs_dir}
+
+    def proc(name, role, tp, **kw):
+        d = node_dict(tiny_model_dir, role, port=free_port(), transport="verbs", nics=["lo_verbs0"], **kw)
+        d["parallel"] = {"tp": tp, "timeout_s": 30.0}
+        return NodeProc(tmp_path, name, d, env)
+
+    cport = free_port()
+    procs = [proc("p2", "prefill", 2, control_port=cport)]
+    try:
+        procs += [proc("d1", "decode", 1, peers=[f"127.0.0.1:{cport}"]),
+                  proc("d2", "decode", 2, peers=[f"127.0.0.1:{cport}"])]
+        for p in procs:
+            p.wait_healthy(120)
+        for d in procs[1:]:
+            assert [_complete(d.url, p) for p in PROMPTS] == want, d.log_path
+            h = d.health()
+            assert all(peer["connected"] for peer in h["prefill_peers"])
+            wait_for(lambda: d.health()["num_pages_free"] == d.health()["num_pages_total"], 10, "decode pages back")
+        for p in procs[:1]:
+            wait_for(lambda: p.health()["num_pages_free"] == p.health()["num_pages_total"], 10, "prefill pages back")
+    finally:
+        for p in reversed(procs):
+            p.stop()
