@@ -5,7 +5,9 @@ prefill peer (round robin over the live ones), ``expect(imm, count)``; when the 
 imm_done arrives the KV and hidden state have landed and the engine gets ``ready``. Every other
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
-and exactly those landed, or after the data connection to a dead peer was torn down.
+and exactly those landed, or after the data connection to a dead peer was torn down. A dead
+peer is dialled again (doubling backoff up to REDIAL_MAX_S, each failure logged), so a prefill
+node restarted on the same address serves again without restarting this node.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdkv.control import ControlChannel, ControlError
+from pdkv.control import ControlChannel, ControlError, HandshakeRefused
 from pdkv.disagg import protocol as P
+from pdkv.disagg.sharded import NodeKV, plan_link
 from pdkv.disagg.writes import expected_writes
-from pdkv.shard import plan_transfers
+from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
+REDIAL_FIRST_S, REDIAL_MAX_S = 0.1, 5.0  # backoff between redials of a dead prefill node (doubling)
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Peer:
     conn: int = 0
     slots: dict = field(default_factory=dict)  # imm -> Slot
     dead: bool = True
+    redial: asyncio.Task | None = None  # dialling it again after it died
+    plan: object = None  # pdkv.shard.ShardPlan: the peer's ShardSpec -> ours (set by the handshake)
 
 
 @dataclass
@@ -55,15 +61,13 @@ class DecodeCoordinator:
     def __init__(self, cfg, engine, messenger, node_id: int, metrics, keep_hidden: bool = True):
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        kv = engine.kv
-        self.kv_key = messenger.register_address(kv.data_ptr(0), kv.nbytes)
+        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
         num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
         hidden = int(engine.loaded.arch.hidden_size)
         self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self._free_rows = list(range(num_rows))
-        self.plan = plan_transfers(1, 1, P.kv_geometry(engine))
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -78,6 +82,7 @@ class DecodeCoordinator:
         self.aengine = None  # DecodeAsyncEngine, set by the node
         self.loop: asyncio.AbstractEventLoop | None = None
         self._pinned = 0
+        self._stopping = False
 
     # ---- connections ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,39 +90,78 @@ class DecodeCoordinator:
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
         await asyncio.gather(*(self._connect(p) for p in self.peers))
 
-    async def _connect(self, peer: Peer) -> None:
-        """Dial a prefill peer until connect_timeout_s; a refused handshake is final and raised."""
+    async def _connect(self, peer: Peer, once: bool = False) -> None:
+        """Dial a prefill peer until connect_timeout_s (``once``: a single try); a refused handshake
+        is final and raised."""
         deadline = time.monotonic() + self.mcfg.connect_timeout_s
         while True:
             try:
                 ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.connect_timeout_s)
                 break
             except ControlError as e:
-                if type(e).__name__ == "HandshakeRefused" or time.monotonic() > deadline:
+                if once or type(e).__name__ == "HandshakeRefused" or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
-        conn, info = self.m.prepare(ch.peer.node_id)
-        self.m.grant(self.kv_key, ch.peer.node_id)
-        self.m.grant(self.hidden_key, ch.peer.node_id)
-        await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv_key, "hidden_key": self.hidden_key})
-        msg = await asyncio.wait_for(ch.recv(), self.mcfg.connect_timeout_s)
-        if msg["type"] != P.CONNECTED:
-            raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
-        self.m.complete(conn, msg["info"])
-        peer.channel, peer.conn, peer.dead = ch, conn, False
-        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(peer, r))
-        self.loop.create_task(self._reader(peer))
+        conn = None
+        try:
+            # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
+            plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
+            conn, info = self.m.prepare(ch.peer.node_id)
+            for key in self.kv.keys:
+                self.m.grant(key, ch.peer.node_id)
+            self.m.grant(self.hidden_key, ch.peer.node_id)
+            await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv.keys[0], "kv_keys": self.kv.keys,
+                           "hidden_key": self.hidden_key})
+            msg = await asyncio.wait_for(ch.recv(), self.mcfg.connect_timeout_s)
+            if msg["type"] == P.REFUSE:
+                raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
+            if msg["type"] != P.CONNECTED:
+                raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
+            self.m.complete(conn, msg["info"])
+        except BaseException:
+            ch.close()  # a half set-up connection must not stay behind (a redial tries again)
+            if conn is not None:
+                self.m.disconnect(conn)
+            raise
+        peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
+        # NOTE: callbacks of this channel only act while it is the peer's current one (after a
+        # redial, the old channel's reader and heartbeat must not kill the new connection)
+        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s,
+                           lambda r: peer.channel is ch and self._peer_dead(peer, r))
+        self.loop.create_task(self._reader(peer, ch))
         log.info("decode: connected to prefill node %#x at %s:%d", ch.peer.node_id, peer.host, peer.port)
 
-    async def _reader(self, peer: Peer) -> None:
+    async def _reader(self, peer: Peer, ch: ControlChannel) -> None:
         try:
-            while not peer.dead:
-                self._on_message(peer, await peer.channel.recv())
+            while not peer.dead and peer.channel is ch:
+                self._on_message(peer, await ch.recv())
         except ControlError as e:
-            self._peer_dead(peer, str(e))
+            if peer.channel is ch:
+                self._peer_dead(peer, str(e))
+
+    async def _redial(self, peer: Peer) -> None:
+        """Dial a dead prefill peer again (e.g. restarted on the same address) with doubling
+        backoff, until it answers or this node stops; each failed try is logged."""
+        delay = REDIAL_FIRST_S
+        try:
+            while not self._stopping and peer.dead:
+                await asyncio.sleep(delay)
+                try:
+                    await self._connect(peer, once=True)
+                    log.info("decode: prefill node at %s:%d is back", peer.host, peer.port)
+                    return
+                except Exception as e:  # noqa: BLE001 - refused, unreachable, broken set-up: try later
+                    delay = min(2 * delay, REDIAL_MAX_S)
+                    log.warning("decode: redial of prefill node at %s:%d failed (%s); next try in %.1f s",
+                                peer.host, peer.port, e, delay)
+        finally:
+            peer.redial = None
 
     async def stop(self) -> None:
+        self._stopping = True
         for peer in self.peers:
+            if peer.redial is not None:
+                peer.redial.cancel()
             if peer.channel is not None:
                 peer.dead = True
                 peer.channel.close()
@@ -145,9 +189,10 @@ class DecodeCoordinator:
         peer = live[self._rr % len(live)]
         self._rr += 1
         imm = next(self._imms) & 0xFFFFFFFF
+        plan, seed = peer.plan, request_seed(rid)
         slot = Slot(imm, rid, peer, len(pages), self._free_rows.pop(),
-                    expected_writes(self.plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
-        seg_bytes = sum(seg.length for seg in self.plan.segments(0, 0))
+                    expected_writes(plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
+        seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
         self.slots[imm] = slot
         self.by_rid[rid] = slot
@@ -155,7 +200,8 @@ class DecodeCoordinator:
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "pages": pages, "imm": imm,
-                          "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected})
+                          "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
+                          "seed": seed})
 
     def _send(self, peer: Peer, msg: dict) -> None:
         async def send():
@@ -281,6 +327,8 @@ class DecodeCoordinator:
                 self.aengine.command("fail", slot.rid, f"the prefill node died during the KV transfer ({reason})")
             self.m.forget(slot.imm)
             self._free(slot, release=True)
+        if not self._stopping and peer.redial is None:
+            peer.redial = self.loop.create_task(self._redial(peer))
 
     def _free(self, slot: Slot, release: bool) -> None:
         if slot.timer is not None:

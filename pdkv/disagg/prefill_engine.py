@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdkv.disagg.writes import QueueError, pages_to_send, queue_chunk
+from pdkv.disagg.writes import QueueError, batches_per_layer, pages_to_send, queue_chunk
 from pdkv.errors import InvalidRequest, OutOfPages
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class PrefillEngineSide:
                 cmd = self._get_nowait()
             if not eng.has_work():
                 continue
+            self._t_forward_end = None  # stamped by _on_hidden when the forward pass returns
             try:
                 outputs = eng.step()
             finally:
@@ -42,7 +43,10 @@ class PrefillEngineSide:
                 # batches of that step still post (and complete) instead of waiting forever.
                 while self._issued < self._step_end:
                     self._bump()
-            now = time.time()
+            # NOTE: DONE_AT's t_end is the end of the forward pass, not this later moment: posting
+            # the hidden-state write releases the GIL, and in a process shared with other Python
+            # threads getting it back can take milliseconds, which would hide transfer time.
+            now = self._t_forward_end if self._t_forward_end is not None else time.time()
             for out in outputs:
                 if out.finish_reason == "prefilled":
                     self._post(self._computed, out.request_id, "prefilled", "", now)
@@ -107,14 +111,15 @@ class PrefillEngineSide:
                 continue
             src = np.asarray(ch.page_ids, dtype=np.int64)[idx.start:idx.stop]
             dst = job.dst_pages[idx.start:idx.stop]
-            n = self.src.num_layers * len(self.plan.segments(0, 0))
+            plan = job.link.plan
+            n = self.src.num_layers * batches_per_layer(plan, job.seed)
             with self.lock:
                 job.outstanding += n
             try:
                 _, writes = queue_chunk(self.m, watch=self.watch, base=base, layerwise=self.mcfg.layerwise,
-                                        conn=job.link.conn, lkey=self.kv_key, rkey=job.link.kv_rkey,
-                                        src=self.src, dst=job.link.dst, plan=self.plan, src_pages=src,
-                                        dst_pages=dst, imm=job.imm, tag=job.tag)
+                                        conn=job.link.conn, lkeys=self.kv.keys, rkeys=job.link.kv_rkeys,
+                                        src=self.src, dst=job.link.dst, plan=plan, seed=job.seed,
+                                        src_pages=src, dst_pages=dst, imm=job.imm, tag=job.tag)
             except QueueError as e:  # e.g. the peer's connection was dropped meanwhile
                 with self.lock:  # only the batches that were queued will complete
                     job.outstanding -= n - e.num_batches
@@ -126,6 +131,7 @@ class PrefillEngineSide:
     def _on_hidden(self, seqs, hidden: torch.Tensor) -> None:
         """After a forward: the last prompt row of each finished prefill goes to its decode slot.
         hidden: [num_tokens, hidden_size], rows in ``seqs`` order."""
+        self._t_forward_end = time.time()
         if not self.mcfg.layerwise:
             self._bump()  # the forward pass is over: release the after-forward batches
         row = 0
