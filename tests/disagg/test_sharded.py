@@ -182,8 +182,8 @@ def verbs_dir():
 
 def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, verbs_dir):
     """`pdkv serve` child processes on the loopback verbs device: prefill P2 (TP2) feeds decode D1
-    (TP1: two source regions rebuild each page) and D2 (TP2: region to region). TP1 -> TP2 is
-    the tcp test's (the data path per pair is the same; this keeps the test's process count down)."""
+    (TP1: two source regions rebuild each page); D2 (TP2) is fed by P1 (TP1: one page split over
+    two destination regions) and P2 (region to region) in turn."""
     want = _reference(tiny_model_dir)
     env = {"LD_LIBRARY_PATH": verbs_dir}
 
@@ -192,20 +192,28 @@ def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, verb
         d["parallel"] = {"tp": tp, "timeout_s": 30.0}
         return NodeProc(tmp_path, name, d, env)
 
-    cport = free_port()
-    procs = [proc("p2", "prefill", 2, control_port=cport)]
+    cport2, cport1 = free_port(), free_port()
+    procs = [proc("p2", "prefill", 2, control_port=cport2), proc("p1", "prefill", 1, control_port=cport1)]
     try:
-        procs += [proc("d1", "decode", 1, peers=[f"127.0.0.1:{cport}"]),
-                  proc("d2", "decode", 2, peers=[f"127.0.0.1:{cport}"])]
+        procs += [proc("d1", "decode", 1, peers=[f"127.0.0.1:{cport2}"]),
+                  proc("d2", "decode", 2, peers=[f"127.0.0.1:{cport1}", f"127.0.0.1:{cport2}"])]
         for p in procs:
             p.wait_healthy(120)
-        for d in procs[1:]:
-            assert [_complete(d.url, p) for p in PROMPTS] == want, d.log_path
-            h = d.health()
-            assert all(peer["connected"] for peer in h["prefill_peers"])
+        for d in procs[2:]:
+            wait_for(lambda: all(peer["connected"] for peer in d.health()["prefill_peers"]), 30,
+                     "every prefill peer connected")
+        d1, d2 = procs[2:]
+        assert [_complete(d1.url, p) for p in PROMPTS] == want, d1.log_path
+        assert _run_twice(d2.url) == want, d2.log_path
+        for d in procs[2:]:
             wait_for(lambda: d.health()["num_pages_free"] == d.health()["num_pages_total"], 10, "decode pages back")
-        for p in procs[:1]:
+        for p in procs[:2]:
             wait_for(lambda: p.health()["num_pages_free"] == p.health()["num_pages_total"], 10, "prefill pages back")
+        # P1 (TP1) really fed D2 (TP2) over verbs: it sent KV bytes
+        with urllib.request.urlopen(procs[1].url + "/metrics", timeout=10) as r:
+            sent = [line for line in r.read().decode().splitlines()
+                    if line.startswith("pdkv_kv_transfer_bytes_total{")]
+        assert sent and float(sent[0].split()[-1]) > 0, sent
     finally:
         for p in reversed(procs):
             p.stop()
