@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +17,23 @@ def tiny_model_dir(tmp_path_factory):
     from pdkv.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def loopback_verbs_dir():
+    """The directory holding the loopback verbs device (tests/verbs_loopback), for the
+    LD_LIBRARY_PATH of child processes only; built once, cached by source hash under the repo's
+    git-ignored .cache. Skips with the reason where pdkv has no verbs or the device cannot build."""
+    from pdkv._messenger import HAVE_VERBS
+
+    if not HAVE_VERBS:
+        pytest.skip("pdkv built without libibverbs")
+    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
+    try:
+        from build import build_loopback_verbs  # tests/verbs_loopback/build.py
+
+        return build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
+    except Exception as e:  # no gcc / headers
+        pytest.skip(f"loopback verbs device unavailable: {e}")
+    finally:
+        sys.path.pop(0)

@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
 import torch
 
 from _cluster import Cluster, make_engine, node_config, wait_for
@@ -147,22 +146,9 @@ with ServerThread(cfg, make_engine(cfg)) as dec:
 """
 
 
-def test_hidden_state_over_verbs_equals_colocated(tiny_model_dir, tmp_path):
-    from pdkv._messenger import HAVE_VERBS
-
-    if not HAVE_VERBS:
-        pytest.skip("pdkv built without libibverbs")
-    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
-    try:
-        from build import build_loopback_verbs
-
-        verbs_dir = build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
-    except Exception as e:  # no gcc / headers
-        pytest.skip(f"loopback verbs device unavailable: {e}")
-    finally:
-        sys.path.pop(0)
+def test_hidden_state_over_verbs_equals_colocated(tiny_model_dir, tmp_path, loopback_verbs_dir):
     want_tokens, want_hidden = _reference(tiny_model_dir, VERBS_PROMPTS, 4)
-    env = {"LD_LIBRARY_PATH": verbs_dir}
+    env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
     cport = free_port()
     pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
                                                   transport="verbs", nics=["lo_verbs0"], chunk=8), env)

@@ -160,32 +160,12 @@ def test_prefill_refuses_a_pair_the_planner_cannot_serve(nodes):
     assert _complete(nodes.d1.url, PROMPTS[2]) == nodes.want[2]
 
 
-@pytest.fixture(scope="module")
-def verbs_dir():
-    """The loopback verbs device (tests/verbs_loopback), as in test_verbs.py."""
-    import sys
-
-    from pdkv._messenger import HAVE_VERBS
-
-    if not HAVE_VERBS:
-        pytest.skip("pdkv built without libibverbs")
-    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
-    try:
-        from build import build_loopback_verbs
-
-        return build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
-    except Exception as e:  # no gcc / headers
-        pytest.skip(f"loopback verbs device unavailable: {e}")
-    finally:
-        sys.path.pop(0)
-
-
-def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, verbs_dir):
+def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
     """`pdkv serve` child processes on the loopback verbs device: prefill P2 (TP2) feeds decode D1
     (TP1: two source regions rebuild each page); D2 (TP2) is fed by P1 (TP1: one page split over
     two destination regions) and P2 (region to region) in turn."""
     want = _reference(tiny_model_dir)
-    env = {"LD_LIBRARY_PATH": verbs_dir}
+    env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
 
     def proc(name, role, tp, **kw):
         d = node_dict(tiny_model_dir, role, port=free_port(), transport="verbs", nics=["lo_verbs0"], **kw)

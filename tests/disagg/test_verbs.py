@@ -3,12 +3,9 @@ verbs device (tests/verbs_loopback, on LD_LIBRARY_PATH in the children only)."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import urllib.request
 from pathlib import Path
-
-import pytest
 
 from _cluster import make_engine, node_config
 from _procs import NodeProc, free_port, node_dict
@@ -18,28 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(3, 3 + n)) for n in (2, 9, 23, 37)]
 
 
-@pytest.fixture(scope="module")
-def verbs_dir():
-    from pdkv._messenger import HAVE_VERBS
-
-    if not HAVE_VERBS:
-        pytest.skip("pdkv built without libibverbs")
-    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
-    try:
-        from build import build_loopback_verbs
-
-        return build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
-    except Exception as e:  # no gcc / headers
-        pytest.skip(f"loopback verbs device unavailable: {e}")
-    finally:
-        sys.path.pop(0)
-
-
-def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, verbs_dir):
+def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
     ref = make_engine(node_config(tiny_model_dir, "colocated"))
     want = [o.output_token_ids for o in ref.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0,
                                                                               ignore_eos=True))]
-    env = {"LD_LIBRARY_PATH": verbs_dir}
+    env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
     cport = free_port()
     pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
                                                   transport="verbs", nics=["lo_verbs0"], chunk=8), env)

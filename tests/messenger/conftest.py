@@ -93,29 +93,11 @@ def _connect(a: Peer, b: Peer) -> tuple[int, int]:
     return ca, cb
 
 
-def _loopback_dir(tmp_root: Path) -> str:
-    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
-    try:
-        from build import build_loopback_verbs  # tests/verbs_loopback/build.py
-    finally:
-        sys.path.pop(0)
-    return build_loopback_verbs(tmp_root)
-
-
 def _transports() -> list:
     from pdkv._messenger import HAVE_VERBS
 
     verbs = pytest.param("verbs", marks=pytest.mark.skipif(not HAVE_VERBS, reason="pdkv built without libibverbs"))
     return ["tcp", verbs]
-
-
-@pytest.fixture(scope="session")
-def loopback_verbs_dir():
-    try:
-        # cached by source hash under the repo's (git-ignored) .cache: rebuilt only on change
-        return _loopback_dir(ROOT / ".cache" / "verbs_loopback")
-    except Exception as e:  # no gcc / headers: the verbs cases skip with the reason
-        pytest.skip(f"loopback verbs device unavailable: {e}")
 
 
 @pytest.fixture(params=_transports())
