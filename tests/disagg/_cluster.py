@@ -2,13 +2,8 @@
 aiohttp app on its own thread with its own engine and messenger (real sockets, real HTTP)."""
 from __future__ import annotations
 
-from server.app import NODE
-
-import dataclasses
-
-import pytest
-
 from pdkv.config import config_from_dict
+from server.app import NODE
 
 
 def node_config(model_dir, role: str, **over):
@@ -41,7 +36,7 @@ class Cluster:
         from pdkv.disagg.node import DecodeNode, PrefillNode
         from server.runner import ServerThread
 
-        pfactory = dfactory = None
+        pfactory = dfactory = None  # None: the nodes open a real tcp messenger
         if prefill_faults:
             from pdkv._messenger import Messenger
 

@@ -1,7 +1,6 @@
 """The counter poller: a layer's pages leave when its counter moves, without the GIL."""
 from __future__ import annotations
 
-import numpy as np
 
 PAGE = 4096
 PAGES_PER_LAYER = 8

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import select
 import socket
-import struct
 import time
 
 import numpy as np
