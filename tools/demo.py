@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,9 +118,22 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"prefill.messenger.control_port={free_port(p.messenger.control_host)}")
     cmd = [sys.executable, "-m", "pdkv", "up", "-c", args.config] + [a for o in overrides for a in ("--set", o)]
     print("demo: starting", " ".join(cmd[1:]), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The cluster's own output is passed through; its "serving" line comes before our tokens
+    # (the decode node answers /health a moment before `pdkv up` has seen both nodes ready).
+    ready = threading.Event()
+
+    def forward() -> None:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if line.startswith("pdkv up: serving"):
+                ready.set()
+    threading.Thread(target=forward, daemon=True).start()
     try:
         wait_healthy(proc, host, port, timeout=300)
+        ready.wait(30)
         body = {"messages": [{"role": "user", "content": args.prompt}], "max_tokens": args.max_tokens,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         print(f"demo: POST http://{host}:{port}/v1/chat/completions (stream) :: {args.prompt!r}", flush=True)
