@@ -2,8 +2,23 @@
 aiohttp app on its own thread with its own engine and messenger (real sockets, real HTTP)."""
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 from pdkv.config import config_from_dict
 from server.app import NODE
+
+
+def post_completion(url, body, timeout=30):
+    """POST /v1/completions -> (HTTP status, JSON body), errors included."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def node_config(model_dir, role: str, **over):

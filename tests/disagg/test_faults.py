@@ -11,19 +11,9 @@ import time
 import urllib.error
 import urllib.request
 
-from _cluster import Cluster, wait_for
+from _cluster import Cluster, post_completion as _post, wait_for
 
 DELAY = ("delay", 0, 0, 700_000)  # every prefill write lands 0.7 s late
-
-
-def _post(url, body, timeout=30):
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _in_thread(fn, *args):

@@ -17,23 +17,13 @@ from pathlib import Path
 
 import torch
 
-from _cluster import Cluster, make_engine, node_config, wait_for
+from _cluster import Cluster, make_engine, node_config, post_completion as _post, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.engine import SamplingParams
 from server.app import NODE
 from server.runner import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _post(url, body, timeout=30):
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _reference(model_dir, prompts, max_tokens):

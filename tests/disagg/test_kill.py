@@ -10,21 +10,11 @@ import time
 import urllib.error
 import urllib.request
 
-from _cluster import Cluster, make_engine, node_config, wait_for
+from _cluster import Cluster, make_engine, node_config, post_completion as _post, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.disagg.node import DecodeNode
 from server.app import NODE
 from server.runner import ServerThread
-
-
-def _post(url, body, timeout=30):
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path):
