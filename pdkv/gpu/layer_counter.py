@@ -170,10 +170,22 @@ class CudaLayerCounter:
                                    f"{self._dev.data_ptr():#x}, expected cuda:{device}@{dev_ptr:#x}; "
                                    "bumps would not reach the host word")
             self.bump_kind, self._triton_bump, self.bump_fallback_reason = choose_bump(
-                bump, lambda: _load_triton_bump(torch.device("cuda", device)))
+                bump, lambda: self._load_triton(torch, device))
         except BaseException:
             self.close()
             raise
+
+    def _load_triton(self, torch, device: int):
+        """The Triton bump, compiled, loaded and run once on this very word (so a later graph
+        capture never compiles or loads a module), which is then set back to 0."""
+        fn = _load_triton_bump(torch.device("cuda", device))
+        with torch.cuda.device(device):
+            fn(self._dev)
+        torch.cuda.synchronize(device)
+        if self._cell.value != 1:
+            raise RuntimeError(f"the Triton bump moved the mapped counter to {self._cell.value}, expected 1")
+        self._cell.value = 0  # nobody watches it yet
+        return fn
 
     def bump(self) -> None:
         """Enqueue +1 on the current stream (captured into a CUDA graph when capturing)."""
