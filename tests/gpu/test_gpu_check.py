@@ -126,3 +126,18 @@ def test_the_copy_engine_checks_logic_on_the_cpu_engine():
         assert engine.ring.owners() == {} and engine.num_jobs() == 0
     finally:
         engine.close()
+
+
+def test_the_disagg_gpu_check_is_skipped_while_the_config_refuses_cuda_roles():
+    from gpu_check_models import SkipCheck, check_disagg_gpu
+
+    from pdkv.config import ConfigError, load_config
+
+    try:
+        load_config(REPO / "configs/prefill.yaml", ["model.device=cuda"], check_paths=False)
+    except ConfigError:
+        with pytest.raises(SkipCheck, match=r"the roles do not take KV on the GPU yet .*model.device must be cpu "
+                                             r"for role prefill"):
+            check_disagg_gpu()
+    else:
+        pytest.skip("the config accepts model.device: cuda for the roles: the check runs on a GPU")
