@@ -115,6 +115,7 @@ class CopyEngine:
         self._lock = threading.Lock()
         self._pending: deque[_Job] = deque()  # D2H jobs waiting for a slot (FIFO)
         self._jobs: dict[str, set[_Job]] = {}  # request -> its jobs that have not ended
+        self._busy: set[int] = set()  # slots a job copies into or out of: not releasable
         # Three threads, so no stage waits behind another: the launcher starts copies (CUDA: enqueues
         # them on the copy stream), the waiter waits for them in launch order, the notifier frees
         # slots and runs callbacks (also at once for jobs that end without running).
@@ -136,7 +137,9 @@ class CopyEngine:
             self._check_open()
             self._jobs.setdefault(request_id, set()).add(job)
             job.slot = self.ring.take(request_id) if not self._pending else None
-            if job.slot is None:
+            if job.slot is not None:
+                self._busy.add(job.slot.index)
+            else:
                 if len(self._pending) >= self.max_pending:
                     self._end_now(job, CopyStatus.FAILED, f"staging queue full: {len(self._pending)} "
                                   f"copies wait for one of {self.ring.num_slots} staging slots")
@@ -156,17 +159,22 @@ class CopyEngine:
     def copy_in(self, slot: StagingSlot, request_id: str, spans, on_done, tag=None) -> None:
         """Host-to-device: copy the packed bytes of ``slot`` to ``spans``; the slot is freed after."""
         job = self._job(request_id, Direction.HOST_TO_DEVICE, spans, on_done, None, tag)
-        if self.ring.state(slot) is not SlotState.HELD:
-            raise ValueError(f"copy_in({request_id!r}): staging slot {slot.index} is not reserved")
         with self._lock:
             self._check_open()
+            if self.ring.state(slot) is not SlotState.HELD or slot.index in self._busy:
+                raise ValueError(f"copy_in({request_id!r}): staging slot {slot.index} is not a reserved, "
+                                 "idle landing zone")
+            self._busy.add(slot.index)
             job.slot = slot
             self._jobs.setdefault(request_id, set()).add(job)
         self._launchq.put(job)
 
     def release(self, slot: StagingSlot) -> None:
         """Free a READY slot (its writes completed) or an unused landing zone; wakes a waiting job."""
-        self.ring.give_back(slot)
+        with self._lock:
+            if slot.index in self._busy and self.ring.state(slot) is SlotState.HELD:
+                raise ValueError(f"staging slot {slot.index} is still being copied; it is freed when the copy ends")
+            self.ring.give_back(slot)
         self._promote()
 
     def cancel(self, request_id: str) -> int:
@@ -247,6 +255,7 @@ class CopyEngine:
                     return
                 job = self._pending.popleft()
                 job.slot = slot
+                self._busy.add(slot.index)
             self._launchq.put(job)
 
     def _launcher(self) -> None:
@@ -278,15 +287,20 @@ class CopyEngine:
 
     def _notifier(self) -> None:
         while (job := self._resultq.get()) is not None:
-            self._finish(job)
+            try:
+                self._finish(job)
+            except Exception:  # noqa: BLE001 - a bookkeeping bug must not stop every later callback
+                log.exception("copy engine: finishing %r failed", job.request_id)
 
     def _finish(self, job: _Job) -> None:
         keep = job.status is CopyStatus.DONE and job.direction is Direction.DEVICE_TO_HOST
         if job.slot is not None:
-            if keep:
-                self.ring.mark_ready(job.slot)
-            else:
-                self.ring.give_back(job.slot)
+            with self._lock:
+                self._busy.discard(job.slot.index)
+                if keep:
+                    self.ring.mark_ready(job.slot)
+                else:
+                    self.ring.give_back(job.slot)
         with self._lock:
             jobs = self._jobs.get(job.request_id)
             if jobs is not None:

@@ -230,6 +230,10 @@ def test_cancelling_a_host_to_device_copy_reports_it_and_frees_the_slot():
     slot = engine.reserve("d", 2 * PAGE)
     engine.copy_in(slot, "d", (Span(0, PAGE), Span(5 * PAGE, PAGE)), got)
     started.get(timeout=10)
+    with pytest.raises(ValueError, match="still being copied"):
+        engine.release(slot)  # the engine frees it when the copy ends, never under it
+    with pytest.raises(ValueError, match="not a reserved, idle landing zone"):
+        engine.copy_in(slot, "d", (Span(0, PAGE),), got)
     assert engine.cancel("d") == 1
     gate.set()
     r, = got.get(1)
@@ -265,7 +269,7 @@ def test_bad_jobs_are_refused_before_they_take_anything():
         engine.copy_out("x", tuple(Span(p * PAGE, PAGE) for p in range(3)), got)
     with pytest.raises(ValueError, match="a staging slot holds 1..8192"):
         engine.reserve("x", 9000)
-    with pytest.raises(ValueError, match="is not reserved"):
+    with pytest.raises(ValueError, match="is not a reserved, idle landing zone"):
         engine.copy_in(type(engine.reserve("y", 1))(0, 0, 2 * PAGE, 99), "y", (Span(0, 1),), got)
     with pytest.raises(ValueError, match="device_buffer must be a flat uint8 tensor"):
         CpuCopyEngine(StagingRing(1, 8), torch.zeros(4, dtype=torch.float32))
