@@ -171,21 +171,27 @@ class CudaLayerCounter:
                                    "bumps would not reach the host word")
             self.bump_kind, self._triton_bump, self.bump_fallback_reason = choose_bump(
                 bump, lambda: self._load_triton(torch, device))
+            if self._triton_bump is None:
+                self._first_bump(torch, device, lambda: self._dev.add_(1))
         except BaseException:
             self.close()
             raise
 
     def _load_triton(self, torch, device: int):
-        """The Triton bump, compiled, loaded and run once on this very word (so a later graph
-        capture never compiles or loads a module), which is then set back to 0."""
         fn = _load_triton_bump(torch.device("cuda", device))
-        with torch.cuda.device(device):
-            fn(self._dev)
-        torch.cuda.synchronize(device)
-        if self._cell.value != 1:
-            raise RuntimeError(f"the Triton bump moved the mapped counter to {self._cell.value}, expected 1")
-        self._cell.value = 0  # nobody watches it yet
+        self._first_bump(torch, device, lambda: fn(self._dev))
         return fn
+
+    def _first_bump(self, torch, device: int, bump) -> None:
+        """Run the chosen kernel once on this very word, then set it back to 0 (nobody watches
+        it yet): a later graph capture then never compiles or (lazily) loads a module, and a
+        kernel that does not add exactly 1 is caught here."""
+        with torch.cuda.device(device):
+            bump()
+        torch.cuda.synchronize(device)
+        got, self._cell.value = self._cell.value, 0
+        if got != 1:
+            raise RuntimeError(f"CudaLayerCounter: one bump moved the mapped counter to {got}, expected 1")
 
     def bump(self) -> None:
         """Enqueue +1 on the current stream (captured into a CUDA graph when capturing)."""
