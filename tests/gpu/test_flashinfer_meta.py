@@ -129,3 +129,109 @@ def test_supported_head_dims_pass_the_check_and_then_need_a_gpu():
     cache = KVCache(1, 4, 4, 1, 64, torch.bfloat16)
     with pytest.raises(BackendUnavailable, match="needs a CUDA device, but model.device is 'cpu'"):
         FlashInferBackend(cache, 2, 1, 64, 1.0)
+
+
+# ---- the backend's calls into FlashInfer, against a recording stand-in with 0.6.18's signatures ----
+
+class RecordingFlashInfer:
+    """Fault-injection stand-in for the ``flashinfer`` module: wrappers with FlashInfer 0.6.18's
+    constructor/plan/run signatures (a wrong call is a TypeError here too) that record what
+    they were given and compute attention from the planned metadata with reference_attention."""
+
+    def __init__(self, page_size: int):
+        self.calls: list[tuple[str, dict]] = []
+        rec, P = self, page_size
+
+        class _Wrapper:
+            def _planned(self, kind, meta, kw):
+                rec.calls.append((kind, {**kw, "meta": meta}))
+                self.meta, self.kw = meta, kw
+
+            def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
+                    lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None, **rest):
+                rec.calls.append(("run", {"q": q, "cache": paged_kv_cache}))
+                return reference_attention(q, paged_kv_cache, self.layout, self.meta, P, self.kw["sm_scale"],
+                                           self.kw["window_left"]).view(q.shape).to(q.dtype)
+
+        class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+            def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                         paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                         paged_kv_last_page_len_buffer=None, backend="auto", jit_args=None):
+                self.layout = kv_layout
+
+            def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                     pos_encoding_mode="NONE", window_left=-1, window_right=0, logits_soft_cap=None,
+                     q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
+                     rope_scale=None, rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None,
+                     fixed_split_size=None, disable_split_kv=False, q_len_per_req=1):
+                qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+                self._planned("decode", PagedKVMeta(qo, indptr, indices, last_page_len, None, None),
+                              dict(window_left=window_left, sm_scale=sm_scale, non_blocking=non_blocking,
+                                   q_data_type=q_data_type, kv_data_type=kv_data_type, heads=(num_qo_heads, num_kv_heads),
+                                   head_dim=head_dim, page_size=page_size, pos_encoding_mode=pos_encoding_mode))
+
+        class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+            def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                         paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                         custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+                self.layout = kv_layout
+
+            def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
+                     packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+                     sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                     q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True, **rest):
+                assert causal, "prefill chunks need the causal mask"
+                self._planned("prefill", PagedKVMeta(qo_indptr, paged_kv_indptr, paged_kv_indices,
+                                                     paged_kv_last_page_len, None, None),
+                              dict(window_left=window_left, sm_scale=sm_scale, non_blocking=non_blocking,
+                                   q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                   heads=(num_qo_heads, num_kv_heads), head_dim=head_dim_qk, page_size=page_size,
+                                   pos_encoding_mode=pos_encoding_mode))
+
+        self.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+        self.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_the_backend_plans_flashinfer_with_host_metadata_and_matches_torch(monkeypatch, layout):
+    import sys
+
+    P, Hq, Hkv, D, num_pages, window = 4, 8, 2, 64, 64, 7
+    fake = RecordingFlashInfer(P)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(FlashInferBackend, "check_available", classmethod(lambda cls, *a, **k: None))  # no GPU here
+
+    def pin(t):  # stands in for pinning (needs CUDA): marks the tensor so the test can see it
+        t = t.clone()
+        t.pdkv_pinned = True
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    for with_prefill in (False, True, True):
+        batch = _random_batch(rng, P, num_pages, with_prefill)
+        caches = [KVCache(1, num_pages, P, Hkv, D, torch.float32, layout) for _ in range(2)]
+        caches[0].layer(0).normal_()
+        caches[1].layer(0).copy_(caches[0].layer(0))
+        ref = TorchAttentionBackend(caches[0], Hq, Hkv, D, 0.125, window)
+        fib = FlashInferBackend(caches[1], Hq, Hkv, D, 0.125, window)
+        T = batch.num_tokens
+        q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+        want = ref.forward(0, q, k, v, ref.plan(batch))
+        fake.calls.clear()
+        got = fib.forward(0, q, k, v, fib.plan(batch))
+        (kind, planned), (run, ran) = fake.calls
+        assert kind == ("prefill" if with_prefill else "decode") and run == "run"
+        m = planned["meta"]
+        tensors = [m.paged_kv_indptr, m.paged_kv_indices, m.paged_kv_last_page_len] + ([m.qo_indptr] if with_prefill else [])
+        for t in tensors:  # on the host, pinned, int32: plan() reads them without a device sync
+            assert t.device.type == "cpu" and t.dtype == torch.int32 and getattr(t, "pdkv_pinned", False)
+        assert planned["non_blocking"] is True and planned["pos_encoding_mode"] == "NONE"
+        assert planned["window_left"] == window - 1 and planned["sm_scale"] == 0.125
+        assert planned["q_data_type"] == planned["kv_data_type"] == torch.float32
+        assert planned["heads"] == (Hq, Hkv) and planned["head_dim"] == D and planned["page_size"] == P
+        assert ran["cache"] is caches[1].layer(0) and ran["q"].is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert torch.equal(caches[0].layer(0), caches[1].layer(0))  # the same K/V writes
