@@ -327,3 +327,55 @@ def test_make_copy_engine_picks_the_cpu_engine_for_host_memory_and_cuda_refuses_
     engine.close()
     with pytest.raises(ValueError, match="the device buffer is on cpu, not a GPU"):
         CudaCopyEngine(ring, buf)
+
+
+class FakeCudaTorch:
+    """Fault-injection stand-in for ``torch`` inside CudaCopyEngine on a CPU machine: streams and
+    events that record what was asked of them (copies then run at once, on the CPU)."""
+
+    def __init__(self):
+        import contextlib
+
+        self.log: list[tuple] = []
+        fake = self
+
+        class Event:
+            def record(self, stream):
+                fake.log.append(("record", stream))
+
+            def synchronize(self):
+                fake.log.append(("synchronize",))
+
+        class Stream:
+            def wait_event(self, event):
+                fake.log.append(("wait_event", event))
+
+        self.cuda = type("cuda", (), {"Event": Event, "Stream": Stream,
+                                      "device": staticmethod(lambda d: contextlib.nullcontext()),
+                                      "stream": staticmethod(lambda s: contextlib.nullcontext())})
+        self.stream = Stream()
+
+
+def test_the_cuda_engine_orders_after_the_event_coalesces_and_waits_per_job():
+    from pdkv.gpu.copy_engine import CopyEngine
+    from pdkv.gpu.cuda_copy_engine import CudaCopyEngine
+
+    fake = FakeCudaTorch()
+    engine = CudaCopyEngine.__new__(CudaCopyEngine)  # skip the GPU checks of __init__
+    engine._torch, engine.stream, engine.device = fake, fake.stream, "cuda:0"
+    buf = torch.randint(0, 256, (NUM_PAGES * PAGE,), dtype=torch.uint8)
+    CopyEngine.__init__(engine, StagingRing(2, 4 * PAGE), buf)
+    got = Results(engine, release=True)
+    after = object()  # the compute stream's event
+    spans = (Span(3 * PAGE, PAGE), Span(4 * PAGE, PAGE), Span(9 * PAGE, PAGE))  # pages 3-4 adjacent
+    engine.copy_out("r", spans, got, after=after, tag="r")
+    r, = got.get(1)
+    assert r.status is CopyStatus.DONE and torch.equal(got.staged["r"], _expected(buf, spans))
+    assert fake.log == [("wait_event", after), ("record", fake.stream), ("synchronize",)]
+    slot = engine.reserve("d", 2 * PAGE)
+    engine.ring.view(slot, 2 * PAGE).fill_(7)
+    engine.copy_in(slot, "d", (Span(0, PAGE), Span(PAGE, PAGE)), got)
+    assert got.get(1)[0].status is CopyStatus.DONE and bool((buf[: 2 * PAGE] == 7).all())
+    assert ("wait_event", None) not in fake.log[3:] and fake.log[3:] == [("record", fake.stream), ("synchronize",)]
+    engine.close()
+    _assert_no_leak(engine)
