@@ -67,8 +67,8 @@ CHECKS = [
     Check("counter-graph", dev.check_counter_graph_triton),
     Check("counter-graph-torch", dev.check_counter_graph_torch),
     Check("copy-engine", dev.check_copy_engine),
-    Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),
     Check("decode-roofline", models.check_decode_roofline),
+    Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # last: its first JIT build is slow
     Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"})),
 ]
 
