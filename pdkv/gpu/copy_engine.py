@@ -37,6 +37,16 @@ CANCELLED and frees its slot. A CANCELLED H2D copy may have written some of the 
 them. READY slots and reserved landing zones are not touched: a posted or incoming write may
 still use them, so the caller releases them once the peer has quiesced.
 
+**Wiring (issue 13, not done here).** Prefill: in the runner's layer hook (after the counter
+bump) record a CUDA event and ``copy_out`` the layer's pages of every request in the step (cut
+by ``split_spans``), ``tag=(request, layer)``; in ``on_done`` queue that slot's writes with the
+messenger from the ring's region (registered once) with a counter target already reached, and
+``release`` the slot from the batch-done completion of those writes; FAILED/CANCELLED fail the
+request like a transfer failure. Decode: ``reserve`` a landing zone per request before sending
+PREFILL (None: keep it waiting), hand its offset to the prefill side in place of the KV page
+offsets, and when the request's write count completes ``copy_in`` to its pages; declare it
+complete in ``on_done``.
+
 Implementations: ``CpuCopyEngine`` (pdkv.gpu.cpu_copy_engine: copies on a worker thread, with a
 fault-injection hook for delays and failures) and ``CudaCopyEngine`` (pdkv.gpu.cuda_copy_engine:
 copy stream, events, pinned ring). Both share this class's queues, threads and state machine;
@@ -45,7 +55,6 @@ copy stream, events, pinned ring). Both share this class's queues, threads and s
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import queue
@@ -54,32 +63,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdkv.gpu.staging import Span, StagingRing, StagingSlot, SlotState
+from pdkv.gpu.staging import (CopyResult, CopyStatus, Direction, Span, StagingRing, StagingSlot,  # noqa: F401
+                               SlotState)
 
 log = logging.getLogger(__name__)
-
-
-class Direction(enum.Enum):
-    DEVICE_TO_HOST = "device-to-host"
-    HOST_TO_DEVICE = "host-to-device"
-
-
-class CopyStatus(enum.Enum):
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class CopyResult:
-    request_id: str
-    direction: Direction
-    status: CopyStatus
-    slot: StagingSlot | None  # D2H DONE: the READY slot to post from, then release(); else None
-    spans: tuple[Span, ...]
-    nbytes: int  # bytes the job moves (packed in the slot from offset 0)
-    error: str = ""
-    tag: object = None  # the caller's token, handed back unchanged
 
 
 @dataclass(eq=False)

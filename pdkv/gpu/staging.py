@@ -164,3 +164,28 @@ class StagingRing:
             raise ValueError(f"staging slot {slot.index} (generation {slot.generation}) is "
                              f"{self._state[slot.index].value} at generation {self._generation[slot.index]}: "
                              "released twice, or released while its copy runs")
+
+
+# ---- what the copy engine (pdkv.gpu.copy_engine) reports per job ----
+
+class Direction(enum.Enum):
+    DEVICE_TO_HOST = "device-to-host"
+    HOST_TO_DEVICE = "host-to-device"
+
+
+class CopyStatus(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    request_id: str
+    direction: Direction
+    status: CopyStatus
+    slot: StagingSlot | None  # D2H DONE: the READY slot to post from, then release(); else None
+    spans: tuple[Span, ...]
+    nbytes: int  # bytes the job moves (packed in the slot from offset 0)
+    error: str = ""
+    tag: object = None  # the caller's token, handed back unchanged
