@@ -30,7 +30,7 @@ cpu_only = pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
 def test_importing_pdkv_gpu_imports_neither_cuda_python_nor_torch():
     code = ("import sys, pdkv.gpu, pdkv.gpu.cumem, pdkv.gpu.layer_counter, pdkv.gpu.fdpass, "
             "pdkv.gpu.selftest, pdkv.gpu.staging, pdkv.gpu.copy_engine, pdkv.gpu.cpu_copy_engine, "
-            "pdkv.gpu.cuda_copy_engine, pdkv.gpu.gpudirect\n"
+            "pdkv.gpu.cuda_copy_engine, pdkv.gpu.gpudirect, pdkv.gpu.compute_mode, pdkv.gpu.selftest_copy\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m == 'cuda' or m.startswith('cuda.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), check=True).stdout
