@@ -141,3 +141,33 @@ def test_the_disagg_gpu_check_is_skipped_while_the_config_refuses_cuda_roles():
             check_disagg_gpu()
     else:
         pytest.skip("the config accepts model.device: cuda for the roles: the check runs on a GPU")
+
+
+def test_no_gpu_is_told_apart_from_a_gpu_host_with_something_missing(monkeypatch):
+    import gpu_check_devices
+
+    from pdkv.gpu import guard
+
+    class FakeDriverNoDevice:  # fault injection: cuda-python's driver module (cuInit fails without devices)
+        def __init__(self, count, driver_version=13000):
+            self.count, self.driver_version = count, driver_version
+
+        def cuDriverGetVersion(self):
+            return (0, self.driver_version)
+
+        def cuInit(self, flags):
+            return (0,) if self.count else (guard.CUDA_ERROR_NO_DEVICE,)
+
+        def cuDeviceGetCount(self):
+            return (0, self.count)
+
+        def cuGetErrorName(self, err):
+            return (0, b"CUDA_ERROR_NO_DEVICE")
+
+    monkeypatch.setattr(gpu_check_devices.ctypes, "CDLL", lambda name: object())  # "libcuda loads"
+    monkeypatch.setattr(guard, "_load_libcuda", lambda: None)
+    monkeypatch.setattr(guard, "bindings_version", lambda drv=None: "13.4.4")
+    monkeypatch.setattr(guard, "_load_bindings", lambda: FakeDriverNoDevice(None))  # cuInit: NO_DEVICE
+    assert "no CUDA device" in gpu_check_devices.no_gpu_reason()  # nothing to check: exit 0
+    monkeypatch.setattr(guard, "_load_bindings", lambda: FakeDriverNoDevice(1, driver_version=12080))
+    assert gpu_check_devices.no_gpu_reason() is None  # a GPU with the wrong bindings: the guard FAILs
