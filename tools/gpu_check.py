@@ -1,209 +1,189 @@
 #!/usr/bin/env python3
-"""One-shot check of pdkv's GPU building blocks on a machine with an NVIDIA GPU.
+"""One-shot check of pdkv's GPU paths on a machine with an NVIDIA GPU (docs/GPU.md).
 
-    python3 tools/gpu_check.py            # from the repository root; about a minute
+    python3 tools/gpu_check.py [--json gpu_check.json] [--only NAME ...] [--budget 450]
 
-Needs torch with CUDA and cuda-python (``pip install cuda-python``; ``cuda-bindings`` is
-enough). Prints the environment, then one ``PASS`` / ``FAIL`` / ``SKIP`` line per check, and exits
-non-zero if any check failed. Checks:
+From the repository root, no install or build step. Prints the environment, one line per check
+as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary with one
+line per check and ``N passed, N failed, N skipped``, and writes every result to one JSON file.
+Exit status: 0 when no check that should run failed, 1 otherwise. On a machine without a GPU
+(no driver, or no device) it says "no GPU", marks every check SKIP and exits 0.
 
-  guard        pdkv.gpu sees cuda-python, the driver and the device
-  cumem-2proc  cuMem allocation exported by a child process as a POSIX fd (SCM_RIGHTS), imported
-               and mapped here; bytes written on each side are read on the other
-  cumem-views  rounding to the granularity; close() refuses while tensors over it live
-  kvcache      a KVCache laid over cuMem memory: a page written through torch is where the
-               messenger will read it
-  bad-import   importing a descriptor that is not a cuMem export is a CudaError, not a crash
-  dmabuf       a dma-buf fd for the mapping (what ibv_reg_dmabuf_mr takes); SKIP if unsupported
-  counter      CudaLayerCounter bumped eagerly on the stream
-  counter-graph  bumps inside a captured CUDA graph, replayed; a host thread sees the counter
-               climb layer by layer before the host synchronises
+Checks run in order; those that need two processes on the GPU are skipped, with the reason,
+when the compute mode is not Default; once ``--budget`` seconds have passed the rest are skipped
+(the whole run is meant to stay under 8 minutes; FlashInfer's first JIT build is the slow part).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout, no install
+sys.path.insert(0, str(REPO / "tools"))
+
+import gpu_check_devices as dev  # noqa: E402
+import gpu_check_models as models  # noqa: E402
+from gpu_check_models import SkipCheck as Skip  # noqa: E402
 
 
-def environment() -> None:
-    import torch
+@dataclass(frozen=True)
+class Check:
+    name: str
+    fn: Callable[[], object]  # returns a summary string, or (summary, data dict)
+    needs: frozenset = frozenset()  # "multiprocess": two processes on the GPU
+    isolate: float | None = None  # run in a child process with this timeout (s): JIT builds, hangs
 
-    print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda})")
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    seconds: float
+    detail: str
+    data: dict = field(default_factory=dict)
+
+
+CHECKS = [
+    Check("guard", dev.check_guard),
+    Check("compute-mode", dev.check_compute_mode),
+    Check("cumem-2proc", dev.check_cumem_2proc, frozenset({"multiprocess"})),
+    Check("cumem-views", dev.check_cumem_views),
+    Check("kvcache", dev.check_kvcache),
+    Check("bad-import", dev.check_bad_import),
+    Check("dmabuf", dev.check_dmabuf),
+    Check("gpudirect-host", dev.check_gpudirect_host),
+    Check("counter", dev.check_counter),
+    Check("counter-graph", dev.check_counter_graph_triton),
+    Check("counter-graph-torch", dev.check_counter_graph_torch),
+    Check("copy-engine", dev.check_copy_engine),
+    Check("decode-roofline", models.check_decode_roofline),
+    Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # last: its first JIT build is slow
+    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"})),
+]
+
+
+def run_one(check: Check) -> Result:
+    t0 = time.monotonic()
     try:
-        import cuda.bindings
+        out = _isolated(check) if check.isolate else check.fn()
+        detail, data = out if isinstance(out, tuple) else (out, {})
+        return Result(check.name, "PASS", time.monotonic() - t0, str(detail), dict(data))
+    except Skip as e:
+        return Result(check.name, "SKIP", time.monotonic() - t0, str(e))
+    except Exception as e:  # noqa: BLE001 - every check is reported; the exit status sums them up
+        trace = traceback.format_exc(limit=8)
+        print(trace, end="", flush=True)
+        return Result(check.name, "FAIL", time.monotonic() - t0, f"{type(e).__name__}: {e}", {"traceback": trace})
 
-        print(f"cuda-bindings {cuda.bindings.__version__}")
-    except Exception as e:  # noqa: BLE001
-        print(f"cuda-bindings: {e}")
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        print(f"cuda:0 {p.name}, {p.total_memory >> 30} GiB, sm_{p.major}{p.minor}, "
-              f"{torch.cuda.device_count()} device(s); CUDA_VISIBLE_DEVICES="
-              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}")
+
+def _isolated(check: Check):
+    """Run one check in a child process (a hard time limit; a crash cannot take the run down)."""
+    out_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdkv-gpu-check-{os.getpid()}-{check.name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", check.name, "--json", str(out_path)]
     try:
-        from pdkv.gpu.guard import call, cuda_driver
-
-        drv = cuda_driver("gpu_check")
-        v = call(drv, drv.cuDriverGetVersion)
-        print(f"driver API {v // 1000}.{v % 1000 // 10}")
-    except Exception as e:  # noqa: BLE001
-        print(f"driver: {e}")
-
-
-def check_guard() -> str:
-    from pdkv.gpu import gpu_unavailable_reason
-
-    reason = gpu_unavailable_reason()
-    assert reason is None, reason
-    return "cuda-python, driver, device and torch CUDA all present"
-
-
-def check_cumem_2proc() -> str:
-    from pdkv.gpu.selftest import check_cumem_two_process
-
-    return check_cumem_two_process(nbytes=64 << 20)
-
-
-def check_cumem_views() -> str:
-    import torch
-
-    from pdkv.gpu.cumem import CuMemAllocation
-
-    alloc = CuMemAllocation.allocate((3 << 20) + 5)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=check.isolate)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"did not finish in {check.isolate:.0f} s (a first FlashInfer JIT build can take "
+                             "minutes: pre-warm it, docs/GPU.md)") from None
     try:
-        assert alloc.nbytes >= alloc.size and alloc.nbytes % (2 << 20) == 0, repr(alloc)
-        t = alloc.tensor()
-        assert t.data_ptr() == alloc.ptr and t.dtype == torch.uint8 and t.numel() == alloc.size
-        h = t[: 1 << 20].view(torch.float32)
-        h.fill_(1.5)
-        del t
-        try:
-            alloc.close()
-            raise AssertionError("close() did not refuse while a view was alive")
-        except RuntimeError as e:
-            assert "still alive" in str(e), e
-        assert float(h.sum()) == 1.5 * (1 << 18)
-        del h
+        r = json.loads(out_path.read_text())["checks"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        raise AssertionError(f"the child process exited {proc.returncode} without a result: "
+                             f"{(proc.stdout + proc.stderr)[-2000:]}") from None
     finally:
-        alloc.close()
-    return f"{alloc!r}"
+        out_path.unlink(missing_ok=True)
+    if r["status"] == "SKIP":
+        raise Skip(r["detail"])
+    if r["status"] == "FAIL":
+        raise AssertionError(f"{r['detail']}\n{r['data'].get('traceback', '')}")
+    return r["detail"], r["data"]
 
 
-def check_kvcache() -> str:
-    import torch
-
-    from pdkv.gpu.cumem import CuMemAllocation
-    from pdkv.kv.cache import KVCache
-
-    shape = dict(num_layers=2, num_pages=8, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-    nbytes = 2 * 8 * (2 * 2 * 16 * 64) * 2
-    with CuMemAllocation.allocate(nbytes) as alloc:
-        buf = alloc.tensor()
-        cache = KVCache(**shape, buffer=buf, device="cuda:0")
-        cache.layer(1)[3].fill_(2.0)
-        off = cache.page_offset(1, 3)
-        page = buf[off: off + cache.page_nbytes].view(torch.bfloat16)
-        ok = bool((page == 2.0).all()) and cache.data_ptr(0) == alloc.ptr
-        del cache, buf, page
-    assert ok, "page (1, 3) is not at data_ptr(0) + page_offset(1, 3)"
-    return "KVCache(HND, bf16) over cuMem: page offsets match the bytes torch wrote"
-
-
-def check_bad_import() -> str:
-    from pdkv.gpu.cumem import CuMemAllocation
-    from pdkv.gpu.guard import CudaError
-
-    with CuMemAllocation.allocate(1 << 20) as real:
-        info = real.info
-    r, w = os.pipe()
-    try:
-        CuMemAllocation.import_fd(r, info)
-        raise AssertionError("a pipe was imported as cuMem memory")
-    except CudaError as e:
-        return f"refused: {e}"
-    finally:
-        os.close(r)
-        os.close(w)
+def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
+               mode_problem: Callable[[], str | None] = lambda: None) -> list[Result]:
+    results: list[Result] = []
+    t0 = time.monotonic()
+    multiprocess = None
+    for check in checks:
+        skip = None
+        if no_gpu is not None:
+            skip = "no GPU on this machine"
+        elif results and results[0].name == "guard" and results[0].status == "FAIL":
+            skip = "the guard failed: nothing else can run"
+        elif time.monotonic() - t0 > budget:
+            skip = f"time budget of {budget:.0f} s used up (--budget)"
+        elif "multiprocess" in check.needs:
+            multiprocess = mode_problem() if multiprocess is None else multiprocess
+            skip = multiprocess or None
+        result = Result(check.name, "SKIP", 0.0, skip) if skip else run_one(check)
+        if result.status == "SKIP" and check.name == "compute-mode" and no_gpu is None:
+            multiprocess = result.detail
+        results.append(result)
+        print(_line(result), flush=True)
+    return results
 
 
-class Skip(Exception):
-    """A check that cannot run on this machine for a stated reason (not a failure)."""
+def _line(r: Result, width: int = 400) -> str:
+    detail = r.detail.replace("\n", " ")
+    return f"{r.status} {r.name} ({r.seconds:.1f}s): {detail[:width]}"
 
 
-def check_dmabuf() -> str:
-    from pdkv.gpu.cumem import CuMemAllocation
-    from pdkv.gpu.guard import CudaError
-
-    with CuMemAllocation.allocate(4 << 20) as alloc:
-        try:
-            fd = alloc.dmabuf_fd()
-        except CudaError as e:
-            if e.code == 801:  # CUDA_ERROR_NOT_SUPPORTED
-                raise Skip(str(e)) from None
-            raise
-        try:
-            size = os.lseek(fd, 0, os.SEEK_END)
-        finally:
-            os.close(fd)
-    assert size in (0, alloc.nbytes), f"dma-buf of {size} bytes for a {alloc.nbytes}-byte mapping"
-    return f"dma-buf fd for {alloc.nbytes} bytes (lseek says {size}) for ibv_reg_dmabuf_mr"
+def summary(results: list[Result]) -> list[str]:
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    lines = ["", "summary:"] + [_line(r, 200) for r in results]
+    lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    return lines
 
 
-def check_counter() -> str:
-    import torch
-
-    from pdkv.gpu.layer_counter import make_layer_counter
-
-    c = make_layer_counter("cuda:0")
-    try:
-        for _ in range(5):
-            c.bump()
-        torch.cuda.synchronize()
-        assert c.value() == 5, c.value()
-        return f"5 eager bumps -> 5; host {c.host_address:#x}, device {c.device_address:#x}"
-    finally:
-        c.close()
+def exit_code(results: list[Result]) -> int:
+    return 1 if any(r.status == "FAIL" for r in results) else 0
 
 
-def check_counter_graph() -> str:
-    from pdkv.gpu.selftest import check_counter_graph as run
-
-    return run(num_layers=8, replays=3, layer_ms=2.0)
-
-
-CHECKS = [("guard", check_guard), ("cumem-2proc", check_cumem_2proc), ("cumem-views", check_cumem_views),
-          ("kvcache", check_kvcache), ("bad-import", check_bad_import), ("dmabuf", check_dmabuf), ("counter", check_counter),
-          ("counter-graph", check_counter_graph)]
-
-
-def main() -> int:
-    environment()
-    passed = failed = 0
-    for i, (name, fn) in enumerate(CHECKS):
-        t0 = time.monotonic()
-        try:
-            detail = fn()
-            passed += 1
-            print(f"PASS {name} ({time.monotonic() - t0:.1f}s): {detail}", flush=True)
-        except Skip as e:
-            print(f"SKIP {name}: {e}", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every check; the exit code sums them up
-            failed += 1
-            print(f"FAIL {name} ({time.monotonic() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
-            if name == "guard":  # nothing else can run; the reason says what is missing
-                for rest, _ in CHECKS[i + 1:]:
-                    print(f"SKIP {rest}: no usable GPU")
-                break
-            traceback.print_exc(limit=8, file=sys.stdout)
-    print(f"{passed} passed, {failed} failed, {len(CHECKS) - passed - failed} skipped", flush=True)
-    return 1 if failed else 0
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="gpu_check.json", help="where to write every result (default: %(default)s)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks (guard always runs)")
+    ap.add_argument("--budget", type=float, default=450.0, help="skip checks that would start after this many seconds")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # one isolated check, for _isolated
+    args = ap.parse_args(argv)
+    names = {c.name for c in CHECKS}
+    for n in (args.only or []) + ([args.child] if args.child else []):
+        if n not in names:
+            ap.error(f"unknown check {n!r} (checks: {', '.join(c.name for c in CHECKS)})")
+    started = time.time()
+    if args.child:
+        checks, env, no_gpu = [c for c in CHECKS if c.name == args.child], {}, None
+        checks = [Check(c.name, c.fn, c.needs) for c in checks]  # the child runs it in-process
+    else:
+        checks = [c for c in CHECKS if not args.only or c.name in args.only or c.name == "guard"]
+        env = dev.environment()
+        for k, v in env.items():
+            print(f"{k}: {v}")
+        no_gpu = dev.no_gpu_reason()
+        if no_gpu is not None:
+            print(f"no GPU: {no_gpu}; every check is skipped")
+    results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem)
+    if not args.child:
+        print("\n".join(summary(results)), flush=True)
+    report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
+              "environment": env, "no_gpu": no_gpu, "checks": [asdict(r) for r in results],
+              "passed": sum(r.status == "PASS" for r in results), "failed": sum(r.status == "FAIL" for r in results),
+              "skipped": sum(r.status == "SKIP" for r in results)}
+    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if not args.child:
+        print(f"results: {Path(args.json).resolve()}")
+    return exit_code(results)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ one [num_pages, 2, ...] tensor per layer) through the CSR page table:
   qo_indptr              [B + 1]  int32   (prefill) query tokens of sequence i
 
 New K/V are written with the same index_put as the torch backend (it runs on the GPU too).
+
+No device-to-host sync per step: ``plan()`` reads ``indptr`` and ``last_page_len`` on the host
+(``.to("cpu")``) to split the work. If they lived on the GPU that would be a D2H copy and a
+stream sync every step, so :func:`build_paged_kv_meta` builds all of the step's metadata on the
+CPU, in pinned memory on a GPU, and ``plan()`` / the write indices copy it to the device with
+``non_blocking=True`` (torch's pinned-memory allocator keeps each buffer alive until its copy has
+run). FlashInfer compiles kernels for head_dim in :data:`FLASHINFER_HEAD_DIMS` only; other sizes
+are refused when the backend is built, before any memory is allocated.
 """
 
 from __future__ import annotations
@@ -27,6 +35,55 @@ from models.attention.base import AttentionBackend, AttentionBatch, page_table, 
 from pdkv.errors import BackendUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)  # what FlashInfer's paged prefill/decode dispatch
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        raise BackendUnavailable(
+            f"model.attention_backend='flashinfer': the model's head_dim is {head_dim}, but FlashInfer's "
+            f"paged attention kernels exist for head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))} only; "
+            "use attention_backend='torch' for this model")
+
+
+@dataclass(frozen=True)
+class PagedKVMeta:
+    """One step's FlashInfer metadata, built on the host (see the module docstring).
+
+    Sequence i's keys are its first kv_len[i] tokens, in pages
+    paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]], the last of which holds
+    paged_kv_last_page_len[i] (1..P) of them; its queries are rows qo_indptr[i]:qo_indptr[i+1].
+    """
+
+    qo_indptr: torch.Tensor  # [B + 1] int32
+    paged_kv_indptr: torch.Tensor  # [B + 1] int32
+    paged_kv_indices: torch.Tensor  # [nnz_pages] int32
+    paged_kv_last_page_len: torch.Tensor  # [B] int32
+    write_pages: torch.Tensor  # [T] int64: page of each new token (same as the torch backend's)
+    write_offsets: torch.Tensor  # [T] int64: its slot in that page
+
+
+def build_paged_kv_meta(batch: AttentionBatch, page_size: int, pin: bool = False) -> PagedKVMeta:
+    """The CSR page table of ``batch`` on the CPU (in pinned memory when ``pin``)."""
+    P = page_size
+    indptr, indices, last_len, qo_indptr = [0], [], [], [0]
+    for q_len, kv_len, pages in zip(batch.q_lens, batch.kv_lens, batch.page_ids):
+        n = (kv_len + P - 1) // P  # pages holding keys; pages reserved beyond them are not read
+        if not 0 < q_len <= kv_len or n > len(pages):
+            raise ValueError(f"attention batch: a sequence with q_len {q_len}, kv_len {kv_len} and "
+                             f"{len(pages)} page(s) of {P} tokens cannot be planned")
+        indices.extend(pages[:n])
+        indptr.append(indptr[-1] + n)
+        last_len.append(kv_len - (n - 1) * P)
+        qo_indptr.append(qo_indptr[-1] + q_len)
+    write_pages, write_offsets = write_slots(batch, page_table(batch.page_ids, "cpu"), P)
+
+    def host(x, dtype=torch.int32):
+        t = x.to(dtype) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+        return t.pin_memory() if pin else t
+
+    return PagedKVMeta(host(qo_indptr), host(indptr), host(indices), host(last_len),
+                       host(write_pages, torch.long), host(write_offsets, torch.long))
 
 
 def _import_flashinfer():
@@ -50,7 +107,9 @@ class FlashInferMeta:
 @register("flashinfer")
 class FlashInferBackend(AttentionBackend):
     @classmethod
-    def check_available(cls, device, dtype) -> None:
+    def check_available(cls, device, dtype, head_dim: int | None = None) -> None:
+        if head_dim is not None:  # known from config.json before the weights load
+            check_head_dim(head_dim)
         device = torch.device(device)
         if device.type != "cuda":
             raise BackendUnavailable(
@@ -65,6 +124,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        check_head_dim(head_dim)
         self.check_available(kv_cache.device, kv_cache.dtype)
         fi = _import_flashinfer()
         device = torch.device(kv_cache.device)
@@ -76,33 +136,21 @@ class FlashInferBackend(AttentionBackend):
         self._window_left = (sliding_window - 1) if sliding_window else -1
 
     def plan(self, batch: AttentionBatch) -> FlashInferMeta:
-        P, dev = self.kv.page_size, self.kv.device
-        indptr, indices, last_len, qo_indptr = [0], [], [], [0]
-        for q_len, kv_len, pages in zip(batch.q_lens, batch.kv_lens, batch.page_ids):
-            n = (kv_len + P - 1) // P
-            indices.extend(pages[:n])
-            indptr.append(indptr[-1] + n)
-            last_len.append(kv_len - (n - 1) * P)
-            qo_indptr.append(qo_indptr[-1] + q_len)
-        write_pages, write_offsets = write_slots(batch, page_table(batch.page_ids, dev), P)
-
-        def i32(x):
-            return torch.tensor(x, dtype=torch.int32, device=dev)
-
-        dtype = self.kv.dtype
+        P, dev, dtype = self.kv.page_size, self.kv.device, self.kv.dtype
+        m = build_paged_kv_meta(batch, P, pin=True)
+        common = dict(pos_encoding_mode="NONE", window_left=self._window_left, sm_scale=self.scale,
+                      q_data_type=dtype, kv_data_type=dtype, non_blocking=True)
         if batch.num_decodes == len(batch.q_lens):
-            self._decode.plan(i32(indptr), i32(indices), i32(last_len), self.num_heads,
-                              self.num_kv_heads, self.head_dim, P, pos_encoding_mode="NONE",
-                              window_left=self._window_left, sm_scale=self.scale,
-                              q_data_type=dtype, kv_data_type=dtype)
+            self._decode.plan(m.paged_kv_indptr, m.paged_kv_indices, m.paged_kv_last_page_len,
+                              self.num_heads, self.num_kv_heads, self.head_dim, P, **common)
             wrapper = self._decode
         else:
-            self._prefill.plan(i32(qo_indptr), i32(indptr), i32(indices), i32(last_len),
-                               self.num_heads, self.num_kv_heads, self.head_dim, P, causal=True,
-                               pos_encoding_mode="NONE", window_left=self._window_left,
-                               sm_scale=self.scale, q_data_type=dtype, kv_data_type=dtype)
+            self._prefill.plan(m.qo_indptr, m.paged_kv_indptr, m.paged_kv_indices,
+                               m.paged_kv_last_page_len, self.num_heads, self.num_kv_heads,
+                               self.head_dim, P, causal=True, **common)
             wrapper = self._prefill
-        return FlashInferMeta(write_pages, write_offsets, wrapper)
+        return FlashInferMeta(m.write_pages.to(dev, non_blocking=True),
+                              m.write_offsets.to(dev, non_blocking=True), wrapper)
 
     def forward(self, layer, q, k, v, meta: FlashInferMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)

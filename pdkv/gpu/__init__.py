@@ -8,6 +8,10 @@ is missing (cuda-python, the NVIDIA driver, or a device) on machines without a G
   CuMemInfo         pdkv.gpu.cumem          what an importer needs besides the fd
   send_fd, recv_fd, pidfd_getfd  pdkv.gpu.fdpass   moving descriptors between processes
   make_layer_counter, CpuLayerCounter, CudaLayerCounter  pdkv.gpu.layer_counter
+  StagingRing, Span, split_spans                 pdkv.gpu.staging   the bounded pinned staging ring
+  make_copy_engine, CopyResult, CopyStatus       pdkv.gpu.copy_engine   device<->staging copies
+  CpuCopyEngine / CudaCopyEngine                 pdkv.gpu.cpu_copy_engine / cuda_copy_engine
+  register_device_memory, host_gpudirect_facts   pdkv.gpu.gpudirect   dma-buf or peermem for verbs
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ _LAZY = {
     "CpuLayerCounter": "pdkv.gpu.layer_counter",
     "CudaLayerCounter": "pdkv.gpu.layer_counter",
     "make_layer_counter": "pdkv.gpu.layer_counter",
+    "StagingRing": "pdkv.gpu.staging",
+    "Span": "pdkv.gpu.staging",
+    "split_spans": "pdkv.gpu.staging",
+    "make_copy_engine": "pdkv.gpu.copy_engine",
+    "CopyResult": "pdkv.gpu.copy_engine",
+    "CopyStatus": "pdkv.gpu.copy_engine",
+    "Direction": "pdkv.gpu.copy_engine",
+    "CpuCopyEngine": "pdkv.gpu.cpu_copy_engine",
+    "CudaCopyEngine": "pdkv.gpu.cuda_copy_engine",
+    "register_device_memory": "pdkv.gpu.gpudirect",
+    "host_gpudirect_facts": "pdkv.gpu.gpudirect",
 }
 
 __all__ = ["CudaError", "GPUUnavailable", "gpu_unavailable_reason", *_LAZY]

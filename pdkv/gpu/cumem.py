@@ -243,10 +243,11 @@ class CuMemAllocation:
 
     def tensor(self):
         """The first ``size`` bytes as a flat ``uint8`` CUDA tensor ``[size]`` (no copy)."""
-        from pdkv.gpu.guard import require_torch_cuda
+        from pdkv.gpu.guard import require_numpy, require_torch_cuda
 
         self._check_open()
         torch = require_torch_cuda("CuMemAllocation.tensor", self.device)
+        require_numpy("CuMemAllocation.tensor")
         view = _DeviceBytes(self, self.ptr, self.size)
         with torch.cuda.device(self.device):
             t = torch.as_tensor(view)

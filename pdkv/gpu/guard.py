@@ -9,6 +9,12 @@ that says which of the three things is missing:
   2. no NVIDIA driver (``libcuda.so.1`` cannot be loaded);
   3. no CUDA device (cuInit says CUDA_ERROR_NO_DEVICE, or the ordinal asked for is not visible).
 
+Two more checks run where they matter, because without them the first failure is far from its
+cause: :func:`check_driver_version` (cuda-bindings 13 loads and even passes ``cuInit`` on a CUDA 12
+driver, then fails on the first newer symbol) runs in :func:`cuda_driver` before ``cuInit``, and
+:func:`require_numpy` (torch decodes ``__cuda_array_interface__`` through numpy) runs before any
+``torch.as_tensor`` over a raw device pointer.
+
 Driver calls go through :func:`call`, which turns cuda-python's ``(CUresult, *values)`` tuples
 into values or a :class:`CudaError` naming the call, its arguments and the driver's error name.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import importlib.metadata
 import os
 
 from pdkv.errors import PdkvError
@@ -24,6 +31,12 @@ from pdkv.errors import PdkvError
 # cuda-python returns the driver status as the first element of every call's tuple
 CUDA_SUCCESS = 0
 CUDA_ERROR_NO_DEVICE = 100
+
+# Oldest Linux driver per CUDA major version (CUDA toolkit release notes, "minor version
+# compatibility"): bindings of major M call symbols that only drivers of major >= M export.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+# Oldest cuda-python per major that pdkv can use: 12.6 introduced ``cuda.bindings``.
+MIN_BINDINGS = {11: "11.8", 12: "12.6", 13: "13.0"}
 
 
 class GPUUnavailable(PdkvError, RuntimeError):
@@ -63,6 +76,60 @@ def _load_libcuda() -> None:
         raise GPUUnavailable(f"no NVIDIA driver: libcuda.so.1 cannot be loaded ({e})") from None
 
 
+def bindings_version(drv=None) -> str:
+    """The installed cuda-bindings (or, before 12.6, cuda-python) version, e.g. ``"13.4.4"``."""
+    for dist in ("cuda-bindings", "cuda-python"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return str(getattr(drv, "__version__", "0"))
+
+
+def check_driver_version(driver_version: int, bindings: str) -> None:
+    """Refuse bindings newer than the driver, saying which ``cuda-python`` to install.
+
+    ``driver_version`` is what ``cuDriverGetVersion`` returns (1000 * major + 10 * minor, e.g.
+    12080 for CUDA 12.8); ``bindings`` is the cuda-bindings version string. Older bindings on a
+    newer driver are fine (the driver keeps every old symbol), so only a higher bindings major
+    is refused.
+    """
+    d_major, d_minor = driver_version // 1000, driver_version % 1000 // 10
+    try:
+        b_major = int(str(bindings).split(".", 1)[0])
+    except ValueError:
+        raise GPUUnavailable(f"cannot read the cuda-bindings version {bindings!r}; reinstall "
+                             "cuda-python (see docs/GPU.md)") from None
+    if b_major <= d_major:
+        return
+    low = MIN_BINDINGS.get(d_major, f"{d_major}.0")
+    need = MIN_DRIVER.get(b_major, f"one for CUDA {b_major}")
+    raise GPUUnavailable(
+        f"cuda-bindings {bindings} is for CUDA {b_major} drivers (>= {need}), but this driver "
+        f"supports CUDA {d_major}.{d_minor}: install the matching bindings with "
+        f"`pip install \"cuda-python>={low},<{d_major + 1}\"`, or upgrade the NVIDIA driver to "
+        f">= {need}")
+
+
+def require_numpy(what: str = "this call") -> None:
+    """torch decodes ``__cuda_array_interface__`` (typestr, shape) through numpy: without numpy,
+    or with a numpy torch cannot talk to, ``torch.as_tensor`` over a device pointer fails with
+    "Numpy is not available". Check first and name it."""
+    try:
+        import numpy
+    except ImportError as e:
+        raise GPUUnavailable(f"{what} needs numpy (torch reads __cuda_array_interface__ through "
+                             f"it) but it cannot be imported ({e}); `pip install numpy`") from None
+    import torch
+
+    try:
+        torch.from_numpy(numpy.zeros(1, dtype=numpy.int64))
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise GPUUnavailable(f"{what} needs torch's numpy bridge, which fails with numpy "
+                             f"{numpy.__version__} under torch {torch.__version__} ({e}); install a "
+                             "numpy that this torch build supports") from None
+
+
 def _visible() -> str:
     v = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "unset" if v is None else repr(v)
@@ -80,6 +147,12 @@ def cuda_driver(what: str = "this call", device: int | None = None):
         _load_libcuda()
     except GPUUnavailable as e:
         raise GPUUnavailable(prefix + str(e)) from None
+    status, version = drv.cuDriverGetVersion()  # needs no cuInit; a mismatch fails later, obscurely
+    if int(status) == CUDA_SUCCESS:
+        try:
+            check_driver_version(int(version), bindings_version(drv))
+        except GPUUnavailable as e:
+            raise GPUUnavailable(prefix + str(e)) from None
     err = drv.cuInit(0)[0]
     if int(err) != CUDA_SUCCESS:
         reason = "no CUDA device" if int(err) == CUDA_ERROR_NO_DEVICE else "the driver refused to start"
@@ -101,6 +174,7 @@ def gpu_unavailable_reason(device: int = 0, need_torch: bool = True) -> str | No
         cuda_driver("pdkv.gpu", device)
         if need_torch:
             require_torch_cuda("pdkv.gpu", device)
+            require_numpy("pdkv.gpu")
     except GPUUnavailable as e:
         return str(e)
     return None

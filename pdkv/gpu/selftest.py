@@ -10,7 +10,8 @@ what went wrong; on success it returns a one-line description of what it verifie
 - :func:`check_counter_graph`: a CUDA graph of L "layers" (a spin kernel standing in for the
   layer's compute, then ``counter.bump()``) is captured once and replayed R times, while a host
   thread watches ``host_address``; it must see the counter climb layer by layer and reach R*L
-  before the host ever synchronises with the GPU.
+  before the host ever synchronises with the GPU. ``bump`` picks the kernel ("triton": the
+  system-scope release; "torch": the fallback add).
 
 The child side is ``python -m pdkv.gpu.selftest export SOCKET NBYTES DEVICE``.
 """
@@ -129,14 +130,14 @@ def _export_main(path: str, nbytes: int, device: int) -> int:
 
 
 def check_counter_graph(device: int = 0, num_layers: int = 8, replays: int = 3,
-                        layer_ms: float = 2.0, timeout: float = 60.0) -> str:
+                        layer_ms: float = 2.0, timeout: float = 60.0, bump: str = "auto") -> str:
     from pdkv.gpu.guard import cuda_driver, require_torch_cuda
     from pdkv.gpu.layer_counter import CudaLayerCounter
 
     cuda_driver("check_counter_graph", device)
     torch = require_torch_cuda("check_counter_graph", device)
     torch.cuda.set_device(device)
-    counter = CudaLayerCounter(device)
+    counter = CudaLayerCounter(device, bump)
     try:
         x = torch.randn(512, 512, device=f"cuda:{device}")
         cycles = int(2_000_000 * layer_ms)  # ~layer_ms at <= 2 GHz SM clocks (an H200 boosts to 1.98)
@@ -185,8 +186,8 @@ def check_counter_graph(device: int = 0, num_layers: int = 8, replays: int = 3,
         del graph
     finally:
         counter.close()
-    return (f"{replays} replays x {num_layers} layers of a captured graph: host thread saw "
-            f"{len(set(seen))} distinct values up to {target} before synchronising")
+    return (f"{replays} replays x {num_layers} layers of a captured graph, bumped by {counter.bump_kind.value}: "
+            f"host thread saw {len(set(seen))} distinct values up to {target} before synchronising")
 
 
 def main(argv: list[str]) -> int:

@@ -29,7 +29,8 @@ cpu_only = pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
 
 def test_importing_pdkv_gpu_imports_neither_cuda_python_nor_torch():
     code = ("import sys, pdkv.gpu, pdkv.gpu.cumem, pdkv.gpu.layer_counter, pdkv.gpu.fdpass, "
-            "pdkv.gpu.selftest\n"
+            "pdkv.gpu.selftest, pdkv.gpu.staging, pdkv.gpu.copy_engine, pdkv.gpu.cpu_copy_engine, "
+            "pdkv.gpu.cuda_copy_engine, pdkv.gpu.gpudirect, pdkv.gpu.compute_mode, pdkv.gpu.selftest_copy\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m == 'cuda' or m.startswith('cuda.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), check=True).stdout
@@ -86,8 +87,11 @@ class FakeDriverNoDevice:
     """Fault injection: cuda-python's driver module on a host whose driver finds no GPU
     (cuInit -> CUDA_ERROR_NO_DEVICE), or finds ``count`` GPUs when built with ``count``."""
 
-    def __init__(self, count: int | None = None):
-        self.count = count
+    def __init__(self, count: int | None = None, driver_version: int = 13000):
+        self.count, self.driver_version = count, driver_version
+
+    def cuDriverGetVersion(self):
+        return (0, self.driver_version)
 
     def cuInit(self, flags):
         return (0,) if self.count is not None else (guard.CUDA_ERROR_NO_DEVICE,)
@@ -155,3 +159,66 @@ def test_bad_arguments_are_refused_before_touching_cuda():
         pdkv.gpu.CuMemInfo.from_header({"nbytes": 4, "size": 9, "bus_id": "x"})
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         pdkv.gpu.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("driver, bindings, expected", [
+    (12080, "13.4.4", r'cuda-bindings 13.4.4 is for CUDA 13 drivers \(>= 580.65.06\), but this driver supports '
+                      r'CUDA 12.8: install the matching bindings with `pip install "cuda-python>=12.6,<13"`'),
+    (11040, "12.9.0", r'supports CUDA 11.4: .*`pip install "cuda-python>=11.8,<12"`, or upgrade the NVIDIA '
+                      r'driver to >= 525.60.13'),
+    (12020, "14.0.1", r'cuda-bindings 14.0.1 is for CUDA 14 drivers \(>= one for CUDA 14\)'),
+])
+def test_bindings_newer_than_the_driver_are_refused_naming_the_install(driver, bindings, expected):
+    with pytest.raises(GPUUnavailable, match=expected):
+        guard.check_driver_version(driver, bindings)
+
+
+@pytest.mark.parametrize("driver, bindings", [(13000, "13.4.4"), (13010, "12.9.2"), (12080, "12.6.0"),
+                                              (12090, "12.9.1.post1")])
+def test_bindings_of_the_drivers_major_or_older_pass(driver, bindings):
+    guard.check_driver_version(driver, bindings)  # no exception: older bindings on newer drivers work
+
+
+def test_an_unreadable_bindings_version_is_named():
+    with pytest.raises(GPUUnavailable, match="cannot read the cuda-bindings version 'garbage'"):
+        guard.check_driver_version(13000, "garbage")
+
+
+def test_the_guard_compares_versions_before_cuinit(monkeypatch):
+    # fault injection: a CUDA 12.4 driver under cuda-bindings 13 (cuInit would even succeed)
+    monkeypatch.setattr(guard, "_load_bindings", lambda: FakeDriverNoDevice(1, driver_version=12040))
+    monkeypatch.setattr(guard, "_load_libcuda", lambda: None)
+    monkeypatch.setattr(guard, "bindings_version", lambda drv=None: "13.4.4")
+    with pytest.raises(GPUUnavailable, match=r'CudaLayerCounter needs a GPU: cuda-bindings 13.4.4 .* CUDA 12.4: '
+                                             r'.*pip install "cuda-python>=12.6,<13"'):
+        guard.cuda_driver("CudaLayerCounter")
+    monkeypatch.setattr(guard, "bindings_version", lambda drv=None: "12.9.0")
+    assert isinstance(guard.cuda_driver("CudaLayerCounter"), FakeDriverNoDevice)
+
+
+def test_installed_bindings_version_is_read():
+    version = guard.bindings_version()
+    assert version.split(".")[0].isdigit(), version
+
+
+def test_missing_numpy_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numpy", None)  # fault injection: numpy cannot be imported
+    with pytest.raises(GPUUnavailable, match=r"CuMemAllocation.tensor needs numpy \(torch reads "
+                                             r"__cuda_array_interface__ through it\).*pip install numpy"):
+        guard.require_numpy("CuMemAllocation.tensor")
+
+
+def test_a_broken_numpy_bridge_is_named(monkeypatch):
+    import torch
+
+    def no_bridge(array):  # fault injection: what torch raises when built against another numpy
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch, "from_numpy", no_bridge)
+    with pytest.raises(GPUUnavailable, match=r"needs torch's numpy bridge, which fails with numpy .* "
+                                             r"\(Numpy is not available\)"):
+        guard.require_numpy("CudaLayerCounter")
+
+
+def test_numpy_present_passes():
+    guard.require_numpy("x")  # numpy is a dependency (requirements.txt): this must not raise

@@ -70,3 +70,78 @@ def test_layer_targets_follow_from_the_step_base():
             counter.bump()
             reached.append(counter.value() >= base + layer + 1 and counter.value() < base + layer + 2)
     assert all(reached) and counter.value() == 12
+
+
+# ---- which kernel bumps a CUDA counter (the choice is host logic; the kernel runs below) ----
+
+from pdkv.gpu.layer_counter import BumpKind, choose_bump  # noqa: E402
+
+
+def _triton_works():
+    return lambda t: None
+
+
+def _triton_missing():
+    raise ImportError("No module named 'triton'")
+
+
+def test_auto_prefers_the_triton_release_bump():
+    kind, fn, reason = choose_bump("auto", _triton_works)
+    assert kind is BumpKind.TRITON_RELEASE_SYS and fn is not None and reason is None
+
+
+def test_auto_falls_back_to_torch_add_and_says_why(caplog):
+    with caplog.at_level("WARNING", logger="pdkv.gpu.layer_counter"):
+        kind, fn, reason = choose_bump("auto", _triton_missing)
+    assert kind is BumpKind.TORCH_ADD and fn is None
+    assert reason == "ImportError: No module named 'triton'"
+    assert "not a system-scope release" in caplog.text and "No module named 'triton'" in caplog.text
+
+
+def test_triton_asked_for_explicitly_never_falls_back():
+    with pytest.raises(RuntimeError, match=r"bump='triton'.*not usable here \(ImportError: No module named"):
+        choose_bump("triton", _triton_missing)
+
+
+def test_torch_asked_for_does_not_load_triton():
+    def must_not_load():
+        raise AssertionError("triton was loaded for bump='torch'")
+
+    assert choose_bump("torch", must_not_load)[0] is BumpKind.TORCH_ADD
+    with pytest.raises(ValueError, match="bump must be one of auto, triton, torch, got 'cuda'"):
+        choose_bump("cuda", _triton_works)
+
+
+def test_cpu_counter_says_what_it_is():
+    assert CpuLayerCounter().bump_kind is BumpKind.CPU_ATOMIC
+
+
+_INTERPRET = """
+import os, sys, torch
+from pdkv.gpu import release_bump
+word = torch.zeros(1, dtype=torch.int64)
+release_bump.warm_up("cpu")            # the start-up self-test, on a scratch word
+for _ in range(7):
+    release_bump.bump(word)
+print(int(word.item()))
+"""
+
+
+def test_the_triton_release_kernel_increments_by_one_per_launch():
+    """The real kernel source, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1): one
+    launch adds exactly 1 with the release/sys atomic. Skipped where triton is not installed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (a GPU extra, requirements-gpu.txt)")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _INTERPRET], capture_output=True, text=True, env=env,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "7"

@@ -1,0 +1,173 @@
+"""tools/gpu_check.py off the GPU: a clean "no GPU" run, and the runner's bookkeeping (statuses,
+summary, exit status, budget, compute mode, isolated checks) driven by stand-in checks.
+
+Also the GPU checks' own logic that needs no GPU: the copy engine check's byte comparison and
+streaming, run on the CPU engine, and the weight bytes of the Qwen2.5-0.5B shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdkv.gpu import gpu_unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+gpu_check = importlib.import_module("gpu_check")
+HAVE_GPU = gpu_unavailable_reason() is None
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
+def test_without_a_gpu_the_tool_says_so_skips_everything_and_exits_0(tmp_path):
+    out_json = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools/gpu_check.py"), "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no GPU: " in proc.stdout and "every check is skipped" in proc.stdout
+    report = json.loads(out_json.read_text())
+    assert report["no_gpu"] and report["failed"] == 0 and report["passed"] == 0
+    assert [c["name"] for c in report["checks"]] == [c.name for c in gpu_check.CHECKS]
+    assert all(c["status"] == "SKIP" and c["detail"] == "no GPU on this machine" for c in report["checks"])
+    assert proc.stdout.strip().splitlines()[-2] == f"0 passed, 0 failed, {len(gpu_check.CHECKS)} skipped"
+
+
+def _skip():
+    raise gpu_check.Skip("nothing to do here")
+
+
+def _boom():
+    raise RuntimeError("the device fell off the bus")
+
+
+def test_statuses_summary_and_exit_status(capsys):
+    checks = [gpu_check.Check("guard", lambda: "fine"), gpu_check.Check("a", lambda: ("ok", {"x": 1})),
+              gpu_check.Check("b", _skip), gpu_check.Check("c", _boom)]
+    results = gpu_check.run_checks(checks, budget=1e9)
+    assert [(r.name, r.status) for r in results] == [("guard", "PASS"), ("a", "PASS"), ("b", "SKIP"), ("c", "FAIL")]
+    assert results[1].data == {"x": 1} and results[3].detail == "RuntimeError: the device fell off the bus"
+    assert "Traceback" in capsys.readouterr().out  # printed when the check failed
+    lines = gpu_check.summary(results)
+    assert lines[-1] == "2 passed, 1 failed, 1 skipped" and len(lines) == 2 + len(checks) + 1
+    assert lines[5].startswith("FAIL c (") and "fell off the bus" in lines[5]
+    assert gpu_check.exit_code(results) == 1
+    assert gpu_check.exit_code([r for r in results if r.status != "FAIL"]) == 0  # SKIP is not a failure
+
+
+def test_a_failed_guard_skips_the_rest_and_the_budget_skips_late_checks():
+    ran = []
+    checks = [gpu_check.Check("guard", _boom), gpu_check.Check("a", lambda: ran.append("a") or "ok")]
+    results = gpu_check.run_checks(checks, budget=1e9)
+    assert [r.status for r in results] == ["FAIL", "SKIP"] and ran == []
+    assert results[1].detail == "the guard failed: nothing else can run"
+    checks = [gpu_check.Check("guard", lambda: "ok"), gpu_check.Check("slow", lambda: "ok")]
+    results = gpu_check.run_checks(checks, budget=-1.0)
+    assert results[1].status == "SKIP" and "time budget of -1 s used up" in results[1].detail
+
+
+def test_two_process_checks_are_skipped_naming_the_compute_mode():
+    from pdkv.gpu.compute_mode import problem
+
+    ran = []
+    checks = [gpu_check.Check("guard", lambda: "ok"),
+              gpu_check.Check("two", lambda: ran.append(1) or "ok", frozenset({"multiprocess"})),
+              gpu_check.Check("one", lambda: "ok")]
+    results = gpu_check.run_checks(checks, 1e9, mode_problem=lambda: problem("Exclusive_Process"))
+    assert [r.status for r in results] == ["PASS", "SKIP", "PASS"] and ran == []
+    assert "compute mode is Exclusive_Process" in results[1].detail
+    results = gpu_check.run_checks(checks, 1e9, mode_problem=lambda: problem("Default"))
+    assert [r.status for r in results] == ["PASS", "PASS", "PASS"]
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="the guard passes on a GPU machine")
+def test_an_isolated_check_reports_its_childs_failure():
+    check = gpu_check.Check("guard", gpu_check.dev.check_guard, isolate=120.0)
+    result = gpu_check.run_one(check)
+    assert result.status == "FAIL" and "needs a GPU" in result.detail, result
+
+
+def test_unknown_check_names_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--only", "nope"])
+    assert "unknown check 'nope'" in capsys.readouterr().err
+
+
+def test_the_qwen25_05b_shape_has_its_published_parameter_count():
+    from gpu_check_models import QWEN25_05B, random_model, weight_bytes
+
+    model, arch = random_model(QWEN25_05B, torch.bfloat16, "meta")
+    assert arch.num_layers == 24 and arch.head_dim == 64 and arch.num_kv_heads == 2
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768  # the model card's 0.49B
+    assert weight_bytes(model) == 2 * 494_032_768
+
+
+def test_the_copy_engine_checks_logic_on_the_cpu_engine():
+    from pdkv.gpu.cpu_copy_engine import CpuCopyEngine
+    from pdkv.gpu.selftest_copy import _exact, _stream_rate
+    from pdkv.gpu.staging import Span, StagingRing
+
+    page = 4096
+    dev = torch.randint(0, 256, (256 * page,), dtype=torch.uint8)
+    engine = CpuCopyEngine(StagingRing(4, 8 * page), dev)
+    try:
+        checked = _exact(torch, engine, dev, random.Random(1), page, num_jobs=16)
+        assert checked > 16 * page
+        jobs = [tuple(Span((j * 8 + k) * page, page) for k in range(8)) for j in range(32)]
+        assert _stream_rate(engine, jobs) > 0
+        assert engine.ring.owners() == {} and engine.num_jobs() == 0
+    finally:
+        engine.close()
+
+
+def test_the_disagg_gpu_check_is_skipped_while_the_config_refuses_cuda_roles():
+    from gpu_check_models import SkipCheck, check_disagg_gpu
+
+    from pdkv.config import ConfigError, load_config
+
+    try:
+        load_config(REPO / "configs/prefill.yaml", ["model.device=cuda"], check_paths=False)
+    except ConfigError:
+        with pytest.raises(SkipCheck, match=r"the roles do not take KV on the GPU yet .*model.device must be cpu "
+                                             r"for role prefill"):
+            check_disagg_gpu()
+    else:
+        pytest.skip("the config accepts model.device: cuda for the roles: the check runs on a GPU")
+
+
+def test_no_gpu_is_told_apart_from_a_gpu_host_with_something_missing(monkeypatch):
+    import gpu_check_devices
+
+    from pdkv.gpu import guard
+
+    class FakeDriverNoDevice:  # fault injection: cuda-python's driver module (cuInit fails without devices)
+        def __init__(self, count, driver_version=13000):
+            self.count, self.driver_version = count, driver_version
+
+        def cuDriverGetVersion(self):
+            return (0, self.driver_version)
+
+        def cuInit(self, flags):
+            return (0,) if self.count else (guard.CUDA_ERROR_NO_DEVICE,)
+
+        def cuDeviceGetCount(self):
+            return (0, self.count)
+
+        def cuGetErrorName(self, err):
+            return (0, b"CUDA_ERROR_NO_DEVICE")
+
+    monkeypatch.setattr(gpu_check_devices.ctypes, "CDLL", lambda name: object())  # "libcuda loads"
+    monkeypatch.setattr(guard, "_load_libcuda", lambda: None)
+    monkeypatch.setattr(guard, "bindings_version", lambda drv=None: "13.4.4")
+    monkeypatch.setattr(guard, "_load_bindings", lambda: FakeDriverNoDevice(None))  # cuInit: NO_DEVICE
+    assert "no CUDA device" in gpu_check_devices.no_gpu_reason()  # nothing to check: exit 0
+    monkeypatch.setattr(guard, "_load_bindings", lambda: FakeDriverNoDevice(1, driver_version=12080))
+    assert gpu_check_devices.no_gpu_reason() is None  # a GPU with the wrong bindings: the guard FAILs
