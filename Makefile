@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all install demo test bench clean
+.PHONY: all install demo test bench bench-micro clean
 
 all: install
 
@@ -28,6 +28,13 @@ test: install
 
 bench: install
 	$(PY) -m pdkv.bench engine
+
+# Hot-path micro-benchmarks (tests/bench, never part of `make test`): saves this run under
+# .benchmarks/ and prints the change per benchmark against the previous saved run.
+BENCH_MICRO := --benchmark-only --benchmark-autosave --benchmark-compare --benchmark-sort=name \
+	--benchmark-columns=min,median,iqr,rounds
+bench-micro: install
+	nice -n 10 $(PY) -m pytest -q $(BENCH_MICRO) tests/bench
 
 clean:
 	rm -rf build *.egg-info pdkv/_messenger.c pdkv/*.so

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "tests" / "bench"
+
+
+def _bench_asked(config) -> bool:
+    """tests/bench runs only when asked: --benchmark-only, PDKV_BENCH=1, or a path inside it on
+    the command line (``pytest tests/bench/test_step.py``)."""
+    if config.getoption("benchmark_only", False) or os.environ.get("PDKV_BENCH") == "1":
+        return True
+    for arg in config.args:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path == BENCH or BENCH in path.parents:
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    # NOTE: the micro-benchmarks are slow to collect (they build a 57M-parameter model) and are
+    # not tests of behaviour alone, so `make test` / `pytest tests` never collects them.
+    if collection_path == BENCH and not _bench_asked(config):
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")
