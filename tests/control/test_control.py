@@ -84,18 +84,15 @@ def test_oversized_and_garbage_frames_are_clear_errors():
 
         srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        for payload in (struct.pack(">I", MAX_FRAME + 1),
-                        struct.pack(">I", 3) + b"\xc1\xc1\xc1",
-                        struct.pack(">I", 2) + msgpack.packb([1])):
+        for k, payload in enumerate((struct.pack(">I", MAX_FRAME + 1),
+                                     struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+                                     struct.pack(">I", 2) + msgpack.packb([1]))):
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(payload)
             await w.drain()
-            await asyncio.sleep(0.1)
+            # one connection at a time, so got[k] is payload k's error; the wait is a hang guard
+            await until(lambda: len(got) > k, f"the error for payload {k}")
             w.close()
-        for _ in range(50):
-            if len(got) == 3:
-                break
-            await asyncio.sleep(0.05)
         srv.close()
         return got
     got = asyncio.run(main())
