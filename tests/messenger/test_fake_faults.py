@@ -72,7 +72,8 @@ def test_delayed_writes_and_early_immediates_count_exactly_once(pair):
     a.add_fault("delay", first=0, count=2, delay_us=2_000_000)
     post(a, ca, lkey, rkey, 6, imm=9)
     wait_imms(b, 4)
-    # four arrived before expect, two are still on their way (2 s: far beyond the wait above, even on a loaded machine)
+    # four arrived before expect, two are still on their way (2 s late: far beyond the wait
+    # above, even on a loaded machine)
     assert b.stats()["imms"] == 4
     b.expect(9, 6)
     assert not [e for e in b.drain() if e.kind == "imm_done"]  # four of six: not yet
