@@ -89,10 +89,12 @@ def test_detokenize_1000_tokens(benchmark, budget, tok):
 CHAT = json.dumps({
     "model": "pdkv-tiny", "stream": True, "stream_options": {"include_usage": True},
     "max_completion_tokens": 256, "temperature": 0.7, "top_p": 0.95, "seed": 11, "stop": ["\n\n", "###"],
-    "messages": [{"role": "system", "content": "You are a concise assistant."},
-                 {"role": "user", "content": "Summarise the design of a paged KV cache in three sentences."},
-                 {"role": "assistant", "content": "A paged KV cache stores keys and values in fixed-size pages."},
-                 {"role": "user", "content": [{"type": "text", "text": "Now the "}, {"type": "text", "text": "allocator."}]}],
+    "messages": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Summarise the design of a paged KV cache in three sentences."},
+        {"role": "assistant", "content": "A paged KV cache stores keys and values in fixed-size pages."},
+        {"role": "user", "content": [{"type": "text", "text": "Now the "}, {"type": "text", "text": "allocator."}]},
+    ],
 }).encode()
 
 
