@@ -23,6 +23,7 @@ VERBS_PY := $(if $(filter yes,$(HAVE_VERBS)),True,False)
 CHECK_VERBS := $(PY) -c 'import sys, pdkv._messenger as m; sys.exit(m.HAVE_VERBS is not $(VERBS_PY))'
 
 $(VERBS_STAMP): | $(PY)
+	mkdir -p $(@D)
 	rm -f $(VENV)/.verbs-*
 	touch $@
 

@@ -77,7 +77,7 @@ def test_write_pages_1024(benchmark, budget, fake_pair):
 
     benchmark.pedantic(post, setup=settle, rounds=300, iterations=1, warmup_rounds=3)
     settle()
-    budget(unit="1,024 page writes posted", per_step=2, budget_pct=1)
+    budget(unit="1,024 page writes posted", per_step=2, budget_pct=1, per_step_b1=2)
     assert set(done) == {NUM_PAGES}
     check_landed(src, dst, sp, dp)
 
@@ -102,7 +102,7 @@ def test_queue_pages_1024(benchmark, budget, fake_pair):
 
     benchmark.pedantic(queue, setup=settle, rounds=300, iterations=1, warmup_rounds=3)
     settle()
-    budget(unit="1,024 page writes queued on a counter", per_step=2, budget_pct=1)
+    budget(unit="1,024 page writes queued on a counter", per_step=2, budget_pct=1, per_step_b1=2)
     assert a.stats()["queued"] == 0 and a.stats()["posted_batches"] == len(rounds)
     check_landed(src, dst, sp, dp)
 
@@ -131,7 +131,7 @@ def test_expect_and_10000_immediates(benchmark, budget, fake_pair):
 
     benchmark.pedantic(deliver, setup=drain_sender, rounds=30, iterations=1, warmup_rounds=1)
     budget(unit="10,000 immediates delivered and counted", per_step=WRITES_PER_REQUEST / NUM_IMMS,
-           budget_pct=1)
+           budget_pct=1, per_step_b1=WRITES_PER_REQUEST / NUM_IMMS)
     assert [(e.imm, e.count, e.bytes) for e in events] == [
         (100 + i + 1, NUM_IMMS, NUM_IMMS * IMM_SEG) for i in range(len(events))]
     assert b.forget(imm[0]) == 0  # the counter was removed when it fired: exactly once
@@ -143,6 +143,7 @@ def test_tcp_frame_parse(benchmark, budget):
     Python, so this is an upper bound: the receiver thread calls it without the boundary)."""
     raw = tcp_frame(0x1234_5678_9ABC, 1 << 30, 4096, 77)
     f = benchmark(tcp_parse_frame, raw)
-    budget(unit="one frame header parsed", per_step=WRITES_PER_REQUEST, budget_pct=1)
+    budget(unit="one frame header parsed", per_step=WRITES_PER_REQUEST, budget_pct=1,
+           per_step_b1=WRITES_PER_REQUEST)
     assert (f["key"], f["off"], f["len"], f["imm"], f["type"]) == (0x1234_5678_9ABC, 1 << 30, 4096, 77, 1)
     assert tcp_frame(f["key"], f["off"], f["len"], f["imm"]) == raw  # as test_tcp_wire's round trip

@@ -41,7 +41,7 @@ def loop():
 
 def test_control_prefill_encode(benchmark, budget):
     frame = benchmark(encode_frame, PREFILL)
-    budget(unit="one PREFILL encoded", per_step=1, budget_pct=1)
+    budget(unit="one PREFILL encoded", per_step=1, budget_pct=1, per_step_b1=1)
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
     assert decode_frame(asyncio.new_event_loop(), frame) == PREFILL
 
@@ -49,7 +49,7 @@ def test_control_prefill_encode(benchmark, budget):
 def test_control_prefill_decode(benchmark, budget, loop):
     frame = encode_frame(PREFILL)
     msg = benchmark(decode_frame, loop, frame)
-    budget(unit="one PREFILL decoded", per_step=1, budget_pct=1)
+    budget(unit="one PREFILL decoded", per_step=1, budget_pct=1, per_step_b1=1)
     assert msg == PREFILL  # as test_control's round trip: every field back, same types
 
 
@@ -80,7 +80,7 @@ def test_detokenize_1000_tokens(benchmark, budget, tok):
 
     pieces = benchmark(run)
     # 64 running requests each add one token per decode step
-    budget(unit=f"{n} tokens detokenized", per_step=64 / n, budget_pct=2)
+    budget(unit=f"{n} tokens detokenized", per_step=64 / n, budget_pct=2, per_step_b1=1 / n)
     assert "".join(pieces) == want
     assert not any("\ufffd" in p for p in pieces)
     assert any(p == "" for p in pieces[:-1])  # some tokens end mid-character and emit nothing
@@ -100,7 +100,7 @@ CHAT = json.dumps({
 
 def test_openai_chat_request_validation(benchmark, budget):
     r = benchmark(lambda: parse_chat(json.loads(CHAT)))
-    budget(unit="one chat request parsed and validated", per_step=1, budget_pct=1)
+    budget(unit="one chat request parsed and validated", per_step=1, budget_pct=1, per_step_b1=1)
     assert r.chat and r.stream and r.include_usage
     assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stop) == (256, 0.7, 0.95, 11, ["\n\n", "###"])
     assert [m["role"] for m in r.messages] == ["system", "user", "assistant", "user"]

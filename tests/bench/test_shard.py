@@ -48,7 +48,7 @@ def check(tp_p, tp_d, geometry, plan, pairs, expected, batches):
 def test_shard_plan_per_request(benchmark, budget, tp_p, tp_d, geometry):
     ids = iter(range(10**9))
     out = benchmark(lambda: plan_request(tp_p, tp_d, geometry, f"req-{next(ids)}"))
-    budget(unit="one request admitted", per_step=1, budget_pct=1)
+    budget(unit="one request admitted", per_step=1, budget_pct=1, per_step_b1=1)
     check(tp_p, tp_d, geometry, *out)
 
 

@@ -36,33 +36,36 @@ def bench_engine(tmp_path_factory, bench_threads):
                                      max_num_seqs=BATCH), num_threads=bench_threads)
 
 
-def test_decode_step(benchmark, bench_engine):
-    """One engine.step() with BATCH running requests, each decoding one token (prefill done
-    before timing). Correct: every step emits one token per request, and two requests' tokens
-    equal the same prompts run alone (as tests/engine/test_batching.py checks)."""
+@pytest.mark.parametrize("batch,rounds", [(1, 20), (BATCH, DECODE_ROUNDS)], ids=["b1", f"b{BATCH}"])
+def test_decode_step(benchmark, bench_engine, batch, rounds):
+    """One engine.step() with ``batch`` running requests, each decoding one token (prefill done
+    before timing). Correct: every step emits one token per request, and the first and last
+    requests' tokens equal the same prompts run alone (as tests/engine/test_batching.py checks).
+    B=64 is the step the per-step budgets are shares of; B=1 the strictest yardstick for the
+    per-request paths."""
     engine = bench_engine
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 32000, (PROMPT,), generator=g).tolist() for _ in range(BATCH)]
-    new = 2 + DECODE_ROUNDS + 2
+    prompts = [torch.randint(0, 32000, (PROMPT,), generator=g).tolist() for _ in range(batch)]
+    new = 2 + rounds + 2
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
     first = set()
-    while len(first) < BATCH:  # prefill: every request has its first token
+    while len(first) < batch:  # prefill: every request has its first token
         first.update(o.request_id for o in engine.step())
     outs = []
-    benchmark.pedantic(lambda: outs.append(engine.step()), rounds=DECODE_ROUNDS, iterations=1, warmup_rounds=1)
-    benchmark.extra_info.update(batch=BATCH, prompt_len=PROMPT, threads=torch.get_num_threads())
+    benchmark.pedantic(lambda: outs.append(engine.step()), rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.extra_info.update(batch=batch, prompt_len=PROMPT, threads=torch.get_num_threads())
     for step in outs:
-        assert sorted(len(o.new_token_ids) for o in step) == [1] * BATCH
+        assert sorted(len(o.new_token_ids) for o in step) == [1] * batch
     final = {}
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 final[o.request_id] = o.output_token_ids
-    assert sorted(final) == sorted(f"d{i}" for i in range(BATCH))
+    assert sorted(final) == sorted(f"d{i}" for i in range(batch))
     assert all(len(t) == new for t in final.values())
-    for i in (0, BATCH - 1):
+    for i in sorted({0, batch - 1}):
         [alone] = engine.generate([prompts[i]], params)
         assert alone.output_token_ids == final[f"d{i}"], f"request {i}: batched tokens differ from alone"
     assert engine.allocator.num_free == engine.allocator.num_total
