@@ -15,7 +15,7 @@ from pdkv.kv import PageAllocator
 BATCH = 64  # running requests in the step every budget is measured against
 PAGE = 16
 PROMPT = 32  # short prompts keep the untimed prefill of BATCH requests quick on 2 cores
-DECODE_ROUNDS = 6
+DECODE_ROUNDS = 5
 
 
 @pytest.fixture(scope="module")
