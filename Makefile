@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all install demo test bench clean
+.PHONY: all install demo test bench bench-micro clean
 
 all: install
 
@@ -12,10 +12,28 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Reinstall when the requirements or the build inputs change.
-$(STAMP): $(PY) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h)
+# Whether setup.py will compile the verbs transport (the libibverbs headers are there, and
+# PDKV_NO_VERBS is not set). The answer is recorded in the NAME of a file, so when it changes
+# (libibverbs-dev installed after the venv was built) the file is new and the stamp below is
+# out of date -- a header's own mtime cannot say that: dpkg keeps the package's old mtime.
+VERBS_HEADERS ?= /usr/include/infiniband/verbs.h /usr/local/include/infiniband/verbs.h
+HAVE_VERBS := $(if $(PDKV_NO_VERBS),no,$(if $(wildcard $(VERBS_HEADERS)),yes,no))
+VERBS_STAMP := $(VENV)/.verbs-$(HAVE_VERBS)
+VERBS_PY := $(if $(filter yes,$(HAVE_VERBS)),True,False)
+CHECK_VERBS := $(PY) -c 'import sys, pdkv._messenger as m; sys.exit(m.HAVE_VERBS is not $(VERBS_PY))'
+
+$(VERBS_STAMP): | $(PY)
+	mkdir -p $(@D)
+	rm -f $(VENV)/.verbs-*
+	touch $@
+
+# Reinstall when the requirements, the build inputs or the verbs answer change. An editable
+# install may keep an up-to-date-looking extension built the other way: rebuild it then.
+$(STAMP): $(PY) $(VERBS_STAMP) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
+	$(CHECK_VERBS) || $(PY) setup.py -q build_ext --inplace --force
+	@$(CHECK_VERBS) || { echo "pdkv._messenger.HAVE_VERBS is not $(VERBS_PY) after the build"; exit 1; }
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +46,13 @@ test: install
 
 bench: install
 	$(PY) -m pdkv.bench engine
+
+# Hot-path micro-benchmarks (tests/bench, never part of `make test`): saves this run under
+# .benchmarks/ and prints the change per benchmark against the previous saved run.
+BENCH_MICRO := --benchmark-only --benchmark-autosave --benchmark-compare --benchmark-sort=name \
+	--benchmark-columns=min,median,iqr,rounds
+bench-micro: install
+	nice -n 10 $(PY) -m pytest -q $(BENCH_MICRO) tests/bench
 
 clean:
 	rm -rf build *.egg-info pdkv/_messenger.c pdkv/*.so

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "tests" / "bench"
+
+
+def _bench_asked(config) -> bool:
+    """tests/bench runs only when asked: --benchmark-only, PDKV_BENCH=1, or a path inside it on
+    the command line (``pytest tests/bench/test_step.py``)."""
+    if config.getoption("benchmark_only", False) or os.environ.get("PDKV_BENCH") == "1":
+        return True
+    for arg in config.args:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path == BENCH or BENCH in path.parents:
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    # NOTE: the micro-benchmarks are slow to collect (they build a 57M-parameter model) and are
+    # not tests of behaviour alone, so `make test` / `pytest tests` never collects them.
+    if collection_path == BENCH and not _bench_asked(config):
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -19,21 +41,51 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
 
 
+# .ci/run sets PDKV_REQUIRE_VERBS=1: there the verbs tests must run, so whatever would skip them
+# (pdkv built without verbs, no compiler, no headers) fails the session instead.
+REQUIRE_VERBS = os.environ.get("PDKV_REQUIRE_VERBS") == "1"
+
+
+def verbs_unavailable(reason: str):
+    """Skip a verbs test for ``reason`` -- or fail it where PDKV_REQUIRE_VERBS=1."""
+    if REQUIRE_VERBS:
+        pytest.fail(f"PDKV_REQUIRE_VERBS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _load_loopback_build():
+    """tests/verbs_loopback/build.py, loaded by path (a module named ``build`` elsewhere on
+    sys.path, e.g. PyPA's, must not shadow it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pdkv_tests_loopback_build",
+                                                  ROOT / "tests" / "verbs_loopback" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="session")
 def loopback_verbs_dir():
     """The directory holding the loopback verbs device (tests/verbs_loopback), for the
     LD_LIBRARY_PATH of child processes only; built once, cached by source hash under the repo's
-    git-ignored .cache. Skips with the reason where pdkv has no verbs or the device cannot build."""
+    git-ignored .cache. Skips (fails under PDKV_REQUIRE_VERBS=1) only where pdkv was built
+    without verbs or there is no compiler / no libibverbs headers; a build that fails for any
+    other reason (a compile error, an import clash) is an error, never a skip."""
     from pdkv._messenger import HAVE_VERBS
 
     if not HAVE_VERBS:
-        pytest.skip("pdkv built without libibverbs")
-    sys.path.insert(0, str(ROOT / "tests" / "verbs_loopback"))
+        verbs_unavailable("pdkv was built without libibverbs (install libibverbs-dev, then `make install`)")
+    build = _load_loopback_build()
     try:
-        from build import build_loopback_verbs  # tests/verbs_loopback/build.py
+        return build.build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
+    except build.LoopbackUnavailable as e:  # no gcc / no headers: nothing else is skipped
+        verbs_unavailable(f"loopback verbs device unavailable: {e}")
 
-        return build_loopback_verbs(ROOT / ".cache" / "verbs_loopback")
-    except Exception as e:  # no gcc / headers
-        pytest.skip(f"loopback verbs device unavailable: {e}")
-    finally:
-        sys.path.pop(0)
+
+@pytest.fixture(scope="session", autouse=True)
+def required_verbs(request):
+    """Under PDKV_REQUIRE_VERBS=1 every session checks, before its first test, that the extension
+    has verbs and the loopback device builds; otherwise each test fails with the reason."""
+    if REQUIRE_VERBS:
+        request.getfixturevalue("loopback_verbs_dir")

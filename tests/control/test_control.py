@@ -2,12 +2,13 @@
 
 import asyncio
 import struct
+import time
 
 import msgpack
 import pytest
 
 from pdkv.control import (MAX_FRAME, ControlChannel, ControlError, HandshakeRefused, Hello,
-                          model_fingerprint)
+                          model_fingerprint, read_frame)
 
 
 def hello(role, **kw):
@@ -83,18 +84,15 @@ def test_oversized_and_garbage_frames_are_clear_errors():
 
         srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        for payload in (struct.pack(">I", MAX_FRAME + 1),
-                        struct.pack(">I", 3) + b"\xc1\xc1\xc1",
-                        struct.pack(">I", 2) + msgpack.packb([1])):
+        for k, payload in enumerate((struct.pack(">I", MAX_FRAME + 1),
+                                     struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+                                     struct.pack(">I", 2) + msgpack.packb([1]))):
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(payload)
             await w.drain()
-            await asyncio.sleep(0.1)
+            # one connection at a time, so got[k] is payload k's error; the wait is a hang guard
+            await until(lambda: len(got) > k, f"the error for payload {k}")
             w.close()
-        for _ in range(50):
-            if len(got) == 3:
-                break
-            await asyncio.sleep(0.05)
         srv.close()
         return got
     got = asyncio.run(main())
@@ -104,36 +102,87 @@ def test_oversized_and_garbage_frames_are_clear_errors():
     assert "not a map" in got[2]
 
 
-def test_silent_peer_is_declared_dead_once():
+class FakeClock:
+    """pdkv.control's view of time.monotonic, moved by the test: a lease then expires because
+    the test says so, never because a loaded machine was slow (asyncio keeps the real clock)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import pdkv.control
+
+    c = FakeClock()
+    monkeypatch.setattr(pdkv.control, "time", c)
+    return c
+
+
+async def until(cond, what: str, timeout: float = 30.0):
+    """Wait for cond() -- the timeout is a hang guard, never the thing tested."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"hang guard: {what} did not happen in {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+def test_silent_peer_is_declared_dead_once_and_only_after_its_lease(clock):
     async def main():
         client, server = await pair(hello("prefill"), hello("decode"))
         deaths = []
-        # server beats but the client never answers (it does not start heartbeats)
-        server.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
-        await asyncio.sleep(0.8)
-        assert len(deaths) == 1 and "silent" in deaths[0]
+        # server beats; the client reads the beats but never answers (no heartbeat of its own)
+        server.start_heartbeat(interval=0.01, lease=10.0, on_dead=deaths.append)
+        for _ in range(3):
+            msg = await asyncio.wait_for(read_frame(client.reader), 30)
+            assert msg["type"] == "HEARTBEAT"
+        assert deaths == [] and not server.closed  # silent, but for 0 s of its 10 s lease
+        clock.now += 9.0
+        for _ in range(3):  # beats go on after 9 s of silence: still within the lease
+            assert (await asyncio.wait_for(read_frame(client.reader), 30))["type"] == "HEARTBEAT"
+        assert deaths == [] and not server.closed
+        clock.now += 1.5  # 10.5 s of silence
+        await until(lambda: deaths, "declaring the silent peer dead")
+        assert deaths == ["peer silent for 10.5 s (lease 10.0 s)"]
         assert server.closed
+        await until(server._hb_task.done, "the heartbeat task ending")  # nothing can fire again
+        assert len(deaths) == 1
         client.close()
     asyncio.run(main())
 
 
-def test_live_peer_keeps_its_lease_and_heartbeats_are_invisible():
+def test_live_peer_keeps_its_lease_and_heartbeats_are_invisible(clock):
     async def main():
         client, server = await pair(hello("prefill"), hello("decode"))
-        deaths = []
-        server.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
-        client.start_heartbeat(interval=0.05, lease=0.3, on_dead=deaths.append)
+        deaths, got = [], []
+        server.start_heartbeat(interval=0.01, lease=1.0, on_dead=deaths.append)
+        client.start_heartbeat(interval=0.01, lease=1.0, on_dead=deaths.append)
 
         async def drain(ch):
             try:
                 while True:
-                    await ch.recv()
+                    got.append(await ch.recv())
             except ControlError:
                 pass
         tasks = [asyncio.create_task(drain(server)), asyncio.create_task(drain(client))]
-        await asyncio.sleep(0.8)
-        assert deaths == []
+        # 10 x 0.6 s = 6 s of (fake) time, six leases: each side's heartbeats renew the other's
+        # lease after every step, so neither is ever silent for more than 0.6 s.
+        for _ in range(10):
+            clock.now += 0.6
+            await until(lambda: deaths or server.last_heard == client.last_heard == clock.now,
+                        "a heartbeat renewing both leases")
+            assert deaths == []
         await client.send({"type": "CANCEL", "req": "x"})
+        await until(lambda: got, "the CANCEL arriving")
+        assert got == [{"type": "CANCEL", "req": "x"}]  # the heartbeats never surfaced in recv()
+        assert not server.closed and not client.closed
         client.close(); server.close()
         for t in tasks:
             t.cancel()

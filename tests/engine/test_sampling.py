@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdkv.engine import SamplingParams
 
 PROMPT = [5, 17, 99, 240, 3, 77]
@@ -82,9 +84,21 @@ def test_closing_a_stream_early_aborts_and_frees(base_engine):
 
 
 def test_max_tokens_and_context_limit(make_engine):
+    from pdkv.errors import InvalidRequest
+
     engine = make_engine(max_model_len=20)
     out = engine.generate([[1] * 15], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and out.num_output_tokens == 5
+    assert out.finish_reason == "length" and out.num_output_tokens == 5  # 15 + 5: exactly the limit
+    # one token over the limit, by the prompt or by max_tokens: refused up front, naming the sum
+    for prompt_len, max_tokens in ((15, 6), (20, 1), (21, 1)):
+        with pytest.raises(InvalidRequest, match=rf"prompt \({prompt_len} tokens\) \+ max_tokens "
+                                                 rf"\({max_tokens}\) = {prompt_len + max_tokens} exceeds "
+                                                 r"the model's context of 20 tokens"):
+            engine.add_request(f"over-{prompt_len}-{max_tokens}", [1] * prompt_len,
+                               SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_total
+    out = engine.generate([[1] * 19], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
+    assert out.num_output_tokens == 1  # and 19 + 1 still fits
 
 
 def test_filter_logits_top_k_top_p_per_row():

@@ -96,7 +96,10 @@ def _connect(a: Peer, b: Peer) -> tuple[int, int]:
 def _transports() -> list:
     from pdkv._messenger import HAVE_VERBS
 
-    verbs = pytest.param("verbs", marks=pytest.mark.skipif(not HAVE_VERBS, reason="pdkv built without libibverbs"))
+    # Under PDKV_REQUIRE_VERBS=1 (.ci/run) a missing verbs build fails these (in the
+    # loopback_verbs_dir fixture) instead of skipping them.
+    skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
+    verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
     return ["tcp", verbs]
 
 

@@ -73,22 +73,51 @@ class Agent:
 
     def poller_under_gil(self, name: str, value: int, batches_before: int) -> dict:
         """Hold the GIL in a busy Python loop (switch interval 100 s, so no other Python thread
-        could run), move the counter, and watch the C poller post the batch anyway."""
+        could run), move the counter, and watch the C poller post the batch anyway.
+
+        A canary Python thread counts while it can run: its count before the store and after
+        the post are returned, so the caller can check that the GIL was never handed over (not
+        even inside a call of the loop) while the poller posted."""
+        import threading
+
         m, ctr = self.m, self.counters[name]
+        ticks, stop = [0], [False]
+
+        def canary():
+            while not stop[0]:
+                ticks[0] += 1
+                time.sleep(0)  # hand the GIL back at once: a handover shows as a tick, not a hang
+
+        bird = threading.Thread(target=canary, daemon=True)
+        bird.start()
+        while ticks[0] < 1000:  # it runs: the GIL is shared normally before the window
+            time.sleep(0.001)
         old = sys.getswitchinterval()
         sys.setswitchinterval(100.0)
         try:
             polls_before = m.polls()
+            ticks_before = ticks[0]
             ctr[0] = value  # the "layer done" store, made while this thread holds the GIL
             deadline = time.perf_counter() + 20.0
             spins = 0
             while m.stats()["posted_batches"] <= batches_before and time.perf_counter() < deadline:
                 spins += 1  # pure Python: the GIL is never released in here
             s = m.stats()
+            ticks_after = ticks[0]
         finally:
             sys.setswitchinterval(old)
+            stop[0] = True
+        bird.join(10)
         return {"posted": s["posted_batches"] > batches_before, "polls_before": polls_before,
-                "post_poll": s["last_post_poll"], "spins": spins}
+                "post_poll": s["last_post_poll"], "spins": spins, "canary_before": ticks_before,
+                "canary_after": ticks_after, "canary_alive": bird.is_alive()}
+
+    def wait_stat(self, name: str, at_least: int, timeout: float = 30.0) -> int:
+        """Poll stats()[name] until it reaches at_least (or timeout, a hang guard); returns it."""
+        deadline = time.monotonic() + timeout
+        while self.m.stats()[name] < at_least and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.m.stats()[name]
 
     # -- results --
     def wait(self, kind: str | None = None, count: int = 1, timeout: float = 10.0, imm: int | None = None) -> list:

@@ -1,6 +1,12 @@
 """Bad input to the Messenger API is a clear, typed error that names what was wrong."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,13 +26,28 @@ def test_unknown_transport_and_bad_options():
     assert "tcp" in transports() and "fake" in transports()
 
 
+def host_rdma_devices() -> list[str]:
+    root = "/sys/class/infiniband"
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
 @pytest.mark.skipif(not HAVE_VERBS, reason="built without libibverbs")
-def test_verbs_without_a_device_is_an_error_never_tcp():
-    # this process loads the system's libibverbs, and this machine has no RDMA device
+def test_verbs_with_a_missing_nic_is_an_error_never_tcp():
+    """This process loads the system's libibverbs: a NIC no host has is named in the error,
+    with the devices this host has -- or the statement that it has none; never tcp."""
+    bogus = "pdkv_no_such_nic9"
     with pytest.raises(TransportUnavailableError, match="verbs") as ei:
-        Messenger("verbs", 1, nics=["mlx5_0"])
+        Messenger("verbs", 1, nics=[bogus])
+    msg = str(ei.value)
     assert "tcp" not in type(ei.value).__name__
-    with pytest.raises(TransportUnavailableError, match="auto"):
+    rdma = host_rdma_devices()
+    if rdma:
+        assert f"NIC '{bogus}' not found; available:" in msg and all(n in msg for n in rdma), msg
+    else:
+        assert "no RDMA device" in msg, msg
+    # "auto" is resolved by pdkv.messenger from the topology; the transport itself refuses it
+    # on every host
+    with pytest.raises(TransportUnavailableError, match="'auto' must be resolved"):
         Messenger("verbs", 1, nics=["auto"])
 
 
@@ -75,41 +96,73 @@ def test_bad_calls_name_the_problem():
         m.drain()
 
 
-def test_close_while_other_threads_are_calling_in():
-    """close() waits for calls that released the GIL; later calls get a clear error, no crash."""
-    import threading
+CLOSE_RACE = r"""
+import json, sys, threading, time
+import numpy as np
+from pdkv._messenger import Messenger, MessengerError
 
-    a, b = Messenger("fake", 1), Messenger("fake", 2)
-    src, dst = np.ones(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
-    lkey, rkey = a.register(src), b.register(dst)
-    b.grant(rkey, 1)
-    ca, ia = a.prepare(2)
-    cb, ib = b.prepare(1)
-    a.complete(ca, ib)
-    b.complete(cb, ia)
-    errors: list = []
+transport = sys.argv[1]
+kw = {"nics": ["lo_verbs0"]} if transport == "verbs" else {}
+a, b = Messenger(transport, 1, **kw), Messenger(transport, 2, **kw)
+src, dst = np.ones(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+lkey, rkey = a.register(src), b.register(dst)
+b.grant(rkey, 1)
+ca, ia = a.prepare(2)
+cb, ib = b.prepare(1)
+a.complete(ca, ib)
+b.complete(cb, ia)
+errors, calls = [], [0, 0, 0]
 
-    def hammer():
-        try:
-            while True:
-                a.write_pages(ca, lkey, rkey, list(range(16)), list(range(16)), seg_len=4096,
-                              src_page_stride=4096, dst_page_stride=4096, imm=1)
-                a.drain()
-        except MessengerError as e:
-            errors.append(e)
+def hammer(i):
+    try:
+        while True:
+            a.write_pages(ca, lkey, rkey, list(range(16)), list(range(16)), seg_len=4096,
+                          src_page_stride=4096, dst_page_stride=4096, imm=1)
+            a.drain()
+            calls[i] += 1
+    except MessengerError as e:
+        errors.append(str(e))
 
-    threads = [threading.Thread(target=hammer) for _ in range(3)]
-    for t in threads:
-        t.start()
-    import time
+threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
+for t in threads:
+    t.start()
+deadline = time.monotonic() + 30  # close only once every thread is calling in (a hang guard)
+while min(calls) < 20 and time.monotonic() < deadline and not errors:
+    time.sleep(0.001)
+before = list(calls)
+a.close()
+for t in threads:
+    t.join(10)
+try:
+    a.drain()
+    after = "no error"
+except MessengerError as e:
+    after = str(e)
+b.close()
+print(json.dumps({"alive": sum(t.is_alive() for t in threads), "errors": errors, "before": before,
+                  "after": after}))
+"""
 
-    time.sleep(0.1)
-    a.close()
-    for t in threads:
-        t.join(5)
-    assert not any(t.is_alive() for t in threads)
-    assert len(errors) == 3 and all("closed" in str(e) for e in errors)
-    b.close()
+CLOSE_TRANSPORTS = ["fake", "tcp", pytest.param("verbs", marks=pytest.mark.skipif(
+    not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1", reason="pdkv built without libibverbs"))]
+
+
+@pytest.mark.parametrize("transport", CLOSE_TRANSPORTS)
+def test_close_while_other_threads_are_calling_in(transport, request):
+    """close() waits for calls that released the GIL; later calls get a clear error, no crash,
+    on every transport. In a child process: a crash there is a failed test, not a dead session,
+    and the verbs run loads the loopback device, which this process must not."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    if transport == "verbs":
+        env["LD_LIBRARY_PATH"] = request.getfixturevalue("loopback_verbs_dir")
+    proc = subprocess.run([sys.executable, "-c", CLOSE_RACE, transport], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert min(r["before"]) >= 20, r  # every thread was calling in when close() ran
+    assert r["alive"] == 0, r
+    assert len(r["errors"]) == 3 and all("closed" in e for e in r["errors"]), r
+    assert "closed" in r["after"], r
 
 
 def test_poller_pins_to_the_given_cpus():

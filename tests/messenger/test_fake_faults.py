@@ -41,8 +41,9 @@ def events(m, until=None, timeout=2.0):
 
 
 def wait_imms(m, n):
-    """Until m's poller has counted n immediates (fake writes land at once, counting is async)."""
-    deadline = time.monotonic() + 5
+    """Until m's poller has counted n immediates (fake writes land at once, counting is async);
+    the deadline is a hang guard only."""
+    deadline = time.monotonic() + 30
     while m.stats()["imms"] < n and time.monotonic() < deadline:
         time.sleep(0.005)
 
@@ -68,11 +69,15 @@ def test_drop_leaves_the_count_short_and_forget_reports_it(pair):
 
 def test_delayed_writes_and_early_immediates_count_exactly_once(pair):
     a, b, ca, lkey, rkey, src, dst = pair
-    a.add_fault("delay", first=0, count=2, delay_us=100_000)
+    a.add_fault("delay", first=0, count=2, delay_us=2_000_000)
     post(a, ca, lkey, rkey, 6, imm=9)
-    time.sleep(0.02)
-    b.expect(9, 6)  # four arrived before expect, two are still on their way
-    evs = events(b, lambda e: any(x.kind == "imm_done" for x in e))
+    wait_imms(b, 4)
+    # four arrived before expect, two are still on their way (2 s late: far beyond the wait
+    # above, even on a loaded machine)
+    assert b.stats()["imms"] == 4
+    b.expect(9, 6)
+    assert not [e for e in b.drain() if e.kind == "imm_done"]  # four of six: not yet
+    evs = events(b, lambda e: any(x.kind == "imm_done" for x in e), timeout=30)
     assert [(e.kind, e.imm, e.count) for e in evs] == [("imm_done", 9, 6)]
     assert (dst[:6 * PAGE] == src[:6 * PAGE]).all()
     assert not events(b, timeout=0.2)

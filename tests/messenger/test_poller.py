@@ -32,6 +32,10 @@ def test_layer_batches_post_when_the_counter_moves_while_python_holds_the_gil(sp
 
     r = a.poller_under_gil("layers", 1, 0)
     assert r["posted"], r
+    # no other Python thread ran between the store and the post: the GIL stayed with the
+    # spinning thread, so the poller posted without it
+    assert r["canary_before"] >= 1000 and r["canary_after"] == r["canary_before"], r
+    assert not r["canary_alive"], r
     # the poll that saw the new value posted it: at most the poll in progress plus the next
     assert r["post_poll"] - r["polls_before"] <= 2, r
     evs = b.wait("imm_done", count=1)

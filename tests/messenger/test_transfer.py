@@ -28,7 +28,9 @@ def test_random_writes_land_exact_and_count_once(spawn, connect):
         if i == 149:
             done = a.wait("batch_done", count=150)
             assert sum(e[0] == "batch_done" for e in done) == 150
-            b.sleep(0.2)
+            # on tcp a write completes locally once it is in the kernel: wait until the
+            # receiver has counted all 150 immediates, so expect() below really comes after them
+            assert b.wait_stat("imms", 150) == 150
     b.m("expect", 5, 200)
     b.m("expect", 6, 100)
     evs = b.wait("imm_done", count=2)

@@ -1,4 +1,5 @@
-"""tools/topo as users run it: on this machine (no GPU, no RDMA), on captures, with bad input."""
+"""tools/topo as users run it: on this machine (what it reports is checked against this host's
+sysfs, whatever it has), on captures, with bad input."""
 
 import json
 import os
@@ -19,26 +20,66 @@ def run(*args, cwd=REPO, flags=()):
                           text=True, timeout=120)
 
 
-def test_live_report_says_what_is_missing_and_shows_numa_and_interfaces(tmp_path):
+def host_gpus() -> list[str]:
+    """NVIDIA display-class PCI devices of this host, read from sysfs here (not by pdkv.topo)."""
+    found = []
+    root = "/sys/bus/pci/devices"
+    for bdf in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            with open(f"{root}/{bdf}/vendor") as v, open(f"{root}/{bdf}/class") as c:
+                if v.read().strip() == "0x10de" and c.read().strip().startswith("0x03"):
+                    found.append(bdf)
+        except OSError:
+            continue
+    return found
+
+
+def host_rdma() -> list[str]:
+    root = "/sys/class/infiniband"
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def test_live_report_matches_this_host(tmp_path):
     # -S: no site-packages, so pdkv is not importable and the tool must find the checkout itself.
     res = run(cwd=str(tmp_path), flags=("-S",))
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    assert "No GPU found" in out and "No RDMA device found" in out
+    gpus, rdma = host_gpus(), host_rdma()
+    assert ("No GPU found" in out) == (not gpus)
+    assert all(bdf in out for bdf in gpus)
+    assert ("No RDMA device found" in out) == (not rdma)
+    assert all(f"\n  {name} " in out for name in rdma)
     assert "NUMA nodes (" in out and "node  cpus" in out
     for name in os.listdir("/sys/class/net"):
         assert f"\n  {name} " in out
-    assert "error: nics: auto found no RDMA device" in out  # the messenger's verbs answer
+    # the messenger's verbs answer: an error exactly where auto has nothing to choose from
+    assert ("error: nics: auto found no RDMA device" in out) == (not rdma)
+
+
+@pytest.mark.parametrize("fixture, gpus, rdma", [("no-accel", False, False), ("live-vm", False, False),
+                                                 ("dgx-h100", True, True), ("aws-p5", True, True)])
+def test_report_says_what_is_missing_on_captures(fixture, gpus, rdma, capsys):
+    """What the live report says on a host without a GPU or RDMA, shown on captured hosts."""
+    assert main(["--sysfs", os.path.join(FIX, fixture)]) == 0
+    out = capsys.readouterr().out
+    assert ("No GPU found (no NVIDIA device on the PCI bus)" in out) == (not gpus)
+    assert ("No RDMA device found" in out) == (not rdma)
+    assert ("error: nics: auto found no RDMA device" in out) == (not rdma)
 
 
 def test_live_json_parses_and_round_trips_through_a_tarball(tmp_path):
     res = run("--json")
     assert res.returncode == 0, res.stderr
     live = json.loads(res.stdout)
-    assert live["gpus"] == [] and live["rdma_devices"] == []
+    assert sorted(g["bus_id"] for g in live["gpus"]) == host_gpus()
+    assert sorted(d["name"] for d in live["rdma_devices"]) == host_rdma()
     assert live["numa_nodes"] and all(n["cpus"] for n in live["numa_nodes"])
     assert sorted(n["name"] for n in live["net_interfaces"]) == sorted(os.listdir("/sys/class/net"))
-    assert "no RDMA device" in live["placement"][0]["error"]
+    errors = [p["error"] for p in live["placement"]]
+    if host_rdma():
+        assert not any("no RDMA device" in e for e in errors), errors
+    else:
+        assert "no RDMA device" in errors[0]
     tarball = str(tmp_path / "me.tar.gz")
     res = run("capture", tarball)
     assert res.returncode == 0 and "captured" in res.stdout, res.stderr

@@ -26,6 +26,13 @@ from build import (  # noqa: E402
 )
 
 REAL_LIB = Path("/usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+REQUIRE_VERBS = os.environ.get("PDKV_REQUIRE_VERBS") == "1"  # .ci/run: a skip here is a failure
+
+
+def unavailable(reason: str):
+    if REQUIRE_VERBS:
+        pytest.fail(f"PDKV_REQUIRE_VERBS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,7 @@ def lib_dir(build_dir) -> str:
     try:
         return build_loopback_verbs(build_dir)
     except LoopbackUnavailable as e:
-        pytest.skip(f"loopback verbs device cannot be built here: {e}")
+        unavailable(f"loopback verbs device cannot be built here: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +166,6 @@ def test_python_messenger_without_rdma_is_a_clear_error(lib_dir):
     proc = run([sys.executable, "-c", code], None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout.strip())
+        unavailable(proc.stdout.strip())
     assert proc.stdout.startswith("RAISED"), proc.stdout
     assert ("no RDMA device" if not has_rdma else "not found; available:") in proc.stdout
