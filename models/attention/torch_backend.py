@@ -79,12 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: TorchAttentionMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)
         hnd = self.kv.layout == "HND"
-        if hnd:  # cache[page, kv, head, slot, dim]
-            cache[meta.write_pages, 0, :, meta.write_offsets] = k
-            cache[meta.write_pages, 1, :, meta.write_offsets] = v
-        else:  # cache[page, kv, slot, head, dim]
-            cache[meta.write_pages, 0, meta.write_offsets] = k
-            cache[meta.write_pages, 1, meta.write_offsets] = v
+        self._write(cache, k, v, meta, hnd)
         T, Hkv, G, D = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         if not meta.prefills:
             return self._decode(cache, q, meta, hnd)
@@ -92,21 +87,35 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(cache, q[:meta.num_decodes], meta, hnd)
         for p in meta.prefills:
-            qs = q[p.start:p.end]  # [n, Hq, D]
-            n = qs.shape[0]
-            if p.kv_len == n:  # a first chunk: its keys are exactly the new ones, skip the gather
-                keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-            else:
-                keys, values = self._gather(cache, p.pages, p.kv_len, hnd)  # [Hkv, L, D]
-            if p.mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys[None], values[None],
-                                                   is_causal=True, scale=self.scale, enable_gqa=True)
-                out[p.start:p.end] = o[0].transpose(0, 1).reshape(n, -1)
-            else:
-                qg = qs.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask, scale=self.scale)
-                out[p.start:p.end] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
+            out[p.start:p.end] = self._prefill(cache, q, k, v, p, hnd)
         return out
+
+    @staticmethod
+    def _write(cache, k, v, meta, hnd) -> None:
+        """The step's new K/V into their pages."""
+        if hnd:  # cache[page, kv, head, slot, dim]
+            cache[meta.write_pages, 0, :, meta.write_offsets] = k
+            cache[meta.write_pages, 1, :, meta.write_offsets] = v
+        else:  # cache[page, kv, slot, head, dim]
+            cache[meta.write_pages, 0, meta.write_offsets] = k
+            cache[meta.write_pages, 1, meta.write_offsets] = v
+
+    def _prefill(self, cache, q, k, v, p: _Prefill, hnd) -> torch.Tensor:
+        """One prefill chunk's rows → [n, Hq * D]."""
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        qs = q[p.start:p.end]  # [n, Hq, D]
+        n = qs.shape[0]
+        if p.kv_len == n:  # a first chunk: its keys are exactly the new ones, skip the gather
+            keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
+        else:
+            keys, values = self._gather(cache, p.pages, p.kv_len, hnd)  # [Hkv, L, D]
+        if p.mask is None:
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys[None], values[None],
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(n, -1)
+        qg = qs.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask, scale=self.scale)
+        return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
 
     @staticmethod
     def _heads_view(cache, hnd):
