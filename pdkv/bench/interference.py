@@ -128,6 +128,7 @@ def summarize(r: dict, chunk: int) -> dict:
         "worst_step_ms": worst["ms"], "worst_step": worst, "median_prefill_step": mp,
         "c_step_ms": statistics.median(c_steps) if c_steps else float("nan"),
         "decode_step_ms": statistics.median(s["ms"] for s in decode_only) if decode_only else float("nan"),
+        "decode_step_max_ms": max((s["ms"] for s in decode_only), default=float("nan")),
         "decode_parts": parts(decode_only), "num_steps": len(steps), "num_prefill_steps": len(prefill),
         "threads_prefill": sorted({s["threads"] for s in prefill}),
     }
@@ -158,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrival-gap-s", type=float, default=0.0, help="> 0: arrivals by the clock instead")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--http", action="store_true", help="issue 20's probe instead: `pdkv serve -c "
+                    "configs/colocated.yaml` per configuration, SSE streams, arrivals --arrival-gap-s apart "
+                    "(default 1.5); ITL and TTFT only")
     ap.add_argument("--out", default="bench-results/interference.json")
     a = ap.parse_args(argv)
+    if a.http:
+        return main_http(a)
 
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
     from pdkv.engine import LLMEngine
@@ -209,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         whole_ttft = _median_of(runs[(n, chunks[0])], "ttft_mean")
         print(f"\nP={n}: {a.num_long} prompts of {n} tokens (median of {a.repeats} runs; ms)")
         print("  chunk  budget | ITL p50   p99    max | TTFT mean  x1st | worst step  C-step  worst/C "
-              "| decode step | prefill steps")
+              "| decode step   max | prefill steps")
         for c in chunks:
             rs = runs[(n, c)]
             row = {"prompt_len": n, "chunk": c, "budget": sizes(c, n)[1],
                    **{k: _median_of(rs, k) for k in ("itl_p50", "itl_p99", "itl_max", "ttft_mean", "ttft_max",
-                                                   "worst_step_ms", "c_step_ms", "decode_step_ms")}}
+                                                   "worst_step_ms", "c_step_ms", "decode_step_ms",
+                                                   "decode_step_max_ms")}}
             row["ttft_ratio"] = row["ttft_mean"] / whole_ttft
             row["worst_over_c_step"] = row["itl_max"] / row["c_step_ms"]
             mid = rs[len(rs) // 2]
@@ -225,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c:>5} {row['budget']:>6} | {row['itl_p50']:6.1f} {row['itl_p99']:6.1f} {row['itl_max']:6.1f} "
                   f"| {row['ttft_mean']:8.0f} {row['ttft_ratio']:5.2f} | {row['worst_step_ms']:10.1f} "
                   f"{row['c_step_ms']:7.1f} {row['worst_over_c_step']:7.2f} | {row['decode_step_ms']:11.1f} "
+                  f"{row['decode_step_max_ms']:5.0f} "
                   f"| {row['num_prefill_steps']} (threads {row['threads_prefill']})")
         for c in chunks:
             row = next(r for r in table if r["prompt_len"] == n and r["chunk"] == c)
@@ -244,3 +252,47 @@ def main(argv: list[str] | None = None) -> int:
     if tmp is not None:
         tmp.cleanup()
     return 1 if mismatches else 0
+
+
+def main_http(a) -> int:
+    from pdkv.bench._http_probe import run_http
+    from pdkv.default_model import SPEC
+
+    gap = a.arrival_gap_s or 1.5
+    context = SPEC["max_position_embeddings"]
+    lens = [n for n in (int(x) for x in a.prompt_lens.split(",")) if n + a.long_new_tokens <= context]
+    gen = torch.Generator().manual_seed(0)
+    V = SPEC["vocab_size"]
+    streams = [torch.randint(0, V, (a.stream_prompt,), generator=gen).tolist() for _ in range(a.streams)]
+    prompts = {n: [torch.randint(0, V, (n,), generator=gen).tolist() for _ in range(a.num_long)] for n in lens}
+    chunks = a.chunks.split(",")
+    print(f"HTTP probe: pdkv serve -c configs/colocated.yaml per configuration, {a.streams} SSE streams x "
+          f"{a.stream_tokens} tokens, {a.num_long} long prompts {gap} s apart, OMP threads {a.threads}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for rep in range(a.repeats):
+        for n in lens:
+            for c in chunks:
+                chunk = context if c == "whole" else int(c)
+                budget = chunk + a.streams + a.num_long if a.budget == "chunk" else int(a.budget)
+                r = run_http(chunk, budget, streams, prompts[n], gap, a.stream_tokens, a.long_new_tokens,
+                             a.threads)
+                runs.setdefault((n, c), []).append({
+                    "itl_p50": percentile(r["itl"], 50), "itl_p99": percentile(r["itl"], 99),
+                    "itl_max": max(r["itl"]), "ttft_mean": statistics.mean(r["ttft"])})
+            print(f"repeat {rep + 1}/{a.repeats} P={n} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+    table = []
+    for n in lens:
+        print(f"\nP={n} (median of {a.repeats} runs; ms)\n  chunk | ITL p50   p99    max | TTFT mean  x1st")
+        base = _median_of(runs[(n, chunks[0])], "ttft_mean")
+        for c in chunks:
+            row = {"prompt_len": n, "chunk": c, **{k: _median_of(runs[(n, c)], k)
+                                                 for k in ("itl_p50", "itl_p99", "itl_max", "ttft_mean")}}
+            table.append(row)
+            print(f"  {c:>5} | {row['itl_p50']:6.1f} {row['itl_p99']:6.1f} {row['itl_max']:6.1f} "
+                  f"| {row['ttft_mean']:8.0f} {row['ttft_mean'] / base:5.2f}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "interference-http", "args": vars(a), "results": table}, indent=2))
+    print(f"wrote {out}")
+    return 0
