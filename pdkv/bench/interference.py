@@ -48,7 +48,7 @@ def step_shape(seqs) -> dict:
     chunk (no cached KV of its own), and the longest KV a chunk attended over."""
     pre = [s for s in seqs if not (len(s.token_ids) == 1 and s.start_pos > 0)]
     return {"decodes": len(seqs) - len(pre), "prefill_tokens": sum(len(s.token_ids) for s in pre),
-            "first_chunk": any(s.start_pos == 0 for s in pre),
+            "first_chunk": any(s.start_pos == 0 for s in pre), "prefills": len(pre),
             "max_kv": max((s.start_pos + len(s.token_ids) for s in pre), default=0)}
 
 
@@ -107,12 +107,13 @@ def run_one(engine, clock: PartClock, chunk: int, budget: int, prompts: list[lis
     return {"itl": itl, "ttft": ttft, "steps": steps, "outputs": finals}
 
 
-def summarize(r: dict, chunk: int) -> dict:
+def summarize(r: dict, chunk: int, prompt_len: int) -> dict:
     steps = r["steps"]
     decode_only = [s for s in steps if s["prefill_tokens"] == 0]
     prefill = [s for s in steps if s["prefill_tokens"] > 0]
-    # A C-step: a first chunk of C tokens (or the whole prompt) plus the running decodes.
-    c_steps = [s["ms"] for s in prefill if s["first_chunk"] and s["decodes"] > 0]
+    # A C-step: a first chunk of C tokens (or the whole prompt), alone, plus the running decodes.
+    c_steps = [s["ms"] for s in prefill if s["first_chunk"] and s["prefills"] == 1 and s["decodes"] > 0
+               and s["prefill_tokens"] == min(chunk, prompt_len)]
     worst = max(steps, key=lambda s: s["ms"])
 
     def parts(group):
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_one(engine, clock, chunk, budget, prompts[n], streams, a)
                 reference.setdefault(n, r["outputs"])
                 mismatches += r["outputs"] != reference[n]
-                runs.setdefault((n, c), []).append(summarize(r, chunk))
+                runs.setdefault((n, c), []).append(summarize(r, chunk, n))
             print(f"repeat {rep + 1}/{a.repeats} P={n} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     table = []
     for n in lens:
