@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", action="store_true", help="issue 20's probe instead: `pdkv serve -c "
                     "configs/colocated.yaml` per configuration, SSE streams, arrivals --arrival-gap-s apart "
                     "(default 1.5); ITL and TTFT only")
+    ap.add_argument("--causes", action="store_true", help="instead: the SDPA kernel of a later chunk and "
+                    "step time on 1 vs all threads per step size (pdkv/bench/_causes.py)")
     ap.add_argument("--out", default="bench-results/interference.json")
     a = ap.parse_args(argv)
     if a.http:
@@ -182,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         a.num_long * -(-(max(lens) + a.long_new_tokens) // page) + 16
     engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=page, num_pages=num_pages),
                        SchedulerConfig(max_num_seqs=num_live), num_threads=a.threads)
+    if a.causes:
+        from pdkv.bench._causes import sdpa_paths, thread_ratios
+
+        sdpa_paths()
+        thread_ratios(engine)
+        return 0
     lens = [n for n in lens if n + a.long_new_tokens <= engine.max_model_len] or lens[:0]
     clock = PartClock()
     clock.install(engine)
