@@ -13,10 +13,16 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+import torch
+
+from pdkv.bench._steps import percentile
 
 
 def _free_port() -> int:
@@ -75,7 +81,8 @@ async def _probe(port: int, streams: list[list[int]], prompts: list[list[int]], 
 def run_http(chunk: int, budget: int, streams, prompts, gap_s: float, stream_tokens: int,
              long_tokens: int, threads: int) -> dict:
     port = _free_port()
-    cmd = [sys.executable, "-m", "pdkv", "serve", "-c", "configs/colocated.yaml", "--log-level", "warning",
+    config = Path(__file__).resolve().parents[2] / "configs" / "colocated.yaml"
+    cmd = [sys.executable, "-m", "pdkv", "serve", "-c", str(config), "--log-level", "warning",
            "--set", f"server.port={port}", "--set", f"scheduler.chunk_size={chunk}",
            "--set", f"scheduler.max_num_batched_tokens={budget}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -90,3 +97,50 @@ def run_http(chunk: int, budget: int, streams, prompts, gap_s: float, stream_tok
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(x[key] for x in runs)
+
+
+def main_http(a) -> int:
+    from pdkv.default_model import SPEC
+
+    gap = a.arrival_gap_s or 1.5
+    context = SPEC["max_position_embeddings"]
+    lens = [n for n in (int(x) for x in a.prompt_lens.split(",")) if n + a.long_new_tokens <= context]
+    gen = torch.Generator().manual_seed(0)
+    V = SPEC["vocab_size"]
+    streams = [torch.randint(0, V, (a.stream_prompt,), generator=gen).tolist() for _ in range(a.streams)]
+    prompts = {n: [torch.randint(0, V, (n,), generator=gen).tolist() for _ in range(a.num_long)] for n in lens}
+    chunks = a.chunks.split(",")
+    print(f"HTTP probe: pdkv serve -c configs/colocated.yaml per configuration, {a.streams} SSE streams x "
+          f"{a.stream_tokens} tokens, {a.num_long} long prompts {gap} s apart, OMP threads {a.threads}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for rep in range(a.repeats):
+        for n in lens:
+            for c in chunks:
+                chunk = context if c == "whole" else int(c)
+                budget = chunk + a.streams + a.num_long if a.budget == "chunk" else int(a.budget)
+                r = run_http(chunk, budget, streams, prompts[n], gap, a.stream_tokens, a.long_new_tokens,
+                             a.threads)
+                runs.setdefault((n, c), []).append({
+                    "itl_p50": percentile(r["itl"], 50), "itl_p99": percentile(r["itl"], 99),
+                    "itl_max": max(r["itl"]), "ttft_mean": statistics.mean(r["ttft"])})
+            print(f"repeat {rep + 1}/{a.repeats} P={n} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+    table = []
+    for n in lens:
+        print(f"\nP={n} (median of {a.repeats} runs; ms)\n  chunk | ITL p50   p99    max | TTFT mean  x1st")
+        base = _median_of(runs[(n, chunks[0])], "ttft_mean")
+        for c in chunks:
+            row = {"prompt_len": n, "chunk": c, **{k: _median_of(runs[(n, c)], k)
+                                                 for k in ("itl_p50", "itl_p99", "itl_max", "ttft_mean")}}
+            table.append(row)
+            print(f"  {c:>5} | {row['itl_p50']:6.1f} {row['itl_p99']:6.1f} {row['itl_max']:6.1f} "
+                  f"| {row['ttft_mean']:8.0f} {row['ttft_mean'] / base:5.2f}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "interference-http", "args": vars(a), "results": table}, indent=2))
+    print(f"wrote {out}")
+    return 0

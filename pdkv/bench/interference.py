@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/interference.json")
     a = ap.parse_args(argv)
     if a.http:
+        from pdkv.bench._http_probe import main_http
+
         return main_http(a)
 
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
@@ -262,46 +264,3 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
     return 1 if mismatches else 0
 
-
-def main_http(a) -> int:
-    from pdkv.bench._http_probe import run_http
-    from pdkv.default_model import SPEC
-
-    gap = a.arrival_gap_s or 1.5
-    context = SPEC["max_position_embeddings"]
-    lens = [n for n in (int(x) for x in a.prompt_lens.split(",")) if n + a.long_new_tokens <= context]
-    gen = torch.Generator().manual_seed(0)
-    V = SPEC["vocab_size"]
-    streams = [torch.randint(0, V, (a.stream_prompt,), generator=gen).tolist() for _ in range(a.streams)]
-    prompts = {n: [torch.randint(0, V, (n,), generator=gen).tolist() for _ in range(a.num_long)] for n in lens}
-    chunks = a.chunks.split(",")
-    print(f"HTTP probe: pdkv serve -c configs/colocated.yaml per configuration, {a.streams} SSE streams x "
-          f"{a.stream_tokens} tokens, {a.num_long} long prompts {gap} s apart, OMP threads {a.threads}, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    runs: dict[tuple[int, str], list[dict]] = {}
-    for rep in range(a.repeats):
-        for n in lens:
-            for c in chunks:
-                chunk = context if c == "whole" else int(c)
-                budget = chunk + a.streams + a.num_long if a.budget == "chunk" else int(a.budget)
-                r = run_http(chunk, budget, streams, prompts[n], gap, a.stream_tokens, a.long_new_tokens,
-                             a.threads)
-                runs.setdefault((n, c), []).append({
-                    "itl_p50": percentile(r["itl"], 50), "itl_p99": percentile(r["itl"], 99),
-                    "itl_max": max(r["itl"]), "ttft_mean": statistics.mean(r["ttft"])})
-            print(f"repeat {rep + 1}/{a.repeats} P={n} done (load average {os.getloadavg()[0]:.1f})", flush=True)
-    table = []
-    for n in lens:
-        print(f"\nP={n} (median of {a.repeats} runs; ms)\n  chunk | ITL p50   p99    max | TTFT mean  x1st")
-        base = _median_of(runs[(n, chunks[0])], "ttft_mean")
-        for c in chunks:
-            row = {"prompt_len": n, "chunk": c, **{k: _median_of(runs[(n, c)], k)
-                                                 for k in ("itl_p50", "itl_p99", "itl_max", "ttft_mean")}}
-            table.append(row)
-            print(f"  {c:>5} | {row['itl_p50']:6.1f} {row['itl_p99']:6.1f} {row['itl_max']:6.1f} "
-                  f"| {row['ttft_mean']:8.0f} {row['ttft_mean'] / base:5.2f}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "interference-http", "args": vars(a), "results": table}, indent=2))
-    print(f"wrote {out}")
-    return 0
