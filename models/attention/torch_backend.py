@@ -2,8 +2,9 @@
 
 Decodes (one query token) run as one batch: their pages are gathered through a padded page
 table into [B, kv_heads, L, head_dim] and attended with one SDPA call under a length mask.
-Prefill chunks run per sequence. Grouped-query attention never repeats K/V: the ``group`` query
-heads that share a KV head are laid along SDPA's query-length axis instead.
+Prefill chunks run per sequence, each as one 4-D SDPA call with ``enable_gqa`` (the fused
+kernel). Grouped-query attention never repeats K/V: decodes lay the ``group`` query heads that
+share a KV head along the query axis of their batched matmuls; SDPA does the same inside.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class _Prefill:
     end: int
     pages: torch.Tensor  # [num_pages_of_seq] long
     kv_len: int
-    mask: torch.Tensor | None  # [group * q_len, kv_len] bool, or None: plain causal (q_len == kv_len)
+    mask: torch.Tensor | None  # [q_len, kv_len] bool (True: attend), or None: plain causal (q_len == kv_len)
 
 
 @dataclass
@@ -66,7 +67,6 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = k_pos <= q_pos
                 if W is not None:
                     mask &= k_pos > q_pos - W
-                mask = mask.repeat(self.group, 1)
             prefills.append(_Prefill(start, start + q_len, torch.tensor(pages, dtype=torch.long, device=dev),
                                      kv_len, mask))
             start += q_len
@@ -79,12 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: TorchAttentionMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)
         hnd = self.kv.layout == "HND"
-        if hnd:  # cache[page, kv, head, slot, dim]
-            cache[meta.write_pages, 0, :, meta.write_offsets] = k
-            cache[meta.write_pages, 1, :, meta.write_offsets] = v
-        else:  # cache[page, kv, slot, head, dim]
-            cache[meta.write_pages, 0, meta.write_offsets] = k
-            cache[meta.write_pages, 1, meta.write_offsets] = v
+        self._write(cache, k, v, meta, hnd)
         T, Hkv, G, D = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         if not meta.prefills:
             return self._decode(cache, q, meta, hnd)
@@ -92,21 +87,40 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(cache, q[:meta.num_decodes], meta, hnd)
         for p in meta.prefills:
-            qs = q[p.start:p.end]  # [n, Hq, D]
-            n = qs.shape[0]
-            if p.kv_len == n:  # a first chunk: its keys are exactly the new ones, skip the gather
-                keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-            else:
-                keys, values = self._gather(cache, p.pages, p.kv_len, hnd)  # [Hkv, L, D]
-            if p.mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys[None], values[None],
-                                                   is_causal=True, scale=self.scale, enable_gqa=True)
-                out[p.start:p.end] = o[0].transpose(0, 1).reshape(n, -1)
-            else:
-                qg = qs.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask, scale=self.scale)
-                out[p.start:p.end] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
+            out[p.start:p.end] = self._prefill(cache, q, k, v, p, hnd)
         return out
+
+    @staticmethod
+    def _write(cache, k, v, meta, hnd) -> None:
+        """The step's new K/V into their pages."""
+        if hnd:  # cache[page, kv, head, slot, dim]
+            cache[meta.write_pages, 0, :, meta.write_offsets] = k
+            cache[meta.write_pages, 1, :, meta.write_offsets] = v
+        else:  # cache[page, kv, slot, head, dim]
+            cache[meta.write_pages, 0, meta.write_offsets] = k
+            cache[meta.write_pages, 1, meta.write_offsets] = v
+
+    def _prefill(self, cache, q, k, v, p: _Prefill, hnd) -> torch.Tensor:
+        """One prefill chunk's rows → [n, Hq * D]."""
+        qs = q[p.start:p.end]  # [n, Hq, D]
+        n = qs.shape[0]
+        if p.kv_len == n:  # a first chunk: its keys are exactly the new ones, skip the gather
+            keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
+        else:
+            keys, values = self._gather(cache, p.pages, p.kv_len, hnd)  # [Hkv, L, D]
+        # NOTE: both calls are 4-D [1, heads, len, D] with enable_gqa, which SDPA's fused CPU
+        # kernel (flash) takes, mask or not. A 3-D call (e.g. the G query heads of a KV head laid
+        # along the query axis) falls back to the math kernel, which materializes the scores
+        # in float32: on a later chunk that made the step slower than prefilling the whole
+        # prompt at once (issue 20; tests/engine/test_chunk_attention.py pins it).
+        qh = qs.transpose(0, 1)[None]  # [1, Hq, n, D]
+        if p.mask is None:
+            o = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=p.mask, scale=self.scale,
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, -1)
 
     @staticmethod
     def _heads_view(cache, hnd):

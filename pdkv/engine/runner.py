@@ -19,7 +19,9 @@ from pdkv.engine.threads import ThreadTuner
 
 
 # Steps with at most this many rows are memory-bound; their thread count is tuned by measuring
-# (see pdkv/engine/threads.py). Larger steps are compute-bound and use every thread.
+# (see pdkv/engine/threads.py). Larger steps are compute-bound and use every thread unless those
+# measurements found the other cores busy (ThreadTuner.choose_large; issue 20: on the busy 2-core
+# box a 132-token mixed step took 7x longer on 2 threads than on 1).
 SMALL_STEP_TOKENS = 4
 
 
@@ -68,7 +70,7 @@ class ModelRunner:
                 sampled.append(s.request)
         tuned = self.device.type == "cpu" and len(ids) <= SMALL_STEP_TOKENS
         if self.device.type == "cpu":
-            threads = self.tuner.choose() if tuned else self.num_threads
+            threads = self.tuner.choose() if tuned else self.tuner.choose_large()
             self._set_threads(threads)
             t0 = time.perf_counter()
         batch = AttentionBatch(q_lens, kv_lens, [s.request.pages for s in seqs], num_decodes)

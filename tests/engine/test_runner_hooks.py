@@ -127,25 +127,6 @@ def test_cli_writes_a_loadable_folder(tmp_path, make_engine):
     assert engine.loaded.arch.num_layers == 1 and engine.loaded.arch.attention_bias
 
 
-def test_thread_tuner_follows_the_measured_faster_choice():
-    from pdkv.engine.threads import ThreadTuner
-
-    def run(tuner, cost, steps):
-        picks = []
-        for _ in range(steps):
-            n = tuner.choose()
-            picks.append(n)
-            tuner.record(n, cost[n])
-        return picks
-
-    tuner = ThreadTuner(2, explore_every=16)
-    picks = run(tuner, {1: 0.015, 2: 0.060}, 64)  # a busy machine: one thread is faster
-    assert picks[:2] == [1, 2] and picks[2:].count(1) == 62 - picks[2:].count(2) and picks[2:].count(2) == 4
-    picks = run(tuner, {1: 0.015, 2: 0.008}, 64)  # the machine went idle: exploring finds out
-    assert picks[-20:].count(2) >= 18
-    assert ThreadTuner(1).candidates == [1] and run(ThreadTuner(1), {1: 1.0}, 5) == [1] * 5
-
-
 def test_failed_forward_pass_finishes_with_error_and_frees(base_engine):
     """Fault injection: a layer hook that raises makes the step's requests finish with 'error';
     the engine keeps working and every page comes back."""
