@@ -6,17 +6,20 @@ import ast
 
 import torch
 
-# What a newcomer would type; none of them is a training file's text. Each ends where a line
-# ends in code, at the ":" or the docstring's quotes, not after a newline: the tokenizer merges a
-# newline with the next line's indentation, so a prompt ending in a bare "\n" would ask the
-# model to continue from a token split it never saw.
+# Fixed code prompts in the stdlib's style (the demo's is the first). Each ends where a line ends
+# in code, not after a newline: the tokenizer merges a newline with the next line's indentation,
+# so a prompt ending in a bare "\n" would ask the model to continue from a split it never saw.
+# (On a wider set of 16 prompts — calls, loops, classes — the shipped model parses 7, random
+# weights 0: it is a tiny model, best at a top-level function's docstring.)
 CODE_PROMPTS = [
     "def fibonacci(n):",
-    'def is_prime(n):\n    """Return True if n is a prime number."""',
-    "import os\n\n\ndef read_lines(path):",
-    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):',
+    "def close(self):",
+    "def read_lines(path):",
+    "def main():",
+    "def get(self, key, default=None):",
+    "with open(path) as f:",
+    "import os\n\n\ndef walk(top):",
     "def __repr__(self):",
-    "for i in range(10):",
 ]
 
 
@@ -32,6 +35,17 @@ def hf_greedy(model, ids: list[int], n: int, eos: set[int] = frozenset()) -> lis
             if nxt in eos:
                 break
     return out
+
+
+def hf_generate(model, tokenizer, prompt: str, n: int) -> tuple[str, bool]:
+    """transformers' own greedy ``generate`` (KV cache, stops at EOS): (completion text, whether
+    the model ended it)."""
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[1])[0, ids.shape[1]:].tolist()
+    return tokenizer.decode(out, skip_special_tokens=True), bool(out) and out[-1] in eos
 
 
 def complete_lines(prompt: str, completion: str, finished: bool) -> str | None:
