@@ -49,7 +49,8 @@ setup(
     version="0.1.0",
     description="LLM serving with disaggregated prefill and decode",
     packages=find_packages(include=["pdkv", "pdkv.*", "models", "models.*", "server", "server.*"]),
-    package_data={"pdkv": ["_messenger.pyi", "_messenger.pxd", "csrc/*.h"]},
+    # data/pdkv-stdlib-coder: the trained default model (pdkv.default_model), so an installed pdkv has it
+    package_data={"pdkv": ["_messenger.pyi", "_messenger.pxd", "csrc/*.h", "data/pdkv-stdlib-coder/*"]},
     python_requires=">=3.10",
     ext_modules=messenger_extension() if "egg_info" not in sys.argv else [],
     entry_points={"console_scripts": ["pdkv=pdkv.cli:main"]},

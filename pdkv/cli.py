@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     upp.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     show = sub.add_parser("config", help="print the resolved config (after --set) as YAML")
     config_args(show)
-    sub.add_parser("default-model", help="build the embedded default model if needed and print its path")
+    sub.add_parser("default-model", help="print the path of the shipped default model")
     return p
 
 
@@ -73,7 +73,7 @@ def load_engine(cfg: Config):
     """Load the engine of ``cfg`` with a progress bar while the weights load."""
     from pdkv.engine import LLMEngine
 
-    where = cfg.model.path or "the embedded default model"
+    where = cfg.model.path or "the shipped default model"
     log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
     kw = {}
     # one contiguous KV buffer, registered with the messenger (with tp > 1 pdkv.tp makes every rank's)

@@ -3,9 +3,12 @@ one prefill node + one decode node on loopback), stream one answer, stop the clu
 
 The cluster runs as real subprocesses (``python -m pdkv up``) and the request is real HTTP to
 the decode node, whose prompt KV is computed by the prefill node and streamed over tcp;
-tokens are printed the moment their Server-Sent Event arrives. The default model has random
-weights, so the words are not meaningful — serve a real folder to read real text:
-``python tools/demo.py --set model.path=/models/Qwen2.5-0.5B-Instruct``.
+tokens are printed the moment their Server-Sent Event arrives. The default model is the tiny
+code model shipped in pdkv/data/pdkv-stdlib-coder (trained on the Python standard library), so
+the request is one it can answer: complete a function from its header and docstring (the
+completions API; ``--chat`` sends the prompt as a user message through the chat template).
+Serve a real folder with another question:
+``python tools/demo.py --set model.path=/models/Qwen2.5-0.5B-Instruct --chat --prompt "Hello!"``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPT = "def fibonacci(n):"  # tests/default_model checks that its completion parses
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -56,10 +60,11 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -
     raise SystemExit(f"demo: the server was not healthy after {timeout:.0f} s")
 
 
-def stream_completion(host: str, port: int, body: dict) -> dict:
-    """POST a streamed chat completion and print each delta as it arrives; returns the usage."""
+def stream_completion(host: str, port: int, endpoint: str, body: dict) -> dict:
+    """POST a streamed (chat) completion and print each piece of text as it arrives; returns the
+    usage."""
     conn = http.client.HTTPConnection(host, port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", endpoint, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise SystemExit(f"demo: HTTP {resp.status}: {resp.read().decode()}")
@@ -77,7 +82,7 @@ def stream_completion(host: str, port: int, body: dict) -> dict:
         chunk = json.loads(data)
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
-            text = choice.get("delta", {}).get("content")
+            text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
             if text:
                 first = first or time.perf_counter()
                 print(text, end="", flush=True)
@@ -94,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "local-disagg.yaml"),
                     help="a `pdkv up` cluster file (default: configs/local-disagg.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--prompt", default="Tell me about disaggregated prefill and decode.")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to complete (default: a function "
+                    "header, which the default model continues)")
+    ap.add_argument("--chat", action="store_true", help="send the prompt as a user message to "
+                    "/v1/chat/completions (the chat template) instead of completing it")
+    ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args(argv)
 
     import tempfile
@@ -134,11 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_healthy(proc, host, port, timeout=300)
         ready.wait(30)
-        body = {"messages": [{"role": "user", "content": args.prompt}], "max_tokens": args.max_tokens,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        print(f"demo: POST http://{host}:{port}/v1/chat/completions (stream) :: {args.prompt!r}", flush=True)
-        print("-" * 72, flush=True)
-        usage = stream_completion(host, port, body)
+        body = {"max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if args.chat:
+            endpoint, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
+            print(f"demo: POST http://{host}:{port}{endpoint} (stream), the user says:\n{args.prompt}", flush=True)
+            print("-" * 72, flush=True)
+        else:  # the answer continues the prompt: print the prompt, then the tokens as they come
+            endpoint, body["prompt"] = "/v1/completions", args.prompt
+            print(f"demo: POST http://{host}:{port}{endpoint} (stream), greedy, {args.max_tokens} tokens at most", flush=True)
+            print("-" * 72, flush=True)
+            print(args.prompt, end="", flush=True)
+        usage = stream_completion(host, port, endpoint, body)
         print("-" * 72)
         print("demo: usage", json.dumps(usage))
         return 0

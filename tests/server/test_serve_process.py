@@ -1,4 +1,4 @@
-"""``python -m pdkv serve -c configs/colocated.yaml`` as a real process: it builds the embedded
+"""``python -m pdkv serve -c configs/colocated.yaml`` as a real process: it serves the shipped
 default model, logs where it listens, answers a streamed request, and stops cleanly on SIGINT."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_serve_default_config_end_to_end(tmp_path):
         assert lines[-1] == b"data: [DONE]"
         chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert chunks[0]["model"] == "pdkv-tiny-llama-v1"
+        assert chunks[0]["model"] == "pdkv-stdlib-coder"
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -64,4 +64,4 @@ def test_serve_default_config_end_to_end(tmp_path):
     assert rc == 0, out
     assert f"listening on http://127.0.0.1:{port}" in out
     assert "loading weights: 100%" in out  # the progress bar while the model loads
-    assert (tmp_path / "cache" / "models" / "pdkv-tiny-llama-v1" / "config.json").is_file()
+    assert not (tmp_path / "cache" / "models").exists()  # shipped, not built

@@ -1,0 +1,112 @@
+"""The default model's report: its model card (README.md in the folder) and its loss-curve PNG,
+both written from the training record by tools/train_default_model.py (and rewritable from a
+folder's training.json without training again: ``python tools/default_model_card.py FOLDER``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def model_card(rec: dict) -> str:
+    r, c = rec["recipe"], rec["corpus"]
+    return f"""---
+license: other
+license_name: psf-2.0
+language: [code]
+library_name: transformers
+pipeline_tag: text-generation
+---
+# pdkv-stdlib-coder
+
+pdkv's default model: a tiny Llama-architecture code model, trained from scratch by
+`tools/train_default_model.py` on the Python standard library, so that a fresh pdkv checkout
+answers with readable Python without downloading anything. It is a toy (it completes Python in
+the style of the stdlib, and does not know facts or follow instructions), but it is a real,
+ordinary Hugging Face Llama folder: `transformers` loads it unchanged.
+
+| | |
+|---|---|
+| architecture | `LlamaForCausalLM`, {r["num_layers"]} layers, hidden {r["hidden_size"]}, {r["num_heads"]} heads / {r["num_kv_heads"]} KV heads (GQA), MLP {r["intermediate_size"]}, tied embeddings |
+| parameters | {rec["parameters"]:,} ({rec["weights_bytes"] / 1e6:.1f} MB of bfloat16 safetensors) |
+| tokenizer | byte-level BPE, {r["vocab_size"]} tokens, trained with `tokenizers` on the first {r["tokenizer_chars"]:,} characters of the training files; `<|endoftext|>` = BOS (opens every document and a plain prompt), `<|im_start|>`/`<|im_end|>` = ChatML turns, `<|im_end|>` = EOS |
+| context | trained on {r["context"]}-token windows (RoPE, max_position_embeddings {r["max_position_embeddings"]}) |
+| training | {rec["steps_done"]} steps{"" if rec["steps_done"] == r["steps"] else f" (checkpoint of a {r['steps']}-step schedule)"} of {r["batch_size"]} x {r["context"]} tokens = {rec["train_tokens"]:,} tokens, AdamW (lr {r["lr"]}, betas {tuple(r["betas"])}, weight decay {r["weight_decay"]}, {r["warmup_steps"]} warm-up steps, cosine to {r["min_lr_ratio"]} x lr, grad clip {r["grad_clip"]}), seed {r["seed"]}, float32 on {r["threads"]} CPU thread(s), {rec["train_seconds"] / 60:.1f} min |
+| final train loss | {rec["final_train_loss"]:.4f} nats/token (mean of the last 50 steps) |
+| held-out loss | **{rec["heldout_loss"]:.4f}** nats/token on `heldout.txt` ({rec["heldout_tokens"]:,} tokens), measured on the shipped bfloat16 weights run in float32 |
+
+## Data
+
+The `.py` files of CPython {c["python"]}'s standard library, minus the top-level entries
+{", ".join(f"`{x}`" for x in c["excluded_top_level"])} and every `test`/`tests` folder:
+{c["train_files"]} training files ({c["train_chars"]:,} characters; corpus SHA-256 `{c["sha256"]}` over
+paths and file hashes). Training documents are the files ({c["code_tokens"]:,} tokens) plus ChatML
+samples made from their documented functions ({c["chat_tokens"]:,} tokens): the user turn is a
+function's header and docstring, the assistant turn is the whole function. Documents are
+shuffled with the seed, joined after a BOS each, and batches are random {r["context"] + 1}-token
+windows of that stream.
+
+Held out: the files whose path has `{c["heldout_rule"]}` ({len(c["heldout_files"])} files:
+{", ".join(f"`{p}`" for p in c["heldout_files"])}). Their text (each after a `# file: PATH` line,
+cut at {rec["heldout_chars"]:,} characters) is shipped as `heldout.txt`,
+so the held-out loss can be re-measured on any machine: tokenize it with BOS, cut into
+{r["context"]}-token rows (tail dropped), mean cross-entropy of tokens 1.. of each row.
+`tests/default_model/` does exactly that and checks it matches the number above within 1%.
+
+## Chat template
+
+ChatML, opened by BOS: `<|endoftext|><|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n`.
+It saw such turns in training (a function's header and docstring in, the function out), but it
+is too small to follow them well; completing code through `/v1/completions` works better.
+
+## What to expect
+
+Greedy completions are Python in the stdlib's voice — mostly docstrings, often repetitive, not
+working code. `tests/default_model` checks that completions of fixed code prompts parse as
+Python (cut at their last complete line) for most of them, and that untrained weights of the
+same shape fail that check.
+
+## License
+
+The training text is the Python standard library, © Python Software Foundation, under the
+PSF License Agreement (PSF-2.0). These weights and this card are distributed under the same
+terms as pdkv.
+
+All numbers here are written by the training script (`training.json` has the full record).
+"""
+
+
+def save_png(path: Path, curve, evals, r) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = max(1, len(curve) // 100)
+    smooth = [sum(curve[i:i + k]) / len(curve[i:i + k]) for i in range(0, len(curve), k)]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(range(1, len(curve) + 1), curve, color="#bbb", lw=0.6, label="train (per step)")
+    ax.plot([i + k for i in range(0, len(curve), k)], smooth, color="#1f77b4", label=f"train (mean of {k})")
+    ax.plot([s for s, _ in evals], [h for _, h in evals], "o-", color="#d62728", label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"pdkv default model: {r.num_layers}x{r.hidden_size} Llama on the Python stdlib")
+    ax.set_ylim(top=min(max(curve), 9.0))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0])
+    (folder / "README.md").write_text(model_card(json.loads((folder / "training.json").read_text())))
+    print(folder / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,351 @@
+"""Trains pdkv's default model: a tiny Llama code model, on the Python standard library.
+
+The corpus is on every machine that can run pdkv — the ``.py`` sources of the running Python's
+standard library (PSF license) — so the model can be rebuilt anywhere without a download:
+
+    nice -n 10 python tools/train_default_model.py  # writes pdkv/data/pdkv-stdlib-coder
+
+Everything that decides the result is fixed here and written to the folder's ``training.json``
+and model card: the seeds, the corpus (file list and its SHA-256), the tokenizer and model
+shapes, every optimiser setting and the step count. Same Python version + same torch build give
+the same tokens; floating point on other CPUs may drift in the last bits.
+
+What it writes is an ordinary Hugging Face Llama folder (config.json, bfloat16 safetensors,
+tokenizer.json + tokenizer_config.json with a ChatML template, generation_config.json), plus
+``heldout.txt``: the held-out text the card's loss was measured on, shipped so the check does
+not depend on the machine's stdlib version. ``--loss-png`` saves the loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import textwrap
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: `import pdkv.default_model` works
+
+from pdkv.default_model import (BOS, EOS, SPECIAL_TOKENS, heldout_loss, heldout_windows,  # noqa: E402
+                                model_card_numbers)
+from default_model_card import model_card, save_png  # noqa: E402 - beside this script in tools/
+
+# Top-level stdlib entries left out: the test suite (half the stdlib, and odd code on purpose),
+# codec tables, generated doc strings and the 2to3 fixers' fixtures.
+EXCLUDE_TOP = {"test", "encodings", "pydoc_data", "lib2to3", "site-packages", "__phello__", "idlelib"}
+HELDOUT_MOD = 40  # a file is held out when crc32(its path) % HELDOUT_MOD == 0
+HELDOUT_CHARS = 24_000  # how much of the held-out files is shipped as heldout.txt
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every hyper-parameter of a run; saved as training.json beside the weights."""
+
+    seed: int = 0
+    vocab_size: int = 4096
+    tokenizer_chars: int = 6_000_000  # the tokenizer learns its merges from this much train text
+    hidden_size: int = 128
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    context: int = 256
+    batch_size: int = 8
+    steps: int = 1300
+    lr: float = 5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 80
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    chat_fraction: float = 0.25  # share of the training tokens that are ChatML function samples
+    threads: int = 1  # a shared machine: one thread is not starved by spinning on the other
+    eval_every: int = 100
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    extra: dict = field(default_factory=dict)
+
+
+def stdlib_files() -> list[tuple[str, str]]:
+    """(relative path, text) of the stdlib's .py files, in sorted path order."""
+    root = Path(sysconfig.get_path("stdlib"))
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        parts = rel.split("/")
+        if parts[0] in EXCLUDE_TOP or any(p in ("test", "tests") for p in parts[:-1]):
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            out.append((rel, text))
+    return out
+
+
+def split(files):
+    held = [(r, t) for r, t in files if zlib.crc32(r.encode()) % HELDOUT_MOD == 0]
+    train = [(r, t) for r, t in files if zlib.crc32(r.encode()) % HELDOUT_MOD != 0]
+    return train, held
+
+
+def chat_samples(text: str) -> list[str]:
+    """ChatML samples from one file: the user gives a function's header and docstring, the
+    assistant writes the whole function. This is what the chat template is for in the demo."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.decorator_list:
+            continue
+        doc = node.body[0] if node.body else None
+        if not (isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant)
+                and isinstance(doc.value.value, str)) or len(node.body) < 2:
+            continue
+        src = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
+        head = textwrap.dedent("\n".join(lines[node.lineno - 1:doc.end_lineno]))
+        if len(src) > 1500:
+            continue
+        out.append(f"<|im_start|>user\n{head}<|im_end|>\n<|im_start|>assistant\n{src}<|im_end|>\n")
+    return out
+
+
+def train_tokenizer(texts: list[str], r: Recipe):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=r.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    budget, sample = r.tokenizer_chars, []
+    for t in texts:
+        if budget <= 0:
+            break
+        sample.append(t[:budget])
+        budget -= len(sample[-1])
+    tok.train_from_iterator(sample, trainer)
+    # A plain prompt starts with BOS, as every training document does (add_special_tokens=True).
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, bos_id)])
+    return tok
+
+
+def token_stream(train, tok, r: Recipe):
+    """One long stream: files and chat samples, shuffled (seeded), each after a BOS."""
+    import numpy as np
+
+    rng = random.Random(r.seed)
+    docs = [t for _, t in train]
+    code_ids = [tok.encode(d, add_special_tokens=False).ids for d in docs]
+    n_code = sum(len(x) + 1 for x in code_ids)
+    chats = [c for d in docs for c in chat_samples(d)]
+    rng.shuffle(chats)
+    chat_ids, n_chat = [], 0
+    want = r.chat_fraction / (1 - r.chat_fraction) * n_code
+    for c in chats:
+        if n_chat >= want:
+            break
+        chat_ids.append(tok.encode(c, add_special_tokens=False).ids)
+        n_chat += len(chat_ids[-1]) + 1
+    all_docs = code_ids + chat_ids
+    rng.shuffle(all_docs)
+    bos = tok.token_to_id(BOS)
+    flat = []
+    for d in all_docs:
+        flat.append(bos)
+        flat.extend(d)
+    return np.asarray(flat, dtype=np.int32), n_code, n_chat
+
+
+def build_model(r: Recipe, tok):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(r.seed)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_layers, num_attention_heads=r.num_heads, num_key_value_heads=r.num_kv_heads,
+        head_dim=r.hidden_size // r.num_heads, max_position_embeddings=r.max_position_embeddings,
+        rms_norm_eps=1e-6, rope_theta=r.rope_theta, tie_word_embeddings=True, hidden_act="silu",
+        bos_token_id=tok.token_to_id(BOS), eos_token_id=[tok.token_to_id(EOS), tok.token_to_id(BOS)],
+        pad_token_id=tok.token_to_id(BOS), attention_bias=False, mlp_bias=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step: int, r: Recipe) -> float:
+    if step < r.warmup_steps:
+        return r.lr * (step + 1) / r.warmup_steps
+    p = (step - r.warmup_steps) / max(1, r.steps - r.warmup_steps)
+    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train(model, stream, r: Recipe, checkpoint):
+    """The training loop; ``checkpoint(step, curve, train_s, tokens) -> held-out loss`` saves the
+    folder every ``eval_every`` steps (so a usable model exists long before the end)."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=r.lr, betas=r.betas)
+    rng = np.random.default_rng(r.seed)
+    curve, evals, t0, tokens = [], [], time.perf_counter(), 0
+    bar = tqdm(range(r.steps), desc="train", mininterval=2.0, file=sys.stdout)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, r)
+        starts = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
+        batch = torch.from_numpy(np.stack([stream[s:s + r.context + 1] for s in starts]).astype(np.int64))
+        model.train()
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip)
+        opt.step()
+        tokens += batch[:, :-1].numel()
+        curve.append(float(loss.detach()))
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix(loss=f"{curve[-1]:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+        if (step + 1) % r.eval_every == 0 or step + 1 == r.steps:
+            t_save = time.perf_counter()
+            h = checkpoint(step + 1, curve, elapsed, tokens)
+            bar.write(f"step {step + 1}/{r.steps}  train loss {sum(curve[-r.eval_every:]) / len(curve[-r.eval_every:]):.4f}"
+                      f"  held-out loss {h:.4f}  {tokens / elapsed:.0f} tokens/s  {elapsed:.0f} s")
+            t0 += time.perf_counter() - t_save  # saving is not training time
+    return curve
+
+
+def write_folder(out: Path, model, tok, heldout_text: str, record: dict) -> float:
+    """Saves the HF folder with bfloat16 weights; returns the held-out loss of those weights
+    (re-read from disk, so the card's number is the shipped file's, not the float32 model's)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pdkv.default_model import CHAT_TEMPLATE, shipped_heldout_windows
+
+    model.config.torch_dtype = "bfloat16"
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = cfg.get("dtype", "bfloat16")  # pdkv and older transformers read this key
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+        "pad_token": BOS, "add_bos_token": True, "model_max_length": cfg["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    eos_ids = [tok.token_to_id(EOS), tok.token_to_id(BOS)]
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": tok.token_to_id(BOS), "eos_token_id": eos_ids, "pad_token_id": tok.token_to_id(BOS),
+        "do_sample": False}, indent=2) + "\n")
+    (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    shipped = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    windows = shipped_heldout_windows(out)
+    final = heldout_loss(shipped, windows)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "pdkv" / "data" / "pdkv-stdlib-coder"))
+    ap.add_argument("--loss-png", default=str(ROOT / "docs" / "default_model_loss.png"))
+    ap.add_argument("--steps", type=int, default=Recipe.steps)
+    ap.add_argument("--batch-size", type=int, default=Recipe.batch_size)
+    ap.add_argument("--trial", type=float, default=0.0,
+                    help="only measure: train this many seconds, print tokens/s, write nothing")
+    a = ap.parse_args(argv)
+    import torch
+
+    r = Recipe(steps=a.steps, batch_size=a.batch_size)
+    torch.set_num_threads(r.threads)
+    random.seed(r.seed)
+    t_start = time.perf_counter()
+    files = stdlib_files()
+    train_files, held_files = split(files)
+    corpus_sha = hashlib.sha256("\n".join(f"{p}\0{hashlib.sha256(t.encode()).hexdigest()}"
+                                          for p, t in files).encode()).hexdigest()
+    print(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files "
+          f"({sum(len(t) for _, t in train_files) / 1e6:.1f} M chars), sha256 {corpus_sha[:16]}", flush=True)
+    tok = train_tokenizer([t for _, t in train_files], r)
+    heldout_text = "".join(f"# file: {p}\n{t}\n" for p, t in held_files)[:HELDOUT_CHARS]
+    heldout_ids = heldout_windows(tok.encode(heldout_text).ids, r.context)
+    stream, n_code, n_chat = token_stream(train_files, tok, r)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(stream) / 1e6:.2f} M tokens "
+          f"({n_code} code, {n_chat} chat); held-out {heldout_ids.numel()} tokens "
+          f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+    model = build_model(r, tok)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
+    if a.trial:
+        import numpy as np
+        rng, t0, n = np.random.default_rng(0), time.perf_counter(), 0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        while time.perf_counter() - t0 < a.trial:
+            s = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
+            b = torch.from_numpy(np.stack([stream[i:i + r.context + 1] for i in s]).astype(np.int64))
+            logits = model(input_ids=b[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            n += b[:, :-1].numel()
+        print(f"trial: {n / (time.perf_counter() - t0):.0f} tokens/s, loss {float(loss.detach()):.3f}")
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    evals: list[tuple[int, float]] = []
+    base = dict(recipe=asdict(r), parameters=n_params, corpus=dict(
+        python=sys.version.split()[0], stdlib=sysconfig.get_path("stdlib"), sha256=corpus_sha,
+        excluded_top_level=sorted(EXCLUDE_TOP), heldout_rule=f"crc32(path) % {HELDOUT_MOD} == 0",
+        train_files=len(train_files), heldout_files=[p for p, _ in held_files],
+        train_chars=sum(len(t) for _, t in train_files), stream_tokens=int(len(stream)),
+        code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__)
+
+    def checkpoint(step, curve, train_s, tokens) -> float:
+        t = time.perf_counter()
+        record = dict(base, steps_done=step, train_tokens=tokens, train_seconds=round(train_s, 1),
+                      final_train_loss=round(sum(curve[-50:]) / len(curve[-50:]), 4), evals=list(evals))
+        h = write_folder(out, model, tok, heldout_text, record)
+        evals.append((step, round(h, 5)))
+        record["evals"] = list(evals)
+        (out / "training.json").write_text(json.dumps(dict(record, heldout_loss=round(h, 5),
+                                                           heldout_tokens=int(heldout_ids.numel()),
+                                                           weights_bytes=(out / "model.safetensors").stat().st_size),
+                                                      indent=2) + "\n")
+        (out / "README.md").write_text(model_card(json.loads((out / "training.json").read_text())))
+        if a.loss_png:
+            save_png(Path(a.loss_png), curve, evals, r)
+        print(f"saved {out} at step {step} ({time.perf_counter() - t:.0f} s)", flush=True)
+        return h
+
+    train(model, stream, r, checkpoint)
+    rec = model_card_numbers(out)
+    print(f"done: held-out loss of the saved bfloat16 weights {rec['heldout_loss']:.4f}; "
+          f"{rec['train_seconds'] / 60:.1f} min of training, {rec['train_tokens'] / 1e6:.2f} M tokens", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
