@@ -99,7 +99,9 @@ class LoopEvents:
         """An AbortRequest ended a request the loop knew (queued or admitted)."""
 
     def on_step(self, step_start: float, outputs: list[RequestOutput]) -> None:
-        """A step ran (``step_start``: time.perf_counter() before it) and produced ``outputs``."""
+        """A step ran (``step_start``: time.perf_counter() before it) and produced ``outputs``.
+        The final output of a request that on_failed / on_aborted already ended comes here too
+        (finish_reason "error" / "abort"); a front-end that ended it ignores it."""
 
     def on_commands_applied(self) -> None:
         """A batch of commands was applied (a good moment to copy the engine's stats)."""
@@ -200,19 +202,23 @@ class EngineLoop:
         if rid not in self._known:
             return  # finished or failed already
         self._known.discard(rid)
+        if not self._drop_queued(rid):
+            self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))
+        self.events.on_aborted(rid)
+
+    def _drop_queued(self, rid: str) -> bool:
         queued = next((a for a in self._admission if a.request_id == rid), None)
         if queued is not None:
             self._admission.remove(queued)
-        else:
-            self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))
-        self.events.on_aborted(rid)
+        return queued is not None
 
     def _on_ready(self, cmd: RemoteKVReady) -> None:
         if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
             self.engine.remote_kv_ready(cmd.request_id)
 
     def _on_fail(self, cmd: FailRequest) -> None:
-        self.engine.abort(cmd.request_id, quarantine=True, reason="error")
+        if not self._drop_queued(cmd.request_id):
+            self.engine.abort(cmd.request_id, quarantine=True, reason="error")
         if cmd.request_id in self._known:
             self._known.discard(cmd.request_id)
             self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason))
