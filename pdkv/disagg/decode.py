@@ -5,16 +5,16 @@ prefill peer (round robin over the live ones), ``expect(imm, count)``; when the 
 imm_done arrives the KV and hidden state have landed and the engine gets RemoteKVReady. Every other
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
-and exactly those landed, or after the data connection to a dead peer was torn down. A dead
-peer is dialled again (doubling backoff up to REDIAL_MAX_S, each failure logged), so a prefill
-node restarted on the same address serves again without restarting this node.
+and exactly those landed, or after the data connection to a dead peer was torn down. Dialling,
+the handshake and redialling a dead peer live in peers.py.
 
 A slot's state machine::
 
     SENT ──count complete──► LANDED (the engine owns the pages now)
       │
-      ├──timeout / client gone──► CANCELLING ──CANCEL_ACK / FAIL / DONE_AT──► DRAINING ──posted writes landed──► RELEASED
-      └──FAIL──────────────────────────────────────────────────────────────► DRAINING
+      ├──timeout / client gone──► CANCELLING ──CANCEL_ACK / FAIL / DONE_AT{posted}──► DRAINING
+      └──FAIL{posted}─────────────────────────────────────────────────────────────► DRAINING
+    DRAINING ──exactly ``posted`` writes landed (at once if they already had)──► RELEASED
     (a dead peer: every slot RELEASED at once, after its data connection was torn down)
 
 Threads: everything here runs on the event loop. The engine thread reaches it only through
@@ -29,32 +29,20 @@ import enum
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pdkv.control import ControlChannel, ControlError, HandshakeRefused
+from pdkv.control import ControlError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
-from pdkv.disagg.sharded import NodeKV, plan_link
+from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
 from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
-REDIAL_FIRST_S, REDIAL_MAX_S = 0.1, 5.0  # backoff between redials of a dead prefill node (doubling)
-
-
-@dataclass
-class Peer:
-    host: str
-    port: int
-    channel: ControlChannel | None = None
-    conn: int = 0
-    slots: dict = field(default_factory=dict)  # imm -> Slot
-    dead: bool = True
-    redial: asyncio.Task | None = None  # dialling it again after it died
-    plan: object = None  # pdkv.shard.ShardPlan: the peer's ShardSpec -> ours (set by the handshake)
 
 
 class SlotState(enum.Enum):
@@ -96,7 +84,7 @@ class DecodeCoordinator:
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
-        self.peers = [Peer(*_split(p)) for p in self.mcfg.prefill_peers]
+        self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead)
         self._rr = 0
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
@@ -105,95 +93,24 @@ class DecodeCoordinator:
         self._landed_at: dict[str, float] = {}
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
         self.connector = DecodeConnector(self, self.rows)
         engine.set_connector(self.connector)
 
-    # ---- connections ----------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
-        await asyncio.gather(*(self._connect(p) for p in self.peers))
-
-    async def _connect(self, peer: Peer, once: bool = False) -> None:
-        """Dial a prefill peer until connect_timeout_s (``once``: a single try); a refused handshake
-        is final and raised."""
-        deadline = time.monotonic() + self.mcfg.connect_timeout_s
-        while True:
-            try:
-                ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.connect_timeout_s)
-                break
-            except ControlError as e:
-                if once or isinstance(e, HandshakeRefused) or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-        conn = None
-        try:
-            # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
-            plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
-            conn, info = self.m.prepare(ch.peer.node_id)
-            for key in self.kv.keys:
-                self.m.grant(key, ch.peer.node_id)
-            self.m.grant(self.hidden_key, ch.peer.node_id)
-            await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv.keys[0], "kv_keys": self.kv.keys,
-                           "hidden_key": self.hidden_key})
-            msg = await asyncio.wait_for(ch.recv(), self.mcfg.connect_timeout_s)
-            if msg["type"] == P.REFUSE:
-                raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
-            if msg["type"] != P.CONNECTED:
-                raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
-            self.m.complete(conn, msg["info"])
-        except BaseException:
-            ch.close()  # a half set-up connection must not stay behind (a redial tries again)
-            if conn is not None:
-                self.m.disconnect(conn)
-            raise
-        peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
-        # NOTE: callbacks of this channel only act while it is the peer's current one (after a
-        # redial, the old channel's reader and heartbeat must not kill the new connection)
-        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s,
-                           lambda r: peer.channel is ch and self._peer_dead(peer, r))
-        self.loop.create_task(self._reader(peer, ch))
-        log.info("decode: connected to prefill node %#x at %s:%d", ch.peer.node_id, peer.host, peer.port)
-
-    async def _reader(self, peer: Peer, ch: ControlChannel) -> None:
-        try:
-            while not peer.dead and peer.channel is ch:
-                self._on_message(peer, await ch.recv())
-        except ControlError as e:
-            if peer.channel is ch:
-                self._peer_dead(peer, str(e))
-
-    async def _redial(self, peer: Peer) -> None:
-        """Dial a dead prefill peer again (e.g. restarted on the same address) with doubling
-        backoff, until it answers or this node stops; each failed try is logged."""
-        delay = REDIAL_FIRST_S
-        try:
-            while not self._stopping and peer.dead:
-                await asyncio.sleep(delay)
-                try:
-                    await self._connect(peer, once=True)
-                    log.info("decode: prefill node at %s:%d is back", peer.host, peer.port)
-                    return
-                except Exception as e:  # noqa: BLE001 - refused, unreachable, broken set-up: try later
-                    delay = min(2 * delay, REDIAL_MAX_S)
-                    log.warning("decode: redial of prefill node at %s:%d failed (%s); next try in %.1f s",
-                                peer.host, peer.port, e, delay)
-        finally:
-            peer.redial = None
+        await self.links.start(self.hello)
 
     async def stop(self) -> None:
-        self._stopping = True
         self.engine.set_connector(None)
-        for peer in self.peers:
-            if peer.redial is not None:
-                peer.redial.cancel()
-            if peer.channel is not None:
-                peer.dead = True
-                peer.channel.close()
+        await self.links.stop()
+
+    @property
+    def peers(self) -> list[Peer]:
+        return self.links.peers
 
     def can_route(self) -> bool:  # engine thread: a racy read is fine (a dead peer fails the request)
-        return any(not p.dead for p in self.peers)
+        return self.links.can_route()
 
     def post(self, fn, *args) -> None:  # from the engine thread
         try:
@@ -204,7 +121,7 @@ class DecodeCoordinator:
     # ---- requests (loop thread) ------------------------------------------------------------
     def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int) -> None:
         """The engine admitted ``rid`` with ``pages`` and hidden-state row ``row`` (the connector)."""
-        live = [p for p in self.peers if not p.dead]
+        live = self.links.live()
         if not live:
             self.rows.give_back(row)
             self.commands(FailRequest(rid, "no prefill node is connected"))
@@ -352,8 +269,7 @@ class DecodeCoordinator:
                 self.commands(FailRequest(slot.rid, f"the prefill node died during the KV transfer ({reason})"))
             self.m.forget(slot.imm)
             self._free(slot, release=True)
-        if not self._stopping and peer.redial is None:
-            peer.redial = self.loop.create_task(self._redial(peer))
+        self.links.redial(peer)
 
     def _free(self, slot: Slot, release: bool) -> None:
         if slot.timer is not None:
@@ -368,7 +284,3 @@ class DecodeCoordinator:
         if release:
             self.commands(ReleasePages(slot.rid))
 
-
-def _split(hostport: str) -> tuple[str, int]:
-    host, _, port = hostport.rpartition(":")
-    return host, int(port)
