@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdkv.config import Config, KVCacheConfig, ModelConfig, SchedulerConfig
-from pdkv.engine.connector import LOCAL, Admission, KVConnector
+from pdkv.engine.connector import Admission, KVConnector
 from pdkv.engine.factory import build_parts
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestOutput, RequestStatus
