@@ -71,7 +71,7 @@ def _progress_bar(desc: str) -> Callable[[int, int], None]:
 
 def load_engine(cfg: Config):
     """Load the engine of ``cfg`` with a progress bar while the weights load."""
-    from pdkv.engine import LLMEngine
+    from pdkv.engine import build_engine
 
     where = cfg.model.path or "the shipped default model"
     log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
@@ -81,7 +81,7 @@ def load_engine(cfg: Config):
         from pdkv.disagg.node import kv_buffer_factory
 
         kw["kv_buffer"] = kv_buffer_factory(cfg.model.device)
-    engine = LLMEngine.from_config(cfg, progress=_progress_bar("loading weights"), **kw)
+    engine = build_engine(cfg, progress=_progress_bar("loading weights"), **kw)
     stats = engine.stats()
     log.info("model '%s' ready: max_model_len %d, KV cache %d pages of %d tokens",
              engine.model_name, engine.max_model_len, stats.get("num_pages_total", 0), cfg.kv_cache.page_size)
@@ -98,10 +98,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (PdkvError, OSError) as e:
         print(f"pdkv: cannot load the model ({cfg.source}, model.path={cfg.model.path!r}): {e}", file=sys.stderr)
         return 1
+    # The CLI builds the node (a role's coordinator + KV connector); the server only serves HTTP
+    # around what it is handed.
+    from pdkv.disagg.node import build_node
     from server import serve
 
     try:
-        serve(cfg, engine)
+        serve(cfg, engine, build_node(cfg, engine))
     except OSError as e:
         print(f"pdkv: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -27,8 +27,17 @@ class BackendUnavailable(PdkvError, RuntimeError):
     """An attention backend was chosen that cannot run here (not installed, no GPU, bad layout)."""
 
 
-class OutOfPages(PdkvError, RuntimeError):
+class ResourceBusy(PdkvError, RuntimeError):
+    """A request cannot be admitted now: a per-request resource (pages, a hidden-state slot, ...)
+    is not free. Nothing was reserved; admission is tried again later (pdkv.engine.loop)."""
+
+
+class OutOfPages(ResourceBusy):
     """The page allocator cannot hand out the pages asked for; nothing was allocated."""
+
+
+class AdmissionRefused(PdkvError, RuntimeError):
+    """The KV connector refuses a request it can never serve (e.g. no prefill node connected)."""
 
 
 class PageStateError(PdkvError, RuntimeError):

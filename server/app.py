@@ -1,8 +1,18 @@
 """The aiohttp application: OpenAI routes, /health, /metrics, auth and error middleware.
 
-``build_app(cfg, engine)`` embeds an engine that is already loaded. The engine thread starts
-with the app (``on_startup``, where the event loop is known) and stops with it
+``build_app(cfg, engine, node)`` embeds an engine that is already loaded. The engine thread
+starts with the app (``on_startup``, where the event loop is known) and stops with it
 (``on_cleanup``), aborting whatever is still running so no page is left taken.
+
+The server knows nothing about roles. A ``node`` (built by the caller, e.g. the CLI with
+pdkv.disagg.node.build_node) is anything with this shape:
+
+    serves_api: bool        mount the OpenAI routes (and run an AsyncEngine front-end)
+    async start(metrics, loop, commands)  plug into the engine; ``commands`` is the front-end's
+                            EngineLoop.put (None when serves_api is False: the node runs its own)
+    async stop()
+    is_alive() -> bool      its engine thread runs (asked when serves_api is False)
+    health() -> dict        merged into /health
 """
 
 from __future__ import annotations
@@ -49,9 +59,12 @@ def _auth_middleware(api_key: str):
 
 
 def build_app(cfg: Config, engine, node=None) -> web.Application:
-    """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``.
-    ``node``: a pdkv.disagg.node.DecodeNode for role decode (its engine thread admits requests
-    through remote prefill), None for colocated."""
+    """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``;
+    ``node``: see the module docstring (None: the engine as it is, colocated)."""
+    if node is None and cfg.role != "colocated":
+        raise ValueError(f"{cfg.source}: role {cfg.role!r} needs its node (pdkv.disagg.node.build_node(cfg, "
+                         f"engine)); the server only serves HTTP around it")
+    serves_api = node is None or node.serves_api
     middlewares = [error_middleware]
     if cfg.server.api_key:
         middlewares.append(_auth_middleware(cfg.server.api_key))
@@ -65,13 +78,14 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes)
 
     async def start_engine(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        aengine = AsyncEngine(engine, metrics, loop) if serves_api else None
         if node is not None:
-            aengine = await node.start(metrics, asyncio.get_running_loop())
-        else:
-            aengine = AsyncEngine(engine, metrics, asyncio.get_running_loop())
+            await node.start(metrics, loop, aengine.commands if aengine is not None else None)
+        if aengine is not None:
             aengine.start()
-        app[ASYNC_ENGINE] = aengine
-        routes.aengine = aengine
+            app[ASYNC_ENGINE] = aengine
+            routes.aengine = aengine
 
     async def stop_engine(app: web.Application) -> None:
         aengine = app.get(ASYNC_ENGINE)
@@ -82,7 +96,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         aengine = request.app.get(ASYNC_ENGINE)
-        if aengine is None or not aengine.is_alive():
+        alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
+        if not alive:
             return error_response("the engine thread is not running", 503)
         a = engine.allocator
         body = {"status": "ok", "model": name, "role": cfg.role, "num_pages_free": a.num_free,
@@ -107,5 +122,6 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/version", version)
-    routes.add_to(app)
+    if serves_api:
+        routes.add_to(app)
     return app

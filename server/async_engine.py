@@ -1,11 +1,12 @@
-"""The engine on its own thread, talking to the asyncio event loop without blocking it.
+"""The HTTP server's front-end to the engine thread, without blocking the asyncio event loop.
 
-One thread owns the engine: it is the only caller of ``add_request``, ``abort`` and ``step``.
-Handlers talk to it through a thread-safe command queue that the thread drains before every
-step; when no request is unfinished it blocks on that queue (no busy loop). Each step's outputs
-go back to the event loop in one ``loop.call_soon_threadsafe`` call, which fans them out to
-per-request sinks (asyncio queues), so the loop never waits on the engine and the engine never
-waits on a slow client.
+One thread owns the engine (pdkv.engine.loop.EngineLoop, the same loop on every role): handlers
+send it typed commands (AddRequest, AbortRequest) through its queue; when nothing can run it
+blocks on that queue (no busy loop). Each step's outputs come back to the event loop in one
+``loop.call_soon_threadsafe`` call, which fans them out to per-request sinks (asyncio queues),
+so the loop never waits on the engine and the engine never waits on a slow client. This module
+knows nothing about roles: a disaggregated node's connector and coordinator plug into the
+engine and its loop, not into this front-end.
 
 Latency metrics are taken on the engine thread, where the tokens are produced: the time a
 token reaches the client's socket adds only the event loop's own delay.
@@ -15,18 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
+from pdkv.engine.loop import AbortRequest, AddRequest, EngineFailure, EngineLoop, LoopEvents
+from pdkv.engine.request import RequestStatus
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailure(RuntimeError):
-    """The engine raised while running a request; the request was aborted and its pages freed."""
 
 
 @dataclass
@@ -38,52 +35,57 @@ class _Timing:
     last_token: float | None = None
 
 
-class AsyncEngine:
-    """Runs ``engine`` on a daemon thread; ``submit``/``abort`` are called from the event loop.
+class AsyncEngine(LoopEvents):
+    """The HTTP server's front-end to the engine loop (pdkv.engine.loop.EngineLoop): ``submit`` /
+    ``abort`` are called from the event loop; the LoopEvents methods run on the engine thread.
 
     Outputs for request ``rid`` arrive in ``sink`` as ``(tag, RequestOutput)``; if the engine
     fails the request, ``(tag, EngineFailure)`` arrives instead and nothing more follows.
+    ``commands`` (EngineLoop.put) is what a node's coordinator uses to send its own commands
+    (RemoteKVReady, FailRequest, ReleasePages) to the same loop.
     """
 
     def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine_loop = EngineLoop(engine, self)
+        self.commands = self._engine_loop.put
         self._sinks: dict[str, tuple[asyncio.Queue, object]] = {}  # loop thread only
         self._timings: dict[str, _Timing] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="pdkv-engine", daemon=True)
-        self._stopped = threading.Event()
-        self.num_step_errors = 0
+        self._stopped = False
+
+    @property
+    def num_step_errors(self) -> int:
+        return self._engine_loop.num_step_errors
 
     # ---- event loop side -------------------------------------------------------------------
     def start(self) -> None:
         self.metrics.set_engine_stats(self.engine.stats())
-        self._thread.start()
+        self._engine_loop.start()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._engine_loop.is_alive()
 
     def submit(self, rid: str, prompt_token_ids: list[int], params, sink: asyncio.Queue, tag: object,
                arrival: float) -> None:
         """Queue a request that the handler already validated (``engine.validate_request``)."""
-        if self._stopped.is_set():
+        if self._stopped:
             raise EngineFailure("the engine is shutting down")
         self._sinks[rid] = (sink, tag)
-        self._commands.put(("add", rid, prompt_token_ids, params, arrival))
+        self.commands(AddRequest(rid, prompt_token_ids, params, arrival))
 
     def abort(self, rid: str) -> None:
         """Stop generating for ``rid`` and free its pages; a no-op if it already finished."""
         if self._sinks.pop(rid, None) is not None:
-            self._commands.put(("abort", rid))
+            self.commands(AbortRequest(rid))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything, stop the thread and wait for it."""
         for rid in list(self._sinks):
             self.abort(rid)
-        self._stopped.set()
-        self._commands.put(("stop",))
-        self._thread.join(timeout)
+        self._stopped = True
+        self._engine_loop.stop(timeout)
 
     def _dispatch(self, items: list[tuple[str, object]]) -> None:
         # Runs on the event loop: hand each output to its request's sink.
@@ -96,62 +98,26 @@ class AsyncEngine:
             if isinstance(item, Exception) or item.finished:
                 del self._sinks[rid]
 
-    # ---- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                block = not self.engine.has_unfinished()
-                if not self._drain(block):
-                    return
-                if self.engine.has_unfinished():
-                    self._step()
-        finally:
-            self._abort_all(EngineFailure("the engine stopped"))
-            log.info("engine thread stopped")
+    # ---- engine thread (LoopEvents) ----------------------------------------------------------
+    def on_added(self, cmd: AddRequest) -> None:
+        self._timings[cmd.request_id] = _Timing(cmd.arrival, len(cmd.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(len(cmd.prompt_token_ids))
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if ``block``); False once told to stop."""
-        failed: list[tuple[str, object]] = []
-        cmd = self._commands.get() if block else self._get_nowait()
-        while cmd is not None:
-            if cmd[0] == "stop":
-                self._post(failed)
-                return False
-            if cmd[0] == "add":
-                _, rid, ids, params, arrival = cmd
-                try:
-                    self.engine.add_request(rid, ids, params)
-                except Exception as e:  # noqa: BLE001 - e.g. a race with validation; tell the client
-                    failed.append((rid, EngineFailure(str(e))))
-                else:
-                    self._timings[rid] = _Timing(arrival, len(ids))
-                    self.metrics.prompt_tokens.inc(len(ids))
-            elif cmd[0] == "abort":
-                if self._timings.pop(cmd[1], None) is not None:
-                    self.engine.abort(cmd[1])
-                    self.metrics.request_finished("abort")
-            cmd = self._get_nowait()
-        self._post(failed)
+    def on_failed(self, request_id: str, error: EngineFailure) -> None:
+        if self._timings.pop(request_id, None) is not None:
+            self.metrics.request_finished("error")
+        self._post([(request_id, error)])
+
+    def on_aborted(self, request_id: str) -> None:
+        if self._timings.pop(request_id, None) is not None:
+            self.metrics.request_finished("abort")
+
+    def on_commands_applied(self) -> None:
         self.metrics.set_engine_stats(self.engine.stats())
-        return True
 
-    def _get_nowait(self):
-        try:
-            return self._commands.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _step(self) -> None:
-        start = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving others
-            self.num_step_errors += 1
-            log.exception("engine step failed; aborting %d requests", len(self._timings))
-            self._abort_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
-            return
+    def on_step(self, step_start: float, outputs) -> None:
         now = time.perf_counter()
-        self._note_scheduled(start)
+        self._note_scheduled(step_start)
         items = []
         for out in outputs:
             t = self._timings.get(out.request_id)
@@ -176,36 +142,16 @@ class AsyncEngine:
         self._post(items)
 
     def _note_scheduled(self, step_start: float) -> None:
-        """Observe queue wait for requests that this step scheduled for the first time.
-
-        A request counts as scheduled once the engine moved it to RUNNING (a prefill chunk of it
-        ran); an engine without per-request states counts the first step after admission.
-        """
-        requests = getattr(self.engine, "requests", None)
+        """Observe queue wait for requests that this step scheduled for the first time: a
+        request counts as scheduled once it is RUNNING (a chunk of it ran) or left the engine."""
+        requests = self.engine.requests
         for rid, t in self._timings.items():
             if t.scheduled is not None:
                 continue
-            req = requests.get(rid) if isinstance(requests, dict) else None
-            status = getattr(getattr(req, "status", None), "value", "running")
-            if req is None or status != "waiting":
+            req = requests.get(rid)
+            if req is None or req.status == RequestStatus.RUNNING:
                 t.scheduled = step_start
                 self.metrics.queue_wait.observe(step_start - t.arrival)
-
-    def _abort_all(self, error: Exception) -> None:
-        items = []
-        for rid in list(self._timings):
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - keep freeing the others
-                log.exception("abort of %s failed", rid)
-            self.metrics.request_finished("error")
-            items.append((rid, error))
-        self._timings.clear()
-        self._post(items)
-        try:
-            self.metrics.set_engine_stats(self.engine.stats())
-        except Exception:  # noqa: BLE001
-            pass
 
     def _post(self, items: list[tuple[str, object]]) -> None:
         if items and not self.loop.is_closed():
@@ -213,3 +159,6 @@ class AsyncEngine:
                 self.loop.call_soon_threadsafe(self._dispatch, items)
             except RuntimeError:
                 pass  # the loop closed between the check and the call; nobody is listening
+
+
+__all__ = ["AsyncEngine", "EngineFailure"]

@@ -24,6 +24,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.engine_stats: dict = {}
         labels = ["model_name"]
         r = self.registry
 
@@ -63,6 +64,7 @@ class ServerMetrics:
 
     def set_engine_stats(self, stats: dict) -> None:
         """Copy the engine's ``stats()`` (num_running, num_waiting, num_pages_*) into the gauges."""
+        self.engine_stats = stats  # the last copy, for gauges of other parts (read, never mutated)
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         used, total = stats.get("num_pages_used", 0), stats.get("num_pages_total", 0)

@@ -22,16 +22,7 @@ log = logging.getLogger(__name__)
 
 
 async def _start(cfg: Config, engine, node=None) -> tuple[web.AppRunner, int]:
-    if cfg.role == "prefill":
-        from pdkv.disagg.node import build_prefill_app
-
-        app = build_prefill_app(cfg, engine, node)
-    elif cfg.role == "decode":
-        from pdkv.disagg.node import DecodeNode
-
-        app = build_app(cfg, engine, node or DecodeNode(cfg, engine))
-    else:
-        app = build_app(cfg, engine)
+    app = build_app(cfg, engine, node)
     # shutdown_timeout: on SIGINT, in-flight requests get a few seconds to finish, then their
     # handlers are cancelled (which aborts them in the engine) instead of holding the exit for 60 s.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -47,11 +38,11 @@ async def _start(cfg: Config, engine, node=None) -> tuple[web.AppRunner, int]:
     return runner, port
 
 
-def serve(cfg: Config, engine) -> None:
-    """Serve until SIGINT or SIGTERM, then stop the engine cleanly."""
+def serve(cfg: Config, engine, node=None) -> None:
+    """Serve until SIGINT or SIGTERM, then stop the engine cleanly (``node``: see server.app)."""
 
     async def main() -> None:
-        runner, port = await _start(cfg, engine)
+        runner, port = await _start(cfg, engine, node)
         name = served_model_name(cfg, engine)
         log.info("pdkv %s server for model '%s' listening on http://%s:%d (OpenAI API at /v1, /health, /metrics)",
                  cfg.role, name, cfg.server.host, port)
@@ -76,8 +67,8 @@ class ServerThread:
     """
 
     def __init__(self, cfg: Config, engine, node=None):
-        """``node``: for roles prefill/decode, a pdkv.disagg.node.PrefillNode/DecodeNode to use
-        instead of the default one (tests pass nodes on the fault-injecting fake transport)."""
+        """``node``: what serves a role other than colocated (see server.app; e.g.
+        pdkv.disagg.node.build_node(cfg, engine), or a node on the fault-injecting fake transport)."""
         self.cfg = cfg
         self.engine = engine
         self.node = node

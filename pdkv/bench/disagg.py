@@ -69,7 +69,7 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "disagg"))
     from pdkv.config import config_from_dict
-    from pdkv.disagg.node import kv_buffer_factory
+    from pdkv.disagg.node import build_node, kv_buffer_factory
     from pdkv.engine import LLMEngine
     from server.app import NODE
     from server.runner import ServerThread
@@ -82,10 +82,10 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
     pc = cfg("prefill")
     pe = LLMEngine.from_config(pc, kv_buffer=kv_buffer_factory("cpu"))
     out = {}
-    with ServerThread(pc, pe) as pre:
+    with ServerThread(pc, pe, build_node(pc, pe)) as pre:
         dc = cfg("decode", prefill_peers=[f"127.0.0.1:{pre.app[NODE].control_port}"], transfer_timeout_s=600.0)
         de = LLMEngine.from_config(dc, kv_buffer=kv_buffer_factory("cpu"))
-        with ServerThread(dc, de) as dec:
+        with ServerThread(dc, de, build_node(dc, de)) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
             for plen, prompt in prompts.items():
                 exposed, ttft = [], []

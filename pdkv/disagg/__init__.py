@@ -1,11 +1,17 @@
-"""Disaggregated prefill and decode: the coordinators that drive the engine and the messenger.
+"""Disaggregated prefill and decode: KV connectors that plug into the engine, and the
+coordinators that drive the messenger and the control channel.
 
-    writes.py         which pages a prefill chunk completes; per-layer batches on the layer counter
-    protocol.py       control messages (PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT) and the HELLO
-    prefill.py        PrefillCoordinator: control listener, engine thread, page + hidden-state writes
-    decode.py         DecodeCoordinator: prefill peers, slots (immediates), counts, quarantine
-    decode_engine.py  DecodeAsyncEngine: server.AsyncEngine + remote-KV admission
-    node.py           PrefillNode / DecodeNode (start/stop with their aiohttp app), build_prefill_app
-    launcher.py       `pdkv up`: a local prefill + decode cluster as subprocesses
-    metrics.py        transfer metrics of both roles
+    writes.py             which pages a prefill chunk completes (plan_batch); per-layer batches
+    protocol.py           control messages (PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT) and the HELLO
+    jobs.py               the prefill node's job table (state machine, answers), no threads
+    prefill_connector.py  PrefillConnector: a forward pass's layout -> page + hidden-state writes
+    prefill.py            PrefillCoordinator: control listener, messenger events, job table driver
+    decode_connector.py   DecodeConnector: remote-KV admission, hidden-state rows
+    decode.py             DecodeCoordinator: prefill peers, slots (immediates), counts, quarantine
+    node.py               PrefillNode / DecodeNode, build_node(cfg, engine): what the server is handed
+    launcher.py           `pdkv up`: a local prefill + decode cluster as subprocesses
+    metrics.py            transfer metrics of both roles
+
+Nothing here imports ``server``: a node plugs into the engine (its connector) and the engine
+loop (typed commands), and the server only serves HTTP around the node it is handed.
 """

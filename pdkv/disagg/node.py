@@ -1,20 +1,18 @@
-"""A disaggregated node: engine + messenger + coordinator, started and stopped with its app.
+"""A disaggregated node: engine + messenger + coordinator + KV connector, started and stopped
+with the app the server builds around it (server.app.build_app's ``node``).
 
-``kv_buffer_factory`` gives the engine one contiguous KV buffer (registered once with the
-messenger). ``DecodeNode`` plugs into server.app.build_app (the OpenAI API); ``build_prefill_app``
-is the prefill node's app (/health and /metrics only).
+``build_node(cfg, engine)`` picks the node of ``cfg.role``; ``kv_buffer_factory`` gives the
+engine one contiguous KV buffer (registered once with the messenger). Nothing here imports the
+server: the server is handed the node, and the node plugs into the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import torch
-from aiohttp import web
 
 from pdkv.disagg.decode import DecodeCoordinator
-from pdkv.disagg.decode_engine import DecodeAsyncEngine
 from pdkv.disagg.metrics import DisaggMetrics
 from pdkv.disagg.prefill import PrefillCoordinator
 from pdkv.messenger import EventPump, new_node_id, open_messenger
@@ -52,32 +50,39 @@ class _Node:
 
 
 class DecodeNode(_Node):
-    """Used by server.app.build_app(cfg, engine, node=DecodeNode(cfg, engine))."""
+    """Serves the OpenAI API (the server's AsyncEngine front-end); prompts' KV comes from
+    prefill nodes through the decode connector the coordinator installs in the engine."""
+
+    serves_api = True
 
     def __init__(self, cfg, engine, keep_hidden: bool = True, messenger_factory=None):
         super().__init__(cfg, engine, messenger_factory)
         self.keep_hidden = keep_hidden
         self.coordinator: DecodeCoordinator | None = None
+        self._commands = None
 
-    async def start(self, metrics, loop) -> DecodeAsyncEngine:
+    async def start(self, metrics, loop, commands) -> None:
+        """``commands``: the server front-end's engine loop queue (EngineLoop.put)."""
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
-        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, self.keep_hidden)
-        aengine = DecodeAsyncEngine(self.engine, metrics, loop, c)
-        c.aengine = aengine
+        dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
+        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
+                                                 self.keep_hidden)
         self.pump = EventPump(m, loop, c.on_event)
         try:
             await c.start()
         except BaseException:
+            self.engine.set_connector(None)
             self._close()
             raise
-        aengine.start()
-        return aengine
 
     async def stop(self) -> None:
         if self.coordinator is not None:
             await self.coordinator.stop()
         self._close()
+
+    def is_alive(self) -> bool:
+        return self.coordinator is not None
 
     def health(self) -> dict:
         c = self.coordinator
@@ -86,15 +91,21 @@ class DecodeNode(_Node):
 
 
 class PrefillNode(_Node):
+    """No OpenAI API: its clients are decode nodes, over the control channel. It runs its own
+    engine loop (pdkv.engine.loop.EngineLoop) whose front-end is the prefill coordinator."""
+
+    serves_api = False
+
     def __init__(self, cfg, engine, messenger_factory=None):
         super().__init__(cfg, engine, messenger_factory)
         self.coordinator: PrefillCoordinator | None = None
         self.control_port: int | None = None
 
-    async def start(self, metrics, loop) -> None:
+    async def start(self, metrics, loop, commands=None) -> None:
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
-        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm)
+        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
+                                                  engine_stats=metrics.set_engine_stats)
         self.pump = EventPump(m, loop, c.on_event)
         self.control_port = await c.start()
         log.info("prefill node %#x: control listener on %s:%d", self.node_id, self.cfg.messenger.control_host,
@@ -105,45 +116,20 @@ class PrefillNode(_Node):
             await self.coordinator.stop()
         self._close()
 
+    def is_alive(self) -> bool:
+        return self.coordinator is not None and self.coordinator.is_alive()
 
-def build_prefill_app(cfg, engine, node: PrefillNode | None = None) -> web.Application:
-    """The prefill node's HTTP face: /health (with its page pool) and /metrics."""
-    from server.app import NODE
-    from server.metrics import ServerMetrics
+    def health(self) -> dict:
+        c = self.coordinator
+        return {"node_id": self.node_id, "control_port": self.control_port,
+                "requests": len(c.jobs) if c else 0, "decode_nodes": len(c.links) if c else 0}
 
-    node = node or PrefillNode(cfg, engine)
-    app = web.Application()
-    metrics = ServerMetrics(cfg.model.served_name or engine.model_name)
-    app[NODE] = node
 
-    async def start(app):
-        await node.start(metrics, asyncio.get_running_loop())
-
-    async def stop(app):
-        await node.stop()
-
-    async def health(request):
-        c = node.coordinator
-        if c is None or not c.is_alive():
-            return web.json_response({"status": "error", "message": "the engine thread is not running"}, status=503)
-        a = engine.allocator
-        return web.json_response({"status": "ok", "role": "prefill", "node_id": node.node_id,
-                                  "control_port": node.control_port, "num_pages_free": a.num_free,
-                                  "num_pages_total": a.num_total, "requests": len(c.jobs),
-                                  "decode_nodes": len(c.links)})
-
-    async def metrics_route(request):
-        a = engine.allocator
-        metrics.set_engine_stats({"num_pages_used": a.num_used, "num_pages_total": a.num_total,
-                                  "num_running": len(engine.scheduler.running),
-                                  "num_waiting": len(engine.scheduler.waiting)})
-        body, ctype = metrics.render()
-        resp = web.Response(body=body)
-        resp.headers["Content-Type"] = ctype
-        return resp
-
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_route)
-    return app
+def build_node(cfg, engine, messenger_factory=None):
+    """The node that serves ``cfg.role`` around ``engine`` (None for colocated: the engine as it
+    is). ``messenger_factory``: see _Node (tests pass the fault-injecting fake transport)."""
+    if cfg.role == "prefill":
+        return PrefillNode(cfg, engine, messenger_factory)
+    if cfg.role == "decode":
+        return DecodeNode(cfg, engine, messenger_factory=messenger_factory)
+    return None

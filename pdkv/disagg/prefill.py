@@ -1,14 +1,16 @@
-"""The prefill node's coordinator: control listener, engine thread, page writes.
+"""The prefill node's coordinator: control listener, messenger events, the job table's driver.
 
-Per request (a PREFILL from a decode node): the engine computes the prompt in chunks; before each
-forward the step listener queues that chunk's complete pages layer by layer on the layer counter
-(the C poller posts them while later layers compute); after the last chunk the final hidden
-state goes to the decode node's slot. The request's source pages are released only when every
-one of its writes completed locally (batch_done), then DONE_AT / CANCEL_ACK / FAIL goes back.
+Per request (a PREFILL from a decode node): a Job in the table (pdkv/disagg/jobs.py) and an
+AddRequest to the engine loop; the engine computes the prompt in chunks while the prefill
+connector (pdkv/disagg/prefill_connector.py) queues each chunk's complete pages layer by layer
+and, after the last chunk, the final hidden state. The request's source pages are released
+only when every one of its writes completed locally (batch_done), then DONE_AT / CANCEL_ACK /
+FAIL goes back (``Job.answer``).
 
-Threads: the asyncio loop (control, messenger events) and the engine thread (engine calls, the
-step and hidden listeners). They share ``Job.outstanding`` under one lock; everything else moves
-through the engine's command queue or ``loop.call_soon_threadsafe``.
+Threads: this object lives on the asyncio loop (control, messenger events); the engine thread
+runs pdkv.engine.loop.EngineLoop with this object as its LoopEvents (whose methods only post
+back here) and the connector. The two share the job table (``outstanding`` under its lock);
+commands go to the engine through ``commands`` (EngineLoop.put) only.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,13 +26,17 @@ import torch
 
 from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg import protocol as P
-from pdkv.disagg.prefill_engine import PrefillEngineSide
+from pdkv.disagg.jobs import Job, JobEnd, JobTable
+from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
+from pdkv.engine import SamplingParams
+from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages
 from pdkv.shard import ShardPlan, request_seed
 
 log = logging.getLogger(__name__)
-NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per request finishing a prefill)
+NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per admitted request)
+PREFILL_PARAMS = SamplingParams(max_tokens=1)  # never sampled: a prefill-only request
 
 
 @dataclass
@@ -51,70 +54,39 @@ class Link:
     dead: bool = False
 
 
-@dataclass
-class Job:
-    key: str  # engine request id: "<decode node id>:<req>"
-    req: str
-    link: Link
-    tokens: list[int]
-    dst_pages: np.ndarray  # int64 [num_pages]
-    imm: int
-    hidden_off: int
-    tag: int
-    arrival: float
-    seed: int = 0  # replica assignment (pdkv.shard.request_seed of the decode node's request id)
-    outstanding: int = 0  # batches queued/posted, not yet batch_done (under Prefill.lock)
-    num_writes: int = 0  # queued or posted
-    num_ok: int = 0  # completed locally without error: they landed or will land (what CANCEL_ACK reports)
-    num_bytes: int = 0
-    write_errors: int = 0
-    error_reason: str = ""
-    computed: str | None = None  # "prefilled" | "cancel" | "fail" once the engine is done with it
-    reason: str = ""
-    t_first: float | None = None
-    t_end: float | None = None
-    staging: int | None = None
-    finished: bool = False
-
-
-class PrefillCoordinator(PrefillEngineSide):
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None):
+class PrefillCoordinator(LoopEvents):
+    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None, engine_stats=None):
+        """``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None."""
         from pdkv.gpu.layer_counter import make_layer_counter
 
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
         self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
-        self.src = self.kv.geometry
         hidden = int(engine.loaded.arch.hidden_size)
-        self.staging = torch.zeros(NUM_HIDDEN_STAGING, hidden, dtype=engine.loaded.dtype)
-        self.hidden_nbytes = hidden * self.staging.element_size()
-        self.staging_key = messenger.register_address(self.staging.data_ptr(), self.staging.numel() *
-                                                      self.staging.element_size())
-        self._free_staging = list(range(NUM_HIDDEN_STAGING))
+        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden, engine.loaded.dtype)
+        self.hidden_nbytes = self.staging.row_nbytes
+        buf = self.staging.buffer
+        self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
         self.counter = make_layer_counter(torch.device(cfg.model.device))
         self.watch = messenger.watch_address(self.counter.host_address)
-        self.lock = threading.Lock()
-        self.jobs: dict[str, Job] = {}  # key -> Job (written on the loop, read on the engine thread)
-        self._by_tag: dict[int, Job] = {}
+        self.jobs = JobTable()
         self._tags = itertools.count(1)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._admission: deque[Job] = deque()
-        self._step_end = 0
+        self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
+                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
+        engine.set_connector(self.connector)
+        self._engine_stats = engine_stats
+        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine")
+        self.commands = self.engine_loop.put
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links: list[Link] = []
         self._server: asyncio.AbstractServer | None = None
-        self._thread = threading.Thread(target=self._run, name="pdkv-prefill-engine", daemon=True)
-        self._issued = 0  # bumps issued so far (on a GPU the host value may lag behind them)
-        engine.runner.set_layer_hook(lambda layer: self._bump())
-        engine.set_step_listener(self._on_step)
-        engine.runner.set_hidden_listener(self._on_hidden)
 
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
         """Start the engine thread and the control listener; returns the control port."""
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport)
-        self._thread.start()
+        self.engine_loop.start()
         self._server = await asyncio.start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -124,11 +96,11 @@ class PrefillCoordinator(PrefillEngineSide):
             self._server.close()
         for link in list(self.links):
             self._peer_dead(link, "prefill node shutting down")
-        self._commands.put(("stop",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
+        self.engine.set_connector(None)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.engine_loop.is_alive()
 
     # ---- control (loop thread) --------------------------------------------------------------
     async def _accept(self, reader, writer) -> None:
@@ -170,16 +142,15 @@ class PrefillCoordinator(PrefillEngineSide):
                       np.asarray(msg["pages"], dtype=np.int64), int(msg["imm"]), int(msg["hidden_off"]),
                       next(self._tags), time.perf_counter(), int(msg.get("seed", request_seed(msg["req"]))))
             link.jobs[job.req] = job
-            self.jobs[job.key] = job
-            self._by_tag[job.tag] = job
-            self._commands.put(("add", job))
+            self.jobs.add(job)
+            self.commands(AddRequest(job.key, job.tokens, PREFILL_PARAMS, job.arrival))
         elif kind == P.CANCEL:
             job = link.jobs.get(msg["req"])
             if job is None:  # finished already: nothing of it is in flight
                 self._send(link, {"type": P.CANCEL_ACK, "req": msg["req"], "posted": 0})
             else:
                 job.reason = "cancelled by the decode node"
-                self._commands.put(("cancel", job.key))
+                self.commands(AbortRequest(job.key))
         else:
             log.warning("prefill: ignoring unexpected control message %s", kind)
 
@@ -207,7 +178,7 @@ class PrefillCoordinator(PrefillEngineSide):
         except Exception as e:  # noqa: BLE001
             log.warning("prefill: disconnect failed: %s", e)
         for job in list(link.jobs.values()):
-            self._commands.put(("cancel", job.key))
+            self.commands(AbortRequest(job.key))
         if link in self.links:
             self.links.remove(link)
 
@@ -217,58 +188,54 @@ class PrefillCoordinator(PrefillEngineSide):
             if ev.kind == "error":  # e.g. a decode node that left; its control channel says so too
                 log.info("prefill: messenger event from peer %#x: %s", ev.peer, ev.reason)
             return
-        job = self._by_tag.get(ev.tag)
-        if job is None:
-            return
-        with self.lock:
-            job.outstanding -= 1
-        job.num_ok += ev.count - ev.num_errors
-        if ev.status != 0 or ev.num_errors:
-            job.write_errors += 1
-            job.error_reason = ev.reason or f"write failed with status {ev.status}"
-        else:
-            job.num_bytes += ev.bytes
-        self._maybe_finish(job)
+        job = self.jobs.batch_done(ev.tag, ev.count, ev.num_errors, ev.status, ev.bytes, ev.reason)
+        if job is not None:
+            self._finished(job)
 
-    def _computed(self, key: str, how: str, reason: str = "", t_end: float | None = None) -> None:
-        job = self.jobs.get(key)
-        if job is None or job.computed is not None:
-            return
-        job.computed, job.t_end = how, t_end
-        job.reason = job.reason or reason
-        self._maybe_finish(job)
+    def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
+        job = self.jobs.engine_done(key, end, reason, t_end)
+        if job is not None:
+            self._finished(job)
 
-    def _maybe_finish(self, job: Job) -> None:
-        with self.lock:
-            busy = job.outstanding > 0
-        if busy or job.computed is None or job.finished:
-            return
-        job.finished = True
-        self._commands.put(("release", job.key))
-        del self.jobs[job.key]
-        self._by_tag.pop(job.tag, None)
+    def _finished(self, job: Job) -> None:
+        """Every write of ``job`` completed locally: its pages may be reused, the answer goes back."""
         link = job.link
         link.jobs.pop(job.req, None)
         if job.staging is not None:
-            self._free_staging.append(job.staging)
-        # NOTE: a write that failed locally never lands; one that succeeded did or will (tcp: it
-        # is in the kernel; verbs: acknowledged), so the decode side waits for exactly these.
-        posted = job.num_ok
+            # NOTE: the row goes back before ReleasePages, which makes the engine retry admission
+            self.staging.give_back(job.staging)
+        self.commands(ReleasePages(job.key))
         if self.metrics is not None:
             self.metrics.kv_bytes.inc(job.num_bytes)
             if job.t_first is not None:
                 self.metrics.transfer_time.observe(time.perf_counter() - job.t_first)
-        if job.computed == "prefilled" and not job.write_errors:
-            self._send(link, {"type": P.DONE_AT, "req": job.req, "t_end": job.t_end, "posted": posted,
-                              "bytes": job.num_bytes})
-        elif job.computed == "cancel":
-            self._send(link, {"type": P.CANCEL_ACK, "req": job.req, "posted": posted})
-        else:
-            reason = job.reason or (f"{job.write_errors} page write(s) failed: {job.error_reason}"
-                                    if job.write_errors else "prefill failed")
-            if self.metrics is not None:
-                self.metrics.failed("write_error" if job.write_errors else "prefill_failed")
-            self._send(link, {"type": P.FAIL, "req": job.req, "reason": reason, "posted": posted})
+        msg = job.answer()
+        if msg["type"] == P.FAIL and self.metrics is not None:
+            self.metrics.failed("write_error" if job.write_errors else "prefill_failed")
+        self._send(link, msg)
+
+    # ---- engine thread (LoopEvents): post back to the loop, never wait ----------------------
+    def on_step(self, step_start: float, outputs) -> None:
+        # NOTE: DONE_AT's t_end is the end of the forward pass, not this later moment: posting
+        # the hidden-state write releases the GIL, and in a process shared with other Python
+        # threads getting it back can take milliseconds, which would hide transfer time.
+        t_end = self.connector.t_forward_end or time.time()
+        for out in outputs:
+            if out.finish_reason == "prefilled":
+                self._post(self._engine_done, out.request_id, JobEnd.PREFILLED, "", t_end)
+            elif out.finish_reason == "error":
+                self._post(self._engine_done, out.request_id, JobEnd.FAILED, "the prefill forward pass failed")
+        self.on_commands_applied()
+
+    def on_failed(self, request_id: str, error) -> None:
+        self._post(self._engine_done, request_id, JobEnd.FAILED, f"prefill node cannot take the request: {error}")
+
+    def on_aborted(self, request_id: str) -> None:
+        self._post(self._engine_done, request_id, JobEnd.CANCELLED)
+
+    def on_commands_applied(self) -> None:
+        if self._engine_stats is not None:
+            self._engine_stats(self.engine.stats())
 
     def _post(self, fn, *args) -> None:
         try:

@@ -25,6 +25,33 @@ import numpy as np
 from pdkv.shard import ShardPlan
 
 
+@dataclass(frozen=True)
+class ChunkWrites:
+    """The pages one forward pass's chunk of a request completes, on both sides."""
+
+    request_id: str
+    src_pages: np.ndarray  # int64 [n]: this node's page ids
+    dst_pages: np.ndarray  # int64 [n]: the decode node's page ids
+
+
+def plan_batch(batch, page_size: int, dst_pages_of) -> list[ChunkWrites]:
+    """The page writes a forward pass's layout (a pdkv.engine.ForwardBatch) makes due: for each
+    prefill-only entry whose destination ``dst_pages_of(request_id)`` is known (None: skip it),
+    the pages its chunk completes. Pure: no messenger, no threads."""
+    out = []
+    for e in batch.entries:
+        if not e.prefill_only:
+            continue
+        dst = dst_pages_of(e.request_id)
+        if dst is None:
+            continue
+        idx = pages_to_send(e.start, e.num_tokens, page_size, e.is_last_chunk)
+        if len(idx):
+            out.append(ChunkWrites(e.request_id, np.asarray(e.page_ids[idx.start:idx.stop], dtype=np.int64),
+                                   dst[idx.start:idx.stop]))
+    return out
+
+
 def pages_to_send(start: int, num_tokens: int, page_size: int, is_last: bool) -> range:
     """Indices (into the request's page list) of the pages this chunk completes.
 

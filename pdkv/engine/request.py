@@ -37,7 +37,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: object  # pdkv.detokenizer.IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.perf_counter)  # when it reached the node
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -47,6 +47,7 @@ class Request:
     num_preemptions: int = 0
     num_returned: int = 0  # output tokens already reported in a RequestOutput
     prefill_only: bool = False  # disaggregated prefill: never sampled, pages held after the last chunk
+    num_external_tokens: int = 0  # prompt tokens whose KV arrives from outside (disaggregated decode)
 
     @property
     def num_prompt_tokens(self) -> int:

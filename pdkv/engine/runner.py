@@ -8,11 +8,11 @@ them as one batch; logits are computed only for rows that sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from models.attention import AttentionBatch
+from pdkv.engine.connector import BatchEntry, ForwardBatch, KVConnector
 from pdkv.engine.sampler import Sampler
 from pdkv.engine.scheduler import ScheduledSeq
 from pdkv.engine.threads import ThreadTuner
@@ -26,26 +26,14 @@ SMALL_STEP_TOKENS = 4
 
 
 class ModelRunner:
-    def __init__(self, model, backend, device, sampler: Sampler, num_threads: int | None = None):
+    def __init__(self, model, backend, device, sampler: Sampler, num_threads: int | None = None,
+                 followers=None):
+        """``followers``: with tensor parallelism, the pdkv.tp.TPLeader that ranks 1.. follow
+        (``run_step`` announces each forward pass, which they then run with us); None: one rank."""
         self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
-        self._hook: Callable[[int], None] | None = None
-        # Tensor parallelism: a pdkv.tp.TPLeader that ranks 1.. follow (run_step announces the
-        # forward pass each of them then runs with us); None with one rank.
-        self.followers = None
-        self._hidden_listener: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
+        self.followers = followers
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
-
-    def set_layer_hook(self, fn: Callable[[int], None] | None) -> None:
-        """``fn(layer_idx)`` runs after each layer's o_proj in every forward pass; None: no call."""
-        self._hook = fn
-
-    def set_hidden_listener(self, fn: Callable[[list[ScheduledSeq], torch.Tensor], None] | None) -> None:
-        """``fn(seqs, hidden)`` runs after every forward pass: ``seqs`` in the order of the rows
-        of ``hidden`` [num_tokens, hidden_size] (the final hidden states after the last norm,
-        what the LM head sees; HF's hidden_states[-1]). Disaggregated prefill sends a prompt's
-        last row to the decode node from here; None: no call."""
-        self._hidden_listener = fn
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -53,14 +41,16 @@ class ModelRunner:
             torch.set_num_threads(n)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> dict[str, int]:
-        """Runs one forward pass over ``seqs``; returns {request_id: sampled token} for the
-        sequences whose ``sample`` is set."""
+    def execute(self, seqs: list[ScheduledSeq], connector: KVConnector) -> dict[str, int]:
+        """Runs one forward pass over ``seqs``, calling ``connector`` before it, after each
+        layer and after it; returns {request_id: sampled token} for the sequences whose
+        ``sample`` is set."""
         seqs = sorted(seqs, key=lambda s: len(s.token_ids) != 1)  # stable: decodes first
         num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
-        ids, positions, q_lens, kv_lens, sample_rows, sampled = [], [], [], [], [], []
+        ids, positions, q_lens, kv_lens, sample_rows, sampled, entries = [], [], [], [], [], [], []
         for s in seqs:
             n = len(s.token_ids)
+            entries.append(BatchEntry(s.request, s.start_pos, n, len(ids), s.sample))
             ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + n))
             q_lens.append(n)
@@ -77,11 +67,16 @@ class ModelRunner:
         meta = self.backend.plan(batch)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.followers is not None:
-            self.followers.run_step(ids, positions, batch)
-        hidden = self.model(input_ids, pos, self.backend, meta, self._hook)  # [T, H]
-        if self._hidden_listener is not None:
-            self._hidden_listener(seqs, hidden)
+        layout = ForwardBatch(tuple(entries), len(ids))
+        connector.before_forward(layout)
+        try:
+            if self.followers is not None:
+                self.followers.run_step(ids, positions, batch)
+            hidden = self.model(input_ids, pos, self.backend, meta, connector.after_layer)  # [T, H]
+        except BaseException:
+            connector.after_forward(layout, None)
+            raise
+        connector.after_forward(layout, hidden)
         if not sampled:
             return {}
         if len(sample_rows) != hidden.shape[0]:

@@ -58,11 +58,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def add_remote(self, req: Request) -> list[int]:
-        """Reserves pinned pages for the prompt minus its last token (a remote prefill fills
-        them); raises OutOfPages and changes nothing when they are not free."""
-        pages = self.allocator.allocate(self.pages_for(req.num_prompt_tokens - 1), pinned=True)
+    def add_remote(self, req: Request, num_tokens: int | None = None) -> list[int]:
+        """Reserves pinned pages for the prompt's first ``num_tokens`` tokens (default: all but
+        the last; a remote prefill fills them); raises OutOfPages and changes nothing when they
+        are not free."""
+        num_tokens = req.num_prompt_tokens - 1 if num_tokens is None else num_tokens
+        pages = self.allocator.allocate(self.pages_for(num_tokens), pinned=True)
         req.pages = pages
+        req.num_external_tokens = num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
         return pages
@@ -71,7 +74,7 @@ class Scheduler:
         """The remote KV landed: the last prompt token runs as a decode step, first in line."""
         del self.remote[req.request_id]
         self.allocator.unpin(req.pages)
-        req.num_computed_tokens = req.num_prompt_tokens - 1
+        req.num_computed_tokens = req.num_external_tokens
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

@@ -35,6 +35,14 @@ def node_config(model_dir, role: str, **over):
     return config_from_dict(d)
 
 
+def serve_node(cfg, engine, node=None):
+    """A ServerThread (not started) around the node of ``cfg.role`` (pdkv.disagg.node.build_node)."""
+    from pdkv.disagg.node import build_node
+    from server.runner import ServerThread
+
+    return ServerThread(cfg, engine, node or build_node(cfg, engine))
+
+
 def make_engine(cfg):
     from pdkv.disagg.node import kv_buffer_factory
     from pdkv.engine import LLMEngine

@@ -25,15 +25,12 @@ def _colocated(model_dir):
     eng = make_engine(cfg)
     want_hidden = {}
 
-    def listen(seqs, hidden):
-        row = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            target = s.request.num_prompt_tokens - 2
-            if s.start_pos <= target < s.start_pos + n:
-                want_hidden[tuple(s.request.prompt_token_ids)] = hidden[row + target - s.start_pos].clone()
-            row += n
-    eng.runner.set_hidden_listener(listen)
+    def listen(batch, hidden):  # hidden: [num_tokens, hidden_size], rows in batch order
+        for e in batch.entries:
+            target = e.request.num_prompt_tokens - 2
+            if hidden is not None and e.start <= target < e.start + e.num_tokens:
+                want_hidden[tuple(e.request.prompt_token_ids)] = hidden[e.row + target - e.start].clone()
+    eng.connector.after_forward = listen  # the colocated engine's no-op connector, observed
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert all(len(o.output_token_ids) == 6 for o in outs)
     # the text of the same incremental detokenizer the server uses (token ids do not cross the API)
@@ -123,13 +120,13 @@ def test_layer_writes_post_while_later_layers_compute(tiny_model_dir, layerwise)
     try:
         peng = c.prefill_engine
         pc = c.prefill.app[NODE].coordinator
-        hook, seen = peng.runner._hook, []
+        hook, seen = peng.connector.after_layer, []
 
         def slow_hook(layer):  # FAULT INJECTION: a slow layer, so the poller's timing is visible
             hook(layer)
             time.sleep(0.05)
             seen.append((layer, pc.m.stats()["posted_batches"]))
-        peng.runner.set_layer_hook(slow_hook)
+        peng.connector.after_layer = slow_hook
         body = json.dumps({"model": c.model_name(), "prompt": list(range(3, 30)), "max_tokens": 1}).encode()
         urllib.request.urlopen(urllib.request.Request(c.url + "/v1/completions", body,
                                                       {"Content-Type": "application/json"}), timeout=30).read()

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from _cluster import Cluster, make_engine, node_config, post_completion as _post, wait_for
+from _cluster import Cluster, make_engine, node_config, post_completion as _post, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.engine import SamplingParams
 from server.app import NODE
-from server.runner import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,14 +31,12 @@ def _reference(model_dir, prompts, max_tokens):
     eng = make_engine(node_config(model_dir, "colocated"))
     hidden = {}
 
-    def listen(seqs, h):  # h: [num_tokens, hidden_size], rows in seqs order
-        row = 0
-        for s in seqs:
-            n, target = len(s.token_ids), s.request.num_prompt_tokens - 2
-            if s.start_pos <= target < s.start_pos + n:
-                hidden[tuple(s.request.prompt_token_ids)] = h[row + target - s.start_pos].clone()
-            row += n
-    eng.runner.set_hidden_listener(listen)
+    def listen(batch, h):  # h: [num_tokens, hidden_size], rows in batch order
+        for e in batch.entries:
+            target = e.request.num_prompt_tokens - 2
+            if h is not None and e.start <= target < e.start + e.num_tokens:
+                hidden[tuple(e.request.prompt_token_ids)] = h[e.row + target - e.start].clone()
+    eng.connector.after_forward = listen  # the colocated engine's no-op connector, observed
     outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return [o.output_token_ids for o in outs], hidden
 
@@ -58,13 +55,13 @@ def test_client_leaves_while_prefill_computes_its_chunks(tiny_model_dir):
     try:
         peng, pc = c.prefill_engine, c.prefill.app[NODE].coordinator
         start_free = (peng.allocator.num_free, c.decode_engine.allocator.num_free)
-        hook, computing = peng.runner._hook, threading.Event()
+        hook, computing = peng.connector.after_layer, threading.Event()
 
         def slow_hook(layer):  # FAULT INJECTION: 40 ms a layer, so the prompt takes ~1.2 s to compute
             hook(layer)
             computing.set()
             time.sleep(0.04)
-        peng.runner.set_layer_hook(slow_hook)
+        peng.connector.after_layer = slow_hook
         # spies on what each side sends on its control channel (looked up at every call)
         seen = []
         p_send, d_send = pc._send, c.coordinator._send
@@ -112,13 +109,12 @@ DECODE_CHILD = """
 import json, sys, threading, urllib.request
 import torch
 sys.path.insert(0, {tests!r})
-from _cluster import make_engine
+from _cluster import make_engine, serve_node
 from pdkv.config import config_from_dict
 from server.app import NODE
-from server.runner import ServerThread
 cfg = config_from_dict(json.loads({cfg!r}))
 prompts = json.loads({prompts!r})
-with ServerThread(cfg, make_engine(cfg)) as dec:
+with serve_node(cfg, make_engine(cfg)) as dec:
     name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
     got = [None] * len(prompts)
     def run(i):
@@ -177,7 +173,7 @@ def test_decode_redials_a_restarted_prefill_node(tiny_model_dir, tmp_path, caplo
         pre.wait_healthy()
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"])
         eng = make_engine(dcfg)
-        with caplog.at_level(logging.INFO, logger="pdkv.disagg.decode"), ServerThread(dcfg, eng) as dec:
+        with caplog.at_level(logging.INFO, logger="pdkv.disagg.decode"), serve_node(dcfg, eng) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
 
             def connected():

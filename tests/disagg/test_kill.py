@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from _cluster import Cluster, make_engine, node_config, post_completion as _post, wait_for
+from _cluster import Cluster, make_engine, node_config, post_completion as _post, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.disagg.node import DecodeNode
 from server.app import NODE
@@ -25,7 +25,7 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
                            messenger__lease_s=30.0)  # the death is seen by the broken connection
         eng = make_engine(dcfg)
-        with ServerThread(dcfg, eng) as dec:
+        with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
             pre.signal(signal.SIGSTOP)
@@ -55,11 +55,11 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
 def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
     pcfg = node_config(tiny_model_dir, "prefill", messenger__lease_s=30.0)
     peng = make_engine(pcfg)
-    with ServerThread(pcfg, peng) as pre:
+    with serve_node(pcfg, peng) as pre:
         pnode = pre.app[NODE]
-        hook = peng.runner._hook
+        hook = peng.connector.after_layer
         # FAULT INJECTION (slow prefill): 20 ms per layer, so the kill lands mid-stream
-        peng.runner.set_layer_hook(lambda layer: (time.sleep(0.02), hook(layer)))
+        peng.connector.after_layer = lambda layer: (time.sleep(0.02), hook(layer))
         dec = NodeProc(tmp_path, "decode", node_dict(tiny_model_dir, "decode", port=free_port(),
                                                      peers=[f"127.0.0.1:{pnode.control_port}"], chunk=8))
         try:
@@ -78,10 +78,10 @@ def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
                      "prefill pool full")
         finally:
             dec.stop()
-        peng.runner.set_layer_hook(hook)
+        peng.connector.after_layer = hook
         # the prefill node still serves a new decode node
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"])
-        with ServerThread(dcfg, make_engine(dcfg)) as d2:
+        with serve_node(dcfg, make_engine(dcfg)) as d2:
             name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
             status, body = _post(d2.url, {"model": name, "prompt": list(range(5, 30)), "max_tokens": 3})
             assert status == 200, body
@@ -122,7 +122,7 @@ def test_client_leaves_while_prefill_is_frozen_pages_wait_for_the_ack(tiny_model
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
                            messenger__lease_s=30.0)
         eng = make_engine(dcfg)
-        with ServerThread(dcfg, eng) as dec:
+        with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
             pre.signal(signal.SIGSTOP)
@@ -154,7 +154,7 @@ def test_frozen_prefill_past_its_lease_is_dead(tiny_model_dir, tmp_path):
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
                            messenger__lease_s=1.0, messenger__heartbeat_s=0.2)
         eng = make_engine(dcfg)
-        with ServerThread(dcfg, eng) as dec:
+        with serve_node(dcfg, eng) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
             pre.signal(signal.SIGSTOP)
             t0 = time.monotonic()

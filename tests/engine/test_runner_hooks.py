@@ -15,11 +15,11 @@ PROMPT = list(range(3, 40))
 
 def test_layer_hook_fires_after_each_layer_and_can_be_removed(base_engine):
     calls = []
-    base_engine.runner.set_layer_hook(calls.append)
+    base_engine.connector.after_layer = calls.append
     try:
         base_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     finally:
-        base_engine.runner.set_layer_hook(None)
+        base_engine.connector.after_layer = None
     assert calls == [0, 1] * 3  # 3 forward passes (prefill + 2 decodes) x 2 layers
     base_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert len(calls) == 6
@@ -135,11 +135,11 @@ def test_failed_forward_pass_finishes_with_error_and_frees(base_engine):
 
     base_engine.add_request("e1", PROMPT, GREEDY)
     base_engine.add_request("e2", [4, 5, 6], GREEDY)
-    base_engine.runner.set_layer_hook(boom)
+    base_engine.connector.after_layer = boom
     try:
         outs = base_engine.step()
     finally:
-        base_engine.runner.set_layer_hook(None)
+        base_engine.connector.after_layer = None
     assert sorted((o.request_id, o.finish_reason, o.finished) for o in outs) == [
         ("e1", "error", True), ("e2", "error", True)]
     assert not base_engine.has_unfinished()

@@ -84,14 +84,14 @@ def test_dead_follower_gives_clear_error_not_hang(tp):
                 _kill(pid)
                 while pid in _workers():
                     time.sleep(0.01)
-        engine.runner.set_layer_hook(hook)
+        engine.connector.after_layer = hook
         outs = engine.generate(tp.PROMPTS[:2], GREEDY)
         assert [o.finish_reason for o in outs] == ["error", "error"]
         with pytest.raises(TPRankError, match=rf"tensor-parallel rank 1 \(pid {pid}\) exited with code -9"):
             engine.tp.check()
 
         # 2) every later step fails at once, with the same error, and gives its pages back.
-        engine.runner.set_layer_hook(None)
+        engine.connector.after_layer = None
         assert [o.finish_reason for o in engine.generate(tp.PROMPTS[:1], GREEDY)] == ["error"]
         assert engine.allocator.num_free == engine.allocator.num_total
     finally:

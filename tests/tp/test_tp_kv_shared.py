@@ -88,7 +88,7 @@ def test_layer_hook_fires_after_every_rank_wrote_that_layer(tp, llama_pair):
     for layer in range(two.kv.num_layers):
         r1.cache.layer(layer).zero_()  # rank 0 writes into rank 1's memory: nothing stale survives
     two.add_request("hook", tp.PROMPTS[2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    two.runner.set_layer_hook(hook)
+    two.connector.after_layer = hook
     steps = 0
     try:
         while two.has_unfinished():
@@ -101,6 +101,6 @@ def test_layer_hook_fires_after_every_rank_wrote_that_layer(tp, llama_pair):
                 # Nothing rank 1 wrote later in the step changed what the hook saw.
                 torch.testing.assert_close(snap, r1.cache.layer(layer)[pages], rtol=0, atol=0)
     finally:
-        two.runner.set_layer_hook(None)
+        two.connector.after_layer = None
     assert steps >= 3
     assert two.allocator.num_free == two.allocator.num_total

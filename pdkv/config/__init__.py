@@ -1,0 +1,18 @@
+"""Role configs: YAML in, frozen dataclasses out.
+
+    sections.py   the frozen dataclasses (Config and its sections) and the allowed choices
+    loader.py     YAML and ``--set`` overrides -> a typed Config (load_config, config_from_dict)
+    validate.py   value checks naming the field and the file (or the --set) it came from
+
+``from pdkv.config import Config, load_config, ...`` stays the way to use it.
+"""
+
+from pdkv.config.loader import _read_yaml, config_from_dict, config_to_dict, load_config
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, ROLES, TRANSPORTS, Config, ConfigError,
+                                  KVCacheConfig, MessengerConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                  ServerConfig)
+from pdkv.config.validate import validate
+
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "LAYOUTS", "ROLES", "TRANSPORTS", "Config", "ConfigError",
+           "KVCacheConfig", "MessengerConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+           "ServerConfig", "_read_yaml", "config_from_dict", "config_to_dict", "load_config", "validate"]

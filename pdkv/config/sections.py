@@ -1,0 +1,104 @@
+"""The config sections: frozen dataclasses, the contract between the loader, the engine, the
+server and the messenger. The engine is built from ``ModelConfig``, ``KVCacheConfig`` and
+``SchedulerConfig`` (and ``ParallelConfig``); the server reads ``ServerConfig``; the messenger
+and the disaggregated roles read ``MessengerConfig``.
+
+NOTE: YAML is only an input format (loader.py). Derived values are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("colocated", "prefill", "decode")
+TRANSPORTS = ("tcp", "verbs")
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+LAYOUTS = ("HND", "NHD")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A local Hugging Face model folder. Empty means the embedded default model, which the repo
+    # builds on first use (see pdkv.default_model).
+    path: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N"
+    attention_backend: str = "torch"  # a name in models.attention registry: torch | flashinfer
+    max_model_len: int | None = None  # None: the model config's max_position_embeddings
+    served_name: str | None = None  # name in /v1/models; None: the folder's name
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int = 16  # tokens per page
+    num_pages: int | None = None  # None: derived from memory_fraction (GPU) or memory_gib (CPU)
+    memory_fraction: float = 0.85  # of free GPU memory, after weights
+    memory_gib: float = 1.0  # CPU: KV cache size when num_pages is not set
+    layout: str = "HND"  # HND: [pages, 2, kv_heads, P, head_dim]; NHD: [pages, 2, P, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
+    chunk_size: int = 512  # most prefill tokens of one request in one step
+    max_num_seqs: int = 64  # most running requests
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class MessengerConfig:
+    # Reserved for the disaggregation issues: filled in as they land.
+    transport: str = "tcp"  # tcp | verbs
+    host: str = "127.0.0.1"
+    port: int = 0
+    nics: tuple[str, ...] = ("auto",)
+    num_streams: int = 2
+    spin_us: int = 50
+    node_id: int = 0  # 0: a random id per process (each node of a cluster needs a distinct one)
+    # Disaggregation (roles prefill / decode).
+    control_host: str = "127.0.0.1"  # prefill: where the control listener binds
+    control_port: int = 0  # prefill: control listener port (decode nodes dial it); 0: any free port
+    prefill_peers: tuple[str, ...] = ()  # decode: "host:port" of each prefill node's control listener
+    layerwise: bool = True  # stream each layer's pages as it finishes; false: after the forward pass
+    transfer_timeout_s: float = 30.0  # decode: PREFILL sent -> KV landed, else the request fails
+    heartbeat_s: float = 1.0  # control channel heartbeat interval
+    lease_s: float = 5.0  # a peer silent this long is dead: its requests fail, their pages return
+    connect_timeout_s: float = 30.0  # decode: how long to keep dialing a prefill peer at start-up
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Tensor parallelism on one node: rank 0 runs the engine (scheduler, server, messenger) and
+    # starts ranks 1..tp-1 as processes that follow its steps. CPU: gloo, KV in shared memory;
+    # GPU: NCCL, rank r on cuda:(N + r) for model.device cuda:N, KV in cuMem shared with rank 0.
+    tp: int = 1
+    timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
+    startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
+
+
+@dataclass(frozen=True)
+class Config:
+    role: str = "colocated"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    messenger: MessengerConfig = field(default_factory=MessengerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    source: str = "<defaults>"  # the file this config came from, for error messages
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message names the file (or --set), the field and what
+    was expected: ``configs/x.yaml: kv_cache.layout must be one of HND, NHD, got 'HDN'``."""
+
+

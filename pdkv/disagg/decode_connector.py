@@ -1,0 +1,75 @@
+"""The decode side's KV connector: a prompt's KV comes from a prefill node (engine thread).
+
+- ``admission``: a prompt of more than one token has its first n-1 tokens' KV computed
+  remotely: the engine reserves pinned pages for them and parks the request in
+  WAITING_FOR_REMOTE_KV (a one-token prompt runs locally; with no prefill node connected the
+  request is refused, rather than silently colocated);
+- ``admit``: reserves the request's hidden-state slot row (none free: the request waits), then
+  asks the coordinator (on the event loop) to send PREFILL with the page ids;
+- ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
+  the transfer and releases the (quarantined) pages once no write can land.
+
+The forward-pass points are not used: once the KV landed the request decodes like any other.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from pdkv.engine.connector import LOCAL, Admission, KVConnector
+from pdkv.engine.request import RequestStatus
+from pdkv.errors import AdmissionRefused
+
+
+class HiddenRows:
+    """Row indices of the registered hidden-state buffer: taken on the engine thread at
+    admission, given back on the event loop when the request's slot ends (deque ends are atomic)."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self._free = collections.deque(range(num_rows))
+
+    def take(self) -> int | None:
+        try:
+            return self._free.popleft()
+        except IndexError:
+            return None
+
+    def give_back(self, row: int) -> None:
+        self._free.append(row)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(self, coordinator, rows: HiddenRows):
+        """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to."""
+        self.coordinator, self.rows = coordinator, rows
+        self._remote: set[str] = set()  # admitted with remote KV, not finished
+
+    def admission(self, req) -> Admission:
+        if req.num_prompt_tokens <= 1:
+            return LOCAL  # a one-token prompt has no KV to compute before its decode
+        if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
+            raise AdmissionRefused("no prefill node is connected to this decode node")
+        return Admission(num_external_tokens=req.num_prompt_tokens - 1)
+
+    def admit(self, req) -> bool:
+        if not req.num_external_tokens:
+            return True
+        row = self.rows.take()
+        if row is None:
+            return False
+        self._remote.add(req.request_id)
+        c = self.coordinator
+        c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
+        c.post(c.send_prefill, req.request_id, list(req.prompt_token_ids[:-1]), list(req.pages), row)
+        return True
+
+    def finished(self, req) -> None:
+        if req.request_id not in self._remote:
+            return
+        self._remote.discard(req.request_id)
+        if req.status == RequestStatus.ABORTED and req.finish_reason == "abort":
+            # NOTE: a write may still land in its pages (the engine quarantined them if so):
+            # the coordinator cancels the transfer and releases them once none can.
+            self.coordinator.post(self.coordinator.client_aborted, req.request_id)

@@ -1,0 +1,153 @@
+"""The prefill node's job table: which request is where, and when it is finished.
+
+A job is one PREFILL from a decode node. Its state machine::
+
+    COMPUTING ──engine done (PREFILLED | CANCELLED | FAILED)──► DRAINING ──last batch_done──► FINISHED
+        │                                                                                      ▲
+        └────────── engine done while no write of it is outstanding ───────────────────────────┘
+
+COMPUTING: the engine has it (queued for admission or computing chunks); each chunk's page
+writes are queued on the layer counter (``outstanding`` counts batches not yet batch_done).
+DRAINING: the engine is done with it (``end`` says how) but some batch has not completed.
+FINISHED: every batch completed locally, so its source pages may be reused: the table drops
+it and ``answer`` is what goes back to the decode node.
+
+NOTE: ``outstanding`` is the one field two threads write (the engine thread queues batches,
+the event loop counts batch_done); it is changed only under ``JobTable.lock``. Everything else
+is written on the event loop (and only read on the engine thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdkv.disagg import protocol as P
+
+
+class JobState(enum.Enum):
+    COMPUTING = "computing"
+    DRAINING = "draining"
+    FINISHED = "finished"
+
+
+class JobEnd(enum.Enum):
+    """How the engine was done with a job."""
+
+    PREFILLED = "prefilled"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass
+class Job:
+    key: str  # engine request id: "<decode node id>:<req>"
+    req: str  # the decode node's request id
+    link: object  # pdkv.disagg.prefill.Link: the decode node it came from
+    tokens: list[int]
+    dst_pages: np.ndarray  # int64 [num_pages]: the decode node's pages
+    imm: int
+    hidden_off: int
+    tag: int
+    arrival: float
+    seed: int = 0  # replica assignment (pdkv.shard.request_seed of the decode node's request id)
+    state: JobState = JobState.COMPUTING
+    end: JobEnd | None = None
+    outstanding: int = 0  # batches queued/posted, not yet batch_done (under JobTable.lock)
+    num_writes: int = 0  # queued or posted
+    num_ok: int = 0  # completed locally without error: they landed or will land (what CANCEL_ACK reports)
+    num_bytes: int = 0
+    write_errors: int = 0
+    error_reason: str = ""
+    reason: str = ""
+    t_first: float | None = None  # first chunk queued (time.perf_counter)
+    t_end: float | None = None  # end of its last forward pass (time.time, for DONE_AT)
+    staging: int | None = None  # its hidden-state staging row, reserved at admission
+
+    def write_failed(self, reason: str) -> None:
+        self.write_errors += 1
+        self.error_reason = reason
+
+    def answer(self) -> dict:
+        """The message that ends the job on the decode node (once FINISHED).
+        NOTE: a write that failed locally never lands; one that succeeded did or will (tcp: it
+        is in the kernel; verbs: acknowledged), so the decode side waits for exactly ``posted``."""
+        posted = self.num_ok
+        if self.end == JobEnd.PREFILLED and not self.write_errors:
+            return {"type": P.DONE_AT, "req": self.req, "t_end": self.t_end, "posted": posted,
+                    "bytes": self.num_bytes}
+        if self.end == JobEnd.CANCELLED:
+            return {"type": P.CANCEL_ACK, "req": self.req, "posted": posted}
+        reason = self.reason or (f"{self.write_errors} page write(s) failed: {self.error_reason}"
+                                 if self.write_errors else "prefill failed")
+        return {"type": P.FAIL, "req": self.req, "reason": reason, "posted": posted}
+
+
+@dataclass
+class JobTable:
+    """Every live job, by engine key and by write tag; no threads of its own (unit-tested alone)."""
+
+    jobs: dict[str, Job] = field(default_factory=dict)
+    by_tag: dict[int, Job] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: Job) -> None:
+        self.jobs[job.key] = job
+        self.by_tag[job.tag] = job
+
+    def get(self, key: str) -> Job | None:
+        return self.jobs.get(key)
+
+    def values(self):
+        return self.jobs.values()
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def queued(self, job: Job, num_batches: int) -> None:
+        """``num_batches`` more batches of ``job`` are queued (or -n: that many never were)."""
+        with self.lock:
+            job.outstanding += num_batches
+
+    # ---- event loop ------------------------------------------------------------------------------
+    def batch_done(self, tag: int, count: int, num_errors: int, status: int, nbytes: int,
+                   reason: str = "") -> Job | None:
+        """One batch of the job with ``tag`` completed locally; returns the job if that finished it."""
+        job = self.by_tag.get(tag)
+        if job is None:
+            return None
+        with self.lock:
+            job.outstanding -= 1
+        job.num_ok += count - num_errors
+        if status != 0 or num_errors:
+            job.write_failed(reason or f"write failed with status {status}")
+        else:
+            job.num_bytes += nbytes
+        return job if self._maybe_finish(job) else None
+
+    def engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> Job | None:
+        """The engine is done with the job (the first report counts); returns it if finished now."""
+        job = self.jobs.get(key)
+        if job is None or job.state != JobState.COMPUTING:
+            return None
+        job.state, job.end, job.t_end = JobState.DRAINING, end, t_end
+        job.reason = job.reason or reason
+        return job if self._maybe_finish(job) else None
+
+    def _maybe_finish(self, job: Job) -> bool:
+        with self.lock:
+            busy = job.outstanding > 0
+        if busy or job.state != JobState.DRAINING:
+            return False
+        job.state = JobState.FINISHED
+        del self.jobs[job.key]
+        self.by_tag.pop(job.tag, None)
+        return True
+
+    def transfer_seconds(self, job: Job) -> float | None:
+        return None if job.t_first is None else time.perf_counter() - job.t_first

@@ -1,0 +1,146 @@
+"""The decode node's prefill peers: dial, handshake, heartbeat, reader, redial (event loop).
+
+Handshake per peer: HELLO both ways (pdkv.control), then this node's shard plan for the pair
+(HandshakeRefused if the planner cannot serve it), CONNECT with the data-path info and every
+rank's KV region key plus the hidden-state key, CONNECTED (or REFUSE) back. A peer that dies is
+dialled again with doubling backoff up to REDIAL_MAX_S, each failure logged, so a prefill node
+restarted on the same address serves again without restarting this node. What a message or a
+death means for the requests is the coordinator's business (``on_message`` / ``on_dead``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdkv.control import ControlChannel, ControlError, HandshakeRefused
+from pdkv.disagg import protocol as P
+from pdkv.disagg.sharded import plan_link
+
+log = logging.getLogger("pdkv.disagg.decode")  # the decode node's log, as before the split (filtered on)
+REDIAL_FIRST_S, REDIAL_MAX_S = 0.1, 5.0  # backoff between redials of a dead prefill node (doubling)
+
+
+@dataclass
+class Peer:
+    host: str
+    port: int
+    channel: ControlChannel | None = None
+    conn: int = 0
+    slots: dict = field(default_factory=dict)  # imm -> Slot
+    dead: bool = True
+    redial: asyncio.Task | None = None  # dialling it again after it died
+    plan: object = None  # pdkv.shard.ShardPlan: the peer's ShardSpec -> ours (set by the handshake)
+
+
+class PrefillPeers:
+    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead):
+        """``mcfg``: the messenger config section (prefill_peers, timeouts); ``kv``: the node's
+        NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's."""
+        self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
+        self._on_message, self._on_dead = on_message, on_dead
+        self.peers = [Peer(*split_address(p)) for p in mcfg.prefill_peers]
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.hello = None
+        self._stopping = False
+
+    async def start(self, hello) -> None:
+        """Dial every peer (each until connect_timeout_s); a refused handshake is raised."""
+        self.loop = asyncio.get_running_loop()
+        self.hello = hello
+        await asyncio.gather(*(self._connect(p) for p in self.peers))
+
+    async def _connect(self, peer: Peer, once: bool = False) -> None:
+        """Dial a prefill peer until connect_timeout_s (``once``: a single try); a refused handshake
+        is final and raised."""
+        deadline = time.monotonic() + self.mcfg.connect_timeout_s
+        while True:
+            try:
+                ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.connect_timeout_s)
+                break
+            except ControlError as e:
+                if once or isinstance(e, HandshakeRefused) or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        conn = None
+        try:
+            # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
+            plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
+            conn, info = self.m.prepare(ch.peer.node_id)
+            for key in self.kv.keys:
+                self.m.grant(key, ch.peer.node_id)
+            self.m.grant(self.hidden_key, ch.peer.node_id)
+            await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv.keys[0], "kv_keys": self.kv.keys,
+                           "hidden_key": self.hidden_key})
+            msg = await asyncio.wait_for(ch.recv(), self.mcfg.connect_timeout_s)
+            if msg["type"] == P.REFUSE:
+                raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
+            if msg["type"] != P.CONNECTED:
+                raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
+            self.m.complete(conn, msg["info"])
+        except BaseException:
+            ch.close()  # a half set-up connection must not stay behind (a redial tries again)
+            if conn is not None:
+                self.m.disconnect(conn)
+            raise
+        peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
+        # NOTE: callbacks of this channel only act while it is the peer's current one (after a
+        # redial, the old channel's reader and heartbeat must not kill the new connection)
+        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s,
+                           lambda r: peer.channel is ch and self._on_dead(peer, r))
+        self.loop.create_task(self._reader(peer, ch))
+        log.info("decode: connected to prefill node %#x at %s:%d", ch.peer.node_id, peer.host, peer.port)
+
+    async def _reader(self, peer: Peer, ch: ControlChannel) -> None:
+        try:
+            while not peer.dead and peer.channel is ch:
+                self._on_message(peer, await ch.recv())
+        except ControlError as e:
+            if peer.channel is ch:
+                self._on_dead(peer, str(e))
+
+    async def _redial(self, peer: Peer) -> None:
+        """Dial a dead prefill peer again (e.g. restarted on the same address) with doubling
+        backoff, until it answers or this node stops; each failed try is logged."""
+        delay = REDIAL_FIRST_S
+        try:
+            while not self._stopping and peer.dead:
+                await asyncio.sleep(delay)
+                try:
+                    await self._connect(peer, once=True)
+                    log.info("decode: prefill node at %s:%d is back", peer.host, peer.port)
+                    return
+                except Exception as e:  # noqa: BLE001 - refused, unreachable, broken set-up: try later
+                    delay = min(2 * delay, REDIAL_MAX_S)
+                    log.warning("decode: redial of prefill node at %s:%d failed (%s); next try in %.1f s",
+                                peer.host, peer.port, e, delay)
+        finally:
+            peer.redial = None
+
+    def redial(self, peer: Peer) -> None:
+        """Start dialling a dead peer again (once: a redial already running is kept)."""
+        if not self._stopping and peer.redial is None:
+            peer.redial = self.loop.create_task(self._redial(peer))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for peer in self.peers:
+            if peer.redial is not None:
+                peer.redial.cancel()
+            if peer.channel is not None:
+                peer.dead = True
+                peer.channel.close()
+
+    def can_route(self) -> bool:  # engine thread: a racy read is fine (a dead peer fails the request)
+        return any(not p.dead for p in self.peers)
+
+    def live(self) -> list[Peer]:
+        return [p for p in self.peers if not p.dead]
+
+
+
+def split_address(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    return host, int(port)

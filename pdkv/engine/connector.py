@@ -1,0 +1,127 @@
+"""The KV connector: the one object through which anything outside the engine takes part in a
+request's KV cache (the role vLLM's ``KVConnectorBase_V1`` plays, smaller).
+
+The engine calls it at five named points, always on the engine thread, in this order for a
+request::
+
+    admission(req) -> Admission     what the engine reserves for req (pages, external KV, ...)
+    admit(req) -> bool              the engine reserved it; reserve the connector's own
+                                    per-request resources. False: not now (the request waits,
+                                    FIFO, and admission is tried again after the next command
+                                    or step); raise to refuse it.
+    before_forward(batch)           each forward pass, with its layout (ForwardBatch)
+    after_layer(layer)              after each layer's attention output projection (o_proj)
+    after_forward(batch, hidden)    the final hidden states [num_tokens, hidden_size]
+    finished(req)                   the request left the engine (finished, failed or aborted)
+
+Colocated serving uses ``KVConnector`` itself: every point is a no-op and ``after_layer`` is
+None, so the model makes no per-layer call at all. Disaggregated serving has two
+implementations (pdkv/disagg): the prefill side queues each chunk's complete pages layer by
+layer in ``before_forward`` and releases them in ``after_layer``; the decode side asks for the
+prompt's KV to come from outside in ``admission`` (pinned pages, WAITING_FOR_REMOTE_KV) and
+reserves a hidden-state slot in ``admit``.
+
+Later features are meant to use the same points rather than add new ones:
+- prefix caching: ``admission`` reports prompt tokens whose KV is already in (shared) pages, the
+  way ``num_external_tokens`` reports tokens that arrive from a remote node; ``finished`` returns
+  the request's pages to the cache instead of the free list;
+- speculative decoding (draft model / MTP heads): ``admit`` reserves the draft's per-request
+  buffers (and may answer False while none are free), ``after_forward`` reads the hidden states
+  the draft heads consume, ``before_forward`` sees which rows are verify tokens;
+- an engine feature that needs any other per-request resource reserves it in ``admit``, so a
+  request never starts running without everything it needs.
+
+NOTE: every method runs on the engine thread inside ``LLMEngine.step`` / ``add_request``; one
+that must talk to an event loop posts to it (``loop.call_soon_threadsafe``) and never waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdkv.engine.request import Request
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the engine reserves for a request before the connector's ``admit`` runs."""
+
+    # Prompt tokens whose KV arrives from outside: their pages are reserved (pinned) now and the
+    # request waits in WAITING_FOR_REMOTE_KV until ``LLMEngine.remote_kv_ready``. 0: none.
+    num_external_tokens: int = 0
+    # Compute the prompt's KV and never sample: every page up front, held after the last chunk
+    # until ``LLMEngine.release`` (disaggregated prefill).
+    prefill_only: bool = False
+
+
+LOCAL = Admission()
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request's rows in a forward pass: tokens [start, start + num_tokens) of it."""
+
+    request: Request
+    start: int  # position of the first token fed (= tokens already in the cache)
+    num_tokens: int
+    row: int  # its first row in the forward pass's [num_tokens, ...] tensors
+    sample: bool  # the row ``row + num_tokens - 1`` is sampled
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def page_ids(self) -> list[int]:
+        """All of the request's pages (they hold positions [0, start + num_tokens))."""
+        return self.request.pages
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """The entry reaches the request's last known token (the end of the prompt, in prefill)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.request.prefill_only
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The layout of one forward pass, entries in row order (decodes first, see runner.py)."""
+
+    entries: tuple[BatchEntry, ...]
+    num_tokens: int
+
+
+class KVConnector:
+    """The no-op connector of colocated serving, and the base of every other one."""
+
+    # ``after_layer(layer_idx)`` after each layer's o_proj; None: the model makes no call (the
+    # hot path of colocated serving pays nothing). An instance may set it (fault injection too).
+    after_layer: Callable[[int], None] | None = None
+
+    def admission(self, req: Request) -> Admission:
+        """What the engine must reserve for ``req`` (raise to refuse it: the client gets the error)."""
+        return LOCAL
+
+    def admit(self, req: Request) -> bool:
+        """``req``'s pages are reserved (``req.pages`` for external KV / prefill-only); reserve
+        this connector's own per-request resources. False: not now; the engine gives the pages
+        back and the request waits (FIFO) until admission is tried again."""
+        return True
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """Runs before each forward pass, with the pass's layout."""
+
+    def after_forward(self, batch: ForwardBatch, hidden) -> None:
+        """Runs after each forward pass. ``hidden``: [num_tokens, hidden_size], the final hidden
+        states after the last norm (what the LM head sees; HF's hidden_states[-1]), rows in
+        ``batch`` order; None when the forward pass raised (every request of the batch then
+        finishes with "error")."""
+
+    def finished(self, req: Request) -> None:
+        """``req`` left the engine: ``req.status`` (FINISHED / ABORTED) and ``req.finish_reason``
+        say how. Its pages are freed or, when a transfer may still touch them, held until
+        ``LLMEngine.release``."""

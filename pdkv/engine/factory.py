@@ -1,0 +1,132 @@
+"""Wiring an engine: model load, tensor-parallel ranks, KV memory, allocator, attention backend,
+runner and scheduler. ``build_parts`` is what ``LLMEngine.__init__`` calls (and
+``pdkv.engine.build_engine(cfg)`` through it), so the engine class itself holds no wiring. The
+KV connector is not made here: a disaggregated node makes it once its messenger is open and
+installs it with ``LLMEngine.set_connector``.
+
+Order matters and is why this is one function: the backend is checked before the weights load
+(fail fast); TP ranks start before rank 0 loads (they load their slices meanwhile); the KV cache
+is sized after the load (the model's shapes and the memory left) and only then made.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+from pdkv.engine.runner import ModelRunner
+from pdkv.engine.sampler import Sampler
+from pdkv.engine.scheduler import Scheduler
+from pdkv.kv import KVCache, PageAllocator
+
+
+@dataclass
+class EngineParts:
+    """Everything LLMEngine runs on, wired."""
+
+    model_config: ModelConfig
+    kv_config: KVCacheConfig
+    scheduler_config: SchedulerConfig
+    loaded: object  # models.loader.LoadedModel
+    tokenizer: object  # pdkv.tokenizer.Tokenizer
+    model_name: str
+    max_model_len: int
+    kv: KVCache
+    allocator: PageAllocator
+    runner: ModelRunner
+    scheduler: Scheduler
+    tp: object  # pdkv.tp.TPLeader with parallel.tp > 1, else None
+
+
+def num_pages_for(cfg: KVCacheConfig, page_bytes_all_layers: int, device: torch.device, max_useful: int) -> int:
+    """cfg.num_pages if set; else what the memory budget holds, capped at ``max_useful`` (every
+    running request at full context: more pages could never be used, only zeroed)."""
+    if cfg.num_pages is not None:
+        if cfg.num_pages < 1:
+            raise ValueError(f"kv_cache.num_pages must be >= 1, got {cfg.num_pages}")
+        return cfg.num_pages
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.memory_fraction)
+    else:
+        budget = int(cfg.memory_gib * (1 << 30))
+    return max(1, min(budget // page_bytes_all_layers, max_useful))
+
+
+def _num_threads(requested: int | None, tp: int) -> int:
+    # Cores this process may run on (a container's CPU set), not the host's count.
+    n = requested or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, n // tp) if tp > 1 else n  # the ranks share this host's cores
+
+
+def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
+                progress: Callable[[int, int], None] | None = None, kv_buffer=None,
+                num_threads: int | None = None, parallel=None) -> EngineParts:
+    """``kv_buffer``: memory for the KV cache (see pdkv.kv.KVCache), e.g. one the messenger
+    registered, or a callable ``f(nbytes) -> buffer`` that makes it once the size is known;
+    ``num_threads``: torch threads on the CPU (default: one per core); ``parallel``: a
+    pdkv.config.ParallelConfig (None: one rank)."""
+    from models import load_model  # noqa: PLC0415 - keeps `import pdkv.engine` light
+    from models.attention import get_backend  # noqa: PLC0415
+    from models.loader import read_json, resolve_dtype  # noqa: PLC0415
+    from pdkv.tokenizer import Tokenizer  # noqa: PLC0415
+
+    path = model.path
+    if not path:
+        from pdkv.default_model import ensure_default_model  # noqa: PLC0415
+
+        path = str(ensure_default_model())
+    device = torch.device(model.device)
+    tp_degree = parallel.tp if parallel is not None else 1
+    num_threads = _num_threads(num_threads, tp_degree)
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads)
+    hf = read_json(Path(path) / "config.json") if Path(path).is_dir() else {}
+    # Fail fast, before the weights load: unknown backend, or one that cannot run here.
+    get_backend(model.attention_backend).check_available(device, resolve_dtype(model.dtype, hf))
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    if model.max_model_len is not None and not 1 <= model.max_model_len <= max_pos:
+        raise ValueError(f"model.max_model_len must be in [1, {max_pos}] (the model's "
+                         f"max_position_embeddings), got {model.max_model_len}")
+    # With tp > 1, ranks 1.. start now and load their slices while we load ours (pdkv/tp).
+    tp = None
+    if tp_degree > 1:
+        if kv_buffer is not None:
+            raise ValueError("kv_buffer cannot be combined with parallel.tp > 1: the KV memory of "
+                             "every rank is made by pdkv.tp (register engine.tp.regions instead)")
+        from pdkv.tp import TPLeader  # noqa: PLC0415
+
+        tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
+                      num_threads, parallel.timeout_s, parallel.startup_timeout_s)
+    loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
+                        tp=tp.parallel if tp is not None else None)
+    arch = loaded.arch
+    max_model_len = model.max_model_len or arch.max_position_embeddings
+
+    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+    page_bytes = 2 * arch.num_kv_heads * kv_cache.page_size * arch.head_dim * itemsize * arch.num_layers
+    pages_per_seq = -(-max_model_len // kv_cache.page_size)
+    num_pages = num_pages_for(kv_cache, page_bytes, device, scheduler.max_num_seqs * pages_per_seq)
+    if callable(kv_buffer):  # a factory: memory of exactly the cache's size (the messenger registers it)
+        kv_buffer = kv_buffer(page_bytes * num_pages)
+    if tp is not None:  # every rank's cache, all mapped here too (engine.tp.regions)
+        tp.wait_loaded()
+        kv_buffer = tp.setup_kv(arch, loaded.full_arch, loaded.dtype, num_pages, kv_cache.page_size,
+                                kv_cache.layout, model.attention_backend)
+    kv = KVCache(arch.num_layers, num_pages, kv_cache.page_size, arch.num_kv_heads, arch.head_dim,
+                 loaded.dtype, kv_cache.layout, device, buffer=kv_buffer)
+    allocator = PageAllocator(num_pages)
+    backend = get_backend(model.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                                   arch.head_dim ** -0.5, arch.sliding_window)
+    runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
+    sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
+                      scheduler.max_num_seqs)
+    return EngineParts(model, kv_cache, scheduler, loaded, Tokenizer(path, arch.eos_token_id),
+                       model.served_name or loaded.path.resolve().name, max_model_len, kv, allocator,
+                       runner, sched, tp)
+

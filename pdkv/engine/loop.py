@@ -1,0 +1,255 @@
+"""The engine thread: one loop that owns an LLMEngine and drains one queue of typed commands.
+
+Every role runs this loop; what differs between colocated, prefill and decode serving is the
+engine's KV connector (pdkv/engine/connector.py) and who sends the commands::
+
+    any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest | ReleasePages | Stop)──┐
+                                                                                                   ▼
+    engine thread:  admit (FIFO) → apply commands (block when there is no work) → admit → step
+                         │                                                                 │
+                         └────────── events.on_* (on the engine thread) ◄──────────────────┘
+
+Admission is FIFO: a request whose pages or connector resources are not free (ResourceBusy)
+waits at the head of the queue and is tried again after every command and every step (a
+release, an abort or a finished request may have freed what it needs).
+
+``events`` (a LoopEvents) is how the front-end hears back: the HTTP server fans outputs out to
+its clients (server/async_engine.py), a prefill node's coordinator turns them into DONE_AT /
+FAIL / CANCEL_ACK (pdkv/disagg/prefill.py). Its methods run on the engine thread and must only
+post to their own thread (``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pdkv.engine.params import SamplingParams
+from pdkv.engine.request import RequestOutput
+from pdkv.errors import ResourceBusy
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not run a request (refused at admission, its KV transfer failed, or a
+    step raised); the request was aborted and its pages freed or held until no transfer can
+    touch them."""
+
+
+# ---- commands: small frozen dataclasses, one handler each (EngineLoop._handlers) --------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.perf_counter() when it reached this node
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """The client is gone (or the peer cancelled): stop and free, holding pages a transfer may
+    still touch (LLMEngine.in_transfer) until ReleasePages."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RemoteKVReady:
+    """Every remote write of the request's KV landed: its decode can be scheduled."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    """The request's KV transfer failed: the client gets ``reason``; its pages are held (a write
+    may still land) until ReleasePages."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleasePages:
+    """No transfer can touch the request's held pages any more: free them."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+class LoopEvents:
+    """What the engine loop tells its front-end, on the engine thread (no-ops by default)."""
+
+    def on_added(self, cmd: AddRequest) -> None:
+        """The loop took the request (admission may still wait for resources)."""
+
+    def on_failed(self, request_id: str, error: EngineFailure) -> None:
+        """The request ended without output: refused, its transfer failed, or a step raised."""
+
+    def on_aborted(self, request_id: str) -> None:
+        """An AbortRequest ended a request the loop knew (queued or admitted)."""
+
+    def on_step(self, step_start: float, outputs: list[RequestOutput]) -> None:
+        """A step ran (``step_start``: time.perf_counter() before it) and produced ``outputs``.
+        The final output of a request that on_failed / on_aborted already ended comes here too
+        (finish_reason "error" / "abort"); a front-end that ended it ignores it."""
+
+    def on_commands_applied(self) -> None:
+        """A batch of commands was applied (a good moment to copy the engine's stats)."""
+
+
+class EngineLoop:
+    """Runs ``engine`` on one daemon thread; ``put`` is called from any thread."""
+
+    def __init__(self, engine, events: LoopEvents, name: str = "pdkv-engine"):
+        self.engine, self.events = engine, events
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._admission: deque[AddRequest] = deque()  # waiting for pages / connector resources
+        self._known: set[str] = set()  # request ids queued or admitted, not yet finished
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = threading.Event()
+        self.num_step_errors = 0
+        self._handlers = {AddRequest: self._on_add, AbortRequest: self._on_abort, RemoteKVReady: self._on_ready,
+                          FailRequest: self._on_fail, ReleasePages: self._on_release}
+
+    # ---- any thread ------------------------------------------------------------------------------
+    def put(self, cmd) -> None:
+        self._commands.put(cmd)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the commands already queued; the thread aborts whatever is left."""
+        self._stopped.set()
+        self._commands.put(Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                self._admit()  # before deciding to block: a finished request may just have freed pages
+                if not self._drain(block=not eng.has_work()):
+                    return
+                self._admit()
+                if eng.has_work():
+                    self._step()
+        finally:
+            self._fail_all(EngineFailure("the engine stopped"))
+            eng.release_all()  # the loop is going away; nothing reuses the pages
+            log.info("engine thread %s stopped", self._thread.name)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once told to stop."""
+        cmd = self._commands.get() if block else self._get_nowait()
+        while cmd is not None:
+            if isinstance(cmd, Stop):
+                return False
+            self._handlers[type(cmd)](cmd)
+            cmd = self._get_nowait()
+        self.events.on_commands_applied()
+        return True
+
+    def _get_nowait(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _on_add(self, cmd: AddRequest) -> None:
+        if cmd.request_id in self._known:
+            self.events.on_failed(cmd.request_id, EngineFailure(f"request id {cmd.request_id!r} is already in use"))
+            return
+        self._known.add(cmd.request_id)
+        self.events.on_added(cmd)
+        self._admission.append(cmd)
+
+    def _admit(self) -> None:
+        while self._admission:
+            cmd = self._admission[0]
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, arrival=cmd.arrival)
+            except ResourceBusy:
+                return  # FIFO: wait (a release, an abort or a finished request frees some)
+            except Exception as e:  # noqa: BLE001 - refused (or validation raced): tell the client
+                self._admission.popleft()
+                self._known.discard(cmd.request_id)
+                self.events.on_failed(cmd.request_id, EngineFailure(str(e)))
+                continue
+            self._admission.popleft()
+
+    def _on_abort(self, cmd: AbortRequest) -> None:
+        rid = cmd.request_id
+        if rid not in self._known:
+            return  # finished or failed already
+        self._known.discard(rid)
+        if not self._drop_queued(rid):
+            self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))
+        self.events.on_aborted(rid)
+
+    def _drop_queued(self, rid: str) -> bool:
+        queued = next((a for a in self._admission if a.request_id == rid), None)
+        if queued is not None:
+            self._admission.remove(queued)
+        return queued is not None
+
+    def _on_ready(self, cmd: RemoteKVReady) -> None:
+        if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
+            self.engine.remote_kv_ready(cmd.request_id)
+
+    def _on_fail(self, cmd: FailRequest) -> None:
+        if not self._drop_queued(cmd.request_id):
+            self.engine.abort(cmd.request_id, quarantine=True, reason="error")
+        if cmd.request_id in self._known:
+            self._known.discard(cmd.request_id)
+            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason))
+
+    def _on_release(self, cmd: ReleasePages) -> None:
+        self.engine.release(cmd.request_id)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving others
+            self.num_step_errors += 1
+            log.exception("engine step failed; aborting %d requests", len(self._known))
+            self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        for out in outputs:
+            if out.finished:
+                self._known.discard(out.request_id)
+        self.events.on_step(start, outputs)
+
+    def _fail_all(self, error: EngineFailure) -> None:
+        self._admission.clear()
+        for rid in list(self._known):
+            try:
+                self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))
+            except Exception:  # noqa: BLE001 - keep freeing the others
+                log.exception("abort of %s failed", rid)
+            self.events.on_failed(rid, error)
+        self._known.clear()
+        try:
+            self.events.on_commands_applied()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,90 @@
+"""The two disaggregation connectors' admission on their own (engine-thread side, no sockets):
+what they ask the engine to reserve, the per-request rows they reserve at admission, and what
+they tell their coordinator."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
+from pdkv.disagg.jobs import Job, JobTable
+from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.engine.params import SamplingParams
+from pdkv.engine.request import Request, RequestStatus
+from pdkv.errors import AdmissionRefused
+
+
+class FakeCoordinator:
+    """FAKE (for these tests): records what the connector posts to the event loop."""
+
+    def __init__(self, routable=True):
+        self.routable, self.posted = routable, []
+        self.metrics = SimpleNamespace(queue_admission=SimpleNamespace(observe=lambda s: None))
+
+    def can_route(self):
+        return self.routable
+
+    def post(self, fn, *args):
+        self.posted.append((fn.__name__, args))
+
+    def send_prefill(self, *args):
+        pass
+
+    def client_aborted(self, rid):
+        pass
+
+
+def _req(rid, n):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4), None)
+
+
+def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
+    coord = FakeCoordinator()
+    conn = DecodeConnector(coord, HiddenRows(1))
+    assert conn.admission(_req("one", 1)).num_external_tokens == 0  # nothing to compute remotely
+    a, b = _req("a", 9), _req("b", 9)
+    assert conn.admission(a).num_external_tokens == 8
+    a.num_external_tokens, a.pages = 8, [3, 4]
+    assert conn.admit(a) is True
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0))]
+    b.num_external_tokens = 8
+    assert conn.admit(b) is False  # the only row is taken: b waits
+    conn.rows.give_back(0)
+    assert conn.admit(b) is True
+    coord.routable = False
+    with pytest.raises(AdmissionRefused, match="no prefill node is connected"):
+        conn.admission(_req("c", 5))
+
+
+@pytest.mark.parametrize("reason,told", [("abort", True), ("error", False)])
+def test_decode_connector_tells_the_coordinator_only_of_clients_that_left(reason, told):
+    coord = FakeCoordinator()
+    conn = DecodeConnector(coord, HiddenRows(4))
+    req = _req("a", 9)
+    req.num_external_tokens = 8
+    conn.admit(req)
+    req.status, req.finish_reason = RequestStatus.ABORTED, reason
+    conn.finished(req)
+    conn.finished(req)  # once only
+    assert [name for name, _ in coord.posted].count("client_aborted") == (1 if told else 0)
+    local = _req("local", 1)
+    local.status, local.finish_reason = RequestStatus.ABORTED, "abort"
+    conn.finished(local)  # never went remote: nothing to cancel
+    assert [name for name, _ in coord.posted].count("client_aborted") == (1 if told else 0)
+
+
+def test_prefill_connector_is_prefill_only_and_reserves_a_staging_row():
+    jobs = JobTable()
+    for i, key in enumerate(("n:a", "n:b")):
+        jobs.add(Job(key, key[2:], SimpleNamespace(dead=False), [1, 2, 3], np.zeros(1, dtype=np.int64), 1, 0, i, 0.0))
+    kv = SimpleNamespace(geometry=SimpleNamespace(num_layers=2))
+    staging = StagingRows(1, 8, torch.float32)
+    conn = PrefillConnector(jobs, None, kv, None, 0, staging, 0, True, 4)
+    assert conn.admission(_req("n:a", 3)).prefill_only
+    assert conn.admit(_req("n:a", 3)) is True and jobs.get("n:a").staging == 0
+    assert conn.admit(_req("n:b", 3)) is False  # no staging row: waits instead of losing its hidden state
+    staging.give_back(jobs.get("n:a").staging)
+    assert conn.admit(_req("n:b", 3)) is True and jobs.get("n:b").staging == 0
