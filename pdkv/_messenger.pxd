@@ -32,6 +32,11 @@ cdef extern from "transport.h" nogil:
         int gid_index
         uint32_t qps_per_peer
 
+    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen)
+    int pdkv_have_verbs()
+    int pdkv_tcp_port(pdkv_transport *t)
+
 
 cdef extern from "core.h" nogil:
     enum:
@@ -92,6 +97,14 @@ cdef extern from "core.h" nogil:
 
 
 cdef extern from "fake.h" nogil:
+    enum pdkv_fake_fault_kind:
+        PDKV_FAKE_DROP
+        PDKV_FAKE_DELAY
+        PDKV_FAKE_DUPLICATE
+        PDKV_FAKE_CORRUPT
+        PDKV_FAKE_ERROR
+        PDKV_FAKE_VANISH
+
     int pdkv_fake_add_fault(pdkv_transport *t, int kind, uint64_t first, uint64_t count, uint32_t delay_us)
 
 
@@ -119,19 +132,6 @@ cdef extern from "tcp_wire.h" nogil:
     void tcp_frame_make(c_tcp_frame *f, uint16_t type, uint64_t key, uint64_t off, uint64_t len,
                         uint32_t imm, int has_imm)
     int tcp_frame_parse(const void *raw, c_tcp_frame *f, char *why, size_t n)
-
-
-cdef extern from *:
-    """
-    int pdkv_have_verbs(void);
-    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen);
-    int pdkv_tcp_port(pdkv_transport *t);
-    """
-    int pdkv_have_verbs() nogil
-    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen) nogil
-    int pdkv_tcp_port(pdkv_transport *t) nogil
 
 
 cdef class Messenger:

@@ -16,47 +16,6 @@
 
 #define CONNECT_TIMEOUT_S 10
 
-tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token) {
-    for (uint32_t i = 0; i < t->num_conns; i++) {
-        tcp_conn *c = t->conns[i];
-        if (c && c->peer == peer && c->token == token && __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_DEAD)
-            return c;
-    }
-    return NULL;
-}
-
-/* Mark a connection dead once (first reason wins) and wake its senders so they fail their queues. */
-void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason) {
-    pthread_mutex_lock(&c->mu); /* waits for a complete() in progress: streams are then set */
-    int was = c->state;
-    tcp_stream *streams = c->streams;
-    if (was != CONN_DEAD) {
-        snprintf(c->reason, sizeof(c->reason), "%s", reason);
-        __atomic_store_n(&c->state, CONN_DEAD, __ATOMIC_RELEASE);
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (was == CONN_DEAD) return;
-    if (status) pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, c->peer, 0, status, 0, "%s", reason);
-    for (uint32_t i = 0; streams && i < c->num_streams; i++) { /* none if never completed */
-        tcp_stream *s = &streams[i];
-        pthread_mutex_lock(&s->mu);
-        s->dead = 1;
-        if (s->fd >= 0) {
-            tcp_frame bye;
-            tcp_frame_make(&bye, TCP_FR_BYE, 0, 0, 0, 0, 0);
-            ssize_t r = send(s->fd, &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
-            (void)r;
-            shutdown(s->fd, SHUT_RDWR);
-        }
-        pthread_mutex_unlock(&s->mu);
-        uint64_t one = 1;
-        if (s->wake_fd >= 0) {
-            ssize_t r = write(s->wake_fd, &one, sizeof(one));
-            (void)r;
-        }
-    }
-}
-
 int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) {
     tcp_t *t = (tcp_t *)bt;
     tcp_conn *c = calloc(1, sizeof(*c));

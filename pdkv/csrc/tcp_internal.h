@@ -1,6 +1,6 @@
-/* Private state of the tcp transport, shared by tcp.c (set-up, post, vtable), tcp_tx.c (one
- * sender thread per outgoing stream) and tcp_rx.c (listener + one receiver thread per incoming
- * stream). Not part of the API. */
+/* Private state of the tcp transport, shared by tcp.c (set-up, post, vtable), tcp_conn.c
+ * (connections), tcp_tx.c (one sender thread per outgoing stream), tcp_rx.c (listener + one
+ * receiver thread per incoming stream) and the leaves tcp_state.c / tcp_net.c. Not part of the API. */
 #ifndef PDKV_TCP_INTERNAL_H
 #define PDKV_TCP_INTERNAL_H
 
@@ -74,19 +74,24 @@ typedef struct tcp_t {
     pdkv_cq cq;
 } tcp_t;
 
-/* tcp.c */
+/* Call order (each file calls only files below it):
+ *   tcp.c (function table) -> tcp_conn.c (set-up/teardown) -> tcp_rx.c (listener, receivers),
+ *   tcp_tx.c (senders) -> tcp_state.c (connection table) -> tcp_net.c (errors, socket I/O). */
+/* tcp_net.c */
 int tcp_err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+char *tcp_errbuf(void); /* this thread's last reason, PDKV_REASON_MAX bytes */
 void tcp_sockopts(int fd);
 int tcp_send_all(int fd, const void *buf, size_t len);
 int tcp_recv_all(int fd, void *buf, size_t len);
-tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id);                         /* caller holds t->lock */
-/* tcp_conn.c */
+/* tcp_state.c */
+tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id);                        /* caller holds t->lock */
 tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token); /* caller holds t->lock */
+void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason);
+/* tcp_conn.c */
 int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out);
 int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blob_len);
 int tcp_disconnect(pdkv_transport *bt, uint32_t id);
 void tcp_conn_free(tcp_t *t, tcp_conn *c); /* fail, stop its receivers, join its senders, free */
-void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason);
 /* tcp_tx.c */
 void *tcp_tx_main(void *arg);
 /* tcp_rx.c */

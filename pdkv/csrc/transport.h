@@ -113,6 +113,15 @@ typedef struct pdkv_verbs_opts {
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
                                   size_t errlen);
 
+/* By name ("tcp", "verbs", "fake"), so callers need no #ifdefs (transports.c): the options of the
+ * other transports are ignored. NULL with a reason in err for an unknown or unavailable name. */
+pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                      const pdkv_verbs_opts *verbs, char *err, size_t errlen);
+/* 1 if this build has the verbs transport (libibverbs headers were found at build time). */
+int pdkv_have_verbs(void);
+/* The port a tcp transport listens on (logs and tests); -1 for any other transport. */
+int pdkv_tcp_port(pdkv_transport *t);
+
 #ifdef __cplusplus
 }
 #endif

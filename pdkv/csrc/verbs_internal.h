@@ -1,4 +1,4 @@
-/* Internal state of the verbs transport (verbs.c, verbs_setup.c, verbs_conn.c, verbs_post.c).
+/* Internal state of the verbs transport (verbs*.c; the call order is below).
  * Only compiled when libibverbs is present (PDKV_HAVE_VERBS). */
 #ifndef PDKV_VERBS_INTERNAL_H
 #define PDKV_VERBS_INTERNAL_H
@@ -81,26 +81,34 @@ typedef struct vb_transport {
     int thread_started, stop;
 } vb_transport;
 
-extern const pdkv_transport_ops vb_ops;
+/* Call order (each file calls only files below it):
+ *   verbs.c (function table, create, destroy) -> verbs_progress.c (the progress thread)
+ *   -> verbs_conn.c (QPs) -> verbs_post.c (backlog, posting) -> verbs_mr.c (regions),
+ *   verbs_setup.c (NIC, PD, CQ, SRQ) -> verbs_report.c (errors, completions for the core). */
 
-/* verbs.c: completions and the progress thread */
+/* verbs_report.c */
 void vb_fail(vb_transport *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *vb_errbuf(void); /* this thread's last failure reason */
 void vb_clear_error(void);
-void vb_push(vb_transport *t, const pdkv_completion *c);
+void vb_push(vb_transport *t, const pdkv_completion *c); /* caller holds t->mu */
 void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
-int vb_start_progress(vb_transport *t);
-void vb_stop_progress(vb_transport *t);
 
-/* verbs_setup.c: device, regions, receives, destroy */
+/* verbs_setup.c: device, PD, CQ, SRQ */
+int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o);
 int vb_set_nonblock(int fd);
 int vb_post_recvs(vb_transport *t, int n);
+
+/* verbs_mr.c: regions */
 int vb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
 int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer);
 int vb_dereg(pdkv_transport *t, uint64_t key);
-void vb_destroy(pdkv_transport *t);
 vb_region *vb_find_region(vb_transport *t, uint64_t key);
+
+/* verbs_post.c: posting through the backlog */
+int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+void vb_pump(vb_transport *t, vb_conn *c);
+void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
 
 /* verbs_conn.c: connections */
 vb_qp *vb_find_qp(vb_transport *t, uint32_t qp_num, vb_conn **conn_out);
@@ -110,9 +118,8 @@ int vb_complete(pdkv_transport *t, uint32_t conn, const void *info, uint32_t inf
 int vb_disconnect(pdkv_transport *t, uint32_t conn);
 void vb_drop_conn(vb_transport *t, vb_conn *c, const char *why);
 
-/* verbs_post.c: posting through the backlog */
-int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
-void vb_pump(vb_transport *t, vb_conn *c);
-void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
+/* verbs_progress.c: the progress thread */
+int vb_start_progress(vb_transport *t);
+void vb_stop_progress(vb_transport *t);
 
 #endif

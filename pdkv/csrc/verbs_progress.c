@@ -1,0 +1,205 @@
+/* pdkv verbs transport: the progress thread. It drains the CQ (spin briefly, then arm the
+ * channel and sleep in poll(2)), turns work completions into pdkv completions and reads async
+ * events. Calls down into verbs_conn.c (QP lookup), verbs_post.c (pump the backlog),
+ * verbs_setup.c (repost receives) and verbs_report.c.
+ * Compiled into the extension only with libibverbs (PDKV_HAVE_VERBS); see verbs.c. */
+#ifdef PDKV_HAVE_VERBS
+#define _GNU_SOURCE
+#include "verbs_internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+static int wc_errno(enum ibv_wc_status st)
+{
+    switch (st) {
+    case IBV_WC_REM_ACCESS_ERR: return -EACCES;   /* bad key, bounds or permission at the peer */
+    case IBV_WC_LOC_PROT_ERR: return -EFAULT;
+    case IBV_WC_RETRY_EXC_ERR: return -ECONNRESET; /* the peer stopped answering */
+    case IBV_WC_RNR_RETRY_EXC_ERR: return -EAGAIN;
+    case IBV_WC_WR_FLUSH_ERR: return -ECANCELED;   /* an earlier error broke the QP */
+    default: return -EIO;
+    }
+}
+
+/* Called with t->mu held: a send completion retires every earlier WR of its QP (RC order). */
+static void on_send_wc(vb_transport *t, const struct ibv_wc *wc)
+{
+    vb_conn *c;
+    vb_qp *q = vb_find_qp(t, wc->qp_num, &c);
+    if (!q)
+        return; /* the connection was dropped and its writes already reported */
+    while (q->count && q->head_seq <= wc->wr_id) {
+        uint64_t seq = q->head_seq++;
+        vb_pending p = q->ring[seq % t->sq_depth];
+        q->count--;
+        if (t->regions[p.region].inflight)
+            t->regions[p.region].inflight--;
+        if (seq < wc->wr_id || wc->status == IBV_WC_SUCCESS) {
+            pdkv_completion done;
+            memset(&done, 0, sizeof done);
+            done.kind = PDKV_CQ_WRITE_DONE;
+            done.wr_id = p.wr_id;
+            done.peer = c->peer;
+            done.len = p.len;
+            vb_push(t, &done);
+        } else {
+            c->broken = 1;
+            vb_push_error(t, p.wr_id, c->peer, wc_errno(wc->status),
+                          "verbs: write to peer %llu failed: %s (status %d)",
+                          (unsigned long long)c->peer, ibv_wc_status_str(wc->status),
+                          (int)wc->status);
+        }
+    }
+    vb_pump(t, c); /* room on the send queue: move backlog writes (or fail them if broken) */
+}
+
+static void on_recv_wc(vb_transport *t, const struct ibv_wc *wc)
+{
+    vb_conn *c;
+    uint64_t peer = vb_find_qp(t, wc->qp_num, &c) ? c->peer : 0;
+    if (wc->status != IBV_WC_SUCCESS) {
+        if (wc->status != IBV_WC_WR_FLUSH_ERR)
+            vb_push_error(t, 0, peer, wc_errno(wc->status), "verbs: receive failed: %s",
+                          ibv_wc_status_str(wc->status));
+        return;
+    }
+    if (!(wc->wc_flags & IBV_WC_WITH_IMM))
+        return;
+    pdkv_completion imm;
+    memset(&imm, 0, sizeof imm);
+    imm.kind = PDKV_CQ_IMM;
+    imm.imm = ntohl(wc->imm_data);
+    imm.peer = peer;
+    imm.len = wc->byte_len;
+    vb_push(t, &imm);
+}
+
+static void on_async_event(vb_transport *t)
+{
+    struct ibv_async_event ev;
+    if (ibv_get_async_event(t->ctx, &ev))
+        return;
+    pthread_mutex_lock(&t->mu);
+    if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
+        ev.event_type == IBV_EVENT_QP_ACCESS_ERR) {
+        vb_conn *c;
+        if (vb_find_qp(t, ev.element.qp->qp_num, &c)) {
+            c->broken = 1;
+            vb_flush_backlog(t, c, -ECONNRESET, "the connection broke");
+            vb_push_error(t, 0, c->peer, ev.event_type == IBV_EVENT_QP_ACCESS_ERR ? -EACCES : -EIO,
+                          "verbs: connection to peer %llu broken: %s",
+                          (unsigned long long)c->peer,
+                          ev.event_type == IBV_EVENT_QP_ACCESS_ERR
+                              ? "the peer wrote with a bad key, address or permission"
+                              : "queue pair error");
+        }
+    } else if (ev.event_type == IBV_EVENT_PORT_ERR || ev.event_type == IBV_EVENT_DEVICE_FATAL) {
+        vb_push_error(t, 0, 0, -ENETDOWN, "verbs: %s on NIC %s",
+                      ev.event_type == IBV_EVENT_PORT_ERR ? "port went down" : "device fatal error",
+                      ibv_get_device_name(t->ctx->device));
+    }
+    pthread_mutex_unlock(&t->mu);
+    ibv_ack_async_event(&ev);
+}
+
+/* Handles one batch of work completions; returns how many there were. */
+static int drain_cq(vb_transport *t)
+{
+    struct ibv_wc wcs[64];
+    int n = ibv_poll_cq(t->cq, 64, wcs);
+    if (n <= 0)
+        return n;
+    /* Repost consumed receives first and without t->mu, so the SRQ never waits on a poster. */
+    int consumed = 0;
+    for (int i = 0; i < n; i++)
+        consumed += wcs[i].wr_id == VB_RECV_ID;
+    int repost = vb_post_recvs(t, consumed);
+    pthread_mutex_lock(&t->mu);
+    if (repost) /* immediates will soon meet receiver-not-ready: say so, loudly */
+        vb_push_error(t, 0, 0, -EIO, "verbs: cannot repost %d receives on the SRQ", consumed);
+    for (int i = 0; i < n; i++) {
+        if (wcs[i].wr_id == VB_RECV_ID) /* opcode is undefined on error: tell by wr_id */
+            on_recv_wc(t, &wcs[i]);
+        else
+            on_send_wc(t, &wcs[i]);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
+static void *progress_main(void *arg)
+{
+    vb_transport *t = arg;
+    struct pollfd pf[3] = {{t->channel->fd, POLLIN, 0}, {t->ctx->async_fd, POLLIN, 0},
+                           {t->wake_fd, POLLIN, 0}};
+    uint64_t batches = 0;
+    while (!__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
+        /* Spin a little while completions flow; then arm and sleep so an idle node costs 0.
+         * Under steady traffic, look at async events every so often without sleeping. */
+        int idle = 0;
+        while (idle < VB_SPIN_POLLS && !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
+            idle = drain_cq(t) > 0 ? 0 : idle + 1;
+            if (!idle && ++batches % 256 == 0 && poll(&pf[1], 1, 0) == 1)
+                on_async_event(t);
+        }
+        if (ibv_req_notify_cq(t->cq, 0)) {
+            pthread_mutex_lock(&t->mu);
+            vb_push_error(t, 0, 0, -EIO, "verbs: ibv_req_notify_cq failed");
+            pthread_mutex_unlock(&t->mu);
+        }
+        if (drain_cq(t) > 0) /* a completion that raced the arming */
+            continue;
+        if (poll(pf, 3, -1) < 0 && errno != EINTR)
+            break;
+        if (pf[2].revents)
+            break; /* destroy */
+        if (pf[0].revents & POLLIN) {
+            struct ibv_cq *cq;
+            void *cq_ctx;
+            if (!ibv_get_cq_event(t->channel, &cq, &cq_ctx))
+                ibv_ack_cq_events(cq, 1);
+        }
+        if (pf[1].revents & POLLIN)
+            on_async_event(t);
+    }
+    return NULL;
+}
+
+int vb_start_progress(vb_transport *t)
+{
+    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t->efd < 0 || t->wake_fd < 0 || vb_set_nonblock(t->channel->fd) ||
+        vb_set_nonblock(t->ctx->async_fd)) {
+        vb_fail(t, "verbs: cannot create event fds: %s", strerror(errno));
+        return -1;
+    }
+    if (pthread_create(&t->thread, NULL, progress_main, t)) {
+        vb_fail(t, "verbs: cannot start the progress thread");
+        return -1;
+    }
+    t->thread_started = 1;
+    return 0;
+}
+
+void vb_stop_progress(vb_transport *t)
+{
+    if (t->thread_started) {
+        __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE);
+        uint64_t one = 1;
+        if (write(t->wake_fd, &one, sizeof one) < 0) {
+            /* cannot fail on a fresh eventfd */
+        }
+        pthread_join(t->thread, NULL);
+        t->thread_started = 0;
+    }
+}
+
+#endif /* PDKV_HAVE_VERBS */
