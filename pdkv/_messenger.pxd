@@ -8,10 +8,19 @@ cdef extern from "transport.h" nogil:
         PDKV_INFO_MAX
         PDKV_REASON_MAX
 
+    ctypedef struct pdkv_transport_counters:
+        uint64_t refused_writes, refused_conns, pending_conns, rx_threads
+
     ctypedef struct pdkv_transport_ops:
         const char *name
         int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
-        int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer) noexcept nogil
+        int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out) noexcept nogil
+        int (*revoke)(pdkv_transport *t, uint64_t key, uint64_t peer) noexcept nogil
+        int (*grant_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                           uint64_t *key_out) noexcept nogil
+        int (*revoke_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off,
+                            uint64_t len) noexcept nogil
+        void (*counters)(pdkv_transport *t, pdkv_transport_counters *out) noexcept nogil
         int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) noexcept nogil
         int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len) noexcept nogil
         int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
@@ -31,6 +40,7 @@ cdef extern from "transport.h" nogil:
         uint8_t port_num
         int gid_index
         uint32_t qps_per_peer
+        int isolate_peers
 
     pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                           const pdkv_verbs_opts *verbs, char *err, size_t errlen)

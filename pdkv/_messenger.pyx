@@ -42,7 +42,9 @@ cdef class Messenger:
     """A node's end of the KV messenger.
 
     transport: "tcp" (host, port, num_streams), "verbs" (nics, port_num, gid_index,
-    qps_per_peer) or "fake" (in-process, fault injection for tests). The poller spins for
+    qps_per_peer, isolate_peers) or "fake" (in-process, fault injection for tests). verbs with
+    isolate_peers gives every peer its own protection domain, so the NIC enforces grants (see
+    grant()); without it a region's key lets any connected peer write all of it. The poller spins for
     spin_us after its last work, yields for yield_us, then sleeps sleep_us per poll while
     batches are queued (or blocks when none are); cpus pins it.
     """
@@ -57,7 +59,7 @@ cdef class Messenger:
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
                  int num_streams=2, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+                 bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -84,6 +86,7 @@ cdef class Messenger:
         verbs.port_num = port_num
         verbs.gid_index = gid_index
         verbs.qps_per_peer = qps_per_peer
+        verbs.isolate_peers = isolate_peers
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -203,12 +206,51 @@ cdef class Messenger:
         return key
 
     def grant(self, uint64_t key, uint64_t peer):
-        """Allow node `peer` to write into region `key`."""
+        """Allow node `peer` to write anywhere in region `key` -> the key that peer must name
+        in its writes (tcp/fake: `key`; verbs with isolate_peers: a key of the region's
+        registration in that peer's protection domain, different per peer). Granting again
+        returns the same key."""
         cdef int rc
+        cdef uint64_t out = 0
         self._check()
-        rc = self.t.ops.grant(self.t, key, peer)
+        rc = self.t.ops.grant(self.t, key, peer, &out)
         if rc < 0:
             _raise(rc, self.t.ops.last_error(self.t), "grant")
+        return out
+
+    def revoke(self, uint64_t key, uint64_t peer):
+        """End `peer`'s whole-region grant of `key`: afterwards nothing it sends lands there.
+        InvalidRequestError if it holds none; RegionBusyError (tcp/fake) while a write it
+        allowed is landing (retry); verbs without isolate_peers cannot revoke (InvalidRequestError)."""
+        cdef int rc
+        self._check()
+        rc = self.t.ops.revoke(self.t, key, peer)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "revoke")
+
+    def grant_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
+        """Narrow grant: `peer` may write [offset, offset+length) of region `key` (region
+        offsets, the ones writes use) -> the key for writes into that range (tcp/fake: `key`;
+        verbs: a key of an MR covering exactly that range, needs isolate_peers). A peer's
+        ranges of one region must not overlap; a write must lie inside one range, else it is
+        refused before a byte lands (error event at both ends, the connection is closed)."""
+        cdef int rc
+        cdef uint64_t out = 0
+        self._check()
+        rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "grant_range")
+        return out
+
+    def revoke_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
+        """End the narrow grant [offset, offset+length) of `key` to `peer` (exactly as granted;
+        `key` may be the region's key or the range's). RegionBusyError (tcp/fake) while a write
+        into the range is landing; afterwards nothing from `peer` lands in it."""
+        cdef int rc
+        self._check()
+        rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "revoke_range")
 
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
@@ -453,11 +495,19 @@ cdef class Messenger:
 
     def stats(self):
         """Poller counters: polls, posted_batches, last_post_poll, writes_posted, writes_done,
-        imms, sleeps, blocks, queued."""
+        imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
+        before landing), refused_conns (incoming connections closed before they were accepted),
+        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads)."""
         cdef pdkv_core_stats s
+        cdef pdkv_transport_counters tc
         self._check()
         pdkv_core_get_stats(self.core, &s)
-        return s
+        memset(&tc, 0, sizeof(tc))
+        if self.t.ops.counters != NULL:
+            self.t.ops.counters(self.t, &tc)
+        out = dict(s)
+        out.update(tc)
+        return out
 
     def polls(self):
         """Poller iterations so far (cheap; never releases the GIL)."""

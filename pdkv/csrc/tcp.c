@@ -31,8 +31,27 @@
 static int t_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
     return pdkv_regions_add(&((tcp_t *)bt)->regions, addr, len, key, tcp_errbuf(), PDKV_REASON_MAX);
 }
-static int t_grant(pdkv_transport *bt, uint64_t key, uint64_t peer) {
+static int t_grant(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t *key_out) {
+    if (key_out) *key_out = key;
     return pdkv_regions_grant(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_revoke(pdkv_transport *bt, uint64_t key, uint64_t peer) {
+    return pdkv_regions_revoke(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_grant_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                         uint64_t *key_out) {
+    if (key_out) *key_out = key;
+    return pdkv_regions_grant_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_revoke_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len) {
+    return pdkv_regions_revoke_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static void t_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
+    tcp_t *t = (tcp_t *)bt;
+    out->refused_writes = __atomic_load_n(&t->refused_writes, __ATOMIC_RELAXED);
+    out->refused_conns = __atomic_load_n(&t->refused_conns, __ATOMIC_RELAXED);
+    out->pending_conns = __atomic_load_n(&t->pending_conns, __ATOMIC_RELAXED);
+    out->rx_threads = __atomic_load_n(&t->rx_threads, __ATOMIC_RELAXED);
 }
 static int t_dereg(pdkv_transport *bt, uint64_t key) {
     return pdkv_regions_remove(&((tcp_t *)bt)->regions, key, tcp_errbuf(), PDKV_REASON_MAX);
@@ -171,9 +190,10 @@ static void t_destroy(pdkv_transport *bt) {
 }
 
 static const pdkv_transport_ops tcp_ops = {
-    .name = "tcp", .reg = t_reg, .grant = t_grant, .dereg = t_dereg, .prepare = tcp_prepare,
-    .complete = tcp_complete, .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll,
-    .event_fd = t_event_fd, .last_error = t_last_error, .destroy = t_destroy,
+    .name = "tcp", .reg = t_reg, .grant = t_grant, .revoke = t_revoke, .grant_range = t_grant_range,
+    .revoke_range = t_revoke_range, .dereg = t_dereg, .prepare = tcp_prepare, .complete = tcp_complete,
+    .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll, .event_fd = t_event_fd,
+    .last_error = t_last_error, .counters = t_counters, .destroy = t_destroy,
 };
 
 pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *o, char *err, size_t errlen) {

@@ -72,6 +72,7 @@ typedef struct tcp_t {
     tcp_rx *rx;
     pdkv_regions regions;
     pdkv_cq cq;
+    uint64_t refused_writes, refused_conns, pending_conns, rx_threads; /* atomic counters */
 } tcp_t;
 
 /* Call order (each file calls only files below it):

@@ -29,9 +29,9 @@ static int quiet(tcp_rx *rx) {
 }
 
 /* Report locally and tell the writer, then let the caller close. */
-static void reject(tcp_rx *rx, int status, const char *reason) {
+static void reject(tcp_rx *rx, int status, uint32_t imm, const char *reason) {
     tcp_t *t = rx->t;
-    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, status, 0, "from peer %llu: %s",
+    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, status, imm, "from peer %llu: %s",
                   (unsigned long long)rx->peer, reason);
     tcp_frame f;
     size_t n = strlen(reason);
@@ -113,9 +113,12 @@ static void frames(tcp_rx *rx) {
             rc = -EPROTO;
         }
         uint8_t *dst = NULL;
-        if (rc == 0) rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, why, sizeof(why));
+        uint64_t ticket = 0;
+        if (rc == 0)
+            rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, &ticket, why, sizeof(why));
         if (rc < 0) {
-            reject(rx, rc, why);
+            if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
+            reject(rx, rc, rc == -EPROTO ? 0 : f.imm, why); /* the imm names the request it hit */
             return;
         }
         uint64_t got = 0;
@@ -125,7 +128,7 @@ static void frames(tcp_rx *rx) {
             ssize_t r = readv(rx->fd, iov, 2);
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
-                pdkv_regions_unpin(&t->regions, f.key);
+                pdkv_regions_unpin_remote(&t->regions, f.key, rx->peer, ticket);
                 if (!quiet(rx))
                     pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, f.len, -ECONNRESET, f.imm,
                                   "peer %llu disconnected mid-write (%llu of %llu bytes into key 0x%llx)",
@@ -140,7 +143,7 @@ static void frames(tcp_rx *rx) {
                 got = f.len;
             }
         }
-        pdkv_regions_unpin(&t->regions, f.key);
+        pdkv_regions_unpin_remote(&t->regions, f.key, rx->peer, ticket);
         if (f.flags & TCP_FL_IMM)
             pdkv_cq_pushf(&t->cq, PDKV_CQ_IMM, 0, rx->peer, f.len, 0, f.imm, NULL);
     }

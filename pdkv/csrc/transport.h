@@ -58,14 +58,32 @@ typedef struct pdkv_write {
 
 typedef struct pdkv_transport pdkv_transport;
 
+typedef struct pdkv_transport_counters {
+    uint64_t refused_writes; /* remote writes refused before landing (key, grant, range, bounds) */
+    uint64_t refused_conns;  /* incoming connections closed: bad hello/token, deadline, cap */
+    uint64_t pending_conns;  /* incoming connections not yet authenticated, now */
+    uint64_t rx_threads;     /* receive threads running now */
+} pdkv_transport_counters;
+
 typedef struct pdkv_transport_ops {
     const char *name; /* "tcp", "verbs", "fake" */
 
     /* Register [addr, addr+len). *key_out is what a peer names in its writes. */
     int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
-    /* Allow peer `peer` to write into region `key` (tcp checks this on every frame;
-     * verbs: no-op beyond the rkey itself). */
-    int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer);
+    /* Grants: a peer may write into a region only while it holds a grant to it. tcp and fake
+     * check every frame against the writer's grants before a byte lands; verbs has the NIC check
+     * them (a protection domain per peer, see verbs_mr.c). *key_out (may be NULL) gets the key
+     * that peer must name in its writes: `key` itself on tcp/fake, a per-peer key on verbs.
+     * grant: the whole region. revoke: end it (-ENOENT if not held; tcp/fake: -EBUSY while a
+     * write it allowed is landing). Once revoke returns 0, nothing from that peer lands there. */
+    int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
+    int (*revoke)(pdkv_transport *t, uint64_t key, uint64_t peer);
+    /* Narrow grants: only [off, off+len) of the region (in the region's own offsets, the same
+     * offsets writes use). A peer's ranges in one region must not overlap (-EEXIST); a write must
+     * lie inside one range. revoke_range names exactly a granted range (-ENOENT otherwise). */
+    int (*grant_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                       uint64_t *key_out);
+    int (*revoke_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
     /* -EBUSY while writes from or into the region are in flight; -ENOENT for an unknown key. */
     int (*dereg)(pdkv_transport *t, uint64_t key);
 
@@ -85,6 +103,8 @@ typedef struct pdkv_transport_ops {
     int (*event_fd)(pdkv_transport *t);
 
     const char *(*last_error)(pdkv_transport *t);
+    /* Counters for stats() and tests (fields a transport does not track stay 0). */
+    void (*counters)(pdkv_transport *t, struct pdkv_transport_counters *out);
     /* Stop every thread, close every fd, free everything. Safe with writes in flight. */
     void (*destroy)(pdkv_transport *t);
 } pdkv_transport_ops;
@@ -108,6 +128,7 @@ typedef struct pdkv_verbs_opts {
     uint8_t port_num;        /* usually 1 */
     int gid_index;           /* -1: pick a RoCE v2 / IB GID automatically */
     uint32_t qps_per_peer;
+    int isolate_peers;       /* a protection domain per peer: grants enforced by the NIC */
 } pdkv_verbs_opts;
 /* Defined only when built with libibverbs (PDKV_HAVE_VERBS). */
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,

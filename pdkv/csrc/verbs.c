@@ -16,12 +16,15 @@
  *    turns work completions into pdkv completions in a queue and signals an eventfd; it also
  *    reads async events (a peer's bad write breaks our QP: QP_ACCESS_ERR) and reports them.
  *
- * Keys: regions are registered with iova = the address's offset within its 4 KiB page, so a
+ * Keys: regions are registered with iova = the address's offset within its page (sysconf), so a
  * peer addresses a region from 0 without knowing our virtual address (the page offset is kept
  * so providers that require iova and address to share it accept the MR). A key is
- *   [63:44] region index + 1 | [43:32] page offset | [31:0] rkey
+ *   [63:48] region index + 1 | [47:32] page offset | [31:0] rkey
  * and a write to (key, roff) goes to remote address pgoff + roff with rkey. The NIC checks rkey,
  * PD, access and bounds; nothing is ever written outside the registered region.
+ *
+ * Grants (verbs_mr.c): with isolate_peers each peer has its own protection domain and a grant
+ * is a registration in it, so the NIC enforces who may write where (and for how long).
  *
  * NOTE: dereg refuses (-EBUSY) while a local write from the region is outstanding. Writes INTO a
  * region cannot be seen by the target under one-sided RDMA; the layer above must quiesce peers
@@ -70,6 +73,9 @@ static const pdkv_transport_ops vb_ops = {
     .name = "verbs",
     .reg = vb_reg,
     .grant = vb_grant,
+    .revoke = vb_revoke,
+    .grant_range = vb_grant_range,
+    .revoke_range = vb_revoke_range,
     .dereg = vb_dereg,
     .prepare = vb_prepare,
     .complete = vb_complete,
@@ -95,13 +101,21 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
     vb_clear_error(); /* a reason left by an earlier call on this thread is not ours */
     t->port_num = o && o->port_num ? o->port_num : 1;
     t->qps_per_peer = o && o->qps_per_peer ? o->qps_per_peer : 1;
+    t->isolate = o && o->isolate_peers;
+    long page = sysconf(_SC_PAGESIZE);
+    t->page_size = page > 0 ? (uint64_t)page : 4096;
     pthread_mutex_init(&t->mu, NULL);
     t->conns = calloc(VB_MAX_CONNS, sizeof *t->conns);
+    t->regions = calloc(VB_MAX_REGIONS, sizeof *t->regions);
+    t->domains = calloc(VB_MAX_DOMAINS, sizeof *t->domains);
     int n = 0;
     while (o && o->nics && o->nics[n])
         n++;
-    if (!t->conns)
+    if (!t->conns || !t->regions || !t->domains)
         vb_fail(t, "verbs: out of memory");
+    else if (t->page_size > VB_MAX_PGOFF || (t->page_size & (t->page_size - 1)))
+        vb_fail(t, "verbs: page size %llu is not a power of two up to 64 KiB (keys keep 16 bits of page offset)",
+                (unsigned long long)t->page_size);
     else if (n != 1)
         vb_fail(t, "verbs: exactly one NIC name is supported per transport, got %d", n);
     else if (!strcmp(o->nics[0], "auto") || !o->nics[0][0])
@@ -109,8 +123,12 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
                    "is created", o->nics[0]);
     else if (t->qps_per_peer > VB_MAX_QPS)
         vb_fail(t, "verbs: qps_per_peer must be 1..%d, got %u", VB_MAX_QPS, t->qps_per_peer);
-    if (!vb_errbuf()[0] && !vb_open_device(t, o) && !vb_start_progress(t))
-        return &t->base;
+    if (!vb_errbuf()[0] && !vb_open_device(t, o)) {
+        if (!t->isolate) /* shared mode: every peer's QPs live in t->pd, on t->srq */
+            t->domains[0] = (vb_domain){.used = 1, .pd = t->pd, .srq = t->srq};
+        if (!vb_start_progress(t))
+            return &t->base;
+    }
     snprintf(err, errlen, "%s", vb_errbuf());
     vb_destroy(&t->base);
     return NULL;
@@ -126,7 +144,10 @@ static void vb_destroy(pdkv_transport *base)
     for (uint32_t i = 0; t->conns && i < VB_MAX_CONNS; i++)
         if (t->conns[i].used)
             vb_drop_conn(t, &t->conns[i], "transport destroyed");
-    for (uint32_t i = 0; i < t->num_regions; i++)
+    for (uint32_t i = 0; t->isolate && t->domains && i < VB_MAX_DOMAINS; i++)
+        if (t->domains[i].used)
+            vb_domain_free(t, &t->domains[i]); /* grants and local MRs, SRQ, PD */
+    for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
         if (t->regions[i].mr)
             ibv_dereg_mr(t->regions[i].mr);
     pthread_mutex_unlock(&t->mu);
@@ -146,6 +167,7 @@ static void vb_destroy(pdkv_transport *base)
         close(t->wake_fd);
     pthread_mutex_destroy(&t->mu);
     free(t->regions);
+    free(t->domains);
     free(t->conns);
     free(t->cq_ring);
     free(t);

@@ -44,7 +44,11 @@ void vb_drop_conn(vb_transport *t, vb_conn *c, const char *why)
     }
     vb_flush_backlog(t, c, -ECANCELED, why);
     free(c->backlog);
+    vb_domain *d = &t->domains[c->domain];
+    if (d->num_conns)
+        d->num_conns--;
     memset(c, 0, sizeof *c);
+    vb_domain_tidy(t, d); /* a peer with no connection and no grant keeps no PD */
 }
 
 int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *info_len,
@@ -60,9 +64,16 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
         vb_fail(t, "verbs: too many connections (%d)", VB_MAX_CONNS);
         return -EMFILE;
     }
+    vb_domain *d = vb_domain_get(t, peer, 1);
+    if (!d) {
+        pthread_mutex_unlock(&t->mu);
+        return -ENOMEM;
+    }
     vb_conn *c = &t->conns[i];
     c->used = 1;
     c->peer = peer;
+    c->domain = (uint32_t)(d - t->domains);
+    d->num_conns++;
     if (i >= t->conns_hi)
         t->conns_hi = i + 1;
     vb_info info;
@@ -78,7 +89,7 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
     for (uint32_t k = 0; k < t->qps_per_peer; k++) {
         vb_qp *q = &c->qps[k];
         struct ibv_qp_init_attr ia = {
-            .send_cq = t->cq, .recv_cq = t->cq, .srq = t->srq, .qp_type = IBV_QPT_RC,
+            .send_cq = t->cq, .recv_cq = t->cq, .srq = d->srq, .qp_type = IBV_QPT_RC,
             .cap = {.max_send_wr = t->sq_depth, .max_send_sge = 1},
         };
         struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0,
@@ -86,7 +97,7 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
                                 .qp_access_flags = IBV_ACCESS_LOCAL_WRITE |
                                                    IBV_ACCESS_REMOTE_WRITE};
         int rc = -1;
-        if ((q->ring = calloc(t->sq_depth, sizeof *q->ring)) && (q->qp = ibv_create_qp(t->pd, &ia)))
+        if ((q->ring = calloc(t->sq_depth, sizeof *q->ring)) && (q->qp = ibv_create_qp(d->pd, &ia)))
             rc = ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                                               IBV_QP_ACCESS_FLAGS);
         if (rc) {

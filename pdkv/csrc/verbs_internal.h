@@ -17,12 +17,45 @@
 #define VB_RECV_ID UINT64_MAX  /* wr_id of every receive; sends use sequence numbers */
 #define VB_INFO_MAGIC 0x766b6470u /* "pdkv" */
 #define VB_INFO_VERSION 1
+#define VB_MAX_REGIONS 1024    /* registered regions (the key has 16 bits for the index) */
+#define VB_MAX_DOMAINS 256     /* peers with a protection domain of their own (isolate_peers) */
+#define VB_MAX_PGOFF 65536     /* the key has 16 bits for the page offset: pages up to 64 KiB */
+
+/* Keys: [63:48] region index + 1 | [47:32] offset of the region's start in its page | [31:0] rkey.
+ * A write to (key, off) goes to iova pgoff + off with that rkey. */
+#define VB_KEY(idx, pgoff, rkey) ((uint64_t)((idx) + 1) << 48 | (uint64_t)(pgoff) << 32 | (uint32_t)(rkey))
+#define VB_KEY_INDEX(key) ((uint32_t)((key) >> 48))           /* index + 1, 0: none */
+#define VB_KEY_PGOFF(key) ((uint64_t)(((key) >> 32) & 0xffff))
 
 typedef struct vb_region {
-    struct ibv_mr *mr; /* NULL: free slot */
-    uint64_t key, len;
+    struct ibv_mr *mr; /* in t->pd; shared mode: LOCAL+REMOTE_WRITE, isolate_peers: LOCAL only */
+    uint8_t *addr;
+    uint64_t key, len, pgoff; /* key 0: free slot */
     uint32_t inflight; /* local writes from this region not yet completed */
 } vb_region;
+
+/* A registration of (part of) a region that one peer may write: the grant itself (the NIC
+ * checks rkey, PD and bounds). off/len are region offsets; whole: the entire region. */
+typedef struct vb_grant_mr {
+    struct ibv_mr *mr;
+    uint32_t region;
+    int whole;
+    uint64_t off, len;
+} vb_grant_mr;
+
+/* isolate_peers: one protection domain per peer. Its QPs live in it, so the NIC lets that peer
+ * reach only the MRs of this PD: a local-only registration of every region (sources of our
+ * writes to the peer) plus the peer's grants. Shared mode: one domain (t->pd) for every peer. */
+typedef struct vb_domain {
+    int used;
+    uint64_t peer;
+    struct ibv_pd *pd;
+    struct ibv_srq *srq;           /* QPs of one PD share one SRQ of that PD */
+    uint32_t num_conns;
+    struct ibv_mr **lmr;           /* [VB_MAX_REGIONS] local-only MRs, by region index */
+    vb_grant_mr *grants;
+    uint32_t num_grants, grants_cap;
+} vb_domain;
 
 typedef struct vb_pending { uint64_t wr_id, len; uint32_t region; } vb_pending;
 
@@ -38,6 +71,7 @@ typedef struct vb_qp {
 typedef struct vb_conn {
     int used, ready, broken;
     uint64_t peer;
+    uint32_t domain; /* index into t->domains */
     uint32_t rr; /* round-robin cursor over qps */
     vb_qp qps[VB_MAX_QPS];
     pdkv_write *backlog; /* accepted writes not yet on a send queue (ring) */
@@ -72,6 +106,9 @@ typedef struct vb_transport {
     uint32_t qps_per_peer, sq_depth, srq_depth;
     vb_region *regions;
     uint32_t num_regions;
+    int isolate;          /* isolate_peers: a protection domain per peer */
+    uint64_t page_size;   /* sysconf(_SC_PAGESIZE): the page offset of keys */
+    vb_domain *domains;   /* [VB_MAX_DOMAINS]; shared mode uses domains[0] = t->pd / t->srq */
     vb_conn *conns;
     uint32_t conns_hi; /* conns[conns_hi..] have never been used: lookups stop there */
     pdkv_completion *cq_ring; /* completions waiting for poll() */
@@ -83,8 +120,9 @@ typedef struct vb_transport {
 
 /* Call order (each file calls only files below it):
  *   verbs.c (function table, create, destroy) -> verbs_progress.c (the progress thread)
- *   -> verbs_conn.c (QPs) -> verbs_post.c (backlog, posting) -> verbs_mr.c (regions),
- *   verbs_setup.c (NIC, PD, CQ, SRQ) -> verbs_report.c (errors, completions for the core). */
+ *   -> verbs_conn.c (QPs) -> verbs_post.c (backlog, posting) -> verbs_mr.c (regions, grants)
+ *   -> verbs_domain.c (per-peer protection domains) -> verbs_setup.c (NIC, PD, CQ, SRQ)
+ *   -> verbs_report.c (errors, completions for the core). */
 
 /* verbs_report.c */
 void vb_fail(vb_transport *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -97,11 +135,23 @@ void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, c
 /* verbs_setup.c: device, PD, CQ, SRQ */
 int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o);
 int vb_set_nonblock(int fd);
-int vb_post_recvs(vb_transport *t, int n);
+int vb_post_recvs(struct ibv_srq *srq, int n);
 
-/* verbs_mr.c: regions */
+/* verbs_domain.c: protection domains (caller holds t->mu) */
+vb_domain *vb_domain_get(vb_transport *t, uint64_t peer, int create); /* NULL + vb_fail */
+void vb_domain_tidy(vb_transport *t, vb_domain *d); /* free it once no conn or grant uses it */
+int vb_domain_add_region(vb_transport *t, vb_domain *d, uint32_t region); /* its local MR */
+void vb_domain_drop_region(vb_transport *t, uint32_t region); /* every grant and local MR of it */
+void vb_domain_free(vb_transport *t, vb_domain *d);
+uint32_t vb_lkey(vb_transport *t, const vb_conn *c, const vb_region *r); /* for c's QPs */
+
+/* verbs_mr.c: regions and grants */
 int vb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
-int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer);
+int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
+int vb_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
+int vb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                   uint64_t *key_out);
+int vb_revoke_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
 int vb_dereg(pdkv_transport *t, uint64_t key);
 vb_region *vb_find_region(vb_transport *t, uint64_t key);
 

@@ -57,8 +57,8 @@ static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w
         vb_region *r = vb_find_region(t, w[j].lkey);
         uint64_t seq = q->next_seq++;
         q->ring[seq % t->sq_depth] = (vb_pending){w[j].wr_id, w[j].len, (uint32_t)(r - t->regions)};
-        sges[j] = (struct ibv_sge){.addr = ((w[j].lkey >> 32) & 4095) + w[j].loff,
-                                   .length = (uint32_t)w[j].len, .lkey = r->mr->lkey};
+        sges[j] = (struct ibv_sge){.addr = VB_KEY_PGOFF(w[j].lkey) + w[j].loff,
+                                   .length = (uint32_t)w[j].len, .lkey = vb_lkey(t, c, r)};
         memset(&wrs[j], 0, sizeof wrs[j]);
         wrs[j].wr_id = seq;
         wrs[j].next = j + 1 < n ? &wrs[j + 1] : NULL;
@@ -69,7 +69,7 @@ static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w
         /* NOTE: the last WR of every call is signaled, so no unsignaled WR is left unretired. */
         if (seq % VB_SIGNAL_EVERY == VB_SIGNAL_EVERY - 1 || j == n - 1)
             wrs[j].send_flags = IBV_SEND_SIGNALED;
-        wrs[j].wr.rdma.remote_addr = ((w[j].rkey >> 32) & 4095) + w[j].roff;
+        wrs[j].wr.rdma.remote_addr = VB_KEY_PGOFF(w[j].rkey) + w[j].roff;
         wrs[j].wr.rdma.rkey = (uint32_t)w[j].rkey;
     }
     q->count += (uint32_t)n;

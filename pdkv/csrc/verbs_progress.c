@@ -116,14 +116,29 @@ static int drain_cq(vb_transport *t)
     int n = ibv_poll_cq(t->cq, 64, wcs);
     if (n <= 0)
         return n;
-    /* Repost consumed receives first and without t->mu, so the SRQ never waits on a poster. */
-    int consumed = 0;
-    for (int i = 0; i < n; i++)
-        consumed += wcs[i].wr_id == VB_RECV_ID;
-    int repost = vb_post_recvs(t, consumed);
+    /* Repost consumed receives first, on the SRQ of the QP's domain (isolate_peers: one per
+     * peer), grouped so a burst costs one post per SRQ. */
+    struct ibv_srq *srqs[64];
+    int counts[64], num_srqs = 0, failed = 0;
     pthread_mutex_lock(&t->mu);
-    if (repost) /* immediates will soon meet receiver-not-ready: say so, loudly */
-        vb_push_error(t, 0, 0, -EIO, "verbs: cannot repost %d receives on the SRQ", consumed);
+    for (int i = 0; i < n; i++) {
+        if (wcs[i].wr_id != VB_RECV_ID)
+            continue;
+        vb_conn *c;
+        struct ibv_srq *srq = !t->isolate ? t->srq
+                              : vb_find_qp(t, wcs[i].qp_num, &c) ? t->domains[c->domain].srq : NULL;
+        int k = 0;
+        while (k < num_srqs && srqs[k] != srq)
+            k++;
+        if (k == num_srqs)
+            srqs[num_srqs] = srq, counts[num_srqs++] = 0;
+        counts[k]++;
+    }
+    for (int k = 0; k < num_srqs; k++)
+        if (srqs[k] && vb_post_recvs(srqs[k], counts[k])) /* immediates will meet RNR: say so */
+            failed += counts[k];
+    if (failed)
+        vb_push_error(t, 0, 0, -EIO, "verbs: cannot repost %d receives on the SRQ", failed);
     for (int i = 0; i < n; i++) {
         if (wcs[i].wr_id == VB_RECV_ID) /* opcode is undefined on error: tell by wr_id */
             on_recv_wc(t, &wcs[i]);

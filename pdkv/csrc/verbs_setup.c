@@ -18,7 +18,7 @@ int vb_set_nonblock(int fd)
 }
 
 /* Zero-length receives: WRITE_WITH_IMM consumes one and places no data into it. */
-int vb_post_recvs(vb_transport *t, int n)
+int vb_post_recvs(struct ibv_srq *srq, int n)
 {
     struct ibv_recv_wr wrs[64], *bad;
     while (n > 0) {
@@ -28,7 +28,7 @@ int vb_post_recvs(vb_transport *t, int n)
             wrs[i].wr_id = VB_RECV_ID;
             wrs[i].next = i + 1 < k ? &wrs[i + 1] : NULL;
         }
-        if (ibv_post_srq_recv(t->srq, wrs, &bad))
+        if (ibv_post_srq_recv(srq, wrs, &bad))
             return -1;
         n -= k;
     }
@@ -137,7 +137,7 @@ int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o)
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = t->srq_depth, .max_sge = 1}};
     if (!(t->pd = ibv_alloc_pd(t->ctx)) || !(t->channel = ibv_create_comp_channel(t->ctx)) ||
         !(t->cq = ibv_create_cq(t->ctx, cqe, t, t->channel, 0)) ||
-        !(t->srq = ibv_create_srq(t->pd, &sa)) || vb_post_recvs(t, (int)t->srq_depth)) {
+        !(t->srq = ibv_create_srq(t->pd, &sa)) || vb_post_recvs(t->srq, (int)t->srq_depth)) {
         vb_fail(t, "verbs: cannot create PD/CQ/SRQ on NIC %s: %s", nic, strerror(errno));
         return -1;
     }

@@ -7,7 +7,8 @@
  * process has one listener ("pdkv-loopverbs-<pid>"); a QP that reaches RTS connects to the
  * listener of the process named in its destination GID (::ffff:127.<pid>) and streams frames
  * (header + payload) from a sender thread, so ibv_post_send never blocks, as on a NIC. The
- * target checks rkey, PD, access flags and bounds BEFORE placing a byte, receives the payload
+ * target checks rkey, PD (the MR's PD must be the responder QP's: per-peer PDs isolate peers),
+ * access flags and bounds BEFORE placing a byte, receives the payload
  * straight into the MR, consumes a posted receive for an immediate, and acks. A NAK (bad
  * rkey/bounds/access, receiver not ready) or a dead peer puts the requester QP into the error
  * state and flushes its outstanding work requests, as real RC does.
