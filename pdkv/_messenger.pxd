@@ -23,6 +23,7 @@ cdef extern from "transport.h" nogil:
         void (*counters)(pdkv_transport *t, pdkv_transport_counters *out) noexcept nogil
         int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) noexcept nogil
         int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len) noexcept nogil
+        int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len) noexcept nogil
         int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
         const char *(*last_error)(pdkv_transport *t) noexcept nogil
 
@@ -34,6 +35,8 @@ cdef extern from "transport.h" nogil:
         const char *host
         uint16_t port
         uint32_t num_streams
+        uint32_t handshake_ms
+        uint32_t max_pending
 
     ctypedef struct pdkv_verbs_opts:
         const char *const *nics
@@ -126,14 +129,19 @@ cdef extern from "tcp_wire.h" nogil:
         uint32_t check
         uint64_t key, off, len
 
+    enum:
+        TCP_TOKEN_LEN
+
     ctypedef struct c_tcp_hello "tcp_hello":
         uint32_t magic, version
-        uint64_t node_id, token
+        uint64_t node_id
+        uint8_t token[32]
         uint32_t stream, num_streams
 
     ctypedef struct tcp_conninfo:
         uint32_t magic, version
-        uint64_t node_id, token
+        uint64_t node_id
+        uint8_t token[32]
         uint16_t port
         char host[64]
 

@@ -41,7 +41,9 @@ cdef inline uint64_t _u64(object v, str name) except? 0:
 cdef class Messenger:
     """A node's end of the KV messenger.
 
-    transport: "tcp" (host, port, num_streams), "verbs" (nics, port_num, gid_index,
+    transport: "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
+    a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
+    accept; neither gets a thread), "verbs" (nics, port_num, gid_index,
     qps_per_peer, isolate_peers) or "fake" (in-process, fault injection for tests). verbs with
     isolate_peers gives every peer its own protection domain, so the NIC enforces grants (see
     grant()); without it a region's key lets any connected peer write all of it. The poller spins for
@@ -58,7 +60,7 @@ cdef class Messenger:
         self._closing = 0
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
-                 int num_streams=2, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
+                 int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
@@ -82,6 +84,8 @@ cdef class Messenger:
         tcp.host = host_b
         tcp.port = port
         tcp.num_streams = num_streams
+        tcp.handshake_ms = handshake_ms
+        tcp.max_pending = max_pending
         verbs.nics = nic_ptrs
         verbs.port_num = port_num
         verbs.gid_index = gid_index
@@ -270,18 +274,38 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer):
-        """Start a connection to node `peer` -> (conn, info bytes for the peer's complete())."""
+    def prepare(self, uint64_t peer, bytes token=None):
+        """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
+
+        token: 16..32 bytes both nodes derived from their authenticated control session for
+        this connection (e.g. an HMAC of the handshake's nonces). tcp: the peer's data streams
+        must present it in their first frame, before anything is accepted, else they are closed
+        unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
+        open the connection. Both ends must pass the same token (or neither). verbs/fake: not
+        needed (the queue pairs are bound by the info exchange itself) and ignored."""
         cdef char info[512]
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
+        cdef const char *tok = NULL
+        cdef uint32_t tok_len = 0
+        if token is not None:
+            if not 16 <= len(token) <= 32:
+                raise InvalidRequestError(_errno.EINVAL, f"a session token must be 16..32 bytes, got {len(token)}")
+            tok = token
+            tok_len = len(token)
         self._check()
         self._enter()
         try:
             with nogil:
                 rc = self.t.ops.prepare(self.t, peer, info, &n, &conn)
-                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+                if rc == 0 and tok != NULL and self.t.ops.set_token != NULL:
+                    rc = self.t.ops.set_token(self.t, conn, tok, tok_len)
+                    if rc < 0:
+                        msg = self.t.ops.last_error(self.t)
+                        self.t.ops.disconnect(self.t, conn)
+                elif rc < 0:
+                    msg = self.t.ops.last_error(self.t)
         finally:
             self._busy -= 1
         if rc < 0:

@@ -1,11 +1,13 @@
 /* tcp transport: one-sided writes with immediates, in user space (see transport.h, tcp_wire.h).
  * This file: the function table (creation, regions, post, poll, destroy); it calls down into
- * tcp_conn.c (set-up), tcp_rx.c (listener), tcp_state.c (connection table), tcp_net.c (sockets).
+ * tcp_accept.c (listener, handshakes), tcp_conn.c (set-up), tcp_rx.c (receivers), tcp_state.c
+ * (connection table), tcp_net.c (sockets).
  *
- * Each node listens on one port. prepare(peer) hands out a random token in the info blob;
- * complete(conn, info) opens num_streams sockets to the peer's listener and presents that
- * token, so a receiver knows which peer a stream belongs to and checks every frame against the
- * regions granted to that peer. Writes are spread over the streams (least queued bytes first);
+ * Each node listens on one port. prepare(peer) hands out a random token in the info blob (or
+ * set_token binds the connection to a token of the authenticated control session instead);
+ * complete(conn, info) opens num_streams sockets to the peer's listener and presents the token,
+ * so a receiver knows which peer a stream belongs to and checks every frame against the
+ * grants of that peer; a stream without a valid token gets no thread (tcp_accept.c). Writes are spread over the streams (least queued bytes first);
  * each stream has its own sender thread (tcp_tx.c), each incoming stream its receiver (tcp_rx.c).
  */
 #define _GNU_SOURCE
@@ -192,6 +194,7 @@ static void t_destroy(pdkv_transport *bt) {
 static const pdkv_transport_ops tcp_ops = {
     .name = "tcp", .reg = t_reg, .grant = t_grant, .revoke = t_revoke, .grant_range = t_grant_range,
     .revoke_range = t_revoke_range, .dereg = t_dereg, .prepare = tcp_prepare, .complete = tcp_complete,
+    .set_token = tcp_set_token,
     .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll, .event_fd = t_event_fd,
     .last_error = t_last_error, .counters = t_counters, .destroy = t_destroy,
 };
@@ -214,6 +217,8 @@ pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *o, char *
     t->base.ops = &tcp_ops;
     t->base.node_id = node_id;
     t->num_streams = o->num_streams;
+    t->handshake_ms = o->handshake_ms ? o->handshake_ms : 5000;
+    t->max_pending = o->max_pending ? o->max_pending : 64;
     t->lfd = t->stop_fd = -1;
     snprintf(t->host, sizeof(t->host), "%s", host);
     pthread_rwlock_init(&t->lock, NULL);

@@ -12,10 +12,18 @@ tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id) { /* caller holds t->lock */
     return (id >= 1 && id <= t->num_conns) ? t->conns[id - 1] : NULL;
 }
 
-tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token) {
+/* Compares every byte whatever the first difference: no timing hint about a secret token. */
+static int same_token(const uint8_t *a, const uint8_t *b) {
+    uint8_t d = 0;
+    for (int i = 0; i < TCP_TOKEN_LEN; i++) d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, const uint8_t *token) {
     for (uint32_t i = 0; i < t->num_conns; i++) {
         tcp_conn *c = t->conns[i];
-        if (c && c->peer == peer && c->token == token && __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_DEAD)
+        if (c && c->peer == peer && same_token(c->token, token) &&
+            __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_DEAD)
             return c;
     }
     return NULL;

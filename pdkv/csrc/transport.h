@@ -91,6 +91,11 @@ typedef struct pdkv_transport_ops {
     int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
                    uint32_t *conn_out);
     int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
+    /* Optional (NULL: the transport needs none; verbs binds QPs through the info exchange).
+     * tcp: bind conn to a token (16..32 bytes) both nodes got from their authenticated control
+     * session, before complete() and before the info is sent: the peer's streams must present
+     * it in their first frame or are closed unread; it is never put in the info blob. */
+    int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len);
     /* Drop a connection: pending writes complete with ERROR; nothing is left running for it. */
     int (*disconnect)(pdkv_transport *t, uint32_t conn);
 
@@ -119,6 +124,8 @@ typedef struct pdkv_tcp_opts {
     const char *host;      /* listen address, e.g. "127.0.0.1" */
     uint16_t port;         /* 0: any free port */
     uint32_t num_streams;  /* connections per peer */
+    uint32_t handshake_ms; /* an incoming stream must send its hello within this (0: 5000) */
+    uint32_t max_pending;  /* incoming streams waiting for their hello at once (0: 64) */
 } pdkv_tcp_opts;
 pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *opts, char *err,
                                 size_t errlen);
