@@ -6,7 +6,10 @@
  *  - one NIC (chosen by name), one PD, one CQ for sends and receives, one completion channel;
  *  - qps_per_peer RC QPs per connection; a batch is spread round-robin over them;
  *  - one SRQ kept full of zero-length receives, reposted as they are consumed, so a
- *    WRITE_WITH_IMM never meets receiver-not-ready (and rnr_retry=7 covers bursts);
+ *    WRITE_WITH_IMM never meets receiver-not-ready (rnr_retry is bounded: a receiver stuck for
+ *    about a second fails the writes with an error instead of stalling them forever);
+ *  - one CQ sized to the QPs and SRQs it serves (grown as connections are added); a poll error
+ *    or IBV_EVENT_CQ_ERR fails every connection at once (verbs_progress.c);
  *  - post() never blocks: writes enter a per-connection backlog that is moved onto the send
  *    queues as they have room (verbs_post.c);
  *  - a WR is signaled every VB_SIGNAL_EVERY posts and at the end of each post call; RC completes

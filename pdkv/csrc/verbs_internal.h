@@ -14,6 +14,7 @@
 #define VB_SRQ_DEPTH 4096      /* zero-length receives kept posted (capped by max_srq_wr) */
 #define VB_SIGNAL_EVERY 64     /* signal at least every N WRs so the SQ never fills */
 #define VB_SPIN_POLLS 256      /* empty CQ polls before the progress thread sleeps */
+#define VB_RNR_RETRY 6         /* bounded: 7 means retry receiver-not-ready forever */
 #define VB_RECV_ID UINT64_MAX  /* wr_id of every receive; sends use sequence numbers */
 #define VB_INFO_MAGIC 0x766b6470u /* "pdkv" */
 #define VB_INFO_VERSION 1
@@ -116,6 +117,9 @@ typedef struct vb_transport {
     int efd, wake_fd;
     pthread_t thread;
     int thread_started, stop;
+    int cq_dead;          /* ibv_poll_cq failed or IBV_EVENT_CQ_ERR: every connection is failed */
+    uint32_t cq_size;     /* entries of t->cq: resized to what the QPs and SRQs can produce */
+    uint32_t max_cqe;     /* the device's limit */
 } vb_transport;
 
 /* Call order (each file calls only files below it):
@@ -159,6 +163,9 @@ vb_region *vb_find_region(vb_transport *t, uint64_t key);
 int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
 void vb_pump(vb_transport *t, vb_conn *c);
 void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
+/* Put q in ERR and fail every WR still outstanding on it now: a provider may flush only signaled
+ * WRs (or nothing, once the CQ failed), so no completion is awaited for them. */
+void vb_fail_outstanding(vb_transport *t, vb_conn *c, vb_qp *q, int status, const char *why);
 
 /* verbs_conn.c: connections */
 vb_qp *vb_find_qp(vb_transport *t, uint32_t qp_num, vb_conn **conn_out);

@@ -22,26 +22,31 @@ static int wc_errno(enum ibv_wc_status st)
     case IBV_WC_REM_ACCESS_ERR: return -EACCES;   /* bad key, bounds or permission at the peer */
     case IBV_WC_LOC_PROT_ERR: return -EFAULT;
     case IBV_WC_RETRY_EXC_ERR: return -ECONNRESET; /* the peer stopped answering */
-    case IBV_WC_RNR_RETRY_EXC_ERR: return -EAGAIN;
+    case IBV_WC_RNR_RETRY_EXC_ERR: return -ETIMEDOUT; /* the peer posted no receive for ~1 s */
     case IBV_WC_WR_FLUSH_ERR: return -ECANCELED;   /* an earlier error broke the QP */
     default: return -EIO;
     }
 }
 
-/* Called with t->mu held: a send completion retires every earlier WR of its QP (RC order). */
+/* Called with t->mu held: a send completion retires every earlier WR of its QP (RC order).
+ * A success or a first real error (say a remote access error at WR k) means every earlier WR
+ * landed. A flush error says nothing about the unsignaled WRs before it (a provider may flush
+ * only signaled WRs, one completion for a run), so they are failures. After any error the QP is
+ * in ERR: what it still holds is failed at once, not awaited (see vb_fail_outstanding). */
 static void on_send_wc(vb_transport *t, const struct ibv_wc *wc)
 {
     vb_conn *c;
     vb_qp *q = vb_find_qp(t, wc->qp_num, &c);
     if (!q)
         return; /* the connection was dropped and its writes already reported */
+    int flushed = wc->status == IBV_WC_WR_FLUSH_ERR;
     while (q->count && q->head_seq <= wc->wr_id) {
         uint64_t seq = q->head_seq++;
         vb_pending p = q->ring[seq % t->sq_depth];
         q->count--;
         if (t->regions[p.region].inflight)
             t->regions[p.region].inflight--;
-        if (seq < wc->wr_id || wc->status == IBV_WC_SUCCESS) {
+        if (wc->status == IBV_WC_SUCCESS || (seq < wc->wr_id && !flushed)) {
             pdkv_completion done;
             memset(&done, 0, sizeof done);
             done.kind = PDKV_CQ_WRITE_DONE;
@@ -52,12 +57,39 @@ static void on_send_wc(vb_transport *t, const struct ibv_wc *wc)
         } else {
             c->broken = 1;
             vb_push_error(t, p.wr_id, c->peer, wc_errno(wc->status),
-                          "verbs: write to peer %llu failed: %s (status %d)",
+                          "verbs: write to peer %llu failed: %s (status %d)%s",
                           (unsigned long long)c->peer, ibv_wc_status_str(wc->status),
-                          (int)wc->status);
+                          (int)wc->status,
+                          wc->status == IBV_WC_RNR_RETRY_EXC_ERR
+                              ? ": the peer posted no receive (stalled or gone)" : "");
         }
     }
+    if (wc->status != IBV_WC_SUCCESS) {
+        c->broken = 1;
+        vb_fail_outstanding(t, c, q, -ECANCELED, "flushed after an earlier error on the connection");
+    }
     vb_pump(t, c); /* room on the send queue: move backlog writes (or fail them if broken) */
+}
+
+/* Called with t->mu held. The CQ failed (poll error or IBV_EVENT_CQ_ERR): no completion of any
+ * connection on it can be trusted or will arrive, so every connection fails now, loudly. */
+static void cq_failed(vb_transport *t, const char *why)
+{
+    if (t->cq_dead)
+        return;
+    t->cq_dead = 1;
+    for (uint32_t i = 0; i < t->conns_hi; i++) {
+        vb_conn *c = &t->conns[i];
+        if (!c->used)
+            continue;
+        c->broken = 1;
+        for (uint32_t k = 0; k < t->qps_per_peer; k++)
+            vb_fail_outstanding(t, c, &c->qps[k], -EIO, why);
+        vb_flush_backlog(t, c, -EIO, why);
+        vb_push_error(t, 0, c->peer, -EIO, "verbs: connection to peer %llu failed: %s",
+                      (unsigned long long)c->peer, why);
+    }
+    vb_push_error(t, 0, 0, -EIO, "verbs: %s; this transport can make no new connection", why);
 }
 
 static void on_recv_wc(vb_transport *t, const struct ibv_wc *wc)
@@ -100,6 +132,11 @@ static void on_async_event(vb_transport *t)
                               ? "the peer wrote with a bad key, address or permission"
                               : "queue pair error");
         }
+        if (vb_find_qp(t, ev.element.qp->qp_num, &c))
+            for (uint32_t k = 0; k < t->qps_per_peer; k++) /* a provider may flush nothing */
+                vb_fail_outstanding(t, c, &c->qps[k], -ECONNRESET, "the connection broke");
+    } else if (ev.event_type == IBV_EVENT_CQ_ERR) {
+        cq_failed(t, "the completion queue failed (IBV_EVENT_CQ_ERR: overrun?)");
     } else if (ev.event_type == IBV_EVENT_PORT_ERR || ev.event_type == IBV_EVENT_DEVICE_FATAL) {
         vb_push_error(t, 0, 0, -ENETDOWN, "verbs: %s on NIC %s",
                       ev.event_type == IBV_EVENT_PORT_ERR ? "port went down" : "device fatal error",
@@ -113,9 +150,19 @@ static void on_async_event(vb_transport *t)
 static int drain_cq(vb_transport *t)
 {
     struct ibv_wc wcs[64];
+    if (__atomic_load_n(&t->cq_dead, __ATOMIC_ACQUIRE))
+        return 0;
     int n = ibv_poll_cq(t->cq, 64, wcs);
-    if (n <= 0)
-        return n;
+    if (n < 0) { /* not "idle": the CQ is broken and nothing on it will complete */
+        char why[96];
+        snprintf(why, sizeof why, "ibv_poll_cq failed (%d)", n);
+        pthread_mutex_lock(&t->mu);
+        cq_failed(t, why);
+        pthread_mutex_unlock(&t->mu);
+        return 0;
+    }
+    if (n == 0)
+        return 0;
     /* Repost consumed receives first, on the SRQ of the QP's domain (isolate_peers: one per
      * peer), grouped so a burst costs one post per SRQ. */
     struct ibv_srq *srqs[64];
@@ -164,7 +211,7 @@ static void *progress_main(void *arg)
             if (!idle && ++batches % 256 == 0 && poll(&pf[1], 1, 0) == 1)
                 on_async_event(t);
         }
-        if (ibv_req_notify_cq(t->cq, 0)) {
+        if (!__atomic_load_n(&t->cq_dead, __ATOMIC_ACQUIRE) && ibv_req_notify_cq(t->cq, 0)) {
             pthread_mutex_lock(&t->mu);
             vb_push_error(t, 0, 0, -EIO, "verbs: ibv_req_notify_cq failed");
             pthread_mutex_unlock(&t->mu);

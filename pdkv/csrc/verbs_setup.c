@@ -133,7 +133,11 @@ int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o)
         return -1;
     t->sq_depth = VB_SQ_DEPTH < dev.max_qp_wr ? VB_SQ_DEPTH : (uint32_t)dev.max_qp_wr;
     t->srq_depth = VB_SRQ_DEPTH < dev.max_srq_wr ? VB_SRQ_DEPTH : (uint32_t)dev.max_srq_wr;
-    int cqe = 65536 < dev.max_cqe ? 65536 : dev.max_cqe;
+    /* room for one connection's QPs and one SRQ; vb_prepare grows it with the QPs it adds */
+    t->max_cqe = (uint32_t)dev.max_cqe;
+    uint64_t want = (uint64_t)t->sq_depth * t->qps_per_peer + t->srq_depth;
+    int cqe = (int)(want < t->max_cqe ? want : t->max_cqe);
+    t->cq_size = (uint32_t)cqe;
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = t->srq_depth, .max_sge = 1}};
     if (!(t->pd = ibv_alloc_pd(t->ctx)) || !(t->channel = ibv_create_comp_channel(t->ctx)) ||
         !(t->cq = ibv_create_cq(t->ctx, cqe, t, t->channel, 0)) ||

@@ -19,6 +19,13 @@
  * One process-wide mutex (g_mu) guards every object; payload copies run outside it while the
  * MR is pinned by a busy count (dereg waits for it), so dereg never frees under a landing write.
  *
+ * Fault hooks (PDKV_LOOPBACK_FAULTS, comma-separated, read once):
+ *   cq_error_after=N     after N completions a CQ raises IBV_EVENT_CQ_ERR and delivers nothing
+ *                        more (what an overrun does);
+ *   poll_error_after=N   after N completions ibv_poll_cq on that CQ returns -EIO;
+ *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
+ *                        unsignaled WR then gets no completion at all).
+ *
  * Known differences from hardware: a stopped target process stops acking (a real NIC acks for
  * a stopped process); CQs grow instead of overrunning; one port per device.
  */
@@ -60,6 +67,8 @@ struct lv_cq {
     int cap, head, count;
     int armed;
     int overrun_reported;
+    long pushed;  /* completions ever pushed (fault hooks count them) */
+    int failed;   /* 1: CQ_ERR raised, the CQ stalls; 2: ibv_poll_cq fails */
 };
 
 struct lv_rq { /* a receive queue: posted wr_ids */
@@ -112,6 +121,10 @@ struct lv_qp {
 struct lv_hello { uint32_t magic, dst_qpn, src_qpn, pad; };
 struct lv_frame { uint64_t seq, raddr, len; uint32_t rkey, has_imm, imm_be, pad; };
 struct lv_ack { uint64_t seq; uint32_t status, pad; };
+
+/* fault hooks (lv_objects.c): the value of `name` in PDKV_LOOPBACK_FAULTS, 1 for a bare flag,
+ * 0 if absent */
+long lv_fault(const char *name);
 
 /* objects (lv_objects.c) */
 struct lv_mr *lv_find_mr_rkey(uint32_t rkey);
