@@ -32,6 +32,37 @@ def transports():
     return ["tcp", "verbs", "fake"] if HAVE_VERBS else ["tcp", "fake"]
 
 
+_CAP_IPC_LOCK = 14
+
+
+def locked_memory_limit():
+    """Bytes this process may lock (pin) for RDMA registrations, or None when there is no limit
+    (RLIMIT_MEMLOCK unlimited, or the CAP_IPC_LOCK capability, which ignores the limit)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> _CAP_IPC_LOCK & 1:
+            return None
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_lockable(uint64_t nbytes, str what="the KV cache"):
+    """Start-up check for the verbs transport: TransportUnavailableError naming the limit and the
+    fix when `nbytes` (e.g. the KV cache about to be registered) cannot be locked in memory."""
+    limit = locked_memory_limit()
+    if limit is not None and nbytes > limit:
+        raise TransportUnavailableError(
+            _errno.ENOMEM, f"registering {what} ({nbytes / 2**20:.1f} MiB) for RDMA needs that much locked "
+            f"memory, but this process may lock only {limit / 2**20:.1f} MiB (RLIMIT_MEMLOCK): run with "
+            f"`ulimit -l unlimited` (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1) or grant "
+            f"CAP_IPC_LOCK")
+
+
 cdef inline uint64_t _u64(object v, str name) except? 0:
     if v < 0:
         raise InvalidRequestError(_errno.EINVAL, f"{name} must be >= 0, got {v}")
