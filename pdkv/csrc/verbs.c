@@ -69,6 +69,14 @@ static int vb_poll(pdkv_transport *base, pdkv_completion *out, int max)
     return n;
 }
 
+static void vb_counters(pdkv_transport *base, pdkv_transport_counters *out)
+{
+    vb_transport *t = (vb_transport *)base;
+    pthread_mutex_lock(&t->mu);
+    out->refused_writes = t->refused_writes;
+    pthread_mutex_unlock(&t->mu);
+}
+
 static int vb_event_fd(pdkv_transport *base) { return ((vb_transport *)base)->efd; }
 static const char *vb_last_error(pdkv_transport *base) { (void)base; return vb_errbuf(); }
 
@@ -87,6 +95,7 @@ static const pdkv_transport_ops vb_ops = {
     .poll = vb_poll,
     .event_fd = vb_event_fd,
     .last_error = vb_last_error,
+    .counters = vb_counters,
     .destroy = vb_destroy,
 };
 

@@ -120,6 +120,7 @@ typedef struct vb_transport {
     int cq_dead;          /* ibv_poll_cq failed or IBV_EVENT_CQ_ERR: every connection is failed */
     uint32_t cq_size;     /* entries of t->cq: resized to what the QPs and SRQs can produce */
     uint32_t max_cqe;     /* the device's limit */
+    uint64_t refused_writes; /* a peer's bad write broke our QP (IBV_EVENT_QP_ACCESS_ERR); under mu */
 } vb_transport;
 
 /* Call order (each file calls only files below it):

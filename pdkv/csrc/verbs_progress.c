@@ -122,6 +122,8 @@ static void on_async_event(vb_transport *t)
     if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
         ev.event_type == IBV_EVENT_QP_ACCESS_ERR) {
         vb_conn *c;
+        if (ev.event_type == IBV_EVENT_QP_ACCESS_ERR)
+            t->refused_writes++; /* the NIC refused a peer's write into our memory */
         if (vb_find_qp(t, ev.element.qp->qp_num, &c)) {
             c->broken = 1;
             vb_flush_backlog(t, c, -ECONNRESET, "the connection broke");
