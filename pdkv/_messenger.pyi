@@ -50,15 +50,27 @@ class Messenger:
     def register_address(self, addr: int, length: int) -> int: ...
     # grants: a peer writes only where and while it holds a grant. Each grant call returns the
     # key THAT peer must name in its writes (tcp/fake: the region key; verbs with isolate_peers:
-    # a per-peer key, per range for grant_range). Send the returned key to the peer.
-    def grant(self, key: int, peer: int) -> int: ...
+    # a per-peer key, and a per-range key for grant_range). Send the returned key to the peer.
+    # A write outside the writer's grants is refused before a byte lands: the writer's batch
+    # ends with errors, the receiver gets an "error" Event (peer = the writer, imm = the write's
+    # imm on tcp), stats()["refused_writes"] counts it, and the data connection is closed
+    # (tcp: the stream; verbs: the QP breaks, as RDMA does). Errors: InvalidRequestError for an
+    # unknown key (ENOENT), a range outside the region (ERANGE), overlapping ranges of one peer
+    # (EEXIST), a revoke of something not granted (ENOENT), narrow grants/revoke on verbs
+    # without isolate_peers (EINVAL); RegionBusyError (tcp/fake) while a write the grant allowed
+    # is landing (retry shortly); MemoryError / TransportUnavailableError if the NIC refuses.
+    def grant(self, key: int, peer: int) -> int: ...  # the whole region
     def revoke(self, key: int, peer: int) -> None: ...
+    # [offset, offset+length) in region offsets (the ones writes use); a write must lie inside
+    # ONE range; verbs registers one MR per range (RDMA has nothing finer)
     def grant_range(self, key: int, peer: int, offset: int, length: int) -> int: ...
-    def revoke_range(self, key: int, peer: int, offset: int, length: int) -> None: ...
+    def revoke_range(self, key: int, peer: int, offset: int, length: int) -> None: ...  # exactly as granted
     def deregister(self, key: int) -> None: ...
     # connections
     # token: 16..32 bytes from the authenticated control session, the same at both ends (tcp
-    # checks it in each incoming stream's first frame; never sent in info; verbs/fake ignore it)
+    # checks it in each incoming stream's first frame; never sent in info; verbs/fake ignore it).
+    # A stream with a wrong/missing token is closed unread (complete() on that side raises
+    # PeerConnectionError naming the token); InvalidRequestError for a token of a bad length.
     def prepare(self, peer: int, token: bytes | None = None) -> tuple[int, bytes]: ...
     def complete(self, conn: int, info: bytes) -> None: ...
     def disconnect(self, conn: int) -> None: ...
