@@ -37,6 +37,7 @@ cdef extern from "transport.h" nogil:
         uint32_t num_streams
         uint32_t handshake_ms
         uint32_t max_pending
+        uint32_t max_per_source
 
     ctypedef struct pdkv_verbs_opts:
         const char *const *nics

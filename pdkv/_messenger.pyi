@@ -33,6 +33,7 @@ class Messenger:
     node_id: int
     def __init__(self, transport: str = "tcp", node_id: int = 0, *, host: str = "127.0.0.1",
                  port: int = 0, num_streams: int = 2, handshake_ms: int = 5000, max_pending: int = 64,
+                 max_per_source: int = 0,
                  nics: Sequence[str] = (), port_num: int = 1,
                  gid_index: int = -1, qps_per_peer: int = 1, isolate_peers: bool = False,
                  spin_us: int = 50, yield_us: int = 200,

@@ -74,7 +74,8 @@ cdef class Messenger:
 
     transport: "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
     a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
-    accept; neither gets a thread), "verbs" (nics, port_num, gid_index,
+    accept, max_per_source: of them from one IP address, 0: a quarter of max_pending; none of
+    them gets a thread), "verbs" (nics, port_num, gid_index,
     qps_per_peer, isolate_peers) or "fake" (in-process, fault injection for tests). verbs with
     isolate_peers gives every peer its own protection domain, so the NIC enforces grants (see
     grant()); without it a region's key lets any connected peer write all of it. The poller spins for
@@ -91,7 +92,8 @@ cdef class Messenger:
         self._closing = 0
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
-                 int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
+                 int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
+                 uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
@@ -117,6 +119,7 @@ cdef class Messenger:
         tcp.num_streams = num_streams
         tcp.handshake_ms = handshake_ms
         tcp.max_pending = max_pending
+        tcp.max_per_source = max_per_source
         verbs.nics = nic_ptrs
         verbs.port_num = port_num
         verbs.gid_index = gid_index

@@ -219,6 +219,7 @@ pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *o, char *
     t->num_streams = o->num_streams;
     t->handshake_ms = o->handshake_ms ? o->handshake_ms : 5000;
     t->max_pending = o->max_pending ? o->max_pending : 64;
+    t->max_per_source = o->max_per_source ? o->max_per_source : (t->max_pending + 3) / 4;
     t->lfd = t->stop_fd = -1;
     snprintf(t->host, sizeof(t->host), "%s", host);
     pthread_rwlock_init(&t->lock, NULL);

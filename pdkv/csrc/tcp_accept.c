@@ -4,7 +4,8 @@
  *   - a hello whose token is not one this node gave (or was given by its control session, see
  *     tcp_set_token) for that peer is answered with a refusal and closed, as is a socket that sent
  *     no whole hello within handshake_ms or closed early;
- *   - at most max_pending sockets wait at once; one more is closed at accept;
+ *   - at most max_pending sockets wait at once, at most max_per_source of them from one address
+ *     (one noisy host cannot take every slot); one more is closed at accept;
  *   - only an accepted hello gets an ACK and a receiver thread (tcp_rx.c).
  * Refusals are counted (refused_conns) and reported as ERROR completions, at most REPORT_BURST
  * per second: a flood of bad connections cannot flood the layer above (or its log) in turn.
@@ -16,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -27,6 +29,7 @@
 
 typedef struct pending {
     int fd;
+    uint8_t src[16]; /* the peer's IP address (v4 in the first 4 bytes) */
     uint64_t deadline_ms;
     size_t have;
     uint8_t buf[sizeof(tcp_hello)];
@@ -121,6 +124,15 @@ static void finish(tcp_t *t, limiter *l, pending *p) {
     close(p->fd);
 }
 
+/* The IP address of a peer, for the per-source cap (ports differ per connection). */
+static void source_of(const struct sockaddr_storage *sa, uint8_t out[16]) {
+    memset(out, 0, 16);
+    if (sa->ss_family == AF_INET)
+        memcpy(out, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    else if (sa->ss_family == AF_INET6)
+        memcpy(out, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
+}
+
 /* Read what the socket has; 1: the hello is complete, 0: wait for more, -1: it closed. */
 static int feed(pending *p) {
     ssize_t r = recv(p->fd, p->buf + p->have, sizeof(p->buf) - p->have, MSG_DONTWAIT);
@@ -178,14 +190,24 @@ void *tcp_listener_main(void *arg) {
         __atomic_store_n(&t->pending_conns, n, __ATOMIC_RELAXED);
         flush(t, &lim, now);
         if (!(pf[0].revents & POLLIN)) continue;
-        int fd = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept4(t->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
         if (fd < 0) continue; /* EMFILE and friends: poll again, the deadlines still run */
-        if (n == cap) {
-            refuse(t, &lim, 0, -EBUSY, "%u connections are already waiting for their hello", cap);
+        pending np = {.fd = fd, .deadline_ms = now + t->handshake_ms};
+        source_of(&sa, np.src);
+        uint32_t same = 0;
+        for (uint32_t i = 0; i < n; i++) same += !memcmp(ps[i].src, np.src, sizeof(np.src));
+        if (n == cap || same >= t->max_per_source) {
+            if (n == cap)
+                refuse(t, &lim, 0, -EBUSY, "%u connections are already waiting for their hello", cap);
+            else
+                refuse(t, &lim, 0, -EBUSY, "%u connections from that address are already waiting for their hello",
+                       same);
             close(fd);
             continue;
         }
-        ps[n++] = (pending){.fd = fd, .deadline_ms = now + t->handshake_ms};
+        ps[n++] = np;
         __atomic_store_n(&t->pending_conns, n, __ATOMIC_RELAXED);
     }
     for (uint32_t i = 0; ps && i < n; i++) close(ps[i].fd);

@@ -61,7 +61,7 @@ typedef struct tcp_rx {
 typedef struct tcp_t {
     pdkv_transport base;
     uint32_t num_streams;
-    uint32_t handshake_ms, max_pending; /* listener bounds (tcp_accept.c) */
+    uint32_t handshake_ms, max_pending, max_per_source; /* listener bounds (tcp_accept.c) */
     char host[64];
     uint16_t port;
     int lfd, stop_fd;

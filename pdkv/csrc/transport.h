@@ -126,6 +126,7 @@ typedef struct pdkv_tcp_opts {
     uint32_t num_streams;  /* connections per peer */
     uint32_t handshake_ms; /* an incoming stream must send its hello within this (0: 5000) */
     uint32_t max_pending;  /* incoming streams waiting for their hello at once (0: 64) */
+    uint32_t max_per_source; /* ... of them from one IP address (0: a quarter of max_pending) */
 } pdkv_tcp_opts;
 pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *opts, char *err,
                                 size_t errlen);

@@ -86,7 +86,7 @@ def _flood(info: dict, n: int) -> list[socket.socket]:
 
 def test_unauthenticated_connections_get_no_thread_and_bounded_fds(spawn):
     cap, n = 16, 150
-    b = spawn(2, num_streams=1, handshake_ms=300, max_pending=cap)
+    b = spawn(2, num_streams=1, handshake_ms=300, max_pending=cap, max_per_source=cap)
     a = spawn(1, num_streams=1)
     b.alloc("dst", SIZE)
     rkey = b.register("dst")
@@ -126,3 +126,31 @@ def test_unauthenticated_connections_get_no_thread_and_bounded_fds(spawn):
     assert any(e[0] == "imm_done" for e in b.wait("imm_done"))
     assert np.frombuffer(b.read("dst", 0, 256), np.uint8).tobytes() == a.read("src", 0, 256)
     assert b.m("stats")["rx_threads"] == 1
+
+
+def test_one_source_cannot_take_every_handshake_slot(spawn):
+    # a flood from 127.0.0.2 holds at most max_per_source slots; the real peer (127.0.0.1) still
+    # gets its handshake while the flood's sockets are open
+    b = spawn(2, num_streams=1, handshake_ms=3000, max_pending=8, max_per_source=2)
+    a = spawn(1, num_streams=1)
+    cb, ib = b.m("prepare", 1, TOKEN)
+    info = tcp_decode_info(ib)
+    socks = []
+    try:
+        for _ in range(12):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect((info["host"], info["port"]))
+            socks.append(s)
+        deadline = time.monotonic() + 5
+        while b.m("stats")["refused_conns"] < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = b.m("stats")
+        assert st["pending_conns"] == 2 and st["refused_conns"] >= 10, st
+        ca, ia = a.m("prepare", 2, TOKEN)
+        a.m("complete", ca, ib)  # accepted although 127.0.0.2 keeps its two sockets waiting
+        b.m("complete", cb, ia)
+        assert b.m("stats")["rx_threads"] == 1
+    finally:
+        for s in socks:
+            s.close()
