@@ -57,10 +57,15 @@ class AttentionBackend:
         """Raises BackendUnavailable when this backend cannot run on ``device`` with ``dtype``;
         called before the weights load, so a bad choice fails fast."""
 
+    # Can attend over a latent cache (kv_cache.kv_parts == 1, MLA): see ``forward``.
+    supports_latent = False
+
     def __init__(self, kv_cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, value_dim: int | None = None):
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.latent = getattr(kv_cache, "kv_parts", 2) == 1
+        self.value_dim = value_dim or head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
@@ -74,5 +79,10 @@ class AttentionBackend:
 
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rope applied).
         Returns [T, num_heads * head_dim].
+
+        Latent cache (MLA, absorbed): k is the latent [T, 1, head_dim], v is None, and each
+        cached latent is both the key and, through its first ``value_dim`` entries, the value:
+        multi-query attention of all query heads over one shared vector. Returns
+        [T, num_heads * value_dim] (still in latent space: the model applies W_UV).
         """
         raise NotImplementedError

@@ -63,8 +63,8 @@ class FlashInferBackend(AttentionBackend):
                                      f"bfloat16, got {dtype}")
         _import_flashinfer()
 
-    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window)
+    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window=None, value_dim=None):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window, value_dim)
         self.check_available(kv_cache.device, kv_cache.dtype)
         fi = _import_flashinfer()
         device = torch.device(kv_cache.device)

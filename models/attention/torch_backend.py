@@ -4,6 +4,8 @@ Decodes (one query token) run as one batch: their pages are gathered through a p
 table into [B, kv_heads, L, head_dim] and attended with one SDPA call under a length mask.
 Prefill chunks run per sequence. Grouped-query attention never repeats K/V: the ``group`` query
 heads that share a KV head are laid along SDPA's query-length axis instead.
+A latent cache (MLA) is the same computation with one KV head and the values a slice of the
+keys (``_kv``): the latent is read once per step for every query head.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class TorchAttentionMeta:
 
 @register("torch")
 class TorchAttentionBackend(AttentionBackend):
+    supports_latent = True
+
     def plan(self, batch: AttentionBatch) -> TorchAttentionMeta:
         P, dev, W = self.kv.page_size, self.kv.device, self.sliding_window
         table = page_table(batch.page_ids, dev)
@@ -81,14 +85,19 @@ class TorchAttentionBackend(AttentionBackend):
         hnd = self.kv.layout == "HND"
         if hnd:  # cache[page, kv, head, slot, dim]
             cache[meta.write_pages, 0, :, meta.write_offsets] = k
-            cache[meta.write_pages, 1, :, meta.write_offsets] = v
+            if v is not None:
+                cache[meta.write_pages, 1, :, meta.write_offsets] = v
         else:  # cache[page, kv, slot, head, dim]
             cache[meta.write_pages, 0, meta.write_offsets] = k
-            cache[meta.write_pages, 1, meta.write_offsets] = v
-        T, Hkv, G, D = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+            if v is not None:
+                cache[meta.write_pages, 1, meta.write_offsets] = v
+        if v is None:  # latent: the value is the latent's first value_dim entries
+            v = k[..., :self.value_dim]
+        T, Hkv, G, Dv = q.shape[0], self.num_kv_heads, self.group, self.value_dim
+        D = self.head_dim
         if not meta.prefills:
             return self._decode(cache, q, meta, hnd)
-        out = torch.empty(T, Hkv * G * D, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, Hkv * G * Dv, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(cache, q[:meta.num_decodes], meta, hnd)
         for p in meta.prefills:
@@ -105,34 +114,39 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 qg = qs.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
                 o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask, scale=self.scale)
-                out[p.start:p.end] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
+                out[p.start:p.end] = o.view(Hkv, G, n, Dv).permute(2, 0, 1, 3).reshape(n, -1)
         return out
 
     @staticmethod
     def _heads_view(cache, hnd):
-        """The cache as a strided view [2, Hkv, num_pages, P, D] (no copy), so one index_select
+        """The cache as a strided view [parts, Hkv, num_pages, P, D] (no copy), so one index_select
         over pages lands K/V directly in the [.., Hkv, pages * P, D] order SDPA wants."""
         return cache.permute(1, 2, 0, 3, 4) if hnd else cache.permute(1, 3, 0, 2, 4)
 
+    def _kv(self, g):
+        """Gathered [parts, ...] → (keys, values); a latent's values are a view of its keys."""
+        return (g[0], g[0][..., :self.value_dim]) if self.latent else (g[0], g[1])
+
     def _gather(self, cache, pages, kv_len, hnd):
-        """One sequence's keys and values: each [Hkv, kv_len, D]."""
-        g = self._heads_view(cache, hnd).index_select(2, pages)  # [2, Hkv, n, P, D] contiguous
-        g = g.view(2, self.num_kv_heads, -1, self.head_dim)
-        return g[0, :, :kv_len], g[1, :, :kv_len]
+        """One sequence's keys and values: [Hkv, kv_len, D] and [Hkv, kv_len, Dv]."""
+        g = self._heads_view(cache, hnd).index_select(2, pages)  # [parts, Hkv, n, P, D] contiguous
+        keys, values = self._kv(g.view(g.shape[0], self.num_kv_heads, -1, self.head_dim))
+        return keys[:, :kv_len], values[:, :kv_len]
 
     def _decode(self, cache, q, meta, hnd):
-        """q: [B, Hq, D] one token per sequence → [B, Hq * D]."""
-        B, Hkv, G, D = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [2, Hkv, B*maxp, P, D]
+        """q: [B, Hq, D] one token per sequence → [B, Hq * Dv]."""
+        B, Hkv, G, D, Dv = q.shape[0], self.num_kv_heads, self.group, self.head_dim, self.value_dim
+        g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [parts, Hkv, B*maxp, P, D]
+        parts = g.shape[0]
         if meta.decode_mask is None:  # one sequence: slice its keys, no mask
-            g = g.view(2, Hkv, -1, D)[:, :, :meta.decode_kv_len]
-            o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), g[0][None], g[1][None], scale=self.scale)
-            return o.reshape(1, Hkv * G * D)
+            keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])
+            o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)
+            return o.reshape(1, Hkv * G * Dv)
         # Many sequences: batched matmuls in the gathered [Hkv, B, L, D] order (no transpose copy
         # of K/V); on the CPU this beats SDPA's masked path by ~30% at batch 32.
-        g = g.view(2, Hkv, B, -1, D)
+        keys, values = self._kv(g.view(parts, Hkv, B, -1, D))
         qh = q.view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.matmul(qh, g[0].transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
+        scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
         scores.masked_fill_(~meta.decode_mask.view(1, B, 1, -1), float("-inf"))
-        o = torch.matmul(scores.softmax(-1).to(q.dtype), g[1])  # [Hkv, B, G, D]
-        return o.transpose(0, 1).reshape(B, Hkv * G * D)
+        o = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [Hkv, B, G, Dv]
+        return o.transpose(0, 1).reshape(B, Hkv * G * Dv)

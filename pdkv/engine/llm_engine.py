@@ -23,7 +23,7 @@ from pdkv.engine.runner import ModelRunner
 from pdkv.engine.sampler import Sampler
 from pdkv.engine.scheduler import Scheduler
 from pdkv.errors import InvalidRequest
-from pdkv.kv import KVCache, PageAllocator
+from pdkv.kv import PageAllocator
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer(path, arch.eos_token_id)
         self.vocab_size = arch.vocab_size
 
-        itemsize = torch.empty((), dtype=self.loaded.dtype).element_size()
-        page_bytes = 2 * arch.num_kv_heads * kv_cache.page_size * arch.head_dim * itemsize * arch.num_layers
+        from models.kv_layout import kv_layout  # noqa: PLC0415 - K/V heads or an MLA latent, per arch
+
+        layout = kv_layout(arch)
+        page_bytes = layout.page_bytes(kv_cache.page_size, self.loaded.dtype) * arch.num_layers
         pages_per_seq = -(-self.max_model_len // kv_cache.page_size)
         num_pages = _num_pages(kv_cache, page_bytes, device, scheduler.max_num_seqs * pages_per_seq)
         if callable(kv_buffer):  # a factory: memory of exactly the cache's size (the messenger registers it)
@@ -117,12 +119,10 @@ class LLMEngine:
             self.tp.wait_loaded()
             kv_buffer = self.tp.setup_kv(arch, self.loaded.full_arch, self.loaded.dtype, num_pages,
                                          kv_cache.page_size, kv_cache.layout, model.attention_backend)
-        self.kv = KVCache(arch.num_layers, num_pages, kv_cache.page_size, arch.num_kv_heads,
-                          arch.head_dim, self.loaded.dtype, kv_cache.layout, device, buffer=kv_buffer)
+        self.kv = layout.make_cache(arch.num_layers, num_pages, kv_cache.page_size, self.loaded.dtype,
+                                    kv_cache.layout, device, buffer=kv_buffer)
         self.allocator = PageAllocator(num_pages)
-        backend = get_backend(model.attention_backend)(
-            self.kv, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim ** -0.5,
-            arch.sliding_window)
+        backend = layout.make_backend(model.attention_backend, self.kv)
         self.runner = ModelRunner(self.loaded.model, backend, device, Sampler(model.seed), num_threads)
         self.runner.followers = self.tp
         self.scheduler = Scheduler(self.allocator, kv_cache.page_size, scheduler.max_num_batched_tokens,

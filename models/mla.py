@@ -1,0 +1,86 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache, in the absorbed form.
+
+Per token the cache holds one vector per layer: c_kv = RMSNorm(x W_DKV) [kv_lora_rank] and the
+rotated rope key k_pe [qk_rope_head_dim], concatenated (``latent_dim`` values, no heads, no K/V
+split). Head h's key is [c_kv W_UK_h, k_pe] and its value c_kv W_UV_h (W_UK, W_UV: the rows of
+``kv_b_proj``), so
+
+    q_h . k_h = (q_nope_h W_UK_h^T) . c_kv + q_pe_h . k_pe      (W_UK folded into the query)
+    out_h     = (sum_s p_hs c_kv_s) W_UV_h                      (W_UV applied after attention)
+
+and attention runs as multi-query attention of every head over the one cached latent
+(models/attention: ``v=None``), for prefill and decode alike; it never decompresses the cache.
+Rope touches only the rope part; DeepSeek stores those dims as interleaved pairs, which are
+de-interleaved first (transformers' apply_rotary_pos_emb_interleave gives the same numbers).
+Shapes: T tokens, H query heads (this rank's), L kv_lora_rank, R qk_rope_head_dim,
+N qk_nope_head_dim, V v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ArchConfig
+from models.layers import RMSNorm
+from models.rope import apply_rope
+
+# transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+def _lin(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    return F.linear(x, m.weight, m.bias)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        m = self.mla = cfg.mla
+        H, bias = cfg.num_heads, cfg.attention_bias
+        self.num_heads = H
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, H * m.qk_head_dim, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, m.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS, dtype)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, H * m.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.latent_dim, bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS, dtype)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(H * m.v_head_dim, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.w_uk: torch.Tensor | None = None  # [H, N, L], from kv_b_proj by post_load()
+        self.w_uv: torch.Tensor | None = None  # [H, L, V]
+
+    def post_load(self) -> None:
+        """Splits kv_b_proj [H * (N + V), L] into the absorbed W_UK [H, N, L] and W_UV^T [H, L, V]."""
+        m = self.mla
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        self.w_uk = w[:, :m.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()
+
+    def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x: [T, heads, R] in the checkpoint's order → rotated, in rotate-half order."""
+        if self.mla.rope_interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend, meta) -> torch.Tensor:
+        """x: [T, hidden]; cos/sin: [T, 1, R] → [T, hidden] (after o_proj)."""
+        m, T, H = self.mla, x.shape[0], self.num_heads
+        N, L = m.qk_nope_head_dim, m.kv_lora_rank
+        if m.q_lora_rank is None:
+            q = _lin(x, self.q_proj)
+        else:
+            q = _lin(self.q_a_layernorm.forward(_lin(x, self.q_a_proj)), self.q_b_proj)
+        q = q.view(T, H, m.qk_head_dim)
+        kv = _lin(x, self.kv_a_proj_with_mqa)  # [T, L + R]
+        latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),
+                            self._rope(kv[:, None, L:], cos, sin)[:, 0]), -1)  # [T, L + R]
+        q_abs = torch.bmm(q[..., :N].transpose(0, 1), self.w_uk)  # [H, T, L]
+        query = torch.cat((q_abs.transpose(0, 1), self._rope(q[..., N:], cos, sin)), -1)  # [T, H, L + R]
+        o = backend.forward(layer, query, latent[:, None], None, meta)  # [T, H * L], latent space
+        o = torch.bmm(o.view(T, H, L).transpose(0, 1), self.w_uv)  # [H, T, V]
+        return _lin(o.transpose(0, 1).reshape(T, H * m.v_head_dim), self.o_proj)
