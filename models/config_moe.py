@@ -34,6 +34,8 @@ class MoEConfig:
     # intermediate_size / tp rows.
     expert_start: int = 0
     num_local_experts: int | None = None
+    shared_size: int | None = None  # this rank's width of the shared MLP, when split
+
 
     @property
     def local_experts(self) -> range:
@@ -42,6 +44,8 @@ class MoEConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
+        if self.shared_size is not None:
+            return self.shared_size
         return self.num_shared_experts * self.intermediate_size
 
 
