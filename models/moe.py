@@ -128,14 +128,14 @@ class SparseMoE(nn.Module):
 
 def expert_param_for(cfg: ArchConfig, name: str) -> tuple[str, tuple | None] | None:
     """``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` → (fused parameter, its index
-    for expert E's rows), or None for any other name. Raises KeyError for an expert this rank
-    does not hold (the loader skips those: ``is_remote_expert``)."""
+    for expert E's rows), or None for any other name. Experts held by other ranks never get here
+    (the loader skips them: ``is_remote_expert``)."""
     m = _EXPERT.search(name)
     if m is None:
         return None
     e = int(m.group(1)) - cfg.moe.local_experts.start
     if not 0 <= e < len(cfg.moe.local_experts):
-        raise KeyError(name)
+        return name, None  # no such expert: the loader reports the unexpected tensor
     base = name[:m.start()] + ".mlp.experts."
     I = cfg.moe.intermediate_size
     part = m.group(2)
@@ -147,7 +147,7 @@ def expert_param_for(cfg: ArchConfig, name: str) -> tuple[str, tuple | None] | N
 def is_remote_expert(cfg: ArchConfig, name: str) -> bool:
     """A routed expert of a layer this model has, held by another rank (expert parallelism)."""
     m = _EXPERT.search(name)
-    return m is not None and int(m.group(1)) not in cfg.moe.local_experts
+    return m is not None and int(m.group(1)) < cfg.moe.num_experts and int(m.group(1)) not in cfg.moe.local_experts
 
 
 def expected_expert_tensors(cfg: ArchConfig, layer_prefix: str) -> set[str]:

@@ -76,3 +76,23 @@ def test_expert_tensor_of_wrong_shape_is_named(tmp_path, tiny_model_dir):
         load_model(tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["num_local_experts"] == 4  # transformers 5.x's spelling, read as num_experts
+
+
+def test_unknown_expert_is_refused_and_the_mtp_layer_skipped(tmp_path, tiny_model_dir):
+    """An expert id past num_experts is an unexpected tensor; DeepSeek's multi-token-prediction
+    layer (model.layers.{num_hidden_layers}.*, as the R1 checkpoint ships it) is skipped."""
+    cfg = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+               intermediate_size=96, moe_intermediate_size=32, vocab_size=512, n_routed_experts=4,
+               num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=0)
+    save_hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", cfg, tmp_path, tiny_model_dir)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.1.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer: ignored
+    weights["model.layers.1.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    load_model(tmp_path)
+    name = "model.layers.0.mlp.experts.4.up_proj.weight"
+    weights[name] = torch.zeros(32, 64)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=f"unexpected tensor '{name}'"):
+        load_model(tmp_path)
