@@ -77,6 +77,7 @@ class Experts(nn.Module):
         self.local = m.local_experts  # global ids of the experts this rank holds
         self.inter = m.intermediate_size  # this rank's share of it
         n = len(self.local)
+        self.holds_all = n == m.num_experts  # no expert parallelism: no pair to filter out
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * self.inter, cfg.hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(n, cfg.hidden_size, self.inter, dtype=dtype))
 
@@ -87,9 +88,9 @@ class Experts(nn.Module):
         all of its tokens; the loop is over the experts that got tokens (at most E), never tokens."""
         k = ids.shape[1]
         flat = ids.reshape(-1) - self.local.start  # [T * k] local expert id
-        keep = (flat >= 0) & (flat < len(self.local))  # expert parallelism: other ranks' experts
-        pairs = keep.nonzero().squeeze(1) if not bool(keep.all()) else None
-        if pairs is not None:
+        pairs = None
+        if not self.holds_all:  # expert parallelism: drop the pairs routed to other ranks' experts
+            pairs = ((flat >= 0) & (flat < len(self.local))).nonzero().squeeze(1)
             flat = flat[pairs]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.local)).tolist()
