@@ -10,8 +10,9 @@ split). Head h's key is [c_kv W_UK_h, k_pe] and its value c_kv W_UV_h (W_UK, W_U
 
 and attention runs as multi-query attention of every head over the one cached latent
 (models/attention: ``v=None``), for prefill and decode alike; it never decompresses the cache.
-Rope touches only the rope part; DeepSeek stores those dims as interleaved pairs, which are
-de-interleaved first (transformers' apply_rotary_pos_emb_interleave gives the same numbers).
+Rope touches only the rope part; DeepSeek stores those dims as interleaved pairs, which
+post_load de-interleaves in the weights once (transformers' apply_rotary_pos_emb_interleave
+gives the same numbers at run time).
 Shapes: T tokens, H query heads (this rank's), L kv_lora_rank, R qk_rope_head_dim,
 N qk_nope_head_dim, V v_head_dim.
 """
@@ -54,15 +55,33 @@ class MLAttention(nn.Module):
         self.w_uv: torch.Tensor | None = None  # [H, L, V]
 
     def post_load(self) -> None:
-        """Splits kv_b_proj [H * (N + V), L] into the absorbed W_UK [H, N, L] and W_UV^T [H, L, V]."""
+        """Splits kv_b_proj [H * (N + V), L] into the absorbed W_UK [H, N, L] and W_UV^T [H, L, V],
+        and de-interleaves the rope rows of the q and kv_a projections once, so that every step
+        gets its rope inputs in rotate-half order straight from the GEMMs (an exact permutation
+        of output rows; the cached rope key is in that order too, on every node alike)."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk = w[:, :m.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        if m.rope_interleave and not self._deinterleaved:
+            R, N = m.qk_rope_head_dim, m.qk_nope_head_dim
+            perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2))).to(w.device)
+            with torch.no_grad():
+                q = self.q_proj if m.q_lora_rank is None else self.q_b_proj
+                qw = q.weight.view(self.num_heads, m.qk_head_dim, -1)
+                qw[:, N:] = qw[:, N:][:, perm].clone()
+                kv = self.kv_a_proj_with_mqa
+                L = m.kv_lora_rank
+                kv.weight[L:] = kv.weight[L:][perm].clone()
+                if kv.bias is not None:
+                    kv.bias[L:] = kv.bias[L:][perm].clone()
+            self._deinterleaved = True
+
+    _deinterleaved = False
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """x: [T, heads, R] in the checkpoint's order → rotated, in rotate-half order."""
-        if self.mla.rope_interleave:
+        """x: [T, heads, R] → rotated (rotate-half order: post_load de-interleaved the weights)."""
+        if self.mla.rope_interleave and not self._deinterleaved:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
         return apply_rope(x, cos, sin)
 
