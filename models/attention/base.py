@@ -70,6 +70,16 @@ class AttentionBackend:
         self.scale = scale
         self.sliding_window = sliding_window
 
+    def fresh_prefill_spans(self, meta) -> list[tuple[int, int]] | None:
+        """[(start, end)] per sequence when every sequence of the step is a first prefill chunk
+        (its keys are exactly its new tokens), else None; None here: the model never skips
+        ``forward`` (MLA's decompressed prefill, models/mla.py, needs ``write`` too)."""
+        return None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, meta) -> None:
+        """Writes the step's new k/v into the cache without attending."""
+        raise NotImplementedError
+
     def plan(self, batch: AttentionBatch) -> object:
         """Builds the step's metadata (index tensors, masks) once; returns it."""
         raise NotImplementedError

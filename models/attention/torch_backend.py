@@ -79,6 +79,26 @@ class TorchAttentionBackend(AttentionBackend):
             num_decodes=nd, decode_pages=decode_pages, decode_mask=decode_mask,
             decode_kv_len=decode_kv_len, prefills=prefills)
 
+    def fresh_prefill_spans(self, meta: TorchAttentionMeta) -> list[tuple[int, int]] | None:
+        """[(start, end)] of every sequence when the step is only first prefill chunks (each
+        sequence's keys are exactly its new tokens), else None. MLA attends such a step
+        decompressed (models/mla.py) after ``write``."""
+        if meta.num_decodes or any(p.kv_len != p.end - p.start for p in meta.prefills):
+            return None
+        return [(p.start, p.end) for p in meta.prefills]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, meta: TorchAttentionMeta) -> None:
+        """Writes the step's new k (and v; None for a latent) into the cache, without attending."""
+        cache = self.kv.layer(layer)
+        if self.kv.layout == "HND":
+            cache[meta.write_pages, 0, :, meta.write_offsets] = k
+            if v is not None:
+                cache[meta.write_pages, 1, :, meta.write_offsets] = v
+        else:
+            cache[meta.write_pages, 0, meta.write_offsets] = k
+            if v is not None:
+                cache[meta.write_pages, 1, meta.write_offsets] = v
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)

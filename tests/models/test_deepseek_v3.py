@@ -37,8 +37,17 @@ def folders(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.mark.parametrize("prefill", ["decompressed", "absorbed"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_matches_transformers(case, folders):
+def test_greedy_matches_transformers(case, prefill, folders, monkeypatch):
+    """Decode is always absorbed; a prefill step of first chunks runs decompressed (per-head K/V
+    from kv_b_proj) or, with decompress_prefill off, absorbed like everything else."""
+    from models.mla import MLAttention
+
+    calls = []
+    real = MLAttention._decompressed
+    monkeypatch.setattr(MLAttention, "_decompressed", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(MLAttention, "decompress_prefill", prefill == "decompressed")
     model, folder = folders[case]
     eng = engine(folder)
     kv = eng.kv
@@ -46,7 +55,8 @@ def test_greedy_matches_transformers(case, folders):
     if case == "yarn_groups":
         kinds = [type(layer.mlp).__name__ for layer in eng.loaded.model.model.layers]
         assert kinds == ["MLP", "SparseMoE", "SparseMoE"], kinds
-    assert_matches_hf(model, eng, prompts(), f"deepseek_v3/{case}")
+    assert_matches_hf(model, eng, prompts(), f"deepseek_v3/{case}/{prefill}")
+    assert bool(calls) == (prefill == "decompressed")
 
 
 def test_chunking_batching_pages_layouts_agree(folders):
