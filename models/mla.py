@@ -9,7 +9,10 @@ split). Head h's key is [c_kv W_UK_h, k_pe] and its value c_kv W_UV_h (W_UK, W_U
     out_h     = (sum_s p_hs c_kv_s) W_UV_h                      (W_UV applied after attention)
 
 and attention runs as multi-query attention of every head over the one cached latent
-(models/attention: ``v=None``), for prefill and decode alike; it never decompresses the cache.
+(models/attention: ``v=None``) for decodes and for prefill chunks that continue a sequence; it
+never decompresses the cache. A step made only of first prefill chunks (the keys are exactly the
+new tokens) is attended decompressed instead, per head over c_kv W_UK / c_kv W_UV of those
+tokens, which is cheaper for long prompts (``decompress_prefill``); the latent is cached either way.
 Rope touches only the rope part; DeepSeek stores those dims as interleaved pairs, which
 post_load de-interleaves in the weights once (transformers' apply_rotary_pos_emb_interleave
 gives the same numbers at run time).
