@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.config_moe import MLAConfig, MoEConfig, parse_mla, parse_moe
 from pdkv.errors import ModelLoadError
 
 
@@ -36,6 +37,11 @@ class ArchConfig:
     hidden_act: str = "silu"
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, DeepSeek-V3): models/config_moe.py
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def q_size(self) -> int:
@@ -81,6 +87,10 @@ def parse_arch_config(cfg: dict, source: str = "config.json") -> ArchConfig:
         raise ModelLoadError(f"{source}: num_attention_heads={heads} must be a positive multiple "
                              f"of num_key_value_heads={kv_heads}")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
+    num_layers = int(_req(cfg, "num_hidden_layers", source))
+    mla = parse_mla(cfg, arch, source)
+    if mla is not None:
+        head_dim = mla.qk_rope_head_dim  # the only rotated part: what the rope table is built for
     theta, scaling = _rope(cfg)
     model_type = cfg.get("model_type", "")
     eos = cfg.get("eos_token_id")
@@ -104,7 +114,7 @@ def parse_arch_config(cfg: dict, source: str = "config.json") -> ArchConfig:
         vocab_size=int(_req(cfg, "vocab_size", source)),
         hidden_size=hidden,
         intermediate_size=int(_req(cfg, "intermediate_size", source)),
-        num_layers=int(_req(cfg, "num_hidden_layers", source)),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -116,9 +126,11 @@ def parse_arch_config(cfg: dict, source: str = "config.json") -> ArchConfig:
         attention_bias=attention_bias or is_qwen2,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=int(sliding) if sliding else None,
         hidden_act=cfg.get("hidden_act", "silu"),
         eos_token_id=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        moe=parse_moe(cfg, arch, num_layers, source),
+        mla=mla,
     )

@@ -36,13 +36,14 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, intermediate_size: int | None = None):
+        """``intermediate_size``: default cfg.intermediate_size; MoE shared experts pass theirs."""
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"config.json: hidden_act '{cfg.hidden_act}' is not supported (silu)")
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.inter = inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] → [T, H]."""
@@ -90,10 +91,11 @@ class DecoderLayer(nn.Module):
     # outputs across ranks, in place. None (one rank): no call.
     reduce = None
 
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, attention_cls=Attention):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, attention_cls=Attention, mlp: nn.Module | None = None):
+        """``mlp``: this layer's MLP (a models.moe.SparseMoE in sparse layers); default the dense one."""
         super().__init__()
         self.self_attn = attention_cls(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -80,6 +80,9 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.data = m.weight.data.t().contiguous().t()
+            for name in getattr(m, "TRANSPOSED_PARAMS", ()):  # stacked weights [n, out, in] (MoE experts)
+                p = getattr(m, name)
+                p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
@@ -147,7 +150,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"config.json implies {tuple(target.shape)}")
-                target.copy_(tensor.to(torch_dtype))
+                target.copy_(tensor.to(target.dtype))  # = torch_dtype but for float32 routers
                 loaded.add(name)
                 if progress is not None:
                     progress(done, total)
@@ -157,6 +160,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                              f"{', '.join(sorted(missing)[:3])}")
     if progress is not None:
         progress(total, total)
+    if hasattr(model, "post_load"):  # weights derived from the loaded ones (MLA's absorbed W_UK / W_UV)
+        model.post_load()
     if torch.device(device).type == "cpu":
         transpose_linear_weights(model)
     model.init_rope(max_positions or arch.max_position_embeddings, device)

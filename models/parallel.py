@@ -15,6 +15,19 @@ Megatron-style split, the same as vLLM's for Llama-shaped models:
   is replicated rather than vocab-parallel because only rank 0 samples: the other ranks never
   compute logits, so a vocab split would add a gather and save nothing.
 
+MoE and MLA (Qwen3-MoE, DeepSeek-V3; docs/TP.md says why):
+
+- Routed and shared experts split like the dense MLP, each expert's intermediate rows
+  [r * I/tp, (r + 1) * I/tp) on rank r (vLLM's default for these models): every rank runs every
+  selected expert on a slice, so the work per token is even whatever the router picks, and the
+  one all-reduce after the MLP is the dense one. The router is replicated: every rank sees the
+  same all-reduced hidden state and picks the same experts. ``expert_parallel=True`` instead
+  gives rank r whole experts [r * E/tp, (r + 1) * E/tp) (E must divide by tp).
+- MLA: q_proj / q_b_proj rows and kv_b_proj rows split by head (each rank decompresses its own
+  heads from the same latent), o_proj columns by head; q_a_proj, kv_a_proj_with_mqa and their
+  norms are replicated, so every rank computes and caches the whole latent (the shard spec says
+  "replicated": every rank is a replica set of its own).
+
 A rank's model is built from ``local_arch`` (its head and intermediate counts), so the layers,
 the attention backend and the KV cache need no TP knowledge; ``shard_tensor`` slices each
 checkpoint tensor before the loader copies it in.
@@ -28,7 +41,7 @@ import datetime
 import torch
 
 from models.config import ArchConfig
-from pdkv.shard.spec import KVGeometry, ShardSpec
+from pdkv.shard.spec import ShardSpec
 
 
 class TensorParallelError(ValueError):
@@ -42,15 +55,26 @@ class TPLayout:
     rank: int
     tp: int
     arch: ArchConfig  # the checkpoint's full config
+    expert_parallel: bool = False  # MoE: whole experts per rank instead of a slice of each
 
     def __post_init__(self) -> None:
-        a, tp = self.arch, self.tp
+        a, tp, m = self.arch, self.tp, self.arch.moe
         if not 0 <= self.rank < tp:
             raise TensorParallelError(f"parallel.tp={tp}: rank {self.rank} is out of range")
         if a.num_heads % tp:
             raise TensorParallelError(f"parallel.tp={tp} must divide num_attention_heads={a.num_heads}")
-        if a.intermediate_size % tp:
+        has_dense = m is None or len(m.sparse_layers) < a.num_layers
+        if has_dense and a.intermediate_size % tp:
             raise TensorParallelError(f"parallel.tp={tp} must divide intermediate_size={a.intermediate_size}")
+        if m is not None:
+            if self.expert_parallel and m.num_experts % tp:
+                raise TensorParallelError(f"parallel.tp={tp}: expert parallelism needs the {m.num_experts} "
+                                          f"routed experts (num_experts / n_routed_experts) to divide by {tp}")
+            if not self.expert_parallel and m.intermediate_size % tp:
+                raise TensorParallelError(f"parallel.tp={tp} must divide moe_intermediate_size={m.intermediate_size}")
+            if m.shared_intermediate_size % tp:
+                raise TensorParallelError(f"parallel.tp={tp} must divide the shared experts' width "
+                                          f"n_shared_experts * moe_intermediate_size={m.shared_intermediate_size}")
         try:
             self.spec  # noqa: B018 - validates the KV head split (divides, or is a multiple of, Hkv)
         except ValueError as e:
@@ -59,8 +83,9 @@ class TPLayout:
     @property
     def spec(self) -> ShardSpec:
         """The KV sharding (geometry fields other than heads do not matter for head ownership)."""
-        g = KVGeometry(self.arch.num_kv_heads, self.arch.head_dim, 1, "float32")
-        return ShardSpec(self.tp, g, role="model")
+        from models.kv_layout import kv_geometry  # noqa: PLC0415
+
+        return ShardSpec(self.tp, kv_geometry(self.arch, 1, "float32", "HND"), role="model")
 
     @property
     def q_heads(self) -> range:
@@ -76,15 +101,39 @@ class TPLayout:
         n = self.arch.intermediate_size // self.tp
         return range(self.rank * n, self.rank * n + n)
 
+    @property
+    def experts(self) -> range:
+        """Routed experts this rank holds (all of them unless expert parallel)."""
+        n = self.arch.moe.num_experts
+        if not self.expert_parallel:
+            return range(n)
+        return range(self.rank * n // self.tp, (self.rank + 1) * n // self.tp)
+
+    def _part(self, full: int) -> range:
+        n = full // self.tp
+        return range(self.rank * n, self.rank * n + n)
+
     def local_arch(self) -> ArchConfig:
         """The config this rank's modules are built from: its share of heads and MLP width."""
-        return dataclasses.replace(self.arch, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
-                                   intermediate_size=len(self.inter))
+        a, m = self.arch, self.arch.moe
+        inter = len(self.inter) if a.intermediate_size % self.tp == 0 else a.intermediate_size
+        if m is not None:
+            e = self.experts
+            m = dataclasses.replace(
+                m, expert_start=e.start, num_local_experts=len(e),
+                intermediate_size=m.intermediate_size if self.expert_parallel else m.intermediate_size // self.tp,
+                # The shared MLP is sliced whatever the routed experts do.
+                shared_size=m.shared_intermediate_size // self.tp)
+        return dataclasses.replace(a, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
+                                   intermediate_size=inter, moe=m)
 
     def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Checkpoint tensor ``name`` (full, Hugging Face layout: Linear weights [out, in]) →
         this rank's slice. Raises ValueError when the dimension being split has the wrong size."""
         a, D = self.arch, self.arch.head_dim
+        special = self._shard_moe_mla(name, tensor)
+        if special is not None:
+            return special
         if ".q_proj." in name:
             return _rows(name, tensor, a.num_heads * D, self.q_heads, D)
         if ".k_proj." in name or ".v_proj." in name:
@@ -103,6 +152,45 @@ class TPLayout:
                                  f"{full} input columns to split {self.tp} ways")
             return tensor[:, part.start * unit:part.stop * unit]
         return tensor
+
+
+    def _shard_moe_mla(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """MLA's and the MoE blocks' tensors (module docstring); None for the dense ones."""
+        a, m, mla = self.arch, self.arch.moe, self.arch.mla
+        if m is not None and (".mlp.experts." in name or ".mlp.shared_experts." in name):
+            if ".mlp.experts." in name:
+                if self.expert_parallel:
+                    return tensor  # a whole expert this rank holds (the others are never loaded)
+                full = m.intermediate_size
+            else:
+                full = m.shared_intermediate_size
+            if ".down_proj." in name:
+                return _cols(name, tensor, full, self._part(full), 1, self.tp)
+            return _rows(name, tensor, full, self._part(full), 1)
+        if m is not None and ".mlp.gate." in name:
+            return tensor  # the router: replicated
+        if mla is None:
+            return None
+        q = self.q_heads
+        if ".q_proj." in name or ".q_b_proj." in name:
+            return _rows(name, tensor, a.num_heads * mla.qk_head_dim, q, mla.qk_head_dim)
+        if ".kv_b_proj." in name:
+            unit = mla.qk_nope_head_dim + mla.v_head_dim
+            return _rows(name, tensor, a.num_heads * unit, q, unit)
+        if ".o_proj." in name:
+            if name.endswith(".bias"):
+                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return _cols(name, tensor, a.num_heads * mla.v_head_dim, q, mla.v_head_dim, self.tp)
+        if ".self_attn." in name:
+            return tensor  # q_a_proj, kv_a_proj_with_mqa and their norms: the latent, replicated
+        return None
+
+
+def _cols(name: str, tensor: torch.Tensor, full: int, part: range, unit: int, tp: int) -> torch.Tensor:
+    if tensor.dim() != 2 or tensor.shape[1] != full:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                         f"{full} input columns to split {tp} ways")
+    return tensor[:, part.start * unit:part.stop * unit]
 
 
 def _rows(name: str, tensor: torch.Tensor, full: int, part: range, unit: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the scalings found in configs: default, linear, llama3.
+"""Rotary position embeddings with the scalings found in configs: default, linear, llama3, yarn
+(DeepSeek-V3: its frequency blend and the "attention factor" that scales cos/sin).
 
 The cos/sin table is computed once for every position up to the model's context and indexed by
 position at run time, so a step with mixed prefill chunks and decodes needs one gather.
@@ -12,7 +13,7 @@ import torch
 
 from pdkv.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -36,8 +37,58 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_frequencies(head_dim, theta, scaling)
     raise ModelLoadError(f"config.json: rope type '{rope_type}' is not supported "
                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(scaling: dict) -> float:
+    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+        raise ModelLoadError("config.json: rope_scaling of type 'yarn' needs 'factor' and "
+                             "'original_max_position_embeddings'")
+    return float(scaling["factor"])
+
+
+def _yarn_inv_frequencies(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers' _compute_yarn_parameters: high frequencies kept,
+    low ones divided by ``factor``, a linear ramp between the beta_fast / beta_slow rotations."""
+    factor = _yarn_factor(scaling)
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(scaling: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other types): ``attention_factor`` if the
+    config gives it, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+    set (DeepSeek), else mscale(factor)."""
+    if scaling.get("rope_type", "default") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -49,8 +100,12 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        af = attention_factor(scaling)
+        if af != 1.0:
+            cos, sin = cos * af, sin * af
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] → (cos, sin) each [T, 1, head_dim], broadcast over heads."""

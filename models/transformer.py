@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from models.config import ArchConfig
-from models.layers import Attention, DecoderLayer, RMSNorm
+from models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from models.moe import SparseMoE, expected_expert_tensors, expert_param_for, is_remote_expert
 from models.rope import RotaryEmbedding
 
 
@@ -21,7 +22,9 @@ class _Body(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, attention_cls):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, attention_cls) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, attention_cls, SparseMoE(cfg, dtype) if cfg.is_moe_layer(i) else MLP(cfg, dtype))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -59,23 +62,32 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight).float()
 
     # ---- loading ---------------------------------------------------------------------------
-    def param_for(self, name: str) -> tuple[str, slice | None]:
+    def param_for(self, name: str) -> tuple[str, slice | tuple | None]:
         """Maps a checkpoint tensor name to (our parameter name, rows of it) or raises KeyError."""
+        if self.cfg.moe is not None:
+            expert = expert_param_for(self.cfg, name)  # mlp.experts.E.* → the fused experts' rows
+            if expert is not None:
+                return expert
         for frag, (fused, part) in self.STACKED.items():
             if frag in name:
                 c = self.cfg
                 if fused == ".qkv_proj.":
                     bounds = {"q": (0, c.q_size), "k": (c.q_size, c.q_size + c.kv_size),
                               "v": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}[part]
-                else:
-                    bounds = {"gate": (0, c.intermediate_size),
-                              "up": (c.intermediate_size, 2 * c.intermediate_size)}[part]
+                else:  # the MLP's own width: dense, or a MoE layer's shared experts
+                    pname = name.replace(frag, fused)
+                    try:
+                        inter = self.get_submodule(pname[:pname.index(fused)]).inter
+                    except AttributeError:  # no such module: the loader reports the unexpected tensor
+                        return pname, None
+                    bounds = {"gate": (0, inter), "up": (inter, 2 * inter)}[part]
                 return name.replace(frag, fused), slice(*bounds)
         return name, None
 
     def is_ignorable(self, name: str) -> bool:
         """Checkpoint tensors we do not need: rope caches, a tied head saved anyway."""
-        return "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight")
+        return ("rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight")
+                or (self.cfg.moe is not None and is_remote_expert(self.cfg, name)))
 
     def expected_tensors(self) -> set[str]:
         """Checkpoint names that must be present (one per parameter row block)."""
@@ -83,7 +95,12 @@ class CausalLM(nn.Module):
         inverse = {fused: [] for fused, _ in self.STACKED.values()}
         for frag, (fused, _) in self.STACKED.items():
             inverse[fused].append(frag)
+        for i, layer in enumerate(self.model.layers):
+            if self.cfg.is_moe_layer(i):
+                names |= expected_expert_tensors(self.cfg, f"model.layers.{i}")
         for pname, _ in self.named_parameters():
+            if pname.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                continue  # listed per expert above, as checkpoints name them
             for fused, frags in inverse.items():
                 if fused in pname:
                     names.update(pname.replace(fused, f) for f in frags)

@@ -4,6 +4,7 @@
     pdkv up     -c configs/local-disagg.yaml [--set ...]   # 1 prefill + 1 decode node on loopback
     pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
     pdkv default-model                                     # build the embedded model, print its path
+    pdkv plan   -c configs/deepseek-r1/cluster-tp8.yaml    # one request's KV plan (pdkv/plan.py)
 
 Config errors exit with status 2 and one line that names the file (or --set), the field and
 what was expected; a model that cannot be loaded exits with status 1.
@@ -42,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config (after --set) as YAML")
     config_args(show)
     sub.add_parser("default-model", help="print the path of the shipped default model")
+    plan = sub.add_parser("plan", help="what one request costs a deployment (KV bytes, pages and writes per "
+                                       "rank pair, bytes per NIC, immediates, weights per rank); no weights read")
+    plan.add_argument("-c", "--config", metavar="FILE", required=True, help="cluster or role YAML")
+    plan.add_argument("--prompt-len", type=int, default=4096, metavar="N", help="prompt tokens (default 4096)")
+    plan.add_argument("--topo", metavar="DIR", default=None, help="a captured sysfs tree (tools/topo --capture); "
+                                                                  "default: this host")
+    plan.add_argument("--request-id", default="req-0", help="the request whose seeded replica choice is shown")
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
 
@@ -137,9 +146,21 @@ def cmd_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pdkv.errors import PdkvError
+    from pdkv.plan import cmd_plan
+
+    try:
+        return cmd_plan(args)
+    except PdkvError as e:  # a bad deployment file or model config: one line, status 2
+        print(f"pdkv plan: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "up": cmd_up, "config": cmd_config, "default-model": cmd_default_model}
+    commands = {"serve": cmd_serve, "up": cmd_up, "config": cmd_config, "default-model": cmd_default_model,
+                "plan": _cmd_plan}
     try:
         return commands[args.command](args)
     except ConfigError as e:

@@ -57,13 +57,28 @@ class AttentionBackend:
         """Raises BackendUnavailable when this backend cannot run on ``device`` with ``dtype``;
         called before the weights load, so a bad choice fails fast."""
 
+    # Can attend over a latent cache (kv_cache.kv_parts == 1, MLA): see ``forward``.
+    supports_latent = False
+
     def __init__(self, kv_cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, value_dim: int | None = None):
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.latent = getattr(kv_cache, "kv_parts", 2) == 1
+        self.value_dim = value_dim or head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+
+    def fresh_prefill_spans(self, meta) -> list[tuple[int, int]] | None:
+        """[(start, end)] per sequence when every sequence of the step is a first prefill chunk
+        (its keys are exactly its new tokens), else None; None here: the model never skips
+        ``forward`` (MLA's decompressed prefill, models/mla.py, needs ``write`` too)."""
+        return None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, meta) -> None:
+        """Writes the step's new k/v into the cache without attending."""
+        raise NotImplementedError
 
     def plan(self, batch: AttentionBatch) -> object:
         """Builds the step's metadata (index tensors, masks) once; returns it."""
@@ -74,5 +89,10 @@ class AttentionBackend:
 
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rope applied).
         Returns [T, num_heads * head_dim].
+
+        Latent cache (MLA, absorbed): k is the latent [T, 1, head_dim], v is None, and each
+        cached latent is both the key and, through its first ``value_dim`` entries, the value:
+        multi-query attention of all query heads over one shared vector. Returns
+        [T, num_heads * value_dim] (still in latent space: the model applies W_UV).
         """
         raise NotImplementedError

@@ -122,9 +122,12 @@ class FlashInferBackend(AttentionBackend):
                                      f"bfloat16, got {dtype}")
         _import_flashinfer()
 
-    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window)
+    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window=None, value_dim=None):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window, value_dim)
         check_head_dim(head_dim)
+        if value_dim is not None and value_dim != head_dim:
+            raise ValueError(f"the flashinfer backend serves K/V caches only, not an MLA latent "
+                             f"(value_dim {value_dim} != head_dim {head_dim}): use attention_backend: torch")
         self.check_available(kv_cache.device, kv_cache.dtype)
         fi = _import_flashinfer()
         device = torch.device(kv_cache.device)

@@ -3,7 +3,10 @@ Hugging Face `generate` on the same model, prompts and machine, in the same run;
 of a decode step (weight bytes over the memory read bandwidth measured now).
 
 Model: a seeded random ~57M-parameter Llama (hidden 512, 8 layers, 8 heads / 2 KV heads,
-intermediate 1536, vocab 32000, float32) written by pdkv.tiny_model unless --model is given.
+intermediate 1536, vocab 32000, float32) written by pdkv.tiny_model unless --model is given;
+``--model-kind qwen3_moe|deepseek_v3`` builds a MoE model of the same trunk instead
+(pdkv/bench/_moe.py), whose floor counts only the parameters a decode step reads: attention,
+dense and shared MLPs, the router and top_k routed experts per layer.
 Workload per batch size B: B prompts of --prompt-len random tokens, --new-tokens greedy tokens
 each (eos ignored). Prefill tok/s = B * prompt_len / time to every request's first token;
 decode tok/s = B * (new_tokens - 1) / time of the remaining steps. Hugging Face is timed the same
@@ -102,6 +105,8 @@ def bench_hf(model, prompts, new_tokens, threads):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench engine", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: build the 57M bench model)")
+    ap.add_argument("--model-kind", default="llama", choices=("llama", "qwen3_moe", "deepseek_v3"),
+                    help="the bench model to build when --model is not given")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -120,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = a.threads
     torch.set_num_threads(threads)
     tmp = None
-    if a.model is None:
+    if a.model is None and a.model_kind != "llama":
+        from pdkv.bench._moe import make_moe_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
+        a.model = str(make_moe_model(a.model_kind, Path(tmp.name) / f"bench-{a.model_kind}"))
+    elif a.model is None:
         from pdkv.tiny_model import make_tiny_model
 
         tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
@@ -136,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                                        max_num_seqs=max_b), num_threads=threads)
     nparams = sum(p.numel() for p in engine.loaded.model.parameters())
     bw = measure_read_bandwidth(threads)
-    wbytes = decode_weight_bytes(engine.loaded.model)
+    if engine.loaded.arch.moe is not None:
+        from pdkv.bench._moe import active_decode_bytes
+
+        wbytes = active_decode_bytes(engine.loaded.model)  # the active-parameter floor (batch 1)
+    else:
+        wbytes = decode_weight_bytes(engine.loaded.model)
     floor_s = wbytes / bw
     hf = None
     if not a.no_hf:

@@ -34,9 +34,7 @@ def dtype_name(engine) -> str:
 
 
 def kv_geometry(engine) -> KVGeometry:
-    kv = engine.kv
-    return KVGeometry(num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,
-                      dtype=dtype_name(engine), layout=kv.layout)
+    return engine.kv.geometry()  # K/V heads, or an MLA latent (kv_parts=1, replicated)
 
 
 # What ``parallel`` must equal on both sides: the TP degrees may differ (the shard plan bridges

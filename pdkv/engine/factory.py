@@ -108,8 +108,10 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     arch = loaded.arch
     max_model_len = model.max_model_len or arch.max_position_embeddings
 
-    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-    page_bytes = 2 * arch.num_kv_heads * kv_cache.page_size * arch.head_dim * itemsize * arch.num_layers
+    from models.kv_layout import kv_layout  # noqa: PLC0415 - K/V heads or an MLA latent, per arch
+
+    layout = kv_layout(arch)
+    page_bytes = layout.page_bytes(kv_cache.page_size, loaded.dtype) * arch.num_layers
     pages_per_seq = -(-max_model_len // kv_cache.page_size)
     num_pages = num_pages_for(kv_cache, page_bytes, device, scheduler.max_num_seqs * pages_per_seq)
     if callable(kv_buffer):  # a factory: memory of exactly the cache's size (the messenger registers it)
@@ -118,11 +120,10 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         tp.wait_loaded()
         kv_buffer = tp.setup_kv(arch, loaded.full_arch, loaded.dtype, num_pages, kv_cache.page_size,
                                 kv_cache.layout, model.attention_backend)
-    kv = KVCache(arch.num_layers, num_pages, kv_cache.page_size, arch.num_kv_heads, arch.head_dim,
-                 loaded.dtype, kv_cache.layout, device, buffer=kv_buffer)
+    kv = layout.make_cache(arch.num_layers, num_pages, kv_cache.page_size, loaded.dtype, kv_cache.layout, device,
+                           buffer=kv_buffer)
     allocator = PageAllocator(num_pages)
-    backend = get_backend(model.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                   arch.head_dim ** -0.5, arch.sliding_window)
+    backend = layout.make_backend(model.attention_backend, kv)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
     sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
                       scheduler.max_num_seqs)

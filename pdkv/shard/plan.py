@@ -105,7 +105,8 @@ class ShardPlan:
         lines = [
             f"shard plan: prefill tp={src.tp} -> decode tp={dst.tp}; {g.num_kv_heads} KV heads x "
             f"{g.head_dim} dim, page {g.page_size} tokens, {g.dtype}, {g.layout}"
-            + (", replicated latent" if g.replicated else ""),
+            + (", latent (one vector per token)" if g.kv_parts == 1 else "")
+            + (", replicated on every rank" if g.replicated else ""),
         ]
         for name, s in (("prefill", src), ("decode", dst)):
             sets = " ".join("{" + ",".join(map(str, rs)) + "}" for rs in s.replica_sets)
@@ -144,12 +145,12 @@ def _pair_segments(src: ShardSpec, p: int, dst: ShardSpec, d: int, heads: range)
     if g.layout == "HND":
         # A head's page_size tokens are contiguous: the piece is the whole head.
         unit = g.page_size * g.head_dim * g.elem_size
-        pieces = [(dst.offset(kv, h - d0, 0), src.offset(kv, h - s0, 0)) for kv in (0, 1) for h in heads]
+        pieces = [(dst.offset(kv, h - d0, 0), src.offset(kv, h - s0, 0)) for kv in range(g.kv_parts) for h in heads]
     else:
         unit = g.head_dim * g.elem_size
         pieces = [
             (dst.offset(kv, h - d0, t), src.offset(kv, h - s0, t))
-            for kv in (0, 1)
+            for kv in range(g.kv_parts)
             for t in range(g.page_size)
             for h in heads
         ]
@@ -173,7 +174,7 @@ def check_compatible(prefill: ShardSpec, decode: ShardSpec) -> None:
     a, b = prefill.geometry, decode.geometry
     diffs = [
         f"{name} {getattr(a, name)!r} (prefill) != {getattr(b, name)!r} (decode)"
-        for name in ("num_kv_heads", "head_dim", "page_size", "dtype", "layout", "replicated")
+        for name in ("num_kv_heads", "head_dim", "page_size", "dtype", "layout", "replicated", "kv_parts")
         if getattr(a, name) != getattr(b, name)
     ]
     if diffs:

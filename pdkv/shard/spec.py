@@ -11,6 +11,10 @@ Head ownership follows vLLM's convention:
 - ``num_kv_heads < tp``: each head lives on R = tp // num_kv_heads ranks; rank r holds head r // R.
 - ``replicated`` (an MLA latent, one vector that every rank needs): every rank holds every head.
 
+``kv_parts`` is 2 for a K/V cache and 1 for an MLA latent (DeepSeek-V3: per token and layer one
+vector of kv_lora_rank + qk_rope_head_dim values, no K/V split, ``num_kv_heads`` 1). A latent
+page is then [1, 1, page_size, latent_dim] in either layout: one contiguous run of bytes.
+
 A **replica set** is a group of ranks that together hold exactly one full copy of the cache
 (the seed: "set di repliche che replicano l'intera cache KV al loro interno"). Set k is
 {h * R + k for every head h}: one rank per head. Without replication there is one set (all
@@ -58,6 +62,7 @@ class KVGeometry:
     dtype: str
     layout: str = "HND"
     replicated: bool = False  # MLA-style latent: every rank holds the whole cache
+    kv_parts: int = 2  # 2: K and V; 1: one latent vector per token (MLA)
 
     def __post_init__(self) -> None:
         _positive_int("num_kv_heads", self.num_kv_heads)
@@ -71,6 +76,8 @@ class KVGeometry:
             raise ShardPlanError(f"layout must be HND or NHD, got {self.layout!r}")
         if not isinstance(self.replicated, bool):
             raise ShardPlanError(f"replicated must be a bool, got {self.replicated!r}")
+        if isinstance(self.kv_parts, bool) or self.kv_parts not in (1, 2):
+            raise ShardPlanError(f"kv_parts must be 2 (K and V) or 1 (an MLA latent), got {self.kv_parts!r}")
 
     @property
     def elem_size(self) -> int:
@@ -85,6 +92,7 @@ class KVGeometry:
             "dtype": self.dtype,
             "layout": self.layout,
             "replicated": self.replicated,
+            "kv_parts": self.kv_parts,
         }
 
     @classmethod
@@ -95,7 +103,7 @@ class KVGeometry:
         missing = [f for f in fields if f not in d]
         if missing:
             raise ShardPlanError(f"KV geometry is missing {', '.join(missing)}")
-        return cls(**{f: d[f] for f in fields})
+        return cls(**{f: d[f] for f in fields}, kv_parts=d.get("kv_parts", 2))
 
 
 @dataclass(frozen=True)
@@ -154,9 +162,9 @@ class ShardSpec:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one rank's page (one layer): 2 * heads_per_rank * page_size * head_dim * elem."""
+        """Bytes of one rank's page (one layer): kv_parts * heads_per_rank * page_size * head_dim * elem."""
         g = self.geometry
-        return 2 * self.heads_per_rank * g.page_size * g.head_dim * g.elem_size
+        return g.kv_parts * self.heads_per_rank * g.page_size * g.head_dim * g.elem_size
 
     def offset(self, kv: int, local_head: int, token: int) -> int:
         """Byte offset in this side's rank page of the head_dim vector (kv, local_head, token)."""

@@ -134,14 +134,14 @@ class TPLeader:
         """Creates every rank's KV memory and returns rank 0's (a flat uint8 tensor for
         ``KVCache(buffer=...)``). ``arch``: a rank's share (every rank holds the same number of
         heads); ``full_arch``: the checkpoint's. Sets ``regions`` and ``shard_spec``."""
+        from models.kv_layout import kv_geometry, kv_layout  # noqa: PLC0415
         from models.parallel import TPLayout  # noqa: PLC0415
-        from pdkv.kv import KVCache  # noqa: PLC0415
-        from pdkv.shard.spec import KVGeometry, ShardSpec  # noqa: PLC0415
+        from pdkv.shard.spec import ShardSpec  # noqa: PLC0415
 
-        self.shard_spec = ShardSpec(self.size, KVGeometry(full_arch.num_kv_heads, full_arch.head_dim, page_size,
-                                                          str(dtype).removeprefix("torch."), layout))
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = 2 * arch.num_kv_heads * page_size * arch.head_dim * itemsize * num_pages * arch.num_layers
+        self.shard_spec = ShardSpec(self.size, kv_geometry(full_arch, page_size, str(dtype).removeprefix("torch."),
+                                                           layout))
+        lay = kv_layout(arch)  # K/V heads or an MLA latent (replicated: every rank the whole cache)
+        nbytes = lay.page_bytes(page_size, dtype) * num_pages * arch.num_layers
         msg = {"nbytes": nbytes, "num_pages": num_pages, "page_size": page_size, "layout": layout,
                "attention_backend": attention_backend}
         if self.device.type == "cuda":
@@ -157,8 +157,7 @@ class TPLeader:
                 b.unlink()  # NOTE: every rank has mapped it; the name is no longer needed
             flats = [b.tensor() for b in bufs]
         for r, flat in enumerate(flats):
-            cache = KVCache(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype,
-                            layout, flat.device, buffer=flat)
+            cache = lay.make_cache(arch.num_layers, num_pages, page_size, dtype, layout, flat.device, buffer=flat)
             self.regions.append(KVRegion(r, flat.data_ptr(), nbytes, str(flat.device),
                                          tuple(TPLayout(r, self.size, full_arch).kv_heads), cache))
         return flats[0]

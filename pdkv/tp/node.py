@@ -7,7 +7,7 @@ what the handshake sends. With ``parallel.tp == 1`` the engine's own cache is th
 
 from __future__ import annotations
 
-from pdkv.shard.spec import KVGeometry, ShardSpec
+from pdkv.shard.spec import ShardSpec
 from pdkv.tp.leader import KVRegion
 
 
@@ -24,5 +24,4 @@ def shard_spec(engine) -> ShardSpec:
     if engine.tp is not None:
         return engine.tp.shard_spec
     kv = engine.kv
-    return ShardSpec(1, KVGeometry(kv.num_kv_heads, kv.head_dim, kv.page_size,
-                                   str(kv.dtype).removeprefix("torch."), kv.layout))
+    return ShardSpec(1, kv.geometry())  # an MLA latent says kv_parts=1, replicated

@@ -41,10 +41,9 @@ def serve(ch, fd_sock) -> None:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from models.attention import get_backend  # noqa: PLC0415
+    from models.kv_layout import kv_layout  # noqa: PLC0415
     from models.loader import load_model  # noqa: PLC0415
     from models.parallel import TensorParallel  # noqa: PLC0415
-    from pdkv.kv import KVCache  # noqa: PLC0415
 
     kind, init = ch.recv()
     if kind != "init":
@@ -66,10 +65,10 @@ def serve(ch, fd_sock) -> None:
         return
     arch = loaded.arch  # this rank's share
     keep, flat, address = _kv_buffer(kv, rank, device, fd_sock)
-    cache = KVCache(arch.num_layers, kv["num_pages"], kv["page_size"], arch.num_kv_heads, arch.head_dim,
-                    loaded.dtype, kv["layout"], device, buffer=flat)
-    backend = get_backend(kv["attention_backend"])(cache, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                   arch.head_dim ** -0.5, arch.sliding_window)
+    lay = kv_layout(arch)  # K/V heads or an MLA latent
+    cache = lay.make_cache(arch.num_layers, kv["num_pages"], kv["page_size"], loaded.dtype, kv["layout"], device,
+                           buffer=flat)
+    backend = lay.make_backend(kv["attention_backend"], cache)
     ch.send("ready", {"address": address, "nbytes": cache.nbytes, "pid": os.getpid()})
     with torch.inference_mode():
         while True:

@@ -43,5 +43,5 @@ def test_apply_rope_is_rotate_half():
 
 
 def test_unknown_rope_type_is_named():
-    with pytest.raises(ModelLoadError, match="yarn.*default, linear, llama3"):
-        inv_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="longrope.*default, linear, llama3, yarn"):
+        inv_frequencies(64, 10000.0, {"rope_type": "longrope", "factor": 2.0})

@@ -32,13 +32,15 @@ def owned_heads(tp: int, rank: int, num_heads: int, replicated: bool) -> list[in
     return [rank // (tp // num_heads)]
 
 
-def full_cache(num_heads: int) -> np.ndarray:
-    """Logical cache of one page of one layer: [2, num_heads, PAGE, HEAD_DIM], unique labels > 0."""
-    return (np.arange(2 * num_heads * PAGE * HEAD_DIM, dtype=np.uint16) + 1).reshape(2, num_heads, PAGE, HEAD_DIM)
+def full_cache(num_heads: int, parts: int = 2) -> np.ndarray:
+    """Logical cache of one page of one layer: [parts, num_heads, PAGE, HEAD_DIM] (parts 2: K and
+    V; 1: an MLA latent), unique labels > 0."""
+    n = parts * num_heads * PAGE * HEAD_DIM
+    return (np.arange(n, dtype=np.uint16) + 1).reshape(parts, num_heads, PAGE, HEAD_DIM)
 
 
 def rank_page(full: np.ndarray, heads: list[int], layout: str) -> np.ndarray:
-    """Bytes of a rank's page: HND [2, hl, P, D] or NHD [2, P, hl, D], flattened to uint8."""
+    """Bytes of a rank's page: HND [parts, hl, P, D] or NHD [parts, P, hl, D], flattened to uint8."""
     sub = full[:, heads]
     if layout == "NHD":
         sub = sub.transpose(0, 2, 1, 3)
@@ -58,10 +60,10 @@ def seeds_covering_every_offset(num_src_sets: int) -> list[int]:
 COMBOS = list(itertools.product(TPS, TPS, HEADS, ("HND", "NHD"), (False, True)))
 
 
-def replay(tp_p, tp_d, num_heads, layout, replicated):
-    geometry = KVGeometry(num_heads, HEAD_DIM, PAGE, DTYPE, layout, replicated)
+def replay(tp_p, tp_d, num_heads, layout, replicated, kv_parts=2):
+    geometry = KVGeometry(num_heads, HEAD_DIM, PAGE, DTYPE, layout, replicated, kv_parts)
     plan = plan_transfers(tp_p, tp_d, geometry)
-    full = full_cache(num_heads)
+    full = full_cache(num_heads, kv_parts)
     src_heads = [owned_heads(tp_p, r, num_heads, replicated) for r in range(tp_p)]
     dst_heads = [owned_heads(tp_d, r, num_heads, replicated) for r in range(tp_d)]
     src_pages = [rank_page(full, h, layout) for h in src_heads]

@@ -1,0 +1,250 @@
+"""``pdkv plan``: what one request costs a disaggregated deployment, from its files alone.
+
+    pdkv plan -c configs/deepseek-r1/cluster-tp8.yaml [--prompt-len 4096] [--topo DIR] [--json]
+
+Reads the deployment (a cluster file: shared sections plus ``prefill:`` / ``decode:`` overrides
+and a ``deployment:`` section with node counts; or a single role file, planned against a peer
+of the same TP degree) and the model's ``config.json`` only: the model is built on the meta
+device, no weight is read. For one request of ``--prompt-len`` tokens it prints the KV bytes
+per token and per request, the shard plan's pages and writes per (prefill rank, decode rank)
+pair for that request's seeded replica choice, the bytes each NIC carries (rank r sits on the
+r-th GPU in PCI order and sends through its nearest RDMA NIC, as pdkv/topo places it), the
+immediate count the decode node waits for, and the weight memory of a rank on each side.
+
+The decode node holds the prompt's last token back (DESIGN.md), so prompt_len - 1 tokens move;
+every write moves whole pages, and one more write carries the last hidden state.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from pdkv.errors import PdkvError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(PdkvError, ValueError):
+    """A deployment file ``pdkv plan`` cannot read; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Side:
+    role: str
+    tp: int
+    nodes: int  # nodes of this role in the deployment
+    engines_per_node: int  # data parallel: independent engines (each tp ranks) on one node
+    dtype: str
+    page_size: int
+    layout: str
+
+
+@dataclass(frozen=True)
+class Deployment:
+    source: str
+    model_path: Path
+    prefill: Side
+    decode: Side
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in (over or {}).items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def _get(cfg: dict, dotted: str, source: str, default=None, kind=None):
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node or node[part] is None:
+            if default is None:
+                raise PlanError(f"{source}: missing {dotted}")
+            return default
+        node = node[part]
+    if kind is int and (isinstance(node, bool) or not isinstance(node, int) or node < 1):
+        raise PlanError(f"{source}: {dotted} must be a positive integer, got {node!r}")
+    return node
+
+
+def load_deployment(path: str | Path) -> Deployment:
+    source = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except OSError as e:
+        raise PlanError(f"{source}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"{source}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{source}: expected a mapping at the top level")
+    dep = raw.get("deployment") or {}
+    shared = {k: v for k, v in raw.items() if k not in ("prefill", "decode", "deployment")}
+    sides = {}
+    for role in ("prefill", "decode"):
+        cfg = _merge(shared, raw.get(role) or {}) if ("prefill" in raw or "decode" in raw) else shared
+        where = f"{source} ({role})"
+        dtype = _get(cfg, "model.dtype", where, "bfloat16")
+        if dtype not in DTYPE_BYTES:
+            raise PlanError(f"{where}: model.dtype must be one of {', '.join(DTYPE_BYTES)} (resolved), got {dtype!r}")
+        layout = _get(cfg, "kv_cache.layout", where, "HND")
+        if layout not in ("HND", "NHD"):
+            raise PlanError(f"{where}: kv_cache.layout must be HND or NHD, got {layout!r}")
+        sides[role] = Side(role, _get(cfg, "parallel.tp", where, 1, int), _get(dep, f"{role}_nodes", source, 1, int),
+                           _get(dep, f"{role}_engines_per_node", source, 1, int), dtype,
+                           _get(cfg, "kv_cache.page_size", where, 16, int), layout)
+    for field in ("dtype", "page_size", "layout"):
+        if getattr(sides["prefill"], field) != getattr(sides["decode"], field):
+            raise PlanError(f"{source}: prefill and decode disagree on {field} ({getattr(sides['prefill'], field)!r} "
+                            f"vs {getattr(sides['decode'], field)!r}); the handshake would refuse them")
+    model = _get(_merge(shared, raw.get("decode") or {}), "model.path", source)
+    model_path = Path(model)
+    if not model_path.is_absolute() and not model_path.exists():
+        model_path = Path(path).parent / model  # relative to the file, when not to the working dir
+    if not (model_path / "config.json").is_file():
+        raise PlanError(f"{source}: model.path {model!r} has no config.json")
+    return Deployment(source, model_path, sides["prefill"], sides["decode"])
+
+
+def weight_bytes_per_rank(arch, tp: int, dtype: str) -> list[int]:
+    """Parameter bytes of each of ``tp`` ranks, from a model built on the meta device. Every rank
+    holds the same shapes (TPLayout only accepts even splits), so rank 0 is built and repeated."""
+    import torch  # noqa: PLC0415
+
+    from models.parallel import TPLayout, TensorParallelError  # noqa: PLC0415
+    from models.registry import MODEL_REGISTRY  # noqa: PLC0415
+
+    try:
+        local = TPLayout(0, tp, arch).local_arch() if tp > 1 else arch
+    except TensorParallelError as e:
+        raise PlanError(str(e)) from None
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[arch.architecture](local, getattr(torch, dtype))
+    return [sum(p.numel() * p.element_size() for p in model.parameters())] * tp
+
+
+def _nics(topo, num_ranks: int) -> list[str]:
+    """The NIC rank r sends through: the nearest RDMA device of the r-th GPU (PCI order)."""
+    from pdkv.topo import placement  # noqa: PLC0415
+
+    out = []
+    for r in range(num_ranks):
+        if topo is None or r >= len(topo.gpus):
+            out.append(f"rank{r}:no-gpu")
+            continue
+        nics = placement(topo, topo.gpus[r].bus_id, ["auto"]).nics
+        out.append(nics[0] if nics else f"gpu{r}:no-nic")
+    return out
+
+
+def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = "req-0",
+                 num_requests: int = 1000) -> dict:
+    """The report (a plain dict, what ``--json`` prints)."""
+    from models.config import parse_arch_config  # noqa: PLC0415
+    from models.kv_layout import kv_geometry  # noqa: PLC0415
+    from models.loader import read_json  # noqa: PLC0415
+    from pdkv.disagg.writes import expected_writes  # noqa: PLC0415
+    from pdkv.shard import plan_transfers, request_seed  # noqa: PLC0415
+
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise PlanError(f"--prompt-len must be a positive integer, got {prompt_len!r}")
+    arch = parse_arch_config(read_json(dep.model_path / "config.json"), str(dep.model_path / "config.json"))
+    p, d = dep.prefill, dep.decode
+    geo = kv_geometry(arch, p.page_size, p.dtype, p.layout)
+    plan = plan_transfers(p.tp, d.tp, geo)
+    L, elem = arch.num_layers, DTYPE_BYTES[p.dtype]
+    per_token = L * geo.kv_parts * geo.num_kv_heads * geo.head_dim * elem  # one copy of the cache
+    tokens = prompt_len - 1
+    pages = math.ceil(tokens / p.page_size)
+    seed = request_seed(request_id)
+    pair_rows, by_src = [], collections.Counter()
+    for pair in plan.active_pairs(seed):
+        seg_bytes = sum(s.length for s in pair.segments)
+        row = {"prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank, "pages": pages,
+               "writes": len(pair.segments) * pages * L, "bytes": seg_bytes * pages * L}
+        pair_rows.append(row)
+        by_src[pair.prefill_rank] += row["bytes"]
+    hidden = arch.hidden_size * elem
+    src_nics, dst_nics = _nics(topo, p.tp), _nics(topo, d.tp)
+    nic_tx, nic_rx = collections.Counter(), collections.Counter()
+    for row in pair_rows:
+        nic_tx[src_nics[row["prefill_rank"]]] += row["bytes"]
+        nic_rx[dst_nics[row["decode_rank"]]] += row["bytes"]
+    nic_tx[src_nics[0]] += hidden  # the hidden state leaves from prefill rank 0 for decode rank 0
+    nic_rx[dst_nics[0]] += hidden
+    share = collections.Counter()  # bytes per prefill rank over many seeded requests
+    for i in range(num_requests):
+        for pair in plan.active_pairs(request_seed(f"{request_id}-{i}")):
+            share[pair.prefill_rank] += sum(s.length for s in pair.segments)
+    total_share = sum(share.values()) or 1
+    weights = {s.role: weight_bytes_per_rank(arch, s.tp, s.dtype) for s in (p, d)}
+    return {
+        "deployment": dep.source, "model": str(dep.model_path), "architecture": arch.architecture,
+        "num_layers": L, "cache": ("latent" if geo.kv_parts == 1 else "kv"),
+        "values_per_token_per_layer": geo.kv_parts * geo.num_kv_heads * geo.head_dim,
+        "dtype": p.dtype, "page_size": p.page_size, "layout": p.layout,
+        "prefill": asdict(p), "decode": asdict(d),
+        "kv_bytes_per_token": per_token, "prompt_len": prompt_len, "tokens_moved": tokens,
+        "kv_bytes_per_request": per_token * tokens, "pages": pages,
+        "page_bytes_per_rank_per_layer": plan.decode.page_bytes,
+        "replicated": geo.replicated, "decode_copies": plan.decode.num_replicas,
+        "request_id": request_id, "pairs": pair_rows,
+        "wire_bytes": sum(r["bytes"] for r in pair_rows) + hidden, "hidden_state_bytes": hidden,
+        "nic_bytes": {"prefill": dict(nic_tx), "decode": dict(nic_rx)},
+        "expected_immediates": expected_writes(plan, pages, L),
+        "expected_writes_per_decode_rank": [plan.expected_writes(r, pages, L) for r in range(d.tp)],
+        "prefill_rank_share": {str(r): share[r] / total_share for r in range(p.tp)},
+        "weight_bytes_per_rank": weights,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
+
+
+def render(r: dict) -> str:
+    p, d = r["prefill"], r["decode"]
+    dp = f" x {d['engines_per_node']} engines/node (data parallel)" if d["engines_per_node"] > 1 else ""
+    lines = [
+        f"deployment {r['deployment']}: {r['architecture']}, {r['num_layers']} layers, {r['dtype']}, "
+        f"page {r['page_size']} tokens, {r['layout']}",
+        f"  prefill: {p['nodes']} node(s), TP{p['tp']}    decode: {d['nodes']} node(s), TP{d['tp']}{dp}",
+        f"  cache: {r['cache']}, {r['values_per_token_per_layer']} values/token/layer"
+        + (", replicated on every rank" if r["replicated"] else ""),
+        f"  KV bytes per token: {r['kv_bytes_per_token']:,}",
+        f"one request, prompt {r['prompt_len']} tokens ({r['tokens_moved']} move; the last is decoded):",
+        f"  KV bytes: {r['kv_bytes_per_request']:,} ({_gib(r['kv_bytes_per_request'])}); {r['pages']} pages",
+        f"  on the wire: {r['wire_bytes']:,} bytes ({_gib(r['wire_bytes'])}) = {r['decode_copies']} decode "
+        f"cop{'y' if r['decode_copies'] == 1 else 'ies'} of whole pages + {r['hidden_state_bytes']} B hidden state",
+        f"  pairs for request {r['request_id']!r} (seeded replica choice):",
+    ]
+    for row in r["pairs"]:
+        lines.append(f"    p{row['prefill_rank']} -> d{row['decode_rank']}: {row['pages']} pages, "
+                     f"{row['writes']:,} writes, {row['bytes']:,} B")
+    for side in ("prefill", "decode"):
+        nics = ", ".join(f"{n}={b:,}" for n, b in sorted(r["nic_bytes"][side].items()))
+        lines.append(f"  bytes per NIC ({side}): {nics}")
+    lines.append(f"  expected immediates at the decode node: {r['expected_immediates']:,} "
+                 f"(per decode rank {r['expected_writes_per_decode_rank']} + 1 hidden state)")
+    share = ", ".join(f"p{k}={v:.1%}" for k, v in r["prefill_rank_share"].items())
+    lines.append(f"  over many requests, prefill rank shares of the bytes: {share}")
+    for side in ("prefill", "decode"):
+        w = r["weight_bytes_per_rank"][side]
+        lines.append(f"  weights per rank ({side}, {r['dtype']}): {_gib(w[0])}" +
+                     ("" if len(set(w)) == 1 else f" (max {_gib(max(w))})"))
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    from pdkv.topo import discover  # noqa: PLC0415
+
+    dep = load_deployment(args.config)
+    topo = discover(args.topo) if args.topo else discover("/")
+    report = plan_request(dep, args.prompt_len, topo, args.request_id)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
