@@ -72,7 +72,7 @@ def thread_ratios(engine, reps: int = 3) -> None:
                     if n:
                         seqs.append(ScheduledSeq(pre, [1] * n, start, False))
                     t = time.perf_counter()
-                    runner.execute(seqs)
+                    runner.execute(seqs, engine.connector)
                     times.setdefault((n, start, threads), []).append((time.perf_counter() - t) * 1e3)
     finally:
         runner_mod.SMALL_STEP_TOKENS, runner.tuner.choose_large = saved

@@ -56,9 +56,9 @@ class PartClock:
         self._wrap(runner, "sampler", "sampler")
         execute = runner.execute
 
-        def recording(seqs):
+        def recording(seqs, *args, **kw):  # execute(seqs, connector)
             self.last_seqs = list(seqs)
-            return execute(seqs)
+            return execute(seqs, *args, **kw)
 
         runner.execute = recording
 

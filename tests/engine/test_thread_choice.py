@@ -58,7 +58,7 @@ def test_a_mixed_step_runs_on_one_thread_when_decodes_measured_busy_cores(tiny_m
     engine = LLMEngine(ModelConfig(path=str(tiny_model_dir)), KVCacheConfig(page_size=16, num_pages=64),
                        SchedulerConfig(max_num_batched_tokens=64, chunk_size=32), num_threads=2)
     seen = []
-    engine.runner.set_layer_hook(lambda layer: seen.append(torch.get_num_threads()))
+    engine.connector.after_layer = lambda layer: seen.append(torch.get_num_threads())
     before = torch.get_num_threads()
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -74,5 +74,5 @@ def test_a_mixed_step_runs_on_one_thread_when_decodes_measured_busy_cores(tiny_m
         engine.step()  # one decode + the 25-token last chunk
         assert seen and set(seen) == {2}, seen
     finally:
-        engine.runner.set_layer_hook(None)
+        engine.connector.after_layer = None
         torch.set_num_threads(before)

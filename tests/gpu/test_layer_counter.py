@@ -102,7 +102,7 @@ def test_at_layer_i_of_a_forward_the_counter_reads_base_plus_i_plus_1(tiny_model
                      written.index(False) if False in written else num_layers))
 
     posted_before = [0]
-    engine.runner.set_layer_hook(hook)
+    engine.connector.after_layer = hook
     try:
         engine.add_request("r", list(range(1, 20)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         for _ in range(3):  # prefill + 2 decodes: three forward passes
@@ -114,7 +114,7 @@ def test_at_layer_i_of_a_forward_the_counter_reads_base_plus_i_plus_1(tiny_model
             engine.step()
             assert counter.value() == base[0] + num_layers
     finally:
-        engine.runner.set_layer_hook(None)
+        engine.connector.after_layer = None
         a.close()
         b.close()
     # at layer i: the counter read base + i + 1, exactly i + 1 of the step's batches had left,
