@@ -91,6 +91,27 @@ class ParallelConfig:
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
 
 
+SPEC_METHODS = ("ngram", "draft", "mtp")
+MAX_SPEC_TOKENS = 16  # drafts per step: more never pays (acceptance decays geometrically)
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    path: str = ""  # a local Hugging Face folder with the target's tokenizer (method draft)
+    num_pages: int | None = None  # the draft's own KV pages; None: as many as the target's
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # Speculative decoding (pdkv/engine/spec): a proposer drafts up to num_tokens tokens per
+    # running request, the target verifies them in one forward pass. None: off.
+    method: str | None = None  # ngram | draft | mtp
+    num_tokens: int = 4  # k: draft tokens per verification step
+    ngram_min: int = 1  # ngram: shortest suffix matched against prompt + output (vLLM prompt_lookup_min)
+    ngram_max: int = 3  # ngram: longest suffix tried first (vLLM prompt_lookup_max)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+
+
 @dataclass(frozen=True)
 class Config:
     role: str = "colocated"
@@ -100,6 +121,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     messenger: MessengerConfig = field(default_factory=MessengerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the file this config came from, for error messages
 
 
@@ -352,6 +374,21 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         host, _, port = peer.rpartition(":")
         need(bool(host) and port.isdigit() and 0 < int(port) <= 65535, "messenger.prefill_peers",
              "a list of host:port (each prefill node's messenger.control_port)", peer)
+    sp = cfg.speculative
+    if sp.method is not None:
+        one_of("speculative.method", sp.method, SPEC_METHODS)
+        need(1 <= sp.num_tokens <= MAX_SPEC_TOKENS, "speculative.num_tokens",
+             f"an integer in [1, {MAX_SPEC_TOKENS}]", sp.num_tokens)
+        need(1 <= sp.ngram_min <= sp.ngram_max, "speculative.ngram_min",
+             f"in [1, speculative.ngram_max ({sp.ngram_max})]", sp.ngram_min)
+        if sp.method == "draft":
+            need(bool(sp.draft_model.path), "speculative.draft_model.path",
+                 "a local Hugging Face model folder for method draft", sp.draft_model.path)
+        if sp.draft_model.path and check_paths:
+            need(Path(sp.draft_model.path).is_dir(), "speculative.draft_model.path",
+                 "a local Hugging Face model folder that exists", sp.draft_model.path)
+        need(cfg.role == "colocated", "speculative.method",
+             "null for disaggregated roles (speculative decoding is colocated only for now)", sp.method)
     if cfg.role in ("prefill", "decode"):
         # NOTE: the transports read and write KV pages as host memory; GPU KV caches need GPUDirect
         # RDMA registration (cuMem export to the NIC), which the disaggregated roles do not do yet.
