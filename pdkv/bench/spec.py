@@ -76,7 +76,10 @@ def verify_cost(engine, k: int, iters: int, context: int = 128) -> tuple[float, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: build the tiny looping model)")
-    ap.add_argument("--method", default="ngram", choices=["ngram"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--draft", default="self",
+                    help="method draft: self (the target's own weights: the acceptance upper bound), "
+                         "small (a seeded model 4x narrower, same tokenizer) or a model folder")
     ap.add_argument("--num-tokens", type=int, default=4, help="k, drafts per verification step")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/spec.json")
     a = ap.parse_args(argv)
 
-    from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from pdkv.config import DraftModelConfig, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pdkv.engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(a.threads)
@@ -106,12 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     total = a.prompt_len + a.prefix_tokens + a.new_tokens + a.num_tokens + 1
     kv = KVCacheConfig(page_size=16, num_pages=max(sizes) * (-(-total // 16)) + 16)
     sched = SchedulerConfig(max_num_batched_tokens=4096, chunk_size=1024, max_num_seqs=max(sizes))
-    spec_cfg = SpeculativeConfig(method=a.method, num_tokens=a.num_tokens)
+    draft = DraftModelConfig()
+    if a.method == "draft":
+        path = a.draft
+        if a.draft == "self":
+            path = a.model
+        elif a.draft == "small":
+            from pdkv.tiny_model import make_tiny_model
+
+            tmp_draft = tempfile.TemporaryDirectory(prefix="pdkv-bench-draft-")
+            hf = json.loads((Path(a.model) / "config.json").read_text())
+            path = str(make_tiny_model(Path(tmp_draft.name) / "draft", hidden_size=hf["hidden_size"] // 4,
+                                       num_layers=max(1, hf["num_hidden_layers"] // 2), num_heads=2,
+                                       num_kv_heads=1, vocab_size=hf["vocab_size"], seed=7))
+        draft = DraftModelConfig(path=path)
+    spec_cfg = SpeculativeConfig(method=a.method, num_tokens=a.num_tokens, draft_model=draft)
     plain = LLMEngine(ModelConfig(path=a.model), kv, sched, num_threads=a.threads)
     spec = LLMEngine(ModelConfig(path=a.model), kv, sched, num_threads=a.threads, speculative=spec_cfg)
     gen = torch.Generator().manual_seed(0)
     V = plain.vocab_size
-    print(f"model {a.model}, {a.threads} threads, method {a.method} k={a.num_tokens}, "
+    print(f"model {a.model}, {a.threads} threads, method {a.method} k={a.num_tokens} "
+          f"{('draft ' + a.draft) if a.method == 'draft' else ''}, "
           f"load average {os.getloadavg()[0]:.1f}")
     t_one, t_many = verify_cost(spec, a.num_tokens, a.iters)
     print(f"batch 1: decode step {t_one * 1e3:.2f} ms, verification of {a.num_tokens + 1} positions "
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f"tok/s  speedup {row['speedup']:.2f}x  acceptance {st.acceptance_rate:.0%}  mean accepted "
               f"length {st.mean_accepted_length:.2f}  per position "
               f"{' '.join(f'{x:.2f}' for x in row['acceptance_rate_per_pos'])}", flush=True)
-    report = {"bench": "spec", "model": a.model, "method": a.method, "num_tokens": a.num_tokens,
+    report = {"bench": "spec", "model": a.model, "method": a.method, "draft": draft.path or None, "num_tokens": a.num_tokens,
               "threads": a.threads, "load_average_1m": os.getloadavg()[0],
               "verify_cost": {"decode_ms": t_one * 1e3, "verify_ms": t_many * 1e3, "ratio": t_many / t_one},
               "results": results}
