@@ -36,6 +36,9 @@ class ArchConfig:
     hidden_act: str = "silu"
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # DeepSeek-V3-style multi-token-prediction layers stored after the decoder layers
+    # (model.layers.{num_layers}...): loaded by pdkv/engine/spec/mtp.py, skipped by the target.
+    num_nextn_predict_layers: int = 0
 
     @property
     def q_size(self) -> int:
@@ -121,4 +124,5 @@ def parse_arch_config(cfg: dict, source: str = "config.json") -> ArchConfig:
         hidden_act=cfg.get("hidden_act", "silu"),
         eos_token_id=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
     )

@@ -76,7 +76,7 @@ def verify_cost(engine, k: int, iters: int, context: int = 128) -> tuple[float, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: build the tiny looping model)")
-    ap.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft", "mtp"])
     ap.add_argument("--draft", default="self",
                     help="method draft: self (the target's own weights: the acceptance upper bound), "
                          "small (a seeded model 4x narrower, same tokenizer) or a model folder")
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         # (hidden 256-512) emit no repeats at all within a few hundred tokens, so ngram finds
         # nothing to draft on them (measured: 0 drafts); a trained model is needed there.
         tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
-        a.model = str(make_tiny_model(Path(tmp.name) / "tiny-llama", seed=0))
+        a.model = str(make_tiny_model(Path(tmp.name) / "tiny-llama", seed=0,
+                                      num_nextn_predict_layers=1 if a.method == "mtp" else 0))
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     total = a.prompt_len + a.prefix_tokens + a.new_tokens + a.num_tokens + 1
     kv = KVCacheConfig(page_size=16, num_pages=max(sizes) * (-(-total // 16)) + 16)

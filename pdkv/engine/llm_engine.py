@@ -233,7 +233,7 @@ class LLMEngine:
                     # KV of the rejected drafts goes (the last new token is never in the cache)
                     self.scheduler.truncate_computed(req, req.num_tokens - 1)
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self.runner.last_forward)
         return outputs
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:

@@ -35,6 +35,7 @@ class ModelRunner:
         # (logits [k + 1, V], request, drafts) -> tokens kept: set by the engine when speculative
         # decoding is on (pdkv.engine.spec.SpecDecoder.verify)
         self.verify = None
+        self.last_forward = None  # (ForwardBatch, hidden [T, H]) of the last forward pass
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -79,6 +80,7 @@ class ModelRunner:
             connector.after_forward(layout, None)
             raise
         connector.after_forward(layout, hidden)
+        self.last_forward = (layout, hidden)  # the MTP proposer reads the target's hidden states
         if not sampled:
             return {}
         if len(sample_rows) != hidden.shape[0]:

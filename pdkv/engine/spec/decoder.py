@@ -26,8 +26,12 @@ class SpecDecoder:
         left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def propose(self, running: list[Request]) -> None:
-        """Sets ``spec_token_ids`` of every running request (empty: decode it plainly)."""
+    def propose(self, running: list[Request], last_forward=None) -> None:
+        """Sets ``spec_token_ids`` of every running request (empty: decode it plainly).
+        ``last_forward``: (ForwardBatch, hidden) of the step's forward pass, for proposers that
+        read the target's hidden states (mtp), after the step's tokens were appended."""
+        if last_forward is not None and hasattr(self.proposer, "observe"):
+            self.proposer.observe(*last_forward)
         want = [self.num_drafts_for(r) for r in running]
         asked = [(r, n) for r, n in zip(running, want) if n > 0]
         for r in running:
