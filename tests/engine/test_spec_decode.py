@@ -59,7 +59,7 @@ def test_lookup_takes_the_latest_longest_match():
 
 
 def test_greedy_batch_same_tokens_as_plain(plain, spec):
-    prompts, params = _prompts(), _greedy(48)
+    prompts, params = _prompts(), _greedy(32)
     want = [o.output_token_ids for o in plain.generate(prompts, params)]
     got = spec.generate(prompts, params)
     assert [o.output_token_ids for o in got] == want

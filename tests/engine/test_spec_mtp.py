@@ -34,13 +34,13 @@ def _prompts():
 
 def test_mtp_greedy_same_tokens_as_plain(mtp_dir, tiny_model_dir):
     plain, eng = _engine(mtp_dir, spec=False), _engine(mtp_dir)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = [o.output_token_ids for o in plain.generate(_prompts(), params)]
     assert [o.output_token_ids for o in eng.generate(_prompts(), params)] == want
     # The MTP layer's tensors are skipped by the target: the same weights as the plain model's.
     base = _engine(tiny_model_dir, spec=False)
     assert [o.output_token_ids for o in base.generate(_prompts(), params)] == want
-    assert eng.spec.stats.num_draft_tokens > 30
+    assert eng.spec.stats.num_draft_tokens > 20
     assert eng.spec.proposer.num_pages_used == 0 and eng.allocator.num_free == eng.allocator.num_total
 
 
