@@ -384,6 +384,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         if sp.method == "draft":
             need(bool(sp.draft_model.path), "speculative.draft_model.path",
                  "a local Hugging Face model folder for method draft", sp.draft_model.path)
+        need(sp.draft_model.num_pages is None or sp.draft_model.num_pages > 0, "speculative.draft_model.num_pages",
+             "a positive integer or null", sp.draft_model.num_pages)
         if sp.draft_model.path and check_paths:
             need(Path(sp.draft_model.path).is_dir(), "speculative.draft_model.path",
                  "a local Hugging Face model folder that exists", sp.draft_model.path)

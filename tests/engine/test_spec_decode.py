@@ -215,3 +215,14 @@ def test_unknown_method_fails_at_start(tiny_model_dir):
         _engine(tiny_model_dir, SpeculativeConfig(method="eagle"))
     with pytest.raises(ConfigError, match="speculative.method"):
         config_from_dict({"speculative": {"method": "eagle"}})
+
+
+def test_config_refuses_speculation_on_disaggregated_roles_and_bad_draft_settings(tmp_path):
+    with pytest.raises(ConfigError, match="speculative.method must be null for disaggregated roles"):
+        config_from_dict({"role": "prefill", "speculative": {"method": "ngram"}})
+    with pytest.raises(ConfigError, match="speculative.draft_model.path must be a local Hugging Face model folder"):
+        config_from_dict({"speculative": {"method": "draft"}})
+    with pytest.raises(ConfigError, match="speculative.draft_model.path must be a local Hugging Face model folder that exists"):
+        config_from_dict({"speculative": {"method": "draft", "draft_model": {"path": str(tmp_path / "nope")}}})
+    with pytest.raises(ConfigError, match="speculative.draft_model.num_pages"):
+        config_from_dict({"speculative": {"method": "ngram", "draft_model": {"num_pages": 0}}})
