@@ -123,3 +123,22 @@ def test_seeded_sampling_under_speculation_is_reproducible(tiny_model_dir):
     assert a == b and all(len(x) == 24 for x in a)
     assert eng.stats()["spec_num_draft_tokens"] > 0
     assert eng.allocator.num_free == eng.allocator.num_total
+
+
+def test_a_draft_distribution_q_keeps_the_target_distribution():
+    """A proposer that samples its drafts from q (not a point mass): drafts drawn from q,
+    accepted with min(1, p/q), residual (p - q)+ — the first emitted token still follows p."""
+    params = SamplingParams(temperature=1.0)
+    logits = _logits()
+    req = Request("r", [1], params, None)
+    req.generator = torch.Generator().manual_seed(99)
+    p = Verifier.target_probs(logits, req)
+    q = torch.softmax(torch.randn(2, V, generator=torch.Generator().manual_seed(8)), -1)
+    ver, g = Verifier(torch.Generator().manual_seed(0)), torch.Generator().manual_seed(3)
+    first = torch.zeros(V)
+    for _ in range(N):
+        d0 = int(torch.multinomial(q[0], 1, generator=g))
+        d1 = int(torch.multinomial(q[1], 1, generator=g))
+        first[ver(logits, req, [d0, d1], draft_probs=q)[0]] += 1
+    stat, df = _chi2(first, p[0])
+    assert stat < CHI2_999[df], (stat, first / N, p[0])
