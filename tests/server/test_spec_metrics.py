@@ -38,3 +38,32 @@ def test_stream_and_metrics_with_ngram(api, spec_served, reference_engine):
         st["spec_num_accepted_tokens_per_pos"][0]
     assert api.metric(s.url, "pdkv_spec_decode_accepted_length_count") == steps
     assert api.metric(s.url, "pdkv_spec_decode_accepted_length_sum") == steps + accepted
+
+
+def test_client_disconnect_mid_speculation_frees_every_page(api, spec_served):
+    import asyncio
+
+    import aiohttp
+
+    s = spec_served
+    s.wait_idle()
+    body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    held = []
+
+    async def client():
+        async with aiohttp.ClientSession() as sess:
+            resp = await sess.post(s.url + "/v1/completions", json=body)
+            assert resp.status == 200
+            n = 0
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    n += 1
+                    if n == 6:
+                        break
+            held.append(s.engine.allocator.num_used)
+            resp.close()  # a killed client, while drafts are being verified
+
+    asyncio.run(client())
+    assert held[0] > 0
+    s.wait_idle()  # every page back, no unfinished request
+    assert api.metric(s.url, "pdkv_spec_decode_num_drafts_total") > 0
