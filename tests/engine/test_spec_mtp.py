@@ -101,3 +101,16 @@ def test_mtp_on_a_checkpoint_without_mtp_layers_names_the_field(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"speculative.method mtp needs a checkpoint with MTP layers: .*"
                                           r"num_nextn_predict_layers=0"):
         _engine(tiny_model_dir)
+
+
+def test_mtp_aborts_and_sampled_requests_free_its_pool(mtp_dir):
+    eng = _engine(mtp_dir)
+    for i, p in enumerate(_prompts()):
+        eng.add_request(f"m{i}", p, SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.spec.proposer.num_pages_used > 0
+    eng.abort("m1")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.spec.proposer.num_pages_used == 0 and eng.allocator.num_free == eng.allocator.num_total
