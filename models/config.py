@@ -39,6 +39,9 @@ class ArchConfig:
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, DeepSeek-V3): models/config_moe.py
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+    # DeepSeek-V3-style multi-token-prediction layers stored after the decoder layers
+    # (model.layers.{num_layers}...): loaded by pdkv/engine/spec/mtp.py, skipped by the target.
+    num_nextn_predict_layers: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -133,4 +136,5 @@ def parse_arch_config(cfg: dict, source: str = "config.json") -> ArchConfig:
         bos_token_id=cfg.get("bos_token_id"),
         moe=parse_moe(cfg, arch, num_layers, source),
         mla=mla,
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
     )

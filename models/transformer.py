@@ -86,6 +86,9 @@ class CausalLM(nn.Module):
 
     def is_ignorable(self, name: str) -> bool:
         """Checkpoint tensors we do not need: rope caches, a tied head saved anyway."""
+        if self.cfg.num_nextn_predict_layers and name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= self.cfg.num_layers:  # an MTP layer (pdkv/engine/spec/mtp.py)
+                return True
         return ("rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight")
                 or (self.cfg.moe is not None and is_remote_expert(self.cfg, name)))
 

@@ -98,6 +98,22 @@ def _weights(cfg: dict, arch: str, seed: int, std: float) -> dict[str, torch.Ten
         w[p + "mlp.gate_proj.weight"] = rand(I, H)
         w[p + "mlp.up_proj.weight"] = rand(I, H)
         w[p + "mlp.down_proj.weight"] = rand(H, I)
+    for i in range(cfg.get("num_nextn_predict_layers", 0)):
+        # A DeepSeek-V3-style MTP layer after the decoder layers: norms of the token embedding
+        # and of the target's hidden state, their projection, one decoder layer, the head's norm.
+        p = f"model.layers.{cfg['num_hidden_layers'] + i}."
+        w[p + "enorm.weight"], w[p + "hnorm.weight"] = norm(H), norm(H)
+        w[p + "eh_proj.weight"] = rand(H, 2 * H)
+        w[p + "shared_head.norm.weight"] = norm(H)
+        w[p + "input_layernorm.weight"] = norm(H)
+        w[p + "post_attention_layernorm.weight"] = norm(H)
+        w[p + "self_attn.q_proj.weight"] = rand(nh * D, H)
+        w[p + "self_attn.k_proj.weight"] = rand(nkv * D, H)
+        w[p + "self_attn.v_proj.weight"] = rand(nkv * D, H)
+        w[p + "self_attn.o_proj.weight"] = rand(H, nh * D)
+        w[p + "mlp.gate_proj.weight"] = rand(I, H)
+        w[p + "mlp.up_proj.weight"] = rand(I, H)
+        w[p + "mlp.down_proj.weight"] = rand(H, I)
     return w
 
 
@@ -125,7 +141,7 @@ def make_tiny_model(out_dir, arch: str = "llama", hidden_size: int = 64, num_lay
                     vocab_size: int = 512, max_position_embeddings: int = 2048,
                     tie_word_embeddings: bool = False, seed: int = 0, dtype: str = "float32",
                     shards: int = 1, head_dim: int | None = None, rope_scaling: dict | None = None,
-                    std: float = 0.1) -> Path:
+                    std: float = 0.1, num_nextn_predict_layers: int = 0) -> Path:
     """Writes the folder and returns its path. The tokenizer has at most ``vocab_size`` tokens."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -136,6 +152,10 @@ def make_tiny_model(out_dir, arch: str = "llama", hidden_size: int = 64, num_lay
     cfg = _config(arch, hidden_size, num_layers, num_heads, num_kv_heads,
                   head_dim or hidden_size // num_heads, intermediate_size or 4 * hidden_size,
                   vocab_size, max_position_embeddings, tie_word_embeddings, dtype, eos_id, rope_scaling)
+    if num_nextn_predict_layers:
+        if arch not in ("llama", "mistral"):
+            raise ValueError(f"num_nextn_predict_layers: MTP layers are made for llama / mistral, not {arch}")
+        cfg["num_nextn_predict_layers"] = num_nextn_predict_layers
     _save(_weights(cfg, arch, seed, std), out, dtype, shards)
     tok.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

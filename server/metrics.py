@@ -55,6 +55,18 @@ class ServerMetrics:
         self.generation_tokens = counter("pdkv_generation_tokens", "Generated tokens.")
         self._finished = Counter("pdkv_request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=r)
+        # Speculative decoding (vLLM's vllm:spec_decode_*): counters follow the engine's totals.
+        self.spec_num_drafts = counter("pdkv_spec_decode_num_drafts",
+                                       "Verification steps of a request that had at least one draft.")
+        self.spec_num_draft_tokens = counter("pdkv_spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("pdkv_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("pdkv_spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position (0 = the first draft).",
+                                     labels + ["position"], registry=r)
+        self.spec_accepted_length = hist("pdkv_spec_decode_accepted_length",
+                                         "Tokens one verification step emitted (accepted drafts + 1).",
+                                         tuple(float(i) for i in range(1, 18)))
+        self._spec_seen: dict = {}
         self._model_name = model_name
         for reason in ("stop", "length", "abort", "error"):  # visible at 0 before the first one
             self._finished.labels(model_name, reason)
@@ -71,6 +83,31 @@ class ServerMetrics:
         self.kv_pages_used.set(used)
         self.kv_pages_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
+        if "spec_num_drafts" in stats:
+            self._spec(stats)
+
+    def _spec(self, stats: dict) -> None:
+        """Counters advance by what the engine's totals grew since the last copy."""
+        seen = self._spec_seen
+
+        def grow(key: str, counter) -> None:
+            delta = stats[key] - seen.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+
+        grow("spec_num_drafts", self.spec_num_drafts)
+        grow("spec_num_draft_tokens", self.spec_num_draft_tokens)
+        grow("spec_num_accepted_tokens", self.spec_num_accepted_tokens)
+        last = seen.get("spec_num_accepted_tokens_per_pos") or []
+        for i, n in enumerate(stats["spec_num_accepted_tokens_per_pos"]):
+            delta = n - (last[i] if i < len(last) else 0)
+            self._spec_per_pos.labels(self._model_name, str(i)).inc(max(0, delta))
+        last = seen.get("spec_accepted_length_counts") or []
+        for length, n in enumerate(stats["spec_accepted_length_counts"]):
+            for _ in range(n - (last[length] if length < len(last) else 0)):
+                self.spec_accepted_length.observe(length)
+        self._spec_seen = {k: (list(v) if isinstance(v, list) else v) for k, v in stats.items()
+                           if k.startswith("spec_")}
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

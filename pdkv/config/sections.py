@@ -85,6 +85,27 @@ class ParallelConfig:
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
 
 
+SPEC_METHODS = ("ngram", "draft", "mtp")
+MAX_SPEC_TOKENS = 16  # drafts per step: more never pays (acceptance decays geometrically)
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    path: str = ""  # a local Hugging Face folder with the target's tokenizer (method draft)
+    num_pages: int | None = None  # the draft's own KV pages; None: as many as the target's
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # Speculative decoding (pdkv/engine/spec): a proposer drafts up to num_tokens tokens per
+    # running request, the target verifies them in one forward pass. None: off.
+    method: str | None = None  # ngram | draft | mtp
+    num_tokens: int = 4  # k: draft tokens per verification step
+    ngram_min: int = 1  # ngram: shortest suffix matched against prompt + output (vLLM prompt_lookup_min)
+    ngram_max: int = 3  # ngram: longest suffix tried first (vLLM prompt_lookup_max)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+
+
 @dataclass(frozen=True)
 class Config:
     role: str = "colocated"
@@ -94,6 +115,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     messenger: MessengerConfig = field(default_factory=MessengerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the file this config came from, for error messages
 
 

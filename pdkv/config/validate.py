@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import ATTENTION_BACKENDS, DTYPES, LAYOUTS, ROLES, TRANSPORTS, Config, ConfigError
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_TOKENS, ROLES, SPEC_METHODS, TRANSPORTS,
+                                  Config, ConfigError)
 
 
 def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths: bool = True) -> None:
@@ -68,6 +69,23 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         host, _, port = peer.rpartition(":")
         need(bool(host) and port.isdigit() and 0 < int(port) <= 65535, "messenger.prefill_peers",
              "a list of host:port (each prefill node's messenger.control_port)", peer)
+    sp = cfg.speculative
+    if sp.method is not None:
+        one_of("speculative.method", sp.method, SPEC_METHODS)
+        need(1 <= sp.num_tokens <= MAX_SPEC_TOKENS, "speculative.num_tokens",
+             f"an integer in [1, {MAX_SPEC_TOKENS}]", sp.num_tokens)
+        need(1 <= sp.ngram_min <= sp.ngram_max, "speculative.ngram_min",
+             f"in [1, speculative.ngram_max ({sp.ngram_max})]", sp.ngram_min)
+        if sp.method == "draft":
+            need(bool(sp.draft_model.path), "speculative.draft_model.path",
+                 "a local Hugging Face model folder for method draft", sp.draft_model.path)
+        need(sp.draft_model.num_pages is None or sp.draft_model.num_pages > 0, "speculative.draft_model.num_pages",
+             "a positive integer or null", sp.draft_model.num_pages)
+        if sp.draft_model.path and check_paths:
+            need(Path(sp.draft_model.path).is_dir(), "speculative.draft_model.path",
+                 "a local Hugging Face model folder that exists", sp.draft_model.path)
+        need(cfg.role == "colocated", "speculative.method",
+             "null for disaggregated roles (speculative decoding is colocated only for now)", sp.method)
     if cfg.role in ("prefill", "decode"):
         # NOTE: the transports read and write KV pages as host memory; GPU KV caches need GPUDirect
         # RDMA registration (cuMem export to the NIC), which the disaggregated roles do not do yet.

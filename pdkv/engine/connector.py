@@ -67,6 +67,9 @@ class BatchEntry:
     num_tokens: int
     row: int  # its first row in the forward pass's [num_tokens, ...] tensors
     sample: bool  # the row ``row + num_tokens - 1`` is sampled
+    # Speculative decoding: the last ``num_draft`` tokens are drafts being verified (their rows
+    # are scored too); their KV is rolled back after the step unless they are accepted.
+    num_draft: int = 0
 
     @property
     def request_id(self) -> str:

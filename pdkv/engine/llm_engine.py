@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pdkv.config import Config, KVCacheConfig, ModelConfig, SchedulerConfig
-from pdkv.engine.connector import Admission, KVConnector
+from pdkv.config import Config, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdkv.engine.connector import LOCAL, Admission, KVConnector
 from pdkv.engine.factory import build_parts
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestOutput, RequestStatus
+from pdkv.engine.spec import build_spec_decoder
 from pdkv.errors import InvalidRequest, ResourceBusy
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,14 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                  progress: Callable[[int, int], None] | None = None, kv_buffer=None,
-                 num_threads: int | None = None, parallel=None):
+                 num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None):
         """Loads the model and wires the parts (pdkv/engine/factory.py: ``kv_buffer``,
-        ``num_threads``, ``parallel`` are explained there); ``build_engine(cfg)`` is the usual way."""
+        ``num_threads``, ``parallel`` are explained there); ``build_engine(cfg)`` is the usual way.
+        ``speculative``: speculative decoding (pdkv/engine/spec); None: off."""
         p = build_parts(model, kv_cache, scheduler, progress, kv_buffer, num_threads, parallel)
+        self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator)  # None: off
+        if self.spec is not None:
+            p.runner.verify = self.spec.verify
         self.model_config, self.kv_config, self.scheduler_config = model, kv_cache, scheduler
         self.loaded, self.tokenizer, self.tp = p.loaded, p.tokenizer, p.tp
         self.config = p.loaded.hf_config
@@ -49,6 +54,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:
         kw.setdefault("parallel", cfg.parallel)
+        kw.setdefault("speculative", cfg.speculative)
         return cls(cfg.model, cfg.kv_cache, cfg.scheduler, progress, **kw)
 
     def set_connector(self, connector: KVConnector | None) -> None:
@@ -170,7 +176,7 @@ class LLMEngine:
         else:
             self.scheduler.abort(req)
         req.finish_reason = reason
-        self.connector.finished(req)
+        self._left(req)
         self._pending.append(self._output(req, []) if req.detok is not None else self._prefill_output(req))
 
     def release(self, request_id: str) -> int:
@@ -223,6 +229,11 @@ class LLMEngine:
                 outputs.append(self._finish(req, "prefilled"))
             elif req.request_id in sampled:
                 outputs.append(self._append(req, sampled[req.request_id]))
+                if s.num_draft and not req.status.is_done:
+                    # KV of the rejected drafts goes (the last new token is never in the cache)
+                    self.scheduler.truncate_computed(req, req.num_tokens - 1)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.runner.last_forward)
         return outputs
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
@@ -234,24 +245,37 @@ class LLMEngine:
             req.status, req.finish_reason = RequestStatus.FINISHED, reason
         else:
             self.scheduler.finish(req, reason)
-        self.connector.finished(req)
+        self._left(req)
         return self._prefill_output(req) if req.prefill_only else self._output(req, [])
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
-        req.output_token_ids.append(token)
+    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Appends the step's new tokens (several when drafts were accepted) in order, up to
+        the first that ends the request (EOS, a stop token or string, max_tokens, the context):
+        the rest are dropped, as if they had been decoded one by one."""
         p = req.params
-        req.detok.add(token)
-        reason = None
-        if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                or req.detok.stopped_on is not None:
-            reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
+        new, reason = [], None
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.detok.add(token)
+            new.append(token)
+            if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
+                    or req.detok.stopped_on is not None:
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
-            self.connector.finished(req)
-        return self._output(req, [token])
+            self._left(req)
+        return self._output(req, new)
+
+    def _left(self, req: Request) -> None:
+        """``req`` left the engine: everything that holds per-request state hears it."""
+        self.connector.finished(req)
+        if self.spec is not None:
+            self.spec.finished(req)
 
     @staticmethod
     def _prefill_output(req: Request) -> RequestOutput:
@@ -311,7 +335,8 @@ class LLMEngine:
                 "num_preemptions": s.num_preemptions, "page_size": self.kv.page_size,
                 "num_pages_held": self.num_held_pages,
                 # reserved for remote writes or held until no transfer can touch them
-                "num_pages_pinned": self.num_held_pages + sum(len(r.pages) for r in s.remote.values())}
+                "num_pages_pinned": self.num_held_pages + sum(len(r.pages) for r in s.remote.values()),
+                **(self.spec.stats.as_dict() if self.spec is not None else {})}
 
 
 def build_engine(cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:

@@ -48,6 +48,7 @@ class Request:
     num_returned: int = 0  # output tokens already reported in a RequestOutput
     prefill_only: bool = False  # disaggregated prefill: never sampled, pages held after the last chunk
     num_external_tokens: int = 0  # prompt tokens whose KV arrives from outside (disaggregated decode)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in its next decode step
 
     @property
     def num_prompt_tokens(self) -> int:

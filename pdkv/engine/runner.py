@@ -34,6 +34,10 @@ class ModelRunner:
         self.followers = followers
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
+        # (logits [k + 1, V], request, drafts) -> tokens kept: set by the engine when speculative
+        # decoding is on (pdkv.engine.spec.SpecDecoder.verify)
+        self.verify = None
+        self.last_forward = None  # (ForwardBatch, hidden [T, H]) of the last forward pass
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -41,23 +45,24 @@ class ModelRunner:
             torch.set_num_threads(n)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq], connector: KVConnector) -> dict[str, int]:
+    def execute(self, seqs: list[ScheduledSeq], connector: KVConnector) -> dict[str, list[int]]:
         """Runs one forward pass over ``seqs``, calling ``connector`` before it, after each
-        layer and after it; returns {request_id: sampled token} for the sequences whose
-        ``sample`` is set."""
+        layer and after it; returns {request_id: new tokens} for the sequences whose ``sample``
+        is set: one sampled token, or for a sequence with drafts what ``self.verify`` kept of
+        them plus the target's next token (speculative decoding, pdkv/engine/spec)."""
         seqs = sorted(seqs, key=lambda s: len(s.token_ids) != 1)  # stable: decodes first
         num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
         ids, positions, q_lens, kv_lens, sample_rows, sampled, entries = [], [], [], [], [], [], []
         for s in seqs:
             n = len(s.token_ids)
-            entries.append(BatchEntry(s.request, s.start_pos, n, len(ids), s.sample))
+            entries.append(BatchEntry(s.request, s.start_pos, n, len(ids), s.sample, s.num_draft))
             ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + n))
             q_lens.append(n)
             kv_lens.append(s.start_pos + n)
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(s.request)
+            if s.sample:  # a verifying sequence needs the logits of its last token and every draft
+                sample_rows.extend(range(len(ids) - 1 - s.num_draft, len(ids)))
+                sampled.append(s)
         tuned = self.device.type == "cpu" and len(ids) <= SMALL_STEP_TOKENS
         if self.device.type == "cpu":
             threads = self.tuner.choose() if tuned else self.tuner.choose_large()
@@ -77,15 +82,43 @@ class ModelRunner:
             connector.after_forward(layout, None)
             raise
         connector.after_forward(layout, hidden)
+        self.last_forward = (layout, hidden)  # the MTP proposer reads the target's hidden states
         if not sampled:
             return {}
         if len(sample_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # [N, V] float32
-        self.last_logits = logits  # kept for tests and debugging (one step's rows only)
-        self.last_sampled_ids = [r.request_id for r in sampled]
-        tokens = self.sampler(logits, sampled)
+        logits = self.model.compute_logits(hidden)  # [rows, V] float32
+        tokens = self._tokens(logits, sampled)
         if tuned:
             # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
             self.tuner.record(threads, time.perf_counter() - t0)
-        return {r.request_id: t for r, t in zip(sampled, tokens)}
+        return tokens
+
+    def _tokens(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> dict[str, list[int]]:
+        """logits: each sampled sequence's rows in order (num_draft + 1 of them)."""
+        last, row = [], -1
+        for s in sampled:
+            row += s.num_draft + 1
+            last.append(row)
+        if len(last) != logits.shape[0]:
+            self.last_logits = logits[torch.tensor(last, device=logits.device)]
+        else:
+            self.last_logits = logits  # kept for tests and debugging (each request's last row only)
+        self.last_sampled_ids = [s.request.request_id for s in sampled]
+        plain = [i for i, s in enumerate(sampled) if not s.num_draft]
+        out = {}
+        if plain:
+            rows = self.last_logits if len(plain) == len(sampled) else self.last_logits[plain]
+            for i, t in zip(plain, self.sampler(rows, [sampled[i].request for i in plain])):
+                out[sampled[i].request.request_id] = [t]
+        verifying = [(s, end) for s, end in zip(sampled, last) if s.num_draft]
+        if verifying:
+            # NOTE: one thread: verification is many ops on [k + 1, V] rows, and waking a second
+            # thread for each costs more than the op (~1 ms on a loaded CPU).
+            threads = torch.get_num_threads()
+            self._set_threads(1)
+            for s, end in verifying:
+                out[s.request.request_id] = self.verify(logits[end - s.num_draft:end + 1], s.request,
+                                                        s.token_ids[-s.num_draft:])
+            self._set_threads(threads)
+        return out

@@ -24,6 +24,7 @@ class ScheduledSeq:
     token_ids: list[int]  # tokens fed this step
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
     sample: bool  # this step reaches the request's last known token: sample the next one
+    num_draft: int = 0  # speculative drafts at the end of token_ids, verified this step
 
 
 @dataclass
@@ -146,12 +147,29 @@ class Scheduler:
         return True
 
     def _plan(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, self.chunk_size, budget)
+        n = min(req.num_tokens - req.num_computed_tokens, self.chunk_size, budget)
+        if req.spec_token_ids and n == 1 and req.num_computed_tokens == req.num_tokens - 1:
+            n = min(1 + len(req.spec_token_ids), budget)  # a decode that verifies drafts
+        return n
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
+        if start + n > req.num_tokens:  # the last token + drafts (speculative decoding)
+            drafts = req.spec_token_ids[:n - 1]
+            return ScheduledSeq(req, req.token_ids(start, start + 1) + drafts, start, True, len(drafts))
         last = start + n == req.num_tokens
         return ScheduledSeq(req, req.token_ids(start, start + n), start, last and not req.prefill_only)
+
+    def truncate_computed(self, req: Request, num_tokens: int) -> int:
+        """Rolls ``req``'s cache back to its first ``num_tokens`` tokens (KV of rejected drafts
+        is dropped) and frees the pages past them; returns how many were freed."""
+        req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
+        keep = self.pages_for(req.num_computed_tokens)
+        extra = req.pages[keep:]
+        if extra:
+            del req.pages[keep:]
+            self.allocator.free(extra)
+        return len(extra)
 
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.budget

@@ -1,0 +1,69 @@
+"""A server with speculative decoding (``--set speculative.method=ngram``): the stream carries
+several tokens per chunk when drafts are accepted, its text is what the reference engine gives,
+and /metrics reports the spec_decode counters and histogram."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def spec_served(api, server_model_dir):
+    s = api.Served(api.make_config(server_model_dir, "speculative.method=ngram", "speculative.num_tokens=3"))
+    yield s
+    s.close()
+
+
+def test_stream_and_metrics_with_ngram(api, spec_served, reference_engine):
+    from pdkv.engine import SamplingParams
+
+    s = spec_served
+    prompt = "Hello"
+    body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    chunks = api.stream(s.url, "/v1/completions", body)
+    ids = [t for c in chunks[:-1] for t in c["choices"][0].get("token_ids") or []]
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
+    assert ids == want.output_token_ids
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want.text
+    assert max(len(c["choices"][0].get("token_ids") or []) for c in chunks[:-1]) >= 2
+    s.wait_idle()
+    drafts = api.metric(s.url, "pdkv_spec_decode_num_draft_tokens_total")
+    accepted = api.metric(s.url, "pdkv_spec_decode_num_accepted_tokens_total")
+    steps = api.metric(s.url, "pdkv_spec_decode_num_drafts_total")
+    st = s.engine.stats()
+    assert (drafts, accepted, steps) == (st["spec_num_draft_tokens"], st["spec_num_accepted_tokens"],
+                                         st["spec_num_drafts"])
+    assert 0 < accepted < drafts
+    assert api.metric(s.url, "pdkv_spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
+        st["spec_num_accepted_tokens_per_pos"][0]
+    assert api.metric(s.url, "pdkv_spec_decode_accepted_length_count") == steps
+    assert api.metric(s.url, "pdkv_spec_decode_accepted_length_sum") == steps + accepted
+
+
+def test_client_disconnect_mid_speculation_frees_every_page(api, spec_served):
+    import asyncio
+
+    import aiohttp
+
+    s = spec_served
+    s.wait_idle()
+    body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    held = []
+
+    async def client():
+        async with aiohttp.ClientSession() as sess:
+            resp = await sess.post(s.url + "/v1/completions", json=body)
+            assert resp.status == 200
+            n = 0
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    n += 1
+                    if n == 6:
+                        break
+            held.append(s.engine.allocator.num_used)
+            resp.close()  # a killed client, while drafts are being verified
+
+    asyncio.run(client())
+    assert held[0] > 0
+    s.wait_idle()  # every page back, no unfinished request
+    assert api.metric(s.url, "pdkv_spec_decode_num_drafts_total") > 0
