@@ -89,6 +89,7 @@ class ParallelConfig:
     tp: int = 1
     timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
+    cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,16 @@ def _show(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})" if not isinstance(value, str) else repr(value)
 
 
+def _cpus_ok(text: str) -> bool:
+    from pdkv.cpus import parse_cpu_list
+
+    try:
+        parse_cpu_list(text)
+    except ValueError:
+        return False
+    return True
+
+
 def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths: bool = True) -> None:
     """Check values (not just types); raise ConfigError naming the file (or the ``--set`` that
     gave the value, from ``origins``) and the field."""
@@ -311,6 +322,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(pc.timeout_s > 0, "parallel.timeout_s", "a positive number of seconds", pc.timeout_s)
     need(pc.startup_timeout_s > 0, "parallel.startup_timeout_s", "a positive number of seconds",
          pc.startup_timeout_s)
+    need(_cpus_ok(pc.cpus), "parallel.cpus", "a CPU list like 0 or 0-3,8 (empty: every CPU)", pc.cpus)
     one_of("role", cfg.role, ROLES)
     one_of("model.dtype", m.dtype, DTYPES)
     one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)

@@ -1,0 +1,99 @@
+"""The seed's rule, applied to the numbers of one run:
+
+    1. test chunked prefill first, as the colocated alternative;
+    2. adopt disaggregation only when the interference between phases is measured (colocated's
+       p99 inter-token latency stands well above its median: prefills stall decodes), and
+    3. the transfer path preserves both latency objectives (disaggregated serving meets the TTFT
+       and TPOT SLOs for at least ``attainment`` of requests), and it beats the best colocated
+       goodput by a margin.
+
+Otherwise the answer is colocated serving — chunked when chunking does at least as well. Each
+verdict is stated with the numbers behind it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+STALL_RATIO = 2.0  # colocated p99 ITL / p50 ITL at or above this: interference is measured
+MARGIN = 1.05  # disaggregated goodput must beat the best colocated goodput by 5%
+
+
+class Choice(str, enum.Enum):
+    DISAGGREGATE = "disaggregate"
+    CHUNKED = "chunked"
+    COLOCATED = "colocated"
+    INCONCLUSIVE = "inconclusive"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _get(run: dict | None, *path):
+    x = run["summary"]["all"] if run else None
+    for p in path:
+        if x is None:
+            return None
+        x = x.get(p)
+    return x
+
+
+def decide(runs: dict[str, dict], slo: dict, attainment: float = 0.9, rate_label: str = "") -> dict:
+    """``runs``: {'colocated': run, 'chunked': run, 'disagg': run} for one rate (any may be missing)."""
+    c, k, d = runs.get("colocated"), runs.get("chunked"), runs.get("disagg")
+    if d is None or (c is None and k is None):
+        return {"choice": Choice.INCONCLUSIVE.value, "text": "needs a disaggregated and a colocated architecture"}
+    itl = {n: _get(r, "itl_s", "p99") for n, r in runs.items()}
+    good = {n: _get(r, "goodput_rps") or 0.0 for n, r in runs.items()}
+    frac = {n: _get(r, "goodput_fraction") or 0.0 for n, r in runs.items()}
+    base = c or k
+    p50 = _get(base, "itl_s", "p50")
+    stall = (itl.get("colocated") or itl.get("chunked") or 0.0) / p50 if p50 else None
+    interference = stall is not None and stall >= STALL_RATIO
+    preserves = frac["disagg"] >= attainment
+    best_col = max((n for n in ("colocated", "chunked") if n in runs), key=lambda n: good[n])
+    wins = good["disagg"] > MARGIN * good[best_col]
+    if interference and preserves and wins:
+        choice = Choice.DISAGGREGATE
+    elif k is not None and (c is None or good["chunked"] >= good["colocated"]):
+        choice = Choice.CHUNKED
+    else:
+        choice = Choice.COLOCATED
+    ratios = {n: (itl["disagg"] / itl[n] if itl.get(n) and itl.get("disagg") is not None else None)
+              for n in ("colocated", "chunked")}
+    expect = {"itl_p99_vs_colocated": ratios["colocated"], "itl_p99_vs_chunked": ratios["chunked"],
+              "met": bool(ratios["colocated"] is not None and ratios["colocated"] <= 0.5
+                          and (ratios["chunked"] is None or ratios["chunked"] <= 0.8))}
+    why = []
+    if not interference:
+        why.append(f"interference is small (colocated p99/p50 ITL = {stall:.2f} < {STALL_RATIO:g})"
+                   if stall is not None else "interference could not be measured")
+    if not preserves:
+        why.append(f"disaggregation meets both SLOs for only {frac['disagg']:.0%} of requests (< {attainment:.0%})")
+    if not wins:
+        why.append(f"its goodput {good['disagg']:.2f} req/s does not beat {best_col}'s {good[best_col]:.2f} "
+                   f"by {MARGIN - 1:.0%}")
+    names = [n for n in ("colocated", "chunked", "disagg") if n in runs]
+    text = (f"{rate_label}disaggregation {'lowers' if (itl['disagg'] or 0) < (itl.get(best_col) or 0) else 'raises'} "
+            f"p99 ITL to {_ms(itl['disagg'])} from " + " / ".join(f"{_ms(itl[n])} ({n})" for n in names[:-1])
+            + f", while p50 TTFT is {_ms(_get(d, 'ttft_s', 'p50'))} against "
+            + " / ".join(f"{_ms(_get(runs[n], 'ttft_s', 'p50'))} ({n})" for n in names[:-1])
+            + f"; goodput at SLO (TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= {slo['tpot_s'] * 1e3:g} ms) is "
+            + ", ".join(f"{good[n]:.2f} req/s = {frac[n]:.0%} ({n})" for n in names) + ". ")
+    if k is not None and c is not None:
+        r = itl["chunked"] / itl["colocated"] if itl.get("chunked") and itl.get("colocated") else None
+        text += f"Chunked prefill alone gets p99 ITL {_ms(itl['chunked'])}" + (f" ({r:.2f}x colocated). " if r else ". ")
+    text += f"Verdict: {choice.value}" + (f" ({'; '.join(why)})." if why and choice != Choice.DISAGGREGATE else ".")
+    return {"choice": choice.value, "text": text, "interference_stall_ratio": stall, "interference": interference,
+            "transfer_preserves_slos": preserves, "disagg_goodput_wins": wins, "attainment_target": attainment,
+            "expectation": expect}
+
+
+def overall(per_rate: list[dict]) -> str:
+    """Most frequent choice over rates; a tie goes to colocated serving (no second pool to run)."""
+    counts: dict[str, int] = {}
+    for v in per_rate:
+        counts[v["choice"]] = counts.get(v["choice"], 0) + 1
+    order = [Choice.CHUNKED.value, Choice.COLOCATED.value, Choice.DISAGGREGATE.value, Choice.INCONCLUSIVE.value]
+    return max(order, key=lambda c: (counts.get(c, 0), -order.index(c)))
