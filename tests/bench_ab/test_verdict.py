@@ -1,0 +1,39 @@
+"""The seed's rule on hand-made numbers: disaggregate only when interference is measured, the
+transfer path keeps both SLOs, and the goodput is really better; otherwise chunked or colocated."""
+from __future__ import annotations
+
+from pdkv.bench.ab.verdict import decide, overall
+
+SLO = {"ttft_s": 1.0, "tpot_s": 0.1}
+
+
+def run(p50_itl, p99_itl, ttft, goodput, frac):
+    return {"summary": {"all": {"itl_s": {"p50": p50_itl, "p99": p99_itl}, "ttft_s": {"p50": ttft},
+                                "goodput_rps": goodput, "goodput_fraction": frac}}}
+
+
+def test_disaggregate_when_interference_is_measured_and_slos_hold():
+    v = decide({"colocated": run(0.005, 0.100, 0.05, 1.0, 0.6), "chunked": run(0.006, 0.040, 0.08, 1.2, 0.7),
+                "disagg": run(0.005, 0.010, 0.12, 2.0, 0.95)}, SLO)
+    assert v["choice"] == "disaggregate" and v["interference"] and v["interference_stall_ratio"] == 20.0
+    assert v["expectation"]["met"] and abs(v["expectation"]["itl_p99_vs_colocated"] - 0.1) < 1e-9
+    assert "10.0 ms" in v["text"] and "100.0 ms (colocated)" in v["text"] and "120.0 ms" in v["text"]
+
+
+def test_chunked_when_the_transfer_path_breaks_an_slo():
+    v = decide({"colocated": run(0.005, 0.100, 0.05, 1.0, 0.6), "chunked": run(0.006, 0.040, 0.08, 1.2, 0.7),
+                "disagg": run(0.005, 0.010, 0.9, 2.0, 0.5)}, SLO)
+    assert v["choice"] == "chunked" and not v["transfer_preserves_slos"]
+    assert "only 50% of requests" in v["text"]
+
+
+def test_colocated_when_there_is_no_interference_to_remove():
+    v = decide({"colocated": run(0.005, 0.006, 0.05, 1.3, 1.0), "chunked": run(0.006, 0.008, 0.06, 1.2, 1.0),
+                "disagg": run(0.006, 0.007, 0.09, 1.3, 1.0)}, SLO)
+    assert v["choice"] == "colocated" and not v["interference"] and not v["expectation"]["met"]
+    assert "interference is small" in v["text"]
+
+
+def test_overall_ties_go_to_colocated_serving():
+    assert overall([{"choice": "disaggregate"}, {"choice": "chunked"}]) == "chunked"
+    assert overall([{"choice": "disaggregate"}, {"choice": "disaggregate"}, {"choice": "colocated"}]) == "disaggregate"
