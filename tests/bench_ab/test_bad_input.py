@@ -73,3 +73,27 @@ def test_malformed_flags_and_configs(tmp_path, tiny_model_dir):
     bad.write_text("kind: disagregated\n")
     rc, err = run_ab(base + ["--archs", "", "--arch", f"mine={bad}"])
     assert rc == 2 and f"{bad}: kind must be one of colocated, disagg" in err
+
+
+def test_an_already_running_endpoint_is_replayed_with_client_side_metrics(tmp_path, tiny_model_dir):
+    """--endpoint NAME=URL: any OpenAI-compatible server (here a pdkv colocated server in this
+    process); the bodies carry the endpoint's own model name."""
+    import json
+
+    from pdkv.config import config_from_dict
+    from pdkv.engine import LLMEngine
+    from server.runner import ServerThread
+
+    cfg = config_from_dict({"model": {"path": str(tiny_model_dir)}, "server": {"port": 0},
+                            "kv_cache": {"num_pages": 256}})
+    with ServerThread(cfg, LLMEngine.from_config(cfg, num_threads=1)) as srv:
+        rc, err = run_ab(["--trace", str(AZURE), "--first", "6", "--length-scale", "0.01", "--output-scale", "0.3",
+                          "--rate", "6", "--model", str(tiny_model_dir), "--archs", "", "--endpoint",
+                          f"mine={srv.url}", "--out", str(tmp_path), "--no-plots"])
+    assert rc == 0, err
+    rep = json.loads((tmp_path / "report.json").read_text())
+    (run,) = rep["runs"]
+    assert rep["archs"][0]["kind"] == "endpoint" and rep["model"]["served_name"] == tiny_model_dir.name
+    assert [r["status"] for r in run["requests"]] == ["ok"] * 6
+    assert all(r["num_tokens"] == r["max_tokens"] for r in run["requests"])
+    assert "server" not in run and run["summary"]["all"]["num_ok"] == 6

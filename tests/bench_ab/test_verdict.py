@@ -17,7 +17,8 @@ def test_disaggregate_when_interference_is_measured_and_slos_hold():
                 "disagg": run(0.005, 0.010, 0.12, 2.0, 0.95)}, SLO)
     assert v["choice"] == "disaggregate" and v["interference"] and v["interference_stall_ratio"] == 20.0
     assert v["expectation"]["met"] and abs(v["expectation"]["itl_p99_vs_colocated"] - 0.1) < 1e-9
-    assert "10.0 ms" in v["text"] and "100.0 ms (colocated)" in v["text"] and "120.0 ms" in v["text"]
+    assert "p99 ITL is 10.0 ms disaggregated against 100.0 ms (colocated, 0.10x)" in v["text"]
+    assert "p50 TTFT is 120.0 ms" in v["text"]
 
 
 def test_chunked_when_the_transfer_path_breaks_an_slo():

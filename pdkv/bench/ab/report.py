@@ -46,7 +46,10 @@ def markdown(report: dict) -> str:
     for rate in dict.fromkeys(r["rate"] for r in report["runs"]):
         runs = [r for r in report["runs"] if r["rate"] == rate]
         lines += ["", f"## {'rate ' + format(rate, 'g') + ' req/s' if rate else 'as replayed'} "
-                      f"(offered {runs[0]['offered_rate_rps'] or 0:.2f} req/s)", ""]
+                      f"(offered {runs[0]['offered_rate_rps'] or 0:.2f} req/s)", "",
+                  "load average (1 min) before / after each replay: " + ", ".join(
+                      f"{r['arch']} {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} ({r['started_at']})"
+                      for r in runs), ""]
         rows = []
         for r in runs:
             for cls in ("all", "short", "long"):
@@ -89,6 +92,14 @@ def markdown(report: dict) -> str:
                               f"{f['num_failed']} requests failed (all with errors: {f['failed_all_have_errors']}, all in "
                               f"the outage: {f['failed_all_in_outage']}); pools back to start: {f['pools_back_to_start']}"]
                 lines += [f"  - {x['id']} at {x['sent_s']:.2f} s: {x['error']}" for x in f["failed"][:10]]
+    rates = list(dict.fromkeys(r["rate"] for r in report["runs"]))
+    if len(rates) > 1:
+        rows = [[r["arch"], f"{r['offered_rate_rps'] or 0:.2f}", f"{r['summary']['all']['goodput_rps']:.2f}",
+                 f"{r['summary']['all']['goodput_fraction']:.0%}", _ms(r["summary"]["all"]["ttft_s"]["p99"]),
+                 _ms(r["summary"]["all"]["tpot_s"]["p99"]), _ms(r["summary"]["all"]["itl_s"]["p99"])]
+                for r in sorted(report["runs"], key=lambda r: (r["arch"], r["offered_rate_rps"] or 0))]
+        lines += ["", "## Rate sweep", "", _table(rows, ["arch", "offered req/s", "goodput req/s", "attained",
+                                                          "TTFT p99 ms", "TPOT p99 ms", "ITL p99 ms"])]
     v = report["verdict"]
     lines += ["", "## Verdict", "", f"**{v['overall']}**", ""] + [f"- {p['text']}" for p in v["per_rate"]]
     lines += ["", f"Identical request sequences across architectures: {report['identical_requests']}"]

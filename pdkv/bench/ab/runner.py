@@ -187,7 +187,8 @@ def _request_rows(p: Prepared, results) -> list[dict]:
 def _replay_once(opts: Options, name: str, p: Prepared, urls: list[str], dep: Deployment | None) -> dict:
     classes = {it.id: it.prompt_class for it in p.workload.items}
     lens = {it.id: it.prompt_len for it in p.workload.items}
-    run: dict = {"arch": name, "rate": p.rate,
+    run: dict = {"arch": name, "rate": p.rate, "loadavg_before": os.getloadavg(),
+                 "started_at": time.strftime("%H:%M:%SZ", time.gmtime()),
                  "offered_rate_rps": (len(p.jobs) - 1) / p.workload.duration_s if p.workload.duration_s else None}
     if dep is not None:
         run["pools_before"] = dep.wait_pools_full(30.0)
@@ -206,6 +207,7 @@ def _replay_once(opts: Options, name: str, p: Prepared, urls: list[str], dep: De
         bar.close()
     if inj is not None:
         inj.join(opts.timeout_s)
+    run["loadavg_after"] = os.getloadavg()  # the machine is shared: how busy it was is part of the result
     run["summary"] = metrics.summarize(results, lens, classes, opts.slo)
     run["client_overhead"] = metrics.client_overhead(results, client_cpu)
     if dep is not None:
@@ -232,12 +234,17 @@ def _replay_once(opts: Options, name: str, p: Prepared, urls: list[str], dep: De
 
 def run_ab(opts: Options) -> dict:
     """Run every architecture at every rate; returns the report dict (see schema.py)."""
-    prepared = prepare(opts)  # trace / fit errors before anything starts
-    check_endpoints(opts)
+    check_endpoints(opts)  # trace / fit / endpoint errors before anything starts
+    # one model name in every body: an endpoint's own name if there is one (pdkv nodes then serve
+    # under it too), so every architecture, external or not, gets byte-identical requests
+    endpoints = [a for a in opts.archs if isinstance(a, Endpoint)]
+    served = first_model(endpoints[0].url) if endpoints else SERVED_NAME
+    prepared = prepare(opts, served)
     info = model_info(opts.model_dir)
     report = {"schema": "pdkv.bench.ab/1", "argv": opts.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                            time.gmtime()),
-              "machine": machine.describe(opts.budget), "model": info, "slo": opts.slo.__dict__,
+              "machine": machine.describe(opts.budget), "model": {**info, "served_name": served},
+              "slo": opts.slo.__dict__,
               "trace": _trace_section(opts, prepared), "archs": [], "runs": []}
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     for a in opts.archs:
@@ -247,7 +254,7 @@ def run_ab(opts: Options) -> dict:
             for p in prepared:
                 report["runs"].append(_replay_once(opts, a.name, p, [a.url], None))
             continue
-        dep = Deployment(a, opts.budget, opts.out_dir / "logs" / a.name, opts.model_dir, SERVED_NAME, opts.sets)
+        dep = Deployment(a, opts.budget, opts.out_dir / "logs" / a.name, opts.model_dir, served, opts.sets)
         report["archs"].append(_arch_section(a, dep, info))
         t = time.monotonic()
         dep.start()

@@ -75,11 +75,17 @@ def decide(runs: dict[str, dict], slo: dict, attainment: float = 0.9, rate_label
         why.append(f"its goodput {good['disagg']:.2f} req/s does not beat {best_col}'s {good[best_col]:.2f} "
                    f"by {MARGIN - 1:.0%}")
     names = [n for n in ("colocated", "chunked", "disagg") if n in runs]
-    text = (f"{rate_label}disaggregation {'lowers' if (itl['disagg'] or 0) < (itl.get(best_col) or 0) else 'raises'} "
-            f"p99 ITL to {_ms(itl['disagg'])} from " + " / ".join(f"{_ms(itl[n])} ({n})" for n in names[:-1])
-            + f", while p50 TTFT is {_ms(_get(d, 'ttft_s', 'p50'))} against "
+    def vs(n: str) -> str:
+        r = ratios.get(n)
+        return f"{_ms(itl[n])} ({n}{f', {r:.2f}x' if r else ''})"
+
+    text = (f"{rate_label}p99 ITL is {_ms(itl['disagg'])} disaggregated against "
+            + " and ".join(vs(n) for n in names[:-1])
+            + f"; p50 TTFT is {_ms(_get(d, 'ttft_s', 'p50'))} against "
             + " / ".join(f"{_ms(_get(runs[n], 'ttft_s', 'p50'))} ({n})" for n in names[:-1])
-            + f"; goodput at SLO (TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= {slo['tpot_s'] * 1e3:g} ms) is "
+            + f" (p99 {_ms(_get(d, 'ttft_s', 'p99'))} against "
+            + " / ".join(f"{_ms(_get(runs[n], 'ttft_s', 'p99'))}" for n in names[:-1])
+            + f"); goodput at SLO (TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= {slo['tpot_s'] * 1e3:g} ms) is "
             + ", ".join(f"{good[n]:.2f} req/s = {frac[n]:.0%} ({n})" for n in names) + ". ")
     if k is not None and c is not None:
         r = itl["chunked"] / itl["colocated"] if itl.get("chunked") and itl.get("colocated") else None
