@@ -88,7 +88,7 @@ def test_disaggregated_run_moved_kv_and_colocated_did_not(report):
 
 
 def test_client_latencies_agree_with_the_servers_histograms(report):
-    """Stated tolerance (runner.AGREE_*): TTFT mean within 25 ms + 10%, ITL mean within 5 ms + 10%,
+    """Stated tolerance (serverside.AGREE_*): TTFT mean within 25 ms + 10%, ITL mean within 5 ms + 10%,
     and exactly as many first tokens and inter-token gaps as the servers observed."""
     _, rep = report
     for run in rep["runs"]:

@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdkv.bench.ab import machine, metrics, scrape
+from pdkv.bench.ab import machine, metrics, scrape, serverside
 from pdkv.bench.ab.archs import ArchSpec
 from pdkv.bench.ab.client import first_model, reachable, replay
 from pdkv.bench.ab.fault import FaultInjector, FaultSpec, judge, target
 from pdkv.bench.ab.launch import Deployment
 from pdkv.bench.ab.prompts import PromptSynth, request_body
 from pdkv.bench.ab.resources import Sampler, weight_bytes
-from pdkv.bench.ab.traces import Trace, TraceError
+from pdkv.bench.ab.traces import Trace
 from pdkv.bench.ab.workload import Scaling, Workload, build_workload
 
 SERVED_NAME = "pdkv-ab"  # every pdkv architecture serves the model under this name: identical bodies
@@ -123,53 +123,6 @@ def _progress(opts: Options, desc: str, total: int):
     return bar, lambda: bar.update(1)
 
 
-def _server_side(api: dict, pre: dict) -> dict:
-    """Numbers from the nodes' own /metrics deltas: API nodes (colocated or decode) and prefill nodes."""
-    kv_recv = scrape.value(api, "pdkv_kv_transfer_bytes_total")
-    kv_sent = scrape.value(pre, "pdkv_kv_transfer_bytes_total")
-    failures = {dict(lab)["reason"]: v for (n, lab), v in api.items()
-                if n == "pdkv_kv_transfer_failures_total" and v}
-    return {
-        "ttft": scrape.histogram(api, "pdkv_time_to_first_token_seconds"),
-        "itl": scrape.histogram(api, "pdkv_inter_token_latency_seconds"),
-        "queue_wait": scrape.histogram(api, "pdkv_request_queue_time_seconds"),
-        "prefill_queue_wait": scrape.histogram(pre, "pdkv_queue_prefill_seconds"),
-        "e2e": scrape.histogram(api, "pdkv_e2e_request_latency_seconds"),
-        "kv_bytes_received": kv_recv, "kv_bytes_sent": kv_sent,
-        # the prefill node times each request's writes: first queued -> all done
-        "kv_transfer_time": scrape.histogram(pre, "pdkv_kv_transfer_seconds"),
-        "remote_prefill": scrape.histogram(api, "pdkv_ttft_remote_seconds"),
-        "kv_transfer_exposed": scrape.histogram(api, "pdkv_kv_transfer_exposed_seconds"),
-        "kv_transfer_failures": failures,
-        "prompt_tokens": scrape.value(api, "pdkv_prompt_tokens_total"),
-        "generation_tokens": scrape.value(api, "pdkv_generation_tokens_total"),
-    }
-
-
-# Client and server clocks see the same tokens; the client adds HTTP and event-loop delay on top.
-AGREE_TTFT_ABS_S, AGREE_REL = 0.025, 0.10
-
-
-def agreement(results, server: dict) -> dict | None:
-    """Client-side TTFT/ITL against the servers' own histograms for the same requests."""
-    ok = [r for r in results if r.status == "ok"]
-    if not ok or not server.get("ttft") or not server.get("itl"):
-        return None
-    c_ttft = sum(r.ttft_s for r in ok) / len(ok)
-    gaps = [g for r in ok for g in metrics.itl_gaps(r)]
-    c_itl = sum(gaps) / len(gaps) if gaps else 0.0
-    s_ttft, s_itl = server["ttft"]["mean_s"], server["itl"]["mean_s"]
-    tol_t = AGREE_TTFT_ABS_S + AGREE_REL * s_ttft
-    tol_i = AGREE_TTFT_ABS_S / 5 + AGREE_REL * s_itl
-    return {"tolerance": f"|client - server| <= {AGREE_TTFT_ABS_S * 1e3:g} ms + {AGREE_REL:.0%} (TTFT mean), "
-                         f"{AGREE_TTFT_ABS_S / 5 * 1e3:g} ms + {AGREE_REL:.0%} (ITL mean); counts equal",
-            "ttft_mean_client_s": c_ttft, "ttft_mean_server_s": s_ttft, "ttft_ok": abs(c_ttft - s_ttft) <= tol_t,
-            "ttft_count_client": len(ok), "ttft_count_server": server["ttft"]["count"],
-            "itl_mean_client_s": c_itl, "itl_mean_server_s": s_itl, "itl_ok": abs(c_itl - s_itl) <= tol_i,
-            "itl_count_client": len(gaps), "itl_count_server": server["itl"]["count"],
-            "counts_ok": len(ok) == server["ttft"]["count"] and len(gaps) == server["itl"]["count"]}
-
-
 def _request_rows(p: Prepared, results) -> list[dict]:
     items = {it.id: it for it in p.workload.items}
     rows = []
@@ -223,8 +176,8 @@ def _replay_once(opts: Options, name: str, p: Prepared, urls: list[str], dep: De
                 pre = scrape.add(pre, d)
             else:
                 api = scrape.add(api, d)
-        run["server"] = _server_side(api, pre)
-        run["agreement"] = None if inj is not None else agreement(results, run["server"])
+        run["server"] = serverside.numbers(api, pre)
+        run["agreement"] = None if inj is not None else serverside.agreement(results, run["server"])
     run["fault"] = judge(inj, results, run.get("pools_after", {})) if inj is not None else None
     if opts.fault and inj is None:
         run["fault"] = {"role": opts.fault.role, "skipped": f"{name} has no {opts.fault.role} node"}
