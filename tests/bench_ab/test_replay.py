@@ -1,7 +1,7 @@
-"""A ~30-request replay of a real Mooncake slice on the tiny model against colocated, chunked and
-disaggregated serving, each launched by the harness as `pdkv serve` processes pinned to the same
-CPU budget: the report, its schema, the accounting of every request, identical request streams,
-the client against the servers' own histograms."""
+"""A ~30-request replay of a real Mooncake slice on the tiny model, at two rates, against
+colocated, chunked and disaggregated serving, each launched by the harness as `pdkv serve`
+processes pinned to the same CPU budget: the report, its schema, the accounting of every
+request, identical request streams, the client against the servers' own histograms."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ NUM = 30
 def report(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ab")
     rc, err = run_ab(["--trace", str(MOONCAKE), "--window", "0:100", "--first", str(NUM), "--length-scale", "0.02",
-                      "--output-scale", "0.03", "--rate", "4", "--model", str(tiny_model_dir), "--cpus", budget(),
+                      "--output-scale", "0.03", "--rates", "4,8", "--model", str(tiny_model_dir), "--cpus", budget(),
                       "--out", str(out)])
     assert rc == 0, err
     return out, json.loads((out / "report.json").read_text())
@@ -40,7 +40,8 @@ def test_report_validates_against_its_schema(report):
 
 def test_every_request_accounted_for_with_exact_token_counts(report):
     _, rep = report
-    assert len(rep["runs"]) == 3
+    assert [(r["arch"], r["rate"]) for r in rep["runs"]] == [(a, x) for a in ("colocated", "chunked", "disagg")
+                                                             for x in (4.0, 8.0)]
     for run in rep["runs"]:
         reqs = run["requests"]
         assert len(reqs) == NUM and len({r["id"] for r in reqs}) == NUM
@@ -57,11 +58,14 @@ def test_every_request_accounted_for_with_exact_token_counts(report):
 
 def test_architectures_received_byte_identical_request_sequences(report):
     _, rep = report
-    seqs = [[(r["body_sha256"], r["scheduled_s"], r["prompt_tokens"], r["max_tokens"]) for r in run["requests"]]
-            for run in rep["runs"]]
-    assert seqs[0] == seqs[1] == seqs[2]
-    assert len({s[0] for s in seqs[0]}) == NUM  # and they are not all the same request
-    assert rep["identical_requests"] == {"4.0": True}
+    for rate in (4.0, 8.0):
+        seqs = [[(r["body_sha256"], r["scheduled_s"], r["prompt_tokens"], r["max_tokens"]) for r in run["requests"]]
+                for run in rep["runs"] if run["rate"] == rate]
+        assert len(seqs) == 3 and seqs[0] == seqs[1] == seqs[2]
+        assert len({s[0] for s in seqs[0]}) == NUM  # and they are not all the same request
+    offered = {r["rate"]: r["offered_rate_rps"] for r in rep["runs"]}
+    assert offered[4.0] == pytest.approx(4.0) and offered[8.0] == pytest.approx(8.0)
+    assert rep["identical_requests"] == {"4.0": True, "8.0": True}
 
 
 def test_each_architecture_ran_on_the_same_pinned_cpus(report):
@@ -109,7 +113,9 @@ def test_markdown_plots_and_verdict_are_written(report):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     v = rep["verdict"]
     assert v["overall"] in ("disaggregate", "chunked", "colocated")
+    assert [p["rate"] for p in v["per_rate"]] == [4.0, 8.0]
     assert "p99 ITL" in v["per_rate"][0]["text"] and "goodput" in v["per_rate"][0]["text"]
+    assert "## Rate sweep" in md
     co = rep["runs"][0]["client_overhead"]
     assert co["cpu_per_token_us"] > 0 and co["send_lag_s"]["n"] == NUM
     assert os.path.isdir(out / "logs" / "disagg")
