@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# fields the harness fills in itself (ports, peers, the model): a --set of them would break the launch
+_HARNESS_FIELDS = ("model.path", "model.served_name", "server.host", "server.port", "messenger.control_host",
+                   "messenger.control_port", "messenger.prefill_peers")
+
+
 def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
     out = []
     for it in items:
@@ -114,6 +119,11 @@ def options(args: argparse.Namespace, argv: list[str]):
         chosen.append(runner.Endpoint(name, url.rstrip("/")))
     if not chosen:
         raise ValueError("nothing to compare: give --archs, --arch NAME=FILE or --endpoint NAME=URL")
+    for o in args.sets:
+        key = o.partition("=")[0].strip()
+        if key in _HARNESS_FIELDS:
+            raise ValueError(f"--set {o}: {key} is set by the harness for every node "
+                             f"({'use --model' if key == 'model.path' else 'it picks free loopback ports'})")
     names = [getattr(a, "name") for a in chosen]
     if len(set(names)) != len(names):
         raise ValueError(f"architecture names must be unique, got {names}")
