@@ -49,6 +49,7 @@ class NodeProc:
         self.sets = sets
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0
+        self._pids_cache: tuple[int, float, list[int]] = (0, 0.0, [])
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "pdkv", "serve", "-c", str(self.cfg_path), "--log-level", "warning"]
@@ -111,10 +112,16 @@ class NodeProc:
             self.kill()
 
     def pids(self) -> list[int]:
-        """The node's process and its descendants (tensor-parallel ranks)."""
+        """The node's process and its descendants (tensor-parallel ranks); the /proc scan is
+        redone at most every 2 s, so sampling costs the shared CPUs little."""
         if not self.alive():
             return []
-        return descendants(self.proc.pid)
+        now = time.monotonic()
+        key, when, pids = self._pids_cache
+        if key != self.proc.pid or now - when > 2.0:
+            pids = descendants(self.proc.pid)
+            self._pids_cache = (self.proc.pid, now, pids)
+        return pids
 
 
 def descendants(root: int) -> list[int]:
