@@ -79,7 +79,8 @@ def test_malformed_flags_and_configs(tmp_path, tiny_model_dir):
 
 def test_an_already_running_endpoint_is_replayed_with_client_side_metrics(tmp_path, tiny_model_dir):
     """--endpoint NAME=URL: any OpenAI-compatible server (here a pdkv colocated server in this
-    process); the bodies carry the endpoint's own model name."""
+    process); the bodies carry the endpoint's own model name. An architecture that does not start
+    (pinned to a CPU that does not exist) is reported with its log, and costs the others nothing."""
     import json
 
     from pdkv.config import config_from_dict
@@ -89,13 +90,16 @@ def test_an_already_running_endpoint_is_replayed_with_client_side_metrics(tmp_pa
     cfg = config_from_dict({"model": {"path": str(tiny_model_dir)}, "server": {"port": 0},
                             "kv_cache": {"num_pages": 256}})
     with ServerThread(cfg, LLMEngine.from_config(cfg, num_threads=1)) as srv:
+        broken = tmp_path / "broken.yaml"
+        broken.write_text("kind: colocated\nparallel: {cpus: '4095'}\n")
         rc, err = run_ab(["--trace", str(AZURE), "--first", "6", "--length-scale", "0.01", "--output-scale", "0.3",
-                          "--rate", "6", "--model", str(tiny_model_dir), "--archs", "", "--endpoint",
-                          f"mine={srv.url}", "--out", str(tmp_path), "--no-plots"])
-    assert rc == 0, err
+                          "--rate", "6", "--model", str(tiny_model_dir), "--archs", "", "--arch", f"broken={broken}",
+                          "--endpoint", f"mine={srv.url}", "--out", str(tmp_path), "--no-plots"])
+    assert rc == 1 and "broken did not start: node broken-colocated-0 exited with status 1" in err, err
+    assert "CPUs [4095] that this process may not use" in err
     rep = json.loads((tmp_path / "report.json").read_text())
     (run,) = rep["runs"]
-    assert rep["archs"][0]["kind"] == "endpoint" and rep["model"]["served_name"] == tiny_model_dir.name
+    assert "launch_error" in rep["archs"][0] and rep["archs"][1]["kind"] == "endpoint" and rep["model"]["served_name"] == tiny_model_dir.name
     assert [r["status"] for r in run["requests"]] == ["ok"] * 6
     assert all(r["num_tokens"] == r["max_tokens"] for r in run["requests"])
     assert "server" not in run and run["summary"]["all"]["num_ok"] == 6

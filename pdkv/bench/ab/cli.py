@@ -156,4 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     files = R.write(rep, opts.out_dir, plots=not args.no_plots)
     print((opts.out_dir / "report.md").read_text())
     print("wrote " + ", ".join(str(f) for f in files))
-    return 0
+    failed = [a for a in rep["archs"] if "launch_error" in a]
+    for a in failed:
+        print(f"pdkv bench ab: {a['name']} did not start: {a['launch_error']}", file=sys.stderr)
+    return 1 if failed else 0

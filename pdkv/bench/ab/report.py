@@ -42,6 +42,8 @@ def markdown(report: dict) -> str:
              "| architecture | nodes (role: CPUs) | duplicated weights |", "|---|---|---:|"]
     for a in report["archs"]:
         nodes = ", ".join(f"{n['role']}: {n['cpus']}" for n in a["nodes"]) or a.get("url", "")
+        if "launch_error" in a:
+            nodes += f" (did not start: {a['launch_error'][:200]})"
         lines.append(f"| {a['name']} | {nodes} | {a.get('duplicated_weight_bytes', 0) / 2**20:.1f} MiB |")
     for rate in dict.fromkeys(r["rate"] for r in report["runs"]):
         runs = [r for r in report["runs"] if r["rate"] == rate]

@@ -15,7 +15,7 @@ from pdkv.bench.ab import machine, metrics, scrape, serverside
 from pdkv.bench.ab.archs import ArchSpec
 from pdkv.bench.ab.client import first_model, reachable, replay
 from pdkv.bench.ab.fault import FaultInjector, FaultSpec, judge, target
-from pdkv.bench.ab.launch import Deployment
+from pdkv.bench.ab.launch import Deployment, LaunchError
 from pdkv.bench.ab.prompts import PromptSynth, request_body
 from pdkv.bench.ab.resources import Sampler, weight_bytes
 from pdkv.bench.ab.traces import Trace
@@ -210,7 +210,11 @@ def run_ab(opts: Options) -> dict:
         dep = Deployment(a, opts.budget, opts.out_dir / "logs" / a.name, opts.model_dir, served, opts.sets)
         report["archs"].append(_arch_section(a, dep, info))
         t = time.monotonic()
-        dep.start()
+        try:
+            dep.start()
+        except LaunchError as e:  # one architecture that does not start must not cost the others' runs
+            report["archs"][-1]["launch_error"] = str(e)
+            continue
         report["archs"][-1]["startup_s"] = time.monotonic() - t
         for row, n in zip(report["archs"][-1]["nodes"], dep.nodes):  # what the pinning really did
             row["cpus_actual"] = sorted(os.sched_getaffinity(n.proc.pid))
@@ -219,6 +223,8 @@ def run_ab(opts: Options) -> dict:
                 report["runs"].append(_replay_once(opts, a.name, p, dep.api_urls, dep))
         finally:
             dep.stop()
+    if not report["runs"]:
+        raise LaunchError("; ".join(a["launch_error"] for a in report["archs"] if "launch_error" in a))
     report["identical_requests"] = _identical(report["runs"])
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report["machine"]["loadavg_end"] = os.getloadavg()
