@@ -5,6 +5,7 @@ window, the fit to the model, the endpoints), so a bad input costs no start-up t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -71,8 +72,10 @@ def prepare(opts: Options, served_name: str = SERVED_NAME) -> list[Prepared]:
     info = model_info(opts.model_dir)
     out = []
     for rate in opts.rates:
-        s = opts.scaling if rate is None else Scaling(**{**opts.scaling.__dict__, "rate": rate})
+        s = opts.scaling if rate is None else dataclasses.replace(opts.scaling, rate=rate)
         wl = build_workload(opts.trace, s)
+        # ids from 3 up: pdkv's tiny tokenizers keep their special tokens at 0..2; a real model's
+        # specials sit at the top of the vocabulary and are as harmless in a prompt as any id
         synth = PromptSynth(3, info["vocab_size"], wl.block_tokens, opts.seed)
         jobs = [(it.id, it.offset_s, request_body(served_name, synth.prompt(it.prompt_len, it.hash_ids, it.row),
                                                   it.max_tokens), it.max_tokens) for it in wl.items]
