@@ -78,6 +78,9 @@ def plot_all(report: dict, out: Path) -> list[Path]:
         for q in r["requests"]:
             if q["class"] == "long":
                 ax.axvline(q["sent_s"], color="grey", lw=0.6, alpha=0.6)
+        f = r.get("fault") or {}
+        if f.get("kill_s") is not None:  # the outage of a --fault run
+            ax.axvspan(f["kill_s"], f.get("ready_s") or f["kill_s"], color="red", alpha=0.15, label="node down")
         ax.set(ylabel="ITL (ms)", title=f"{r['arch']} ({_label(top)}); grey: long-prompt arrivals")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
