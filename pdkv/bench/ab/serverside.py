@@ -33,8 +33,11 @@ def numbers(api: dict, pre: dict) -> dict:
     }
 
 
-# Client and server clocks see the same tokens; the client adds HTTP and event-loop delay on top.
-AGREE_TTFT_ABS_S, AGREE_REL = 0.025, 0.10
+# Client and server see the same tokens; the client adds HTTP, SSE and its own event loop's delay
+# on top (typically 5-15 ms here, more when the shared machine is busy). The ITL mean shifts by
+# the difference between a request's first- and last-token delivery delays, spread over its gaps.
+AGREE_TTFT_ABS_S, AGREE_ITL_ABS_S = 0.040, 0.005
+AGREE_TTFT_REL, AGREE_ITL_REL = 0.10, 0.15
 
 
 def agreement(results, server: dict) -> dict | None:
@@ -46,10 +49,10 @@ def agreement(results, server: dict) -> dict | None:
     gaps = [g for r in ok for g in metrics.itl_gaps(r)]
     c_itl = sum(gaps) / len(gaps) if gaps else 0.0
     s_ttft, s_itl = server["ttft"]["mean_s"], server["itl"]["mean_s"]
-    tol_t = AGREE_TTFT_ABS_S + AGREE_REL * s_ttft
-    tol_i = AGREE_TTFT_ABS_S / 5 + AGREE_REL * s_itl
-    return {"tolerance": f"|client - server| <= {AGREE_TTFT_ABS_S * 1e3:g} ms + {AGREE_REL:.0%} (TTFT mean), "
-                         f"{AGREE_TTFT_ABS_S / 5 * 1e3:g} ms + {AGREE_REL:.0%} (ITL mean); counts equal",
+    tol_t = AGREE_TTFT_ABS_S + AGREE_TTFT_REL * s_ttft
+    tol_i = AGREE_ITL_ABS_S + AGREE_ITL_REL * s_itl
+    return {"tolerance": f"|client - server| <= {AGREE_TTFT_ABS_S * 1e3:g} ms + {AGREE_TTFT_REL:.0%} (TTFT mean), "
+                         f"{AGREE_ITL_ABS_S * 1e3:g} ms + {AGREE_ITL_REL:.0%} (ITL mean); counts equal",
             "ttft_mean_client_s": c_ttft, "ttft_mean_server_s": s_ttft, "ttft_ok": abs(c_ttft - s_ttft) <= tol_t,
             "ttft_count_client": len(ok), "ttft_count_server": server["ttft"]["count"],
             "itl_mean_client_s": c_itl, "itl_mean_server_s": s_itl, "itl_ok": abs(c_itl - s_itl) <= tol_i,
