@@ -49,6 +49,23 @@ def itl_gaps(r: RequestResult) -> list[float]:
     return gaps
 
 
+def interference(results: list[RequestResult]) -> dict:
+    """Decode gaps that overlap another request's prefill (its [sent, first token] window) against
+    gaps that overlap none: how much the prefill phase slows the decode phase, seen by clients."""
+    ok = [r for r in results if r.status == "ok" and r.ttft_s is not None]
+    windows = sorted((r.sent_s, r.sent_s + r.ttft_s, r.id) for r in ok)
+    during, quiet = [], []
+    for r in ok:
+        for a, b in zip(r.chunk_s, r.chunk_s[1:]):
+            lo, hi = r.sent_s + a, r.sent_s + b
+            hit = any(s < hi and e > lo and rid != r.id for s, e, rid in windows)
+            (during if hit else quiet).append(b - a)
+    d, q = dist(during), dist(quiet)
+    return {"itl_during_prefill_s": d, "itl_quiet_s": q,
+            "ratio_mean": d["mean"] / q["mean"] if d["mean"] is not None and q["mean"] else None,
+            "ratio_p90": d["p90"] / q["p90"] if d["p90"] is not None and q["p90"] else None}
+
+
 def tpot(r: RequestResult) -> float | None:
     if r.status != "ok" or r.num_tokens < 2 or r.ttft_s is None or r.e2e_s is None:
         return None
@@ -67,6 +84,7 @@ def summarize(results: list[RequestResult], prompt_lens: dict[str, int], classes
     for cls in CLASSES:
         rs = [r for r in results if cls == "all" or classes[r.id] == cls]
         out[cls] = _summary(rs, prompt_lens, slo) if rs else None
+    out["all"]["interference"] = interference(results)
     return out
 
 

@@ -73,7 +73,9 @@ def markdown(report: dict) -> str:
             pq = sv.get("prefill_queue_wait") or {}
             tt = sv.get("kv_transfer_time") or {}
             en = res.get("energy", {})
-            rows.append([r["arch"], _ms(qw.get("mean_s")), _ms(pq.get("mean_s")),
+            inter = r["summary"]["all"].get("interference") or {}
+            rows.append([r["arch"], f"{inter['ratio_mean']:.1f}x" if inter.get("ratio_mean") else "–",
+                         _ms(qw.get("mean_s")), _ms(pq.get("mean_s")),
                          f"{(sv.get('kv_bytes_received') or 0) / 2**20:.1f}", _ms(tt.get("mean_s")),
                          f"{res.get('peak_rss_bytes', 0) / 2**20:.0f}",
                          f"{en['joules']:.1f} J" if en.get("joules") is not None else
@@ -81,7 +83,7 @@ def markdown(report: dict) -> str:
                          f"{co['cpu_per_request_ms']:.2f} / {co['cpu_per_token_us']:.0f}",
                          _ms(co["send_lag_s"]["p99"]),
                          str(r.get("pools_back_to_start", "–")), _agree(r.get("agreement"))])
-        lines += ["", _table(rows, ["arch", "queue wait mean ms", "prefill queue mean ms", "KV MiB moved",
+        lines += ["", _table(rows, ["arch", "ITL during prefills / quiet", "queue wait mean ms", "prefill queue mean ms", "KV MiB moved",
                                     "KV transfer mean ms", "peak RSS MiB", "energy", "client CPU ms/req / us/token",
                                     "send lag p99 ms", "pools back", "client~server"])]
         if any(r.get("resources", {}).get("energy", {}).get("joules") is None and r.get("resources") for r in runs):

@@ -1,8 +1,9 @@
 """The seed's rule, applied to the numbers of one run:
 
     1. test chunked prefill first, as the colocated alternative;
-    2. adopt disaggregation only when the interference between phases is measured (colocated's
-       p99 inter-token latency stands well above its median: prefills stall decodes), and
+    2. adopt disaggregation only when the interference between phases is measured (colocated
+       decode gaps that overlap another request's prefill are at least INTERFERENCE_RATIO times
+       the gaps that overlap none: metrics.interference), and
     3. the transfer path preserves both latency objectives (disaggregated serving meets the TTFT
        and TPOT SLOs for at least ``attainment`` of requests), and it beats the best colocated
        goodput by a margin.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-STALL_RATIO = 2.0  # colocated p99 ITL / p50 ITL at or above this: interference is measured
+INTERFERENCE_RATIO = 1.5  # colocated mean ITL during prefills / quiet mean ITL: interference is measured
 MARGIN = 1.05  # disaggregated goodput must beat the best colocated goodput by 5%
 
 
@@ -47,10 +48,9 @@ def decide(runs: dict[str, dict], slo: dict, attainment: float = 0.9, rate_label
     itl = {n: _get(r, "itl_s", "p99") for n, r in runs.items()}
     good = {n: _get(r, "goodput_rps") or 0.0 for n, r in runs.items()}
     frac = {n: _get(r, "goodput_fraction") or 0.0 for n, r in runs.items()}
-    base = c or k
-    p50 = _get(base, "itl_s", "p50")
-    stall = (itl.get("colocated") or itl.get("chunked") or 0.0) / p50 if p50 else None
-    interference = stall is not None and stall >= STALL_RATIO
+    inter = {n: _get(r, "interference", "ratio_mean") for n, r in runs.items()}
+    stall = inter.get("colocated") if c is not None else inter.get("chunked")
+    interference = stall is not None and stall >= INTERFERENCE_RATIO
     preserves = frac["disagg"] >= attainment
     best_col = max((n for n in ("colocated", "chunked") if n in runs), key=lambda n: good[n])
     wins = good["disagg"] > MARGIN * good[best_col]
@@ -67,8 +67,8 @@ def decide(runs: dict[str, dict], slo: dict, attainment: float = 0.9, rate_label
                           and (ratios["chunked"] is None or ratios["chunked"] <= 0.8))}
     why = []
     if not interference:
-        why.append(f"interference is small (colocated p99/p50 ITL = {stall:.2f} < {STALL_RATIO:g})"
-                   if stall is not None else "interference could not be measured")
+        why.append(f"interference is small (decode gaps during prefills are {stall:.2f}x the quiet ones, "
+                   f"< {INTERFERENCE_RATIO:g})" if stall is not None else "interference could not be measured")
     if not preserves:
         why.append(f"disaggregation meets both SLOs for only {frac['disagg']:.0%} of requests (< {attainment:.0%})")
     if not wins:
@@ -87,11 +87,15 @@ def decide(runs: dict[str, dict], slo: dict, attainment: float = 0.9, rate_label
             + " / ".join(f"{_ms(_get(runs[n], 'ttft_s', 'p99'))}" for n in names[:-1])
             + f"); goodput at SLO (TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= {slo['tpot_s'] * 1e3:g} ms) is "
             + ", ".join(f"{good[n]:.2f} req/s = {frac[n]:.0%} ({n})" for n in names) + ". ")
+    if all(inter.get(n) is not None for n in names):
+        text += ("Decode gaps that overlap another request's prefill are "
+                 + ", ".join(f"{inter[n]:.1f}x ({n})" for n in names) + " the gaps that overlap none. ")
     if k is not None and c is not None:
         r = itl["chunked"] / itl["colocated"] if itl.get("chunked") and itl.get("colocated") else None
         text += f"Chunked prefill alone gets p99 ITL {_ms(itl['chunked'])}" + (f" ({r:.2f}x colocated). " if r else ". ")
     text += f"Verdict: {choice.value}" + (f" ({'; '.join(why)})." if why and choice != Choice.DISAGGREGATE else ".")
-    return {"choice": choice.value, "text": text, "interference_stall_ratio": stall, "interference": interference,
+    return {"choice": choice.value, "text": text, "interference_ratio": stall, "interference_ratios": inter,
+            "interference": interference,
             "transfer_preserves_slos": preserves, "disagg_goodput_wins": wins, "attainment_target": attainment,
             "expectation": expect}
 
