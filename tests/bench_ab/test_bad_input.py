@@ -69,6 +69,8 @@ def test_malformed_flags_and_configs(tmp_path, tiny_model_dir):
     assert rc == 2 and "--pd must be P:D" in err
     rc, err = run_ab(base + ["--set", "parallel.cpus=zero"])
     assert rc == 2 and "--set parallel.cpus=zero: parallel.cpus must be a CPU list" in err
+    rc, err = run_ab(["--render", str(tmp_path / "nowhere")])
+    assert rc == 2 and "cannot read report.json" in err
     rc, err = run_ab(base + ["--set", "server.port=8000"])
     assert rc == 2 and "server.port is set by the harness" in err
     bad = tmp_path / "mine.yaml"

@@ -120,3 +120,8 @@ def test_markdown_plots_and_verdict_are_written(report):
     co = rep["runs"][0]["client_overhead"]
     assert co["cpu_per_token_us"] > 0 and co["send_lag_s"]["n"] == NUM
     assert os.path.isdir(out / "logs" / "disagg")
+    # --render recomputes the verdict from the JSON alone (no replay) and writes the same summary
+    (out / "report.md").unlink()
+    rc, err = run_ab(["--render", str(out), "--no-plots"])
+    assert rc == 0, err
+    assert (out / "report.md").read_text() == md

@@ -29,7 +29,15 @@ def test_chunked_when_the_transfer_path_breaks_an_slo():
     v = decide({"colocated": run(0.005, 0.100, 0.05, 1.0, 0.6, 8.0), "chunked": run(0.006, 0.040, 0.08, 1.2, 0.7),
                 "disagg": run(0.005, 0.010, 0.9, 2.0, 0.5)}, SLO)
     assert v["choice"] == "chunked" and not v["transfer_preserves_slos"]
-    assert "only 50% of requests" in v["text"]
+    assert "only 50% of requests (< 70%)" in v["text"]  # the bar: the best colocated attainment
+
+
+def test_past_every_slo_disaggregation_must_attain_as_much_as_the_best_colocated():
+    over = {"colocated": run(0.02, 1.0, 0.15, 1.69, 0.75, 8.0), "chunked": run(0.03, 0.46, 0.2, 1.08, 0.62, 3.0)}
+    v = decide({**over, "disagg": run(0.02, 0.06, 0.21, 1.85, 0.78, 1.2)}, SLO)
+    assert v["choice"] == "disaggregate" and v["transfer_preserves_slos"]
+    v = decide({**over, "disagg": run(0.02, 0.06, 0.21, 1.85, 0.70, 1.2)}, SLO)
+    assert v["choice"] == "colocated" and not v["transfer_preserves_slos"]
 
 
 def test_colocated_when_there_is_no_interference_to_remove():

@@ -22,7 +22,7 @@ from pdkv.bench.ab.metrics import SLO
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdkv.bench ab", description=__doc__.splitlines()[0])
     g = p.add_argument_group("trace")
-    g.add_argument("--trace", required=True, help="a Mooncake .jsonl, an Azure 2023 .csv, or synth:short|long|mixed")
+    g.add_argument("--trace", help="a Mooncake .jsonl, an Azure 2023 .csv, or synth:short|long|mixed")
     g.add_argument("--format", choices=("mooncake", "azure"), help="trace format (default: detected)")
     g.add_argument("--window", help="START:END in trace seconds: only requests arriving in [START, END)")
     g.add_argument("--first", type=int, help="only the first N requests (after --window)")
@@ -61,7 +61,25 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="ab-out", help="output folder (report.json, report.md, PNGs, node logs)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--render", metavar="DIR", help="no replay: recompute the verdict of DIR/report.json and "
+                                                   "rewrite its report.md and plots")
     return p
+
+
+def render(out: Path, attainment: float, plots: bool) -> int:
+    import json
+
+    from pdkv.bench.ab import report as R
+
+    try:
+        rep = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"pdkv bench ab: error: --render {out}: cannot read report.json: {e}", file=sys.stderr)
+        return 2
+    R.add_verdict(rep, attainment)
+    R.write(rep, out, plots=plots)
+    print((out / "report.md").read_text())
+    return 0
 
 
 # fields the harness fills in itself (ports, peers, the model): a --set of them would break the launch
@@ -137,6 +155,10 @@ def options(args: argparse.Namespace, argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.render:
+        return render(Path(args.render), args.attainment, not args.no_plots)
+    if not args.trace:
+        parser().error("--trace is required (or --render DIR)")
     from pdkv.bench.ab import report as R
     from pdkv.bench.ab import runner
     from pdkv.bench.ab.launch import LaunchError
