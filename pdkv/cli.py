@@ -100,8 +100,14 @@ def load_engine(cfg: Config):
 def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     cfg = load_config(args.config, args.overrides)
+    from pdkv.cpus import pin_cpus
     from pdkv.errors import PdkvError
 
+    try:
+        pin_cpus(cfg.parallel.cpus)  # before the engine: its torch threads follow the affinity
+    except OSError as e:
+        print(f"pdkv: {cfg.source}: {e}", file=sys.stderr)
+        return 1
     try:
         engine = load_engine(cfg)
     except (PdkvError, OSError) as e:

@@ -83,6 +83,7 @@ class ParallelConfig:
     tp: int = 1
     timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
+    cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
 
 
 SPEC_METHODS = ("ngram", "draft", "mtp")

@@ -10,6 +10,16 @@ from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_
                                   Config, ConfigError)
 
 
+def _cpus_ok(text: str) -> bool:
+    from pdkv.cpus import parse_cpu_list
+
+    try:
+        parse_cpu_list(text)
+    except ValueError:
+        return False
+    return True
+
+
 def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths: bool = True) -> None:
     """Check values (not just types); raise ConfigError naming the file (or the ``--set`` that
     gave the value, from ``origins``) and the field."""
@@ -28,6 +38,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(pc.timeout_s > 0, "parallel.timeout_s", "a positive number of seconds", pc.timeout_s)
     need(pc.startup_timeout_s > 0, "parallel.startup_timeout_s", "a positive number of seconds",
          pc.startup_timeout_s)
+    need(_cpus_ok(pc.cpus), "parallel.cpus", "a CPU list like 0 or 0-3,8 (empty: every CPU)", pc.cpus)
     one_of("role", cfg.role, ROLES)
     one_of("model.dtype", m.dtype, DTYPES)
     one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)

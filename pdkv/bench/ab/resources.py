@@ -1,0 +1,113 @@
+"""What an architecture costs the machine: resident memory, CPU time, energy.
+
+* Memory: the summed RSS of every process of the architecture, sampled every ``period`` s during
+  the replay (peak and mean), plus the weight bytes each node loads. Disaggregation keeps one
+  copy of the weights per node, so duplicated weight memory = (nodes - 1) x weight bytes.
+* Energy: RAPL package counters (``/sys/class/powercap/intel-rapl:*/energy_uj``) when readable;
+  they count the whole package, other processes included. Otherwise CPU-seconds consumed by the
+  architecture's processes, labelled as a proxy (not joules). (GPU energy from NVML is not read
+  yet: disaggregated nodes run on CPUs only, see pdkv.config.)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/statm").read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / _TICK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def weight_bytes(model_dir: str) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def rapl_uj() -> dict[str, tuple[int, int]] | None:
+    """{zone: (energy_uj, max_range_uj)} of readable package zones, None if none is readable."""
+    out = {}
+    for z in glob.glob("/sys/class/powercap/intel-rapl:*"):
+        if z.count(":") != 1:  # packages only; subzones are included in them
+            continue
+        try:
+            out[z] = (int(open(z + "/energy_uj").read()), int(open(z + "/max_energy_range_uj").read()))
+        except (OSError, ValueError):
+            continue
+    return out or None
+
+
+class Sampler:
+    """Samples RSS and CPU time of ``pids()`` in a thread; keeps the last CPU time seen per pid so a
+    process killed mid-replay still counts what it used."""
+
+    def __init__(self, pids: Callable[[], list[int]], period: float = 0.25):
+        self._pids, self._period = pids, period
+        self._stop = threading.Event()
+        self.peak_rss = 0
+        self._rss_sum, self._n = 0, 0
+        self._cpu0: dict[int, float] = {}
+        self._cpu_last: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, name="ab-sampler", daemon=True)
+
+    def start(self) -> "Sampler":
+        for p in self._pids():
+            self._cpu0[p] = self._cpu_last[p] = cpu_seconds(p)
+        self._rapl0, self._t0 = rapl_uj(), time.monotonic()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        total = 0
+        for p in self._pids():
+            total += rss_bytes(p)
+            c = cpu_seconds(p)
+            if c:
+                self._cpu_last[p] = c
+                self._cpu0.setdefault(p, 0.0)  # a process started during the replay counts from 0
+        self.peak_rss = max(self.peak_rss, total)
+        self._rss_sum += total
+        self._n += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._sample()
+        self._stop.set()
+        self._thread.join(5)
+        wall = time.monotonic() - self._t0
+        cpu = sum(self._cpu_last[p] - self._cpu0.get(p, 0.0) for p in self._cpu_last)
+        out = {"peak_rss_bytes": self.peak_rss, "mean_rss_bytes": self._rss_sum // max(1, self._n),
+               "cpu_seconds": cpu, "wall_seconds": wall}
+        rapl1 = rapl_uj()
+        if self._rapl0 and rapl1:
+            joules = 0.0
+            for z, (e0, rng) in self._rapl0.items():
+                e1 = rapl1.get(z, (e0, rng))[0]
+                joules += ((e1 - e0) % rng if rng else e1 - e0) / 1e6
+            out["energy"] = {"source": "rapl", "joules": joules,
+                             "note": "RAPL package counters: the whole package, other processes included"}
+        else:
+            out["energy"] = {"source": "cpu_seconds_proxy", "joules": None, "cpu_seconds": cpu,
+                             "note": "no readable RAPL counter under /sys/class/powercap: CPU-seconds of the "
+                                     "architecture's processes as a proxy for energy (not joules)"}
+        return out
