@@ -23,6 +23,25 @@ Invariants the engine keeps (tests/engine/test_prefix_cache.py checks them):
   writer may still fill it) can never be marked cached (the allocator refuses);
 - one page per hash: a second request that computed the same page meanwhile keeps its copy
   private (it is freed, not cached, when the request ends).
+
+What the disaggregated roles use (the engine side is built; the connectors adopt it next):
+- decode node: before ``KVConnector.admission(req)`` the engine sets ``req.num_cached_tokens`` to
+  the prompt tokens this node already holds (whole pages, at most all but the last token). A
+  connector that returns ``Admission(num_external_tokens=n - 1 - req.num_cached_tokens,
+  reuse_cached=True)`` gets the cached pages (shared, unpinned) followed by pinned pages for the
+  rest: PREFILL names the skip (``req.num_cached_tokens``) and only the pages
+  ``req.pages[req.num_cached_tokens // page_size:]`` (``LLMEngine.add_remote_request(...,
+  reuse_cached=True)`` returns exactly those). When their writes landed, ``remote_kv_ready``
+  publishes them: that is the one step that makes remotely written pages visible.
+- prefill node: ``Admission(prefill_only=True, reuse_cached=True)`` (or
+  ``LLMEngine.add_prefill_request(..., reuse_cached=True)``, which returns the count) takes its
+  own cached prefix and computes only the rest; the reused pages are ``req.pages[:n // P]`` and
+  the connector must still send those the decode node lacks (they are never in a computed chunk).
+- routing: ``LLMEngine.cached_prefix_tokens(prompt)`` peeks at how much of a prompt a node
+  holds; the chained hashes are salted by model, dtype and page size only, so equal prompts hash
+  equally on every node serving the same checkpoint.
+Without ``reuse_cached=True`` a request with external KV or prefill-only reuses nothing (today's
+connectors), but its complete pages are still published.
 """
 
 from __future__ import annotations
