@@ -26,6 +26,8 @@ PROMPTS = [
     BASE[:32],                 # a prompt of whole pages all cached: its last page is computed again
     BASE[:31],                 # ends inside a page another request filled
     BASE[:5],
+    OTHER[:4] + BASE[4:20],    # BASE's pages 1.. after another first page: equal tokens, other KV
+    OTHER[:4] + BASE[4:20],    # (a hash not chained over the parent would reuse BASE's page 1)
 ]
 
 
