@@ -107,6 +107,11 @@ class LLMEngine:
         self._admit(req, Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=reuse_cached))
         return req.pages[cached // self.kv.page_size:]
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached page no request holds (vLLM's reset_prefix_cache): for when KV
+        memory was changed behind the engine's back. Returns how many pages were dropped."""
+        return self.allocator.evict_all()
+
     def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """How many leading tokens of this prompt the local prefix cache holds now (whole pages,
         at most all but the last token). A peek for routing decisions; engine thread only."""

@@ -214,3 +214,6 @@ def test_requests_keep_their_state_machine(make_engine):
     eng.abort("a")
     eng.step()
     assert eng.allocator.num_free == eng.allocator.num_total
+    cached = eng.stats()["num_pages_cached"]
+    assert cached > 0 and eng.reset_prefix_cache() == cached  # KV changed behind its back: forget it
+    assert eng.cached_prefix_tokens(BASE[:20]) == 0 and eng.stats()["num_pages_cached"] == 0
