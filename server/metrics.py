@@ -53,6 +53,11 @@ class ServerMetrics:
         self.kv_usage = gauge("pdkv_kv_cache_usage_ratio", "Share of KV cache pages in use (0..1).")
         self.prompt_tokens = counter("pdkv_prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("pdkv_generation_tokens", "Generated tokens.")
+        # vLLM's prefix cache counters, in tokens: each lookup's request tokens and those found cached
+        self.prefix_cache_queries = counter("pdkv_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("pdkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._prefix_seen = (0, 0)  # the engine's totals at the last copy (counters only go up)
         self._finished = Counter("pdkv_request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=r)
         # Speculative decoding (vLLM's vllm:spec_decode_*): counters follow the engine's totals.
@@ -83,6 +88,10 @@ class ServerMetrics:
         self.kv_pages_used.set(used)
         self.kv_pages_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        self.prefix_cache_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_cache_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
         if "spec_num_drafts" in stats:
             self._spec(stats)
 

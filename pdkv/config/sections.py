@@ -37,6 +37,7 @@ class KVCacheConfig:
     memory_fraction: float = 0.85  # of free GPU memory, after weights
     memory_gib: float = 1.0  # CPU: KV cache size when num_pages is not set
     layout: str = "HND"  # HND: [pages, 2, kv_heads, P, head_dim]; NHD: [pages, 2, P, kv_heads, head_dim]
+    prefix_caching: bool = True  # reuse cached full pages of earlier requests (pdkv/kv/prefix_cache.py)
 
 
 @dataclass(frozen=True)

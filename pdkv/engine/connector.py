@@ -21,10 +21,19 @@ layer in ``before_forward`` and releases them in ``after_layer``; the decode sid
 prompt's KV to come from outside in ``admission`` (pinned pages, WAITING_FOR_REMOTE_KV) and
 reserves a hidden-state slot in ``admit``.
 
+Prefix caching (pdkv/kv/prefix_cache.py) uses ``admission``: before calling it the engine
+sets ``req.num_cached_tokens`` to the prompt tokens whose KV the local cache already holds (whole
+pages, at most all but the last token; a peek, nothing is taken yet). A local request reuses them
+by default (and looks again when it is scheduled). A request whose KV comes from outside or that
+is prefill-only reuses them only if the connector says so (``reuse_cached=True``), because its
+transfer must then be planned around them: the decode side asks the prefill node only for the
+tokens after them (``num_external_tokens`` counts from ``req.num_cached_tokens``; the pages to
+fill are ``req.pages[req.num_cached_tokens // page_size:]``), the prefill side computes only the
+tokens after them (and must still send the reused pages it holds). Pages become visible to the
+cache only when complete: computed by a finished forward pass, or for remote KV at
+``LLMEngine.remote_kv_ready``.
+
 Later features are meant to use the same points rather than add new ones:
-- prefix caching: ``admission`` reports prompt tokens whose KV is already in (shared) pages, the
-  way ``num_external_tokens`` reports tokens that arrive from a remote node; ``finished`` returns
-  the request's pages to the cache instead of the free list;
 - speculative decoding (draft model / MTP heads): ``admit`` reserves the draft's per-request
   buffers (and may answer False while none are free), ``after_forward`` reads the hidden states
   the draft heads consume, ``before_forward`` sees which rows are verify tokens;
@@ -53,6 +62,11 @@ class Admission:
     # Compute the prompt's KV and never sample: every page up front, held after the last chunk
     # until ``LLMEngine.release`` (disaggregated prefill).
     prefill_only: bool = False
+    # Take the cached prefix the engine found (req.num_cached_tokens) instead of computing or
+    # receiving it. None: yes for a local request, no for external KV or prefill_only (whose
+    # transfers must be planned around the reused pages; a connector that plans them says True).
+    # With external KV, ``num_external_tokens`` then counts the tokens after the cached prefix.
+    reuse_cached: bool | None = None
 
 
 LOCAL = Admission()

@@ -23,6 +23,7 @@ from pdkv.engine.runner import ModelRunner
 from pdkv.engine.sampler import Sampler
 from pdkv.engine.scheduler import Scheduler
 from pdkv.kv import KVCache, PageAllocator
+from pdkv.kv.prefix_cache import PrefixCache, cache_salt
 
 
 @dataclass
@@ -62,6 +63,23 @@ def _num_threads(requested: int | None, tp: int) -> int:
     # Cores this process may run on (a container's CPU set), not the host's count.
     n = requested or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return max(1, n // tp) if tp > 1 else n  # the ranks share this host's cores
+
+
+def _fingerprint(loaded) -> str:
+    """What identifies the weights for the prefix cache's salt: config.json and the weight
+    files' names and sizes (cheap, and equal on every node serving the same checkpoint)."""
+    import hashlib  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from models.loader import weight_files  # noqa: PLC0415
+
+    h = hashlib.blake2b(json.dumps(loaded.hf_config, sort_keys=True, default=str).encode(), digest_size=16)
+    try:
+        for f in weight_files(Path(loaded.path)):
+            h.update(f"{f.name}:{f.stat().st_size};".encode())
+    except Exception:  # noqa: BLE001 - a model built in memory (tests) has no files: config only
+        pass
+    return h.hexdigest()
 
 
 def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
@@ -123,10 +141,14 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     kv = layout.make_cache(arch.num_layers, num_pages, kv_cache.page_size, loaded.dtype, kv_cache.layout, device,
                            buffer=kv_buffer)
     allocator = PageAllocator(num_pages)
+    cache = None
+    if kv_cache.prefix_caching:
+        cache = PrefixCache(allocator, kv_cache.page_size,
+                            cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
     sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
-                      scheduler.max_num_seqs)
+                      scheduler.max_num_seqs, prefix_cache=cache)
     return EngineParts(model, kv_cache, scheduler, loaded, Tokenizer(path, arch.eos_token_id),
                        model.served_name or loaded.path.resolve().name, max_model_len, kv, allocator,
                        runner, sched, tp)

@@ -94,23 +94,46 @@ class LLMEngine:
         (pages or a connector resource not free now: nothing changed, try again later; the
         engine loop does) or the connector's refusal."""
         req = self._new_request(request_id, prompt, params, arrival)
+        self._check_prompt(req.prompt_token_ids, 0)  # before hashing it
+        req.num_cached_tokens = self.scheduler.cached_prefix(req)  # what admission may reuse (a peek)
         self._admit(req, self.connector.admission(req))
 
-    def add_remote_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def add_remote_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                           reuse_cached: bool = False) -> list[int]:
         """Disaggregated decode without a connector deciding: reserves pinned pages for the
         prompt minus its last token and parks the request in WAITING_FOR_REMOTE_KV; returns the
-        page ids a remote prefill fills. Raises OutOfPages (nothing changed); call
-        ``remote_kv_ready`` when the writes landed, ``abort`` to give the pages back."""
+        page ids a remote prefill fills. ``reuse_cached``: the locally cached prefix is taken
+        instead (``requests[id].num_cached_tokens`` tokens; only the pages after it are
+        returned). Raises OutOfPages (nothing changed); call ``remote_kv_ready`` when the writes
+        landed, ``abort`` to give the pages back."""
         req = self._new_request(request_id, prompt, params)
-        self._admit(req, Admission(num_external_tokens=req.num_prompt_tokens - 1))
-        return req.pages
+        self._check_prompt(req.prompt_token_ids, 0)
+        cached = self.scheduler.cached_prefix(req) if reuse_cached else 0
+        req.num_cached_tokens = cached
+        self._admit(req, Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=reuse_cached))
+        return req.pages[cached // self.kv.page_size:]
 
-    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached page no request holds (vLLM's reset_prefix_cache): for when KV
+        memory was changed behind the engine's back. Returns how many pages were dropped."""
+        return self.allocator.evict_all()
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading tokens of this prompt the local prefix cache holds now (whole pages,
+        at most all but the last token). A peek for routing decisions; engine thread only."""
+        self._check_prompt(list(prompt_token_ids), 0)
+        return self.scheduler.cached_prefix(Request("peek", list(prompt_token_ids), SamplingParams(), detok=None))
+
+    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int], reuse_cached: bool = False) -> int:
         """Disaggregated prefill without a connector deciding: compute the prompt's KV, never
         sample; after its last chunk the request leaves with its pages HELD, ``step`` reports
-        it with finish_reason "prefilled" and ``release`` frees the pages."""
-        self._admit(self._new_request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1)),
-                    Admission(prefill_only=True))
+        it with finish_reason "prefilled" and ``release`` frees the pages. ``reuse_cached``: the
+        locally cached prefix is taken, not computed. Returns how many tokens were reused."""
+        req = self._new_request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1))
+        self._check_prompt(req.prompt_token_ids, 0)
+        req.num_cached_tokens = self.scheduler.cached_prefix(req) if reuse_cached else 0
+        self._admit(req, Admission(prefill_only=True, reuse_cached=reuse_cached))
+        return req.num_cached_tokens
 
     def _new_request(self, request_id: str, prompt, params: SamplingParams, arrival: float | None = None) -> Request:
         if request_id in self.requests or request_id in self._held:
@@ -135,19 +158,30 @@ class LLMEngine:
             # Any integer is a valid seed (negative too): fold it into the generator's 64-bit range.
             req.generator = torch.Generator().manual_seed(params.seed & (2**64 - 1)) if params.seed is not None else None
             req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens)
+        reuse = plan.reuse_cached if plan.reuse_cached is not None else \
+            not (plan.prefill_only or plan.num_external_tokens)
+        req.reuse_cache = reuse
+        num_cached = req.num_cached_tokens if reuse else 0
+        req.num_cached_tokens = num_cached
         if plan.prefill_only:
-            self.scheduler.add_prefill(req)  # OutOfPages: nothing changed
+            self.scheduler.add_prefill(req, num_cached)  # OutOfPages: nothing changed
         elif plan.num_external_tokens:
-            self.scheduler.add_remote(req, plan.num_external_tokens)  # OutOfPages: nothing changed
+            self.scheduler.add_remote(req, plan.num_external_tokens, num_cached)  # OutOfPages: nothing changed
         else:
-            self.scheduler.add(req)
+            self.scheduler.add(req)  # a local request takes its cached pages when scheduled
+        cache = self.scheduler.cache
+        if cache is not None and reuse and (plan.prefill_only or plan.num_external_tokens):
+            cache.record_query(req.num_prompt_tokens, num_cached)
         if not self.connector.admit(req):
             self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
             raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
         self.requests[req.request_id] = req
 
     def remote_kv_ready(self, request_id: str) -> None:
-        """The remote prefill's writes for ``request_id`` have all landed: schedule its decode."""
+        """The remote prefill's writes for ``request_id`` have all landed: its full pages are
+        published to the prefix cache (this is the one step that makes remotely written pages
+        visible: never earlier, and never for a request aborted before it) and its decode is
+        scheduled."""
         req = self.requests.get(request_id)
         if req is None:
             raise InvalidRequest(f"unknown request id {request_id!r}")
@@ -232,6 +266,7 @@ class LLMEngine:
                 if s.num_draft and not req.status.is_done:
                     # KV of the rejected drafts goes (the last new token is never in the cache)
                     self.scheduler.truncate_computed(req, req.num_tokens - 1)
+                    self.scheduler.publish(req)  # pages the accepted drafts completed
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.runner.last_forward)
         return outputs
@@ -266,6 +301,9 @@ class LLMEngine:
             if reason is not None:
                 break
         if reason is not None:
+            if len(tokens) > 1:  # accepted drafts: their KV is final now, cache it before the pages go
+                self.scheduler.truncate_computed(req, req.num_tokens - 1)
+                self.scheduler.publish(req)
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             self._left(req)
@@ -333,7 +371,11 @@ class LLMEngine:
                 "num_waiting_remote_kv": len(s.remote), "num_pages_total": self.allocator.num_total,
                 "num_pages_free": self.allocator.num_free, "num_pages_used": self.allocator.num_used,
                 "num_preemptions": s.num_preemptions, "page_size": self.kv.page_size,
-                "num_pages_held": self.num_held_pages,
+                "num_pages_held": self.num_held_pages, "num_pages_cached": self.allocator.num_evictable,
+                "prefix_caching": s.cache is not None,
+                # vLLM's counting, in tokens: every lookup's request tokens, and those found cached
+                "prefix_cache_queries": s.cache.num_queried_tokens if s.cache is not None else 0,
+                "prefix_cache_hits": s.cache.num_hit_tokens if s.cache is not None else 0,
                 # reserved for remote writes or held until no transfer can touch them
                 "num_pages_pinned": self.num_held_pages + sum(len(r.pages) for r in s.remote.values()),
                 **(self.spec.stats.as_dict() if self.spec is not None else {})}

@@ -6,6 +6,10 @@
   WAITING_FOR_REMOTE_KV ──remote KV landed──► RUNNING       (disaggregated decode side)
   any state ──abort──► ABORTED
 
+Prefix caching (pdkv/kv/prefix_cache.py): a request leaving WAITING with no pages first takes the
+longest chain of cached full pages (``num_computed_tokens`` starts after them), and each full page
+it completes is published; a preempted request finds its own pages again that way.
+
 NOTE: every exit (finish, abort, preemption) frees the request's pages exactly once: the
 scheduler empties ``pages`` in the same call that frees them.
 """
@@ -49,6 +53,13 @@ class Request:
     prefill_only: bool = False  # disaggregated prefill: never sampled, pages held after the last chunk
     num_external_tokens: int = 0  # prompt tokens whose KV arrives from outside (disaggregated decode)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in its next decode step
+    # Leading tokens whose KV the request took from the local prefix cache. Before admission: what
+    # the cache holds for it now (a peek the KV connector reads); a local request looks again
+    # when it is scheduled.
+    num_cached_tokens: int = 0
+    reuse_cache: bool = True  # take cached pages when scheduled (Admission.reuse_cached)
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages, memoized
+    num_published_pages: int = 0  # leading pages already offered to the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

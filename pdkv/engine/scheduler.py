@@ -6,6 +6,12 @@ chunks and decodes share a step. A request whose next tokens need pages that are
 preempts the newest running request (its pages are freed and it is recomputed later from its
 prompt + outputs), so a full cache makes requests wait, never fail.
 
+With a prefix cache (pdkv/kv/prefix_cache.py) a waiting request that holds no pages first takes
+the longest chain of cached full pages, so only the rest is computed (and only the rest counts
+against the step's budget); after each step every page a request completed is published. The
+pages it took are given back if the rest does not fit yet, so a waiting request never sits on
+pages it cannot use.
+
 The scheduler sees request ids, token counts and page ids, never tensors.
 """
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.kv.allocator import PageAllocator
+from pdkv.kv.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -39,12 +46,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_batched_tokens: int,
-                 chunk_size: int, max_num_seqs: int):
+                 chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size),
                         ("max_num_seqs", max_num_seqs)):
             if v < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {v}")
-        self.allocator, self.page_size = allocator, page_size
+        self.allocator, self.page_size, self.cache = allocator, page_size, prefix_cache
         self.budget, self.chunk_size, self.max_num_seqs = max_num_batched_tokens, chunk_size, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -54,36 +61,108 @@ class Scheduler:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # ---- prefix cache ------------------------------------------------------------------------
+    def cached_prefix(self, req: Request) -> int:
+        """Leading tokens of ``req`` whose KV the cache holds now, in whole pages and at most
+        ``num_tokens - 1`` (its last token is always computed); a peek, nothing is taken."""
+        if self.cache is None:
+            return 0
+        return len(self.cache.match(self._hashes(req, req.num_tokens - 1))) * self.page_size
+
+    def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        if len(req.page_hashes) >= num_tokens // self.page_size:
+            return req.page_hashes[:num_tokens // self.page_size]
+        return self.cache.hashes(req.prompt_token_ids + req.output_token_ids, req.page_hashes, num_tokens)
+
+    def _take_cached(self, req: Request, num_tokens: int) -> list[int]:
+        """References to the cached pages of ``req``'s first ``num_tokens`` tokens (a multiple of
+        the page size the caller just found with ``cached_prefix``)."""
+        if num_tokens <= 0:
+            return []
+        if num_tokens % self.page_size or num_tokens > self.cached_prefix(req):
+            raise ValueError(f"request {req.request_id!r}: {num_tokens} tokens are not a cached prefix "
+                             f"(cached: {self.cached_prefix(req)}, page size {self.page_size})")
+        return self.cache.acquire(self._hashes(req, num_tokens))
+
+    def _reuse(self, req: Request) -> None:
+        """A local request about to be scheduled with no pages takes its longest cached chain."""
+        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))
+        req.pages = pages
+        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size
+        req.num_published_pages = len(pages)
+
+    def _unreuse(self, req: Request) -> None:
+        self.allocator.free(req.pages)  # back to the LRU pool, contents kept
+        req.pages, req.num_computed_tokens, req.num_published_pages = [], 0, 0
+
+    def publish(self, req: Request) -> None:
+        """Publishes every full page of ``req`` whose KV is complete (positions below
+        ``num_computed_tokens``: computed by a finished forward pass, or landed)."""
+        if self.cache is None:
+            return
+        # NOTE: only committed tokens: a verification step computes KV for draft tokens too
+        # (speculative decoding); a page still holding drafts is neither final nor hashable.
+        full = min(min(req.num_computed_tokens, req.num_tokens) // self.page_size, len(req.pages))
+        if full <= req.num_published_pages:
+            return
+        hashes = self._hashes(req, full * self.page_size)
+        for k in range(req.num_published_pages, full):
+            self.cache.publish(req.pages[k], hashes[k])
+        req.num_published_pages = full
+
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def add_remote(self, req: Request, num_tokens: int | None = None) -> list[int]:
-        """Reserves pinned pages for the prompt's first ``num_tokens`` tokens (default: all but
-        the last; a remote prefill fills them); raises OutOfPages and changes nothing when they
-        are not free."""
-        num_tokens = req.num_prompt_tokens - 1 if num_tokens is None else num_tokens
-        pages = self.allocator.allocate(self.pages_for(num_tokens), pinned=True)
-        req.pages = pages
+    def add_remote(self, req: Request, num_tokens: int | None = None, num_cached: int = 0) -> list[int]:
+        """Reserves the KV of the prompt's first ``num_cached + num_tokens`` tokens: the cached
+        pages of the first ``num_cached`` (taken now), pinned pages for the ``num_tokens`` after
+        them (default: up to the last prompt token; a remote prefill fills them). Raises
+        OutOfPages and changes nothing when they are not free; returns every page."""
+        num_tokens = req.num_prompt_tokens - 1 - num_cached if num_tokens is None else num_tokens
+        if num_tokens < 0 or num_cached + num_tokens > req.num_prompt_tokens - 1:
+            raise ValueError(f"request {req.request_id!r}: {num_cached} cached + {num_tokens} remote tokens "
+                             f"must be at most the prompt's {req.num_prompt_tokens} tokens minus its last")
+        cached = self._take_cached(req, num_cached)
+        try:
+            new = self.allocator.allocate(self.pages_for(num_cached + num_tokens) - len(cached), pinned=True)
+        except BaseException:
+            self.allocator.free(cached)
+            raise
+        req.pages = cached + new
+        req.num_cached_tokens, req.num_computed_tokens = num_cached, num_cached
+        req.num_published_pages = len(cached)
         req.num_external_tokens = num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
-        return pages
+        return req.pages
 
     def remote_ready(self, req: Request) -> None:
-        """The remote KV landed: the last prompt token runs as a decode step, first in line."""
+        """The remote KV landed: publish its full pages (only now: a page a remote writer may
+        still fill is never visible), then the last prompt token runs as a decode step, first in
+        line."""
         del self.remote[req.request_id]
         self.allocator.unpin(req.pages)
-        req.num_computed_tokens = req.num_external_tokens
+        req.num_computed_tokens = req.num_cached_tokens + req.num_external_tokens
         req.status = RequestStatus.WAITING
+        self.publish(req)
         self.waiting.appendleft(req)
 
-    def add_prefill(self, req: Request) -> None:
+    def add_prefill(self, req: Request, num_cached: int = 0) -> None:
         """Disaggregated prefill: all of the prompt's pages up front (raises OutOfPages and
         changes nothing when they are not free), so the request never grows and is never a
-        preemption victim whose pages an in-flight write could still be reading."""
-        req.pages = self.allocator.allocate(self.pages_for(req.num_prompt_tokens))
+        preemption victim whose pages an in-flight write could still be reading. The first
+        ``num_cached`` tokens' pages come from the prefix cache and are not computed again."""
+        cached = self._take_cached(req, num_cached)
+        try:
+            new = self.allocator.allocate(self.pages_for(req.num_prompt_tokens) - len(cached))
+        except BaseException:
+            self.allocator.free(cached)
+            raise
+        req.pages = cached + new
+        req.num_cached_tokens = req.num_computed_tokens = num_cached
+        req.num_published_pages = len(cached)
         req.prefill_only = True
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
@@ -127,9 +206,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.allocator.free(req.pages)
+        self.allocator.free(req.pages)  # its published pages stay cached: recompute finds them
         req.pages = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_published_pages = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -193,9 +272,16 @@ class Scheduler:
             # NOTE: a prefill-only request holds all its pages already, so _grow never fails for
             # it and it never needs a victim (see add_prefill).
             req = self.waiting[0]
+            fresh = self.cache is not None and req.reuse_cache and not req.pages and req.num_computed_tokens == 0
+            if fresh:
+                self._reuse(req)
             n = self._plan(req, budget)
             if not self._grow(req, n):
+                if fresh:
+                    self._unreuse(req)
                 break
+            if fresh and req.num_preemptions == 0:  # a recompute is not a new query (vLLM counts so too)
+                self.cache.record_query(req.num_tokens, req.num_computed_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -206,3 +292,4 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         for s in out.seqs:
             s.request.num_computed_tokens += len(s.token_ids)
+            self.publish(s.request)

@@ -92,7 +92,7 @@ def test_disaggregated_run_moved_kv_and_colocated_did_not(report):
 
 
 def test_client_latencies_agree_with_the_servers_histograms(report):
-    """Stated tolerance (serverside.AGREE_*): TTFT mean within 40 ms + 10%, ITL mean within 5 ms + 15%,
+    """Stated tolerance (serverside.AGREE_*): TTFT mean within 150 ms + 25%, ITL mean within 10 ms + 25%,
     and exactly as many first tokens and inter-token gaps as the servers observed."""
     _, rep = report
     for run in rep["runs"]:

@@ -136,3 +136,24 @@ def test_metrics_report_latencies_tokens_and_pages(api, served):
     assert api.metric(served.url, "pdkv_kv_cache_pages_used") == 0
     assert api.metric(served.url, "pdkv_num_requests_running") == 0
     assert api.metric(served.url, "pdkv_num_requests_waiting") == 0
+
+
+def test_prefix_cache_metrics_count_tokens(api, served):
+    """vLLM's counting: each request's prompt tokens are queried, the repeat's whole cached pages hit."""
+    req = {"prompt": "Prefix cache metrics: " + PROMPT * 3, "max_tokens": 2, "temperature": 0}
+
+    def counts():
+        return (api.metric(served.url, "pdkv_prefix_cache_queries_total"),
+                api.metric(served.url, "pdkv_prefix_cache_hits_total"))
+
+    _, first = api.http("POST", served.url + "/v1/completions", req)
+    served.wait_idle()
+    q1, h1 = counts()
+    _, second = api.http("POST", served.url + "/v1/completions", req)
+    served.wait_idle()
+    q2, h2 = counts()
+    n = first["usage"]["prompt_tokens"]
+    assert n > 32 and second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert q2 - q1 == n
+    assert h2 - h1 == (n - 1) // 16 * 16  # whole pages, the last token always computed
+    assert served.engine.stats()["prefix_cache_hits"] == h2

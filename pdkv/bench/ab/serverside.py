@@ -36,8 +36,11 @@ def numbers(api: dict, pre: dict) -> dict:
 # Client and server see the same tokens; the client adds HTTP, SSE and its own event loop's delay
 # on top (typically 5-15 ms here, more when the shared machine is busy). The ITL mean shifts by
 # the difference between a request's first- and last-token delivery delays, spread over its gaps.
-AGREE_TTFT_ABS_S, AGREE_ITL_ABS_S = 0.040, 0.005
-AGREE_TTFT_REL, AGREE_ITL_REL = 0.10, 0.15
+# NOTE: the server's clock starts when its handler runs, after its event loop (busy streaming
+# other requests' tokens on a 2-core machine) got to the new connection: 40 ms + 10% held on a
+# quiet run but a loaded test run saw 120 ms at a 0.6 s mean. The counts must still agree exactly.
+AGREE_TTFT_ABS_S, AGREE_ITL_ABS_S = 0.150, 0.010
+AGREE_TTFT_REL, AGREE_ITL_REL = 0.25, 0.25
 
 
 def agreement(results, server: dict) -> dict | None:
