@@ -1,7 +1,8 @@
 """The ``pdkv`` command line (also ``python -m pdkv``).
 
     pdkv serve  -c configs/colocated.yaml [--set server.port=8001 --set model.path=/models/qwen]
-    pdkv up     -c configs/local-disagg.yaml [--set ...]   # 1 prefill + 1 decode node on loopback
+    pdkv up     -c configs/local-disagg.yaml [--set ...]   # prefill + decode nodes on loopback
+                                                           # (decode.replicas > 1: and a router)
     pdkv router -c configs/router.yaml [--set port=8080]  # one API in front of several nodes
     pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
     pdkv default-model                                     # build the embedded model, print its path
@@ -36,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     config_args(serve)
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                        help="log level (default: PDKV_LOG_LEVEL or info)")
-    upp = sub.add_parser("up", help="start a local disaggregated cluster (1 prefill + 1 decode node) and "
-                                     "serve the API until Ctrl-C")
+    upp = sub.add_parser("up", help="start a local disaggregated cluster (prefill.replicas + "
+                                     "decode.replicas nodes, a router when decode.replicas > 1) and serve "
+                                     "the API until Ctrl-C")
     config_args(upp)
     upp.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     rt = sub.add_parser("router", help="serve one OpenAI API in front of several decode/colocated nodes, "
