@@ -1,10 +1,11 @@
 """`python -m pdkv.bench router [--rate 6] [--requests 60] [--max-tokens 64]` — the router in front
 of three colocated nodes against one node alone, at the same offered load.
 
-Each node is a real ``pdkv serve`` process (so the three do not share one GIL), torch at one
+The router is a ``pdkv router`` process and each node a real ``pdkv serve`` process (so the three do not share one GIL), torch at one
 thread each (OMP_NUM_THREADS=1), on a seeded Llama built with pdkv.tiny_model (hidden 256, 4
 layers). The load is the same sequence of requests with Poisson arrivals at ``--rate`` per
-second, streamed; the client times every SSE chunk. Reported: output tokens/s over the run,
+second, streamed; the client times every SSE chunk. The one node is also measured without
+the router (the router's own cost). Reported: output tokens/s over the run,
 TTFT p50/p99 and inter-token latency (ITL) p50/p99, and the ratios 3-nodes / 1-node.
 """
 
@@ -57,6 +58,19 @@ def _start_nodes(model: Path, n: int, workdir: Path) -> list[tuple[subprocess.Po
                     raise RuntimeError(f"node {url} not healthy")
                 time.sleep(0.3)
     return out
+
+
+def _wait_router(url: str, n: int) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if json.loads(r.read())["num_healthy"] == n:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"router {url} did not see {n} healthy nodes")
 
 
 def _stop(nodes) -> None:
@@ -117,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    from pdkv.config.router import load_router_config
-    from pdkv.router import RouterThread
     from pdkv.tiny_model import make_tiny_model
 
     rng = random.Random(0)
@@ -132,11 +144,21 @@ def main(argv: list[str] | None = None) -> int:
         for n in (1, 3):
             nodes = _start_nodes(model, n, Path(tmp))
             try:
-                cfg = load_router_config(None, ["port=0", f"nodes=[{', '.join(u for _, u in nodes)}]"])
-                with RouterThread(cfg) as router:
-                    url = router.url
-                    asyncio.run(_load(url, prompts[:6], [0.0] * 6, 4))  # warm-up
-                    results[f"{n}_nodes"] = asyncio.run(_load(url, prompts, gaps, args.max_tokens))
+                rport = _free_port()
+                router = subprocess.Popen([sys.executable, "-m", "pdkv", "router", "--set", f"port={rport}", "--set",
+                                           f"nodes=[{', '.join(u for _, u in nodes)}]", "--log-level", "warning"],
+                                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                nodes.append((router, f"http://127.0.0.1:{rport}"))  # stopped with them
+                if n == 1:  # the router's own cost: the same load straight to the node
+                    asyncio.run(_load(nodes[0][1], prompts[:6], [0.0] * 6, 4))  # warm-up
+                    results["1_node_direct"] = r = asyncio.run(_load(nodes[0][1], prompts, gaps, args.max_tokens))
+                    print(f"1 node, no router: {r['tokens_per_s']:.0f} tok/s, TTFT p50/p99 {r['ttft_p50_ms']:.0f}/"
+                          f"{r['ttft_p99_ms']:.0f} ms, ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms",
+                          flush=True)
+                url = nodes[-1][1]
+                _wait_router(url, n)
+                asyncio.run(_load(url, prompts[:6], [0.0] * 6, 4))  # warm-up
+                results[f"{n}_nodes"] = asyncio.run(_load(url, prompts, gaps, args.max_tokens))
             finally:
                 _stop(nodes)
             r = results[f"{n}_nodes"]
@@ -146,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     a, b = results["1_nodes"], results["3_nodes"]
     results["ratios"] = {"throughput_3_over_1": b["tokens_per_s"] / a["tokens_per_s"],
                          "itl_p99_3_over_1": b["itl_p99_ms"] / a["itl_p99_ms"],
-                         "ttft_p99_3_over_1": b["ttft_p99_ms"] / a["ttft_p99_ms"]}
+                         "ttft_p99_3_over_1": b["ttft_p99_ms"] / a["ttft_p99_ms"],
+                         "router_over_direct_itl_p99": a["itl_p99_ms"] / results["1_node_direct"]["itl_p99_ms"],
+                         "router_over_direct_throughput": a["tokens_per_s"] / results["1_node_direct"]["tokens_per_s"]}
     print("ratios 3 nodes / 1 node:", {k: round(v, 2) for k, v in results["ratios"].items()})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
