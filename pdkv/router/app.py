@@ -21,7 +21,7 @@ from pdkv.config.router import RouterConfig
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.nodes import Node, NodePoller
 from pdkv.router.policy import Policy
-from pdkv.router.proxy import Proxy, error_response
+from pdkv.router.proxy import Proxy
 
 log = logging.getLogger(__name__)
 PROXY = web.AppKey("pdkv.router.proxy", Proxy)
@@ -81,9 +81,6 @@ def build_router_app(cfg: RouterConfig) -> web.Application:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp
-
-    async def not_found(request: web.Request) -> web.Response:
-        return error_response(f"no route {request.method} {request.path} on the router", 404, "not_found")
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
