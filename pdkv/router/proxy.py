@@ -2,9 +2,11 @@
 
 A streamed answer (text/event-stream) is written on as each chunk arrives from the node; when
 the client goes away, aiohttp cancels the handler (``handler_cancellation``), which closes the
-upstream response, so the node sees its client disconnect and aborts the request. A node whose
-connection fails before it answered is taken out and the request goes to another node (nothing
-reached the engine there, so this is safe); one that breaks mid-stream cannot be retried (tokens
+upstream response, so the node sees its client disconnect and aborts the request. A node that
+fails before its response began (connection refused, or it died before a status line) is taken
+out and the request goes to another node: nothing reached the client, so the answer it gets is
+still one whole answer (at worst the dead node's work is repeated); with no other node left,
+a 502 names the node(s). One that breaks mid-stream cannot be retried (tokens
 were already sent): the client gets an SSE error event naming the node, then the stream ends.
 """
 
@@ -68,19 +70,25 @@ class Proxy:
         key = prefix_key(parsed, self.prefix_chars) if isinstance(parsed, dict) else None
         headers = {h: request.headers[h] for h in _FORWARD if h in request.headers}
         tried: set[str] = set()
+        failures: list[str] = []
         while True:
             candidates = [n for n in self.healthy() if n.url not in tried]
             if not candidates:
+                if failures:  # every node tried failed before answering: say which and how
+                    return error_response(f"no node could answer: {'; '.join(failures)}", 502, "node_failed")
                 return self.no_node()
             node, how = self.policy.choose(candidates, key)
             self.metrics.choices.labels(how.value).inc()
             tried.add(node.url)
-            resp = await self._send(request, node, body, headers)
+            resp = await self._send(request, node, body, headers, failures)
             if resp is not None:
                 return resp
 
-    async def _send(self, request: web.Request, node: Node, body: bytes, headers: dict) -> web.StreamResponse | None:
-        """The node's answer relayed, or None when the node could not be reached (try another)."""
+    async def _send(self, request: web.Request, node: Node, body: bytes, headers: dict,
+                    failures: list[str]) -> web.StreamResponse | None:
+        """The node's answer relayed, or None when the node failed before its response began (it
+        refused the connection, or died before sending a status line): nothing reached the client,
+        so another node may serve it; ``failures`` gets a line naming the node."""
         t0 = time.perf_counter()
         node.in_flight += 1
         self.metrics.observe_node(node)
@@ -90,8 +98,9 @@ class Proxy:
                 upstream = await self.session.request(request.method, node.url + request.rel_url.path_qs,
                                                       data=body, headers=headers)
             except (aiohttp.ClientConnectionError, OSError) as e:
-                node.mark(NodeHealth.DOWN, f"connect failed: {type(e).__name__}: {e}")
+                node.mark(NodeHealth.DOWN, f"failed before answering: {type(e).__name__}: {e}")
                 self.metrics.requests.labels(node.url, "failed").inc()
+                failures.append(f"node {node.url} failed before answering ({type(e).__name__}: {e})")
                 return None
             async with upstream:
                 self.metrics.first_byte.labels(node.url).observe(time.perf_counter() - t0)

@@ -59,10 +59,17 @@ def test_a_killed_node_fails_only_its_streams_and_is_taken_out_then_back(rt, nod
     urls = [nodes[0].url, nodes[1].url, victim_url]
     back = None
     try:
-        with RouterThread(rt.router_cfg(urls, "policy=least_load")) as router:
+        with RouterThread(rt.router_cfg(urls, "policy=least_load")) as router, \
+                RouterThread(rt.router_cfg([victim_url])) as only_victim:
             async def run_and_kill():
                 async with aiohttp.ClientSession() as s:
                     first_from_victim = asyncio.Event()
+
+                    async def whole():  # not streamed: nothing sent on yet when the node dies
+                        async with s.post(only_victim.url + "/v1/completions",
+                                          json={"prompt": "un racconto intero", **LONG, "stream": False}) as r:
+                            return r.status, await r.json()
+                    whole_task = asyncio.create_task(whole())
 
                     async def one(i: int):
                         async with s.post(router.url + "/v1/completions",
@@ -84,8 +91,11 @@ def test_a_killed_node_fails_only_its_streams_and_is_taken_out_then_back(rt, nod
                                 break
                         await asyncio.sleep(0.02)
                     out_after = time.monotonic() - killed
-                    return await asyncio.gather(*tasks), out_after
-            results, out_after = rt.run(run_and_kill())
+                    return await asyncio.gather(*tasks), out_after, await whole_task
+            results, out_after, (whole_status, whole_body) = rt.run(run_and_kill())
+            # the request that was waiting for its whole answer: a 502 naming the node
+            assert whole_status == 502 and whole_body["error"]["code"] == "node_failed", whole_body
+            assert victim_url in whole_body["error"]["message"]
             on_victim = [ev for node, ev in results if node == victim_url]
             others = [ev for node, ev in results if node != victim_url]
             assert on_victim and others
