@@ -1,9 +1,11 @@
 """The ``pdkv`` command line (also ``python -m pdkv``).
 
     pdkv serve  -c configs/colocated.yaml [--set server.port=8001 --set model.path=/models/qwen]
-    pdkv up     -c configs/local-disagg.yaml [--set ...]   # 1 prefill + 1 decode node on loopback
+    pdkv up     -c configs/local-disagg.yaml [--set ...]   # prefill + decode nodes on loopback
+                                                           # (decode.replicas > 1: and a router)
+    pdkv router -c configs/router.yaml [--set port=8080]  # one API in front of several nodes
     pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
-    pdkv default-model                                     # build the embedded model, print its path
+    pdkv default-model                                     # print the shipped default model's path
     pdkv plan   -c configs/deepseek-r1/cluster-tp8.yaml    # one request's KV plan (pdkv/plan.py)
 
 Config errors exit with status 2 and one line that names the file (or --set), the field and
@@ -36,10 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     config_args(serve)
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                        help="log level (default: PDKV_LOG_LEVEL or info)")
-    upp = sub.add_parser("up", help="start a local disaggregated cluster (1 prefill + 1 decode node) and "
-                                     "serve the API until Ctrl-C")
+    upp = sub.add_parser("up", help="start a local disaggregated cluster (prefill.replicas + "
+                                     "decode.replicas nodes, a router when decode.replicas > 1) and serve "
+                                     "the API until Ctrl-C")
     config_args(upp)
     upp.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
+    rt = sub.add_parser("router", help="serve one OpenAI API in front of several decode/colocated nodes, "
+                                        "choosing each request's node by load and prefix affinity")
+    rt.add_argument("-c", "--config", metavar="FILE", help="router YAML (nodes, policy; see configs/router.yaml)")
+    rt.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                    help="override a router field, e.g. --set port=8080 or --set 'nodes=[http://h:8001]'")
+    rt.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     show = sub.add_parser("config", help="print the resolved config (after --set) as YAML")
     config_args(show)
     sub.add_parser("default-model", help="print the path of the shipped default model")
@@ -135,6 +144,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return up(args.config, args.overrides, args.log_level)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from pdkv.config.router import load_router_config
+    from pdkv.router import serve_router
+
+    cfg = load_router_config(args.config, args.overrides)
+    try:
+        serve_router(cfg)
+    except OSError as e:
+        print(f"pdkv: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -165,8 +188,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "up": cmd_up, "config": cmd_config, "default-model": cmd_default_model,
-                "plan": _cmd_plan}
+    commands = {"serve": cmd_serve, "up": cmd_up, "router": cmd_router, "config": cmd_config,
+                "default-model": cmd_default_model, "plan": _cmd_plan}
     try:
         return commands[args.command](args)
     except ConfigError as e:

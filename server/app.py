@@ -106,6 +106,22 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
             body.update(node.health())
         return web.json_response(body)
 
+    async def load(request: web.Request) -> web.Response:
+        # What a router polls (several times a second) to pick a node: a few integers, no
+        # Prometheus rendering. Read from the event loop while the engine thread runs: len() and
+        # list() of the scheduler's queues are atomic under the GIL; a count one step stale is fine.
+        aengine = request.app.get(ASYNC_ENGINE)
+        alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
+        if not alive:
+            return error_response("the engine thread is not running", 503)
+        s, a = engine.scheduler, engine.allocator
+        waiting = list(s.waiting)
+        body = {"role": cfg.role, "in_flight": aengine.num_in_flight if aengine is not None else 0,
+                "num_running": len(s.running), "num_waiting": len(waiting) + len(s.remote),
+                "queued_prompt_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting),
+                "num_pages_free": a.num_free, "num_pages_total": a.num_total}
+        return web.json_response(body)
+
     async def metrics_route(request: web.Request) -> web.Response:
         body, content_type = metrics.render()
         resp = web.Response(body=body)
@@ -120,6 +136,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app.on_startup.append(start_engine)
     app.on_cleanup.append(stop_engine)
     app.router.add_get("/health", health)
+    app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/version", version)
     if serves_api:

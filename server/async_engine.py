@@ -67,6 +67,11 @@ class AsyncEngine(LoopEvents):
     def is_alive(self) -> bool:
         return self._engine_loop.is_alive()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished or aborted (the node's /load)."""
+        return len(self._sinks)
+
     def submit(self, rid: str, prompt_token_ids: list[int], params, sink: asyncio.Queue, tag: object,
                arrival: float) -> None:
         """Queue a request that the handler already validated (``engine.validate_request``)."""

@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.__main__",),  # python -m pdkv
     ("pdkv.cli", "pdkv.bench"),  # entry points: build a node (engine + connector) and run it
     ("pdkv.plan",),  # `pdkv plan`: a deployment's per-request costs from its configs (no weights)
-    ("pdkv.disagg", "server"),  # roles plug into the engine; the server serves HTTP around a node
+    ("pdkv.disagg", "server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
+    # node; the router proxies HTTP to nodes (it holds no engine)
     ("pdkv.engine",),  # LLMEngine, scheduler, runner, KV connector, the engine loop
     ("pdkv.tp",),  # tensor-parallel ranks the runner drives
     ("models",),  # model families, layers, attention backends

@@ -3,6 +3,7 @@
     sections.py   the frozen dataclasses (Config and its sections) and the allowed choices
     loader.py     YAML and ``--set`` overrides -> a typed Config (load_config, config_from_dict)
     validate.py   value checks naming the field and the file (or the --set) it came from
+    router.py     the router's own config (``pdkv router``; not a role): pdkv.config.router
 
 ``from pdkv.config import Config, load_config, ...`` stays the way to use it.
 """

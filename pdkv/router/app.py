@@ -1,0 +1,184 @@
+"""The router's aiohttp application and how to run it (foreground or on a test thread).
+
+    POST /v1/completions, /v1/chat/completions   proxied to a chosen node (pdkv.router.proxy)
+    GET  /v1/models                               the first healthy node's answer
+    GET  /health                                  200 while at least one node is in, else 503
+    GET  /metrics                                 the router's own (pdkv.router.metrics)
+    GET  /nodes                                   every node's health and last load
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+import aiohttp
+from aiohttp import web
+
+from pdkv.config.router import RouterConfig
+from pdkv.router.metrics import RouterMetrics
+from pdkv.router.nodes import Node, NodePoller
+from pdkv.router.policy import Policy
+from pdkv.router.proxy import Proxy
+
+log = logging.getLogger(__name__)
+PROXY = web.AppKey("pdkv.router.proxy", Proxy)
+
+
+def build_router_app(cfg: RouterConfig) -> web.Application:
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    nodes = [Node(u.rstrip("/")) for u in cfg.nodes]
+    metrics = RouterMetrics()
+    state: dict = {}
+
+    async def start(app: web.Application) -> None:
+        # no total limit: streams last as long as they generate; sock_connect bounds a dead host
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.poll_timeout_s * 4)
+        session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                        auto_decompress=False)
+        poller = NodePoller(nodes, session, cfg.poll_interval_s, cfg.poll_timeout_s, cfg.down_after_s,
+                            metrics.observe_node)
+        state.update(session=session, poller=poller)
+        poller.start()
+        await poller.wait_first_round(cfg.poll_timeout_s + cfg.down_after_s)
+        app[PROXY] = Proxy(nodes, Policy(cfg.policy, cfg.virtual_nodes, cfg.balance_abs), metrics, session,
+                           cfg.affinity_prefix_chars)
+
+    async def stop(app: web.Application) -> None:
+        await state["poller"].stop()
+        await state["session"].close()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].forward(request)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        proxy = request.app[PROXY]
+        for node in proxy.healthy():
+            try:
+                async with proxy.session.get(node.url + "/v1/models", headers={
+                        h: request.headers[h] for h in ("Authorization",) if h in request.headers}) as r:
+                    return web.Response(body=await r.read(), status=r.status,
+                                        content_type=r.content_type or "application/json")
+            except (aiohttp.ClientError, OSError):
+                continue
+        return proxy.no_node()
+
+    async def health(request: web.Request) -> web.Response:
+        proxy = request.app[PROXY]
+        body = {"status": "ok" if proxy.healthy() else "no_healthy_node",
+                "num_healthy": len(proxy.healthy()), "nodes": [n.describe() for n in nodes]}
+        if not proxy.healthy():
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
+        return web.json_response(body)
+
+    async def nodes_route(request: web.Request) -> web.Response:
+        return web.json_response([n.describe() for n in nodes])
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        body, content_type = metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_post("/v1/chat/completions", forward)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/nodes", nodes_route)
+    app.router.add_get("/metrics", metrics_route)
+    return app
+
+
+async def _start(cfg: RouterConfig) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(build_router_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(e.errno, f"cannot listen on {cfg.host}:{cfg.port} (host, port in {cfg.source}): "
+                               f"{e.strerror}") from None
+    return runner, runner.addresses[0][1]
+
+
+def serve_router(cfg: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM."""
+
+    async def main() -> None:
+        runner, port = await _start(cfg)
+        log.info("pdkv router listening on http://%s:%d in front of %d node(s): %s", cfg.host, port,
+                 len(cfg.nodes), ", ".join(cfg.nodes))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+class RouterThread:
+    """The router on a background thread (tests, benchmarks): ``with RouterThread(cfg) as r: r.url``."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.port: int | None = None
+        self.app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pdkv-router", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "RouterThread":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"router did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:
+                pass
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "RouterThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            try:
+                runner, self.port = await _start(self.cfg)
+                self.app = runner.app
+            except BaseException as e:  # noqa: BLE001 - reported to start()
+                self._error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await runner.cleanup()
+
+        asyncio.run(main())
