@@ -144,3 +144,31 @@ def test_allocator_cycle(benchmark, budget):
     assert a.num_free == start
     with pytest.raises(PageStateError):
         a.free(remote[:1])  # already free: a double free is caught
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
+
+def test_prefix_cache_lookup(benchmark, budget):
+    """A new 4,096-token request looked up against a cache holding 256 published pages of an
+    earlier conversation turn (16 tokens a page): chained hashes of its 255 full pages (fresh
+    each round: a new request has no memo) and the longest match. Correct: exactly the shared
+    prefix's pages, in order, and nothing taken (a peek)."""
+    from pdkv.kv.prefix_cache import PrefixCache, cache_salt
+
+    a = PageAllocator(1024)
+    cache = PrefixCache(a, PAGE, cache_salt("bench", "float32", PAGE))
+    g = torch.Generator().manual_seed(0)
+    turn = torch.randint(0, 32000, (256 * PAGE,), generator=g).tolist()
+    pages = a.allocate(256)
+    for p, h in zip(pages, cache.hashes(turn, [], len(turn))):
+        assert cache.publish(p, h)
+    shared = 200 * PAGE  # the new request shares 200 pages, then diverges
+    prompt = turn[:shared] + torch.randint(0, 32000, (4096 - shared,), generator=g).tolist()
+
+    def lookup():
+        return cache.match(cache.hashes(prompt, [], len(prompt) - 1))
+
+    got = benchmark(lookup)
+    budget(unit="one 4,096-token request's lookup", per_step=1 / 64, budget_pct=1, per_step_b1=1)
+    assert got == pages[:200], "the longest cached chain is the shared prefix's pages, in order"
+    assert a.num_used == 256, "a lookup takes no reference"
