@@ -8,12 +8,22 @@ cdef extern from "transport.h" nogil:
         PDKV_INFO_MAX
         PDKV_REASON_MAX
 
+    ctypedef struct pdkv_transport_counters:
+        uint64_t refused_writes, refused_conns, pending_conns, rx_threads
+
     ctypedef struct pdkv_transport_ops:
         const char *name
         int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
-        int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer) noexcept nogil
+        int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out) noexcept nogil
+        int (*revoke)(pdkv_transport *t, uint64_t key, uint64_t peer) noexcept nogil
+        int (*grant_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                           uint64_t *key_out) noexcept nogil
+        int (*revoke_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off,
+                            uint64_t len) noexcept nogil
+        void (*counters)(pdkv_transport *t, pdkv_transport_counters *out) noexcept nogil
         int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) noexcept nogil
         int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len) noexcept nogil
+        int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len) noexcept nogil
         int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
         const char *(*last_error)(pdkv_transport *t) noexcept nogil
 
@@ -25,12 +35,21 @@ cdef extern from "transport.h" nogil:
         const char *host
         uint16_t port
         uint32_t num_streams
+        uint32_t handshake_ms
+        uint32_t max_pending
+        uint32_t max_per_source
 
     ctypedef struct pdkv_verbs_opts:
         const char *const *nics
         uint8_t port_num
         int gid_index
         uint32_t qps_per_peer
+        int isolate_peers
+
+    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen)
+    int pdkv_have_verbs()
+    int pdkv_tcp_port(pdkv_transport *t)
 
 
 cdef extern from "core.h" nogil:
@@ -92,6 +111,14 @@ cdef extern from "core.h" nogil:
 
 
 cdef extern from "fake.h" nogil:
+    enum pdkv_fake_fault_kind:
+        PDKV_FAKE_DROP
+        PDKV_FAKE_DELAY
+        PDKV_FAKE_DUPLICATE
+        PDKV_FAKE_CORRUPT
+        PDKV_FAKE_ERROR
+        PDKV_FAKE_VANISH
+
     int pdkv_fake_add_fault(pdkv_transport *t, int kind, uint64_t first, uint64_t count, uint32_t delay_us)
 
 
@@ -103,14 +130,19 @@ cdef extern from "tcp_wire.h" nogil:
         uint32_t check
         uint64_t key, off, len
 
+    enum:
+        TCP_TOKEN_LEN
+
     ctypedef struct c_tcp_hello "tcp_hello":
         uint32_t magic, version
-        uint64_t node_id, token
+        uint64_t node_id
+        uint8_t token[32]
         uint32_t stream, num_streams
 
     ctypedef struct tcp_conninfo:
         uint32_t magic, version
-        uint64_t node_id, token
+        uint64_t node_id
+        uint8_t token[32]
         uint16_t port
         char host[64]
 
@@ -119,19 +151,6 @@ cdef extern from "tcp_wire.h" nogil:
     void tcp_frame_make(c_tcp_frame *f, uint16_t type, uint64_t key, uint64_t off, uint64_t len,
                         uint32_t imm, int has_imm)
     int tcp_frame_parse(const void *raw, c_tcp_frame *f, char *why, size_t n)
-
-
-cdef extern from *:
-    """
-    int pdkv_have_verbs(void);
-    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen);
-    int pdkv_tcp_port(pdkv_transport *t);
-    """
-    int pdkv_have_verbs() nogil
-    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen) nogil
-    int pdkv_tcp_port(pdkv_transport *t) nogil
 
 
 cdef class Messenger:

@@ -32,6 +32,37 @@ def transports():
     return ["tcp", "verbs", "fake"] if HAVE_VERBS else ["tcp", "fake"]
 
 
+_CAP_IPC_LOCK = 14
+
+
+def locked_memory_limit():
+    """Bytes this process may lock (pin) for RDMA registrations, or None when there is no limit
+    (RLIMIT_MEMLOCK unlimited, or the CAP_IPC_LOCK capability, which ignores the limit)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> _CAP_IPC_LOCK & 1:
+            return None
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_lockable(uint64_t nbytes, str what="the KV cache"):
+    """Start-up check for the verbs transport: TransportUnavailableError naming the limit and the
+    fix when `nbytes` (e.g. the KV cache about to be registered) cannot be locked in memory."""
+    limit = locked_memory_limit()
+    if limit is not None and nbytes > limit:
+        raise TransportUnavailableError(
+            _errno.ENOMEM, f"registering {what} ({nbytes / 2**20:.1f} MiB) for RDMA needs that much locked "
+            f"memory, but this process may lock only {limit / 2**20:.1f} MiB (RLIMIT_MEMLOCK): run with "
+            f"`ulimit -l unlimited` (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1) or grant "
+            f"CAP_IPC_LOCK")
+
+
 cdef inline uint64_t _u64(object v, str name) except? 0:
     if v < 0:
         raise InvalidRequestError(_errno.EINVAL, f"{name} must be >= 0, got {v}")
@@ -41,8 +72,13 @@ cdef inline uint64_t _u64(object v, str name) except? 0:
 cdef class Messenger:
     """A node's end of the KV messenger.
 
-    transport: "tcp" (host, port, num_streams), "verbs" (nics, port_num, gid_index,
-    qps_per_peer) or "fake" (in-process, fault injection for tests). The poller spins for
+    transport: "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
+    a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
+    accept, max_per_source: of them from one IP address, 0: a quarter of max_pending; none of
+    them gets a thread), "verbs" (nics, port_num, gid_index,
+    qps_per_peer, isolate_peers) or "fake" (in-process, fault injection for tests). verbs with
+    isolate_peers gives every peer its own protection domain, so the NIC enforces grants (see
+    grant()); without it a region's key lets any connected peer write all of it. The poller spins for
     spin_us after its last work, yields for yield_us, then sleeps sleep_us per poll while
     batches are queued (or blocks when none are); cpus pins it.
     """
@@ -56,8 +92,9 @@ cdef class Messenger:
         self._closing = 0
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
-                 int num_streams=2, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+                 int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
+                 uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
+                 bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -80,10 +117,14 @@ cdef class Messenger:
         tcp.host = host_b
         tcp.port = port
         tcp.num_streams = num_streams
+        tcp.handshake_ms = handshake_ms
+        tcp.max_pending = max_pending
+        tcp.max_per_source = max_per_source
         verbs.nics = nic_ptrs
         verbs.port_num = port_num
         verbs.gid_index = gid_index
         verbs.qps_per_peer = qps_per_peer
+        verbs.isolate_peers = isolate_peers
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -203,12 +244,51 @@ cdef class Messenger:
         return key
 
     def grant(self, uint64_t key, uint64_t peer):
-        """Allow node `peer` to write into region `key`."""
+        """Allow node `peer` to write anywhere in region `key` -> the key that peer must name
+        in its writes (tcp/fake: `key`; verbs with isolate_peers: a key of the region's
+        registration in that peer's protection domain, different per peer). Granting again
+        returns the same key."""
         cdef int rc
+        cdef uint64_t out = 0
         self._check()
-        rc = self.t.ops.grant(self.t, key, peer)
+        rc = self.t.ops.grant(self.t, key, peer, &out)
         if rc < 0:
             _raise(rc, self.t.ops.last_error(self.t), "grant")
+        return out
+
+    def revoke(self, uint64_t key, uint64_t peer):
+        """End `peer`'s whole-region grant of `key`: afterwards nothing it sends lands there.
+        InvalidRequestError if it holds none; RegionBusyError (tcp/fake) while a write it
+        allowed is landing (retry); verbs without isolate_peers cannot revoke (InvalidRequestError)."""
+        cdef int rc
+        self._check()
+        rc = self.t.ops.revoke(self.t, key, peer)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "revoke")
+
+    def grant_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
+        """Narrow grant: `peer` may write [offset, offset+length) of region `key` (region
+        offsets, the ones writes use) -> the key for writes into that range (tcp/fake: `key`;
+        verbs: a key of an MR covering exactly that range, needs isolate_peers). A peer's
+        ranges of one region must not overlap; a write must lie inside one range, else it is
+        refused before a byte lands (error event at both ends, the connection is closed)."""
+        cdef int rc
+        cdef uint64_t out = 0
+        self._check()
+        rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "grant_range")
+        return out
+
+    def revoke_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
+        """End the narrow grant [offset, offset+length) of `key` to `peer` (exactly as granted;
+        `key` may be the region's key or the range's). RegionBusyError (tcp/fake) while a write
+        into the range is landing; afterwards nothing from `peer` lands in it."""
+        cdef int rc
+        self._check()
+        rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "revoke_range")
 
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
@@ -228,18 +308,38 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer):
-        """Start a connection to node `peer` -> (conn, info bytes for the peer's complete())."""
+    def prepare(self, uint64_t peer, bytes token=None):
+        """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
+
+        token: 16..32 bytes both nodes derived from their authenticated control session for
+        this connection (e.g. an HMAC of the handshake's nonces). tcp: the peer's data streams
+        must present it in their first frame, before anything is accepted, else they are closed
+        unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
+        open the connection. Both ends must pass the same token (or neither). verbs/fake: not
+        needed (the queue pairs are bound by the info exchange itself) and ignored."""
         cdef char info[512]
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
+        cdef const char *tok = NULL
+        cdef uint32_t tok_len = 0
+        if token is not None:
+            if not 16 <= len(token) <= 32:
+                raise InvalidRequestError(_errno.EINVAL, f"a session token must be 16..32 bytes, got {len(token)}")
+            tok = token
+            tok_len = len(token)
         self._check()
         self._enter()
         try:
             with nogil:
                 rc = self.t.ops.prepare(self.t, peer, info, &n, &conn)
-                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+                if rc == 0 and tok != NULL and self.t.ops.set_token != NULL:
+                    rc = self.t.ops.set_token(self.t, conn, tok, tok_len)
+                    if rc < 0:
+                        msg = self.t.ops.last_error(self.t)
+                        self.t.ops.disconnect(self.t, conn)
+                elif rc < 0:
+                    msg = self.t.ops.last_error(self.t)
         finally:
             self._busy -= 1
         if rc < 0:
@@ -453,11 +553,19 @@ cdef class Messenger:
 
     def stats(self):
         """Poller counters: polls, posted_batches, last_post_poll, writes_posted, writes_done,
-        imms, sleeps, blocks, queued."""
+        imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
+        before landing), refused_conns (incoming connections closed before they were accepted),
+        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads)."""
         cdef pdkv_core_stats s
+        cdef pdkv_transport_counters tc
         self._check()
         pdkv_core_get_stats(self.core, &s)
-        return s
+        memset(&tc, 0, sizeof(tc))
+        if self.t.ops.counters != NULL:
+            self.t.ops.counters(self.t, &tc)
+        out = dict(s)
+        out.update(tc)
+        return out
 
     def polls(self):
         """Poller iterations so far (cheap; never releases the GIL)."""

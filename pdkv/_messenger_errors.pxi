@@ -48,4 +48,6 @@ kind: "batch_done" (every write of batch ``tag`` completed locally; ``num_errors
 status: 0 or a negative errno."""
 
 _KINDS = {PDKV_EV_BATCH_DONE: "batch_done", PDKV_EV_IMM_DONE: "imm_done", PDKV_EV_ERROR: "error"}
-_FAULTS = {"drop": 1, "delay": 2, "duplicate": 3, "corrupt": 4, "error": 5, "vanish": 6}
+# the numbers come from fake.h (enum pdkv_fake_fault_kind), never repeated here
+_FAULTS = {"drop": PDKV_FAKE_DROP, "delay": PDKV_FAKE_DELAY, "duplicate": PDKV_FAKE_DUPLICATE,
+           "corrupt": PDKV_FAKE_CORRUPT, "error": PDKV_FAKE_ERROR, "vanish": PDKV_FAKE_VANISH}

@@ -23,23 +23,27 @@ def tcp_parse_frame(bytes raw):
     return {"type": f.type, "flags": f.flags, "imm": f.imm, "key": f.key, "off": f.off, "len": f.len}
 
 
-def tcp_hello(uint64_t node_id, uint64_t token, uint32_t stream=0, uint32_t num_streams=1):
-    """The hello a writer sends first on a new stream."""
+def tcp_hello(uint64_t node_id, bytes token, uint32_t stream=0, uint32_t num_streams=1):
+    """The hello a writer sends first on a new stream (token: up to 32 bytes, zero-padded)."""
     cdef c_tcp_hello h
+    if len(token) > TCP_TOKEN_LEN:
+        raise InvalidRequestError(_errno.EINVAL, f"a token is at most {TCP_TOKEN_LEN} bytes, got {len(token)}")
+    memset(&h, 0, sizeof(h))
     h.magic = TCP_HELLO_MAGIC
     h.version = TCP_VERSION
     h.node_id = node_id
-    h.token = token
+    memcpy(h.token, <const char *>token, len(token))
     h.stream = stream
     h.num_streams = num_streams
     return (<char *>&h)[:sizeof(c_tcp_hello)]
 
 
 def tcp_decode_info(bytes info):
-    """A tcp connection-info blob -> dict(node_id, token, host, port)."""
+    """A tcp connection-info blob -> dict(node_id, token (32 bytes), host, port)."""
     cdef tcp_conninfo ci
     if len(info) != sizeof(tcp_conninfo):
         raise InvalidRequestError(_errno.EINVAL, "not tcp connection info")
     memcpy(&ci, <const char *>info, sizeof(ci))
     ci.host[63] = 0
-    return {"node_id": ci.node_id, "token": ci.token, "host": ci.host.decode(), "port": ci.port}
+    return {"node_id": ci.node_id, "token": (<char *>ci.token)[:TCP_TOKEN_LEN], "host": ci.host.decode(),
+            "port": ci.port}

@@ -42,10 +42,19 @@ def num_writes(size: int, seconds: float) -> int:
 
 # ---- pdkv ----
 
-def _pdkv_receiver(conn, transport: str, streams: int) -> None:
+def _messenger_kwargs(transport: str, streams: int, nic: str | None) -> dict:
+    """Messenger options of one bench endpoint: tcp streams, or the verbs NIC (both ends use it)."""
+    if transport == "verbs":
+        if not nic:
+            raise SystemExit("--transport verbs needs --nic NAME (an RDMA device, e.g. mlx5_0; `ibv_devices` lists them)")
+        return {"nics": [nic]}
+    return {"num_streams": streams}
+
+
+def _pdkv_receiver(conn, transport: str, kwargs: dict) -> None:
     from pdkv._messenger import Messenger
 
-    m = Messenger(transport, 2, num_streams=streams)
+    m = Messenger(transport, 2, **kwargs)
     dst = np.zeros(REGION, dtype=np.uint8)
     key = m.register(dst)
     m.grant(key, 1)
@@ -73,14 +82,16 @@ def _pdkv_receiver(conn, transport: str, streams: int) -> None:
     conn.send("bye")
 
 
-def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int) -> dict[int, tuple[float, float]]:
+def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int,
+               nic: str | None = None) -> dict[int, tuple[float, float]]:
     from pdkv._messenger import Messenger
 
+    kwargs = _messenger_kwargs(transport, streams, nic)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, streams), daemon=True)
+    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, kwargs), daemon=True)
     proc.start()
-    m = Messenger(transport, 1, num_streams=streams)
+    m = Messenger(transport, 1, **kwargs)
     src = np.random.default_rng(0).integers(0, 255, REGION, dtype=np.uint8)
     lkey = m.register(src)
     rkey, rinfo = parent.recv()
@@ -209,6 +220,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--streams", type=int, default=2, help="tcp streams per peer (default 2)")
     ap.add_argument("--seconds", type=float, default=0.5, help="target seconds per measurement at 2 GB/s")
     ap.add_argument("--transport", default="tcp", help="tcp (default) or verbs")
+    ap.add_argument("--nic", default=None, help="verbs: the RDMA device both endpoints use (e.g. mlx5_0)")
     ap.add_argument("--no-peers", action="store_true", help="skip NIXL / Mooncake even if installed")
     ap.add_argument("--peers-python", default=os.environ.get("PDKV_PEERS_PYTHON", sys.executable),
                     help="interpreter that has nixl / mooncake installed (default: this one, or $PDKV_PEERS_PYTHON)")
@@ -216,7 +228,9 @@ def main(argv: list[str]) -> int:
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     print(f"pdkv transfer benchmark: {a.transport}, {a.streams} streams, loopback, {os.cpu_count()} CPUs")
     memcpy = bench_memcpy()
-    pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams)
+    if a.transport == "verbs":
+        _messenger_kwargs(a.transport, a.streams, a.nic)  # a missing --nic fails before any work
+    pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic)
     raw1 = bench_raw(sizes, a.seconds, 1)
     rawn = bench_raw(sizes, a.seconds, a.streams) if a.streams > 1 else raw1
     peers = {} if a.no_peers else {p: bench_optional(p, sizes, a.seconds, a.peers_python) for p in ("nixl", "mooncake")}

@@ -12,64 +12,6 @@
 #define seterr pdkv_core_seterr
 #define emit pdkv_core_emit
 
-/* ---- batch records (caller holds mu) ---- */
-
-static batch_rec *rec_alloc(pdkv_core *c, uint64_t tag, uint64_t *wr_id) {
-    uint32_t i;
-    for (i = 0; i < c->num_recs; i++) {
-        uint32_t j = (c->free_hint + i) % c->num_recs;
-        if (!c->recs[j].in_use) {
-            i = j;
-            goto found;
-        }
-    }
-    {
-        uint32_t ncap = c->num_recs ? c->num_recs * 2 : 64;
-        batch_rec *n = realloc(c->recs, (size_t)ncap * sizeof(*n));
-        if (!n) return NULL;
-        memset(n + c->num_recs, 0, (size_t)(ncap - c->num_recs) * sizeof(*n));
-        i = c->num_recs;
-        c->recs = n;
-        c->num_recs = ncap;
-    }
-found:;
-    batch_rec *r = &c->recs[i];
-    uint32_t gen = r->gen + 1;
-    memset(r, 0, sizeof(*r));
-    r->gen = gen;
-    r->in_use = 1;
-    r->tag = tag;
-    r->remaining = 1; /* held by the poster until every chunk is posted */
-    c->free_hint = i + 1;
-    *wr_id = ((uint64_t)gen << 32) | (i + 1);
-    return r;
-}
-
-batch_rec *pdkv_rec_find(pdkv_core *c, uint64_t wr_id) {
-    uint32_t i = (uint32_t)wr_id;
-    if (i == 0 || i > c->num_recs) return NULL;
-    batch_rec *r = &c->recs[i - 1];
-    return (r->in_use && r->gen == (uint32_t)(wr_id >> 32)) ? r : NULL;
-}
-
-void pdkv_rec_release(pdkv_core *c, batch_rec *r) {
-    if (--r->remaining) return;
-    pdkv_event e = {.kind = PDKV_EV_BATCH_DONE, .tag = r->tag, .peer = r->peer, .count = r->total,
-                    .bytes = r->bytes, .num_errors = r->num_errors, .status = r->status};
-    memcpy(e.reason, r->reason, sizeof(e.reason));
-    emit(c, &e);
-    r->in_use = 0;
-}
-
-void pdkv_rec_fail(batch_rec *r, int32_t status, const char *reason, uint64_t n) {
-    if (!r->status) {
-        r->status = status;
-        snprintf(r->reason, sizeof(r->reason), "%s", reason);
-    }
-    r->num_errors += (uint32_t)n;
-}
-
-/* One transport completion (caller holds mu). */
 /* ---- posting ---- */
 
 /* Offsets of write (i, s); 0 or -EOVERFLOW / -EINVAL. */
@@ -114,7 +56,7 @@ int64_t pdkv_core_post_internal(pdkv_core *c, uint32_t conn, const pdkv_page_bat
     int rc = validate(b, why);
     uint64_t wr_id;
     pthread_mutex_lock(&c->mu);
-    batch_rec *r0 = rec_alloc(c, tag, &wr_id);
+    batch_rec *r0 = pdkv_rec_alloc(c, tag, &wr_id);
     pthread_mutex_unlock(&c->mu);
     /* NOTE: recs[] may be reallocated by other posters: re-derive the record under mu. */
 #define r (&c->recs[(uint32_t)wr_id - 1])

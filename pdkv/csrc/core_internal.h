@@ -1,5 +1,4 @@
-/* Private state of the messenger core, shared by core.c (tables, events, posting) and
- * poller.c (the thread). Not part of the API. */
+/* Private state of the messenger core, shared by its files (order below). Not part of the API. */
 #ifndef PDKV_CORE_INTERNAL_H
 #define PDKV_CORE_INTERNAL_H
 
@@ -60,18 +59,24 @@ struct pdkv_core {
     pdkv_core_stats st; /* counters updated with atomics */
 };
 
-/* core.c */
+/* Call order (each file calls only files below it):
+ *   core.c (create/destroy) -> poller.c (the thread) -> batch.c (posting, watches),
+ *   completions.c (arrivals) -> records.c (batch records) -> events.c (reasons, events, wake). */
+/* events.c */
 void pdkv_core_seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void pdkv_core_emit(pdkv_core *c, const pdkv_event *e); /* caller holds mu */
-/* batch.c (caller holds mu) */
+void pdkv_core_wake(pdkv_core *c);
+/* records.c (caller holds mu) */
+batch_rec *pdkv_rec_alloc(pdkv_core *c, uint64_t tag, uint64_t *wr_id);
 batch_rec *pdkv_rec_find(pdkv_core *c, uint64_t wr_id);
 void pdkv_rec_release(pdkv_core *c, batch_rec *r); /* one write done: BATCH_DONE at the last */
 void pdkv_rec_fail(batch_rec *r, int32_t status, const char *reason, uint64_t n);
-/* used by poller.c */
+/* completions.c */
 void pdkv_core_handle(pdkv_core *c, const pdkv_completion *cp, int n);
+/* batch.c */
 int64_t pdkv_core_post_internal(pdkv_core *c, uint32_t conn, const pdkv_page_batch *b, uint64_t tag,
                                 int event_on_failure, char *err);
+/* poller.c */
 void *pdkv_poller_main(void *arg);
-void pdkv_core_wake(pdkv_core *c);
 
 #endif

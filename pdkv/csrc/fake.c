@@ -43,6 +43,7 @@ typedef struct fake_t {
     int num_faults;
     uint64_t posted;
     delayed *pending;
+    uint64_t refused_writes; /* under g_mu */
     struct fake_t *next;
 } fake_t;
 
@@ -96,16 +97,19 @@ static int land(fake_t *f, fake_conn *c, const pdkv_write *w, const uint8_t *src
     fake_t *r = by_id(c->remote_id);
     if (!r) return -ENOTCONN;
     uint8_t *dst;
+    uint64_t ticket;
     char why[PDKV_REASON_MAX];
-    int rc = pdkv_regions_pin_remote(&r->regions, w->rkey, f->base.node_id, w->roff, w->len, &dst, why, sizeof(why));
+    int rc = pdkv_regions_pin_remote(&r->regions, w->rkey, f->base.node_id, w->roff, w->len, &dst, &ticket, why,
+                                     sizeof(why));
     if (rc < 0) {
+        r->refused_writes++;
         char local[PDKV_REASON_MAX];
         snprintf(local, sizeof(local), "peer %llu refused a write: %s", (unsigned long long)c->peer, why);
         kill_conn(f, c, rc, local, why);
         return rc;
     }
     memcpy(dst, src, w->len);
-    pdkv_regions_unpin(&r->regions, w->rkey);
+    pdkv_regions_unpin_remote(&r->regions, w->rkey, f->base.node_id, ticket);
     if (w->has_imm) pdkv_cq_pushf(&r->cq, PDKV_CQ_IMM, 0, f->base.node_id, w->len, 0, w->imm, NULL);
     return 0;
 }
@@ -209,8 +213,24 @@ static int f_poll(pdkv_transport *bt, pdkv_completion *out, int max) {
 static int f_reg(pdkv_transport *bt, void *a, uint64_t l, uint64_t *k) {
     return pdkv_regions_add(&((fake_t *)bt)->regions, a, l, k, tls_err, sizeof(tls_err));
 }
-static int f_grant(pdkv_transport *bt, uint64_t k, uint64_t p) {
+static int f_grant(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t *out) {
+    if (out) *out = k;
     return pdkv_regions_grant(&((fake_t *)bt)->regions, k, p, tls_err, sizeof(tls_err));
+}
+static int f_revoke(pdkv_transport *bt, uint64_t k, uint64_t p) {
+    return pdkv_regions_revoke(&((fake_t *)bt)->regions, k, p, tls_err, sizeof(tls_err));
+}
+static int f_grant_range(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t off, uint64_t len, uint64_t *out) {
+    if (out) *out = k;
+    return pdkv_regions_grant_range(&((fake_t *)bt)->regions, k, p, off, len, tls_err, sizeof(tls_err));
+}
+static int f_revoke_range(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t off, uint64_t len) {
+    return pdkv_regions_revoke_range(&((fake_t *)bt)->regions, k, p, off, len, tls_err, sizeof(tls_err));
+}
+static void f_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
+    pthread_mutex_lock(&g_mu);
+    out->refused_writes = ((fake_t *)bt)->refused_writes;
+    pthread_mutex_unlock(&g_mu);
 }
 static int f_dereg(pdkv_transport *bt, uint64_t k) {
     return pdkv_regions_remove(&((fake_t *)bt)->regions, k, tls_err, sizeof(tls_err));
@@ -291,9 +311,10 @@ static void f_destroy(pdkv_transport *bt) {
 }
 
 static const pdkv_transport_ops fake_ops = {
-    .name = "fake", .reg = f_reg, .grant = f_grant, .dereg = f_dereg, .prepare = f_prepare,
-    .complete = f_complete, .disconnect = f_disconnect, .post = f_post, .poll = f_poll,
-    .event_fd = f_event_fd, .last_error = f_last_error, .destroy = f_destroy,
+    .name = "fake", .reg = f_reg, .grant = f_grant, .revoke = f_revoke, .grant_range = f_grant_range,
+    .revoke_range = f_revoke_range, .dereg = f_dereg, .prepare = f_prepare, .complete = f_complete,
+    .disconnect = f_disconnect, .post = f_post, .poll = f_poll, .event_fd = f_event_fd,
+    .last_error = f_last_error, .counters = f_counters, .destroy = f_destroy,
 };
 
 pdkv_transport *pdkv_fake_create(uint64_t node_id, char *err, size_t errlen) {

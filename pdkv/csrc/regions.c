@@ -16,7 +16,13 @@ void pdkv_regions_init(pdkv_regions *rt) {
     pthread_mutex_init(&rt->mu, NULL);
 }
 
+static void clear_region(pdkv_region *r) {
+    for (uint32_t i = 0; i < r->num_grants; i++) pdkv_grant_free(&r->grants[i]);
+    memset(r, 0, sizeof(*r));
+}
+
 void pdkv_regions_destroy(pdkv_regions *rt) {
+    for (uint32_t i = 0; i < rt->cap; i++) clear_region(&rt->slots[i]);
     free(rt->slots);
     rt->slots = NULL;
     pthread_mutex_destroy(&rt->mu);
@@ -65,24 +71,106 @@ int pdkv_regions_add(pdkv_regions *rt, void *addr, uint64_t len, uint64_t *key, 
     return 0;
 }
 
+/* The grant of `peer` in r (caller holds mu); with create, a new empty one if there is none. */
+static pdkv_grant *grant_of(pdkv_region *r, uint64_t peer, int create, int *full) {
+    for (uint32_t i = 0; i < r->num_grants; i++)
+        if (r->grants[i].peer == peer) return &r->grants[i];
+    if (!create) return NULL;
+    if (r->num_grants == PDKV_MAX_GRANTS) {
+        *full = 1;
+        return NULL;
+    }
+    pdkv_grant *g = &r->grants[r->num_grants++];
+    memset(g, 0, sizeof(*g));
+    g->peer = peer;
+    return g;
+}
+
+/* Drop g from r if it allows nothing any more (caller holds mu). */
+static void tidy(pdkv_region *r, pdkv_grant *g) {
+    if (!pdkv_grant_empty(g)) return;
+    pdkv_grant_free(g);
+    uint32_t i = (uint32_t)(g - r->grants);
+    r->grants[i] = r->grants[--r->num_grants];
+}
+
+static int in_bounds(uint64_t off, uint64_t len, uint64_t rlen) {
+    /* written without off+len so that it cannot overflow */
+    return off <= rlen && len <= rlen - off;
+}
+
+/* The grant of `peer` in region `key`, checked (caller holds mu); NULL with *rc set. */
+static pdkv_grant *lookup(pdkv_regions *rt, uint64_t key, uint64_t peer, int create, pdkv_region **out,
+                          int *rc, char *why, size_t n) {
+    pdkv_region *r = find(rt, key);
+    int full = 0;
+    pdkv_grant *g = r ? grant_of(r, peer, create, &full) : NULL;
+    if (!r)
+        *rc = pdkv_seterr(why, n, -ENOENT, "unknown region key 0x%llx", (unsigned long long)key);
+    else if (full)
+        *rc = pdkv_seterr(why, n, -ENOSPC, "region 0x%llx already granted to %d peers", (unsigned long long)key,
+                          PDKV_MAX_GRANTS);
+    else if (!g)
+        *rc = pdkv_seterr(why, n, -ENOENT, "region 0x%llx is not granted to peer %llu", (unsigned long long)key,
+                          (unsigned long long)peer);
+    *out = r;
+    return g;
+}
+
 int pdkv_regions_grant(pdkv_regions *rt, uint64_t key, uint64_t peer, char *why, size_t n) {
     int rc = 0;
+    pdkv_region *r;
     pthread_mutex_lock(&rt->mu);
-    pdkv_region *r = find(rt, key);
-    if (!r) {
-        rc = pdkv_seterr(why, n, -ENOENT, "unknown region key 0x%llx", (unsigned long long)key);
-    } else {
-        uint32_t i;
-        for (i = 0; i < r->num_grants && r->grants[i] != peer; i++) {
-        }
-        if (i == r->num_grants) {
-            if (r->num_grants == PDKV_MAX_GRANTS)
-                rc = pdkv_seterr(why, n, -ENOSPC, "region 0x%llx already granted to %d peers",
-                                 (unsigned long long)key, PDKV_MAX_GRANTS);
-            else
-                r->grants[r->num_grants++] = peer;
-        }
+    pdkv_grant *g = lookup(rt, key, peer, 1, &r, &rc, why, n);
+    if (g) g->whole = 1;
+    pthread_mutex_unlock(&rt->mu);
+    return rc;
+}
+
+int pdkv_regions_revoke(pdkv_regions *rt, uint64_t key, uint64_t peer, char *why, size_t n) {
+    int rc = 0;
+    pdkv_region *r;
+    pthread_mutex_lock(&rt->mu);
+    pdkv_grant *g = lookup(rt, key, peer, 0, &r, &rc, why, n);
+    if (g && !g->whole)
+        rc = pdkv_seterr(why, n, -ENOENT, "region 0x%llx is not wholly granted to peer %llu",
+                         (unsigned long long)key, (unsigned long long)peer);
+    else if (g && g->landing_whole)
+        rc = pdkv_seterr(why, n, -EBUSY, "a write from peer %llu into region 0x%llx is still landing",
+                         (unsigned long long)peer, (unsigned long long)key);
+    else if (g) {
+        g->whole = 0;
+        tidy(r, g);
     }
+    pthread_mutex_unlock(&rt->mu);
+    return rc;
+}
+
+int pdkv_regions_grant_range(pdkv_regions *rt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                             char *why, size_t n) {
+    int rc = 0;
+    pdkv_region *r;
+    pthread_mutex_lock(&rt->mu);
+    pdkv_region *probe = find(rt, key);
+    if (probe && !in_bounds(off, len, probe->len)) {
+        rc = pdkv_seterr(why, n, -ERANGE, "range [%llu, +%llu) outside region 0x%llx of %llu bytes",
+                         (unsigned long long)off, (unsigned long long)len, (unsigned long long)key,
+                         (unsigned long long)probe->len);
+    } else {
+        pdkv_grant *g = lookup(rt, key, peer, 1, &r, &rc, why, n);
+        if (g && (rc = pdkv_grant_add_range(g, off, len, why, n)) < 0) tidy(r, g);
+    }
+    pthread_mutex_unlock(&rt->mu);
+    return rc;
+}
+
+int pdkv_regions_revoke_range(pdkv_regions *rt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                              char *why, size_t n) {
+    int rc = 0;
+    pdkv_region *r;
+    pthread_mutex_lock(&rt->mu);
+    pdkv_grant *g = lookup(rt, key, peer, 0, &r, &rc, why, n);
+    if (g && (rc = pdkv_grant_remove_range(g, off, len, why, n)) == 0) tidy(r, g);
     pthread_mutex_unlock(&rt->mu);
     return rc;
 }
@@ -97,42 +185,49 @@ int pdkv_regions_remove(pdkv_regions *rt, uint64_t key, char *why, size_t n) {
         rc = pdkv_seterr(why, n, -EBUSY, "region 0x%llx has %u writes in flight",
                          (unsigned long long)key, r->inflight);
     else
-        memset(r, 0, sizeof(*r));
+        clear_region(r);
     pthread_mutex_unlock(&rt->mu);
     return rc;
-}
-
-static int in_bounds(uint64_t off, uint64_t len, uint64_t rlen) {
-    /* written without off+len so that it cannot overflow */
-    return off <= rlen && len <= rlen - off;
 }
 
 int pdkv_regions_pin_remote(pdkv_regions *rt, uint64_t key, uint64_t peer, uint64_t off,
-                            uint64_t len, uint8_t **dst, char *why, size_t n) {
+                            uint64_t len, uint8_t **dst, uint64_t *ticket, char *why, size_t n) {
     int rc = 0;
     pthread_mutex_lock(&rt->mu);
     pdkv_region *r = find(rt, key);
-    if (!r) {
+    int full = 0;
+    pdkv_grant *g = r ? grant_of(r, peer, 0, &full) : NULL;
+    if (!r)
         rc = pdkv_seterr(why, n, -ENOENT, "write to unknown region key 0x%llx", (unsigned long long)key);
-    } else {
-        uint32_t i;
-        for (i = 0; i < r->num_grants && r->grants[i] != peer; i++) {
-        }
-        if (i == r->num_grants)
-            rc = pdkv_seterr(why, n, -EACCES, "region 0x%llx is not granted to peer %llu",
-                             (unsigned long long)key, (unsigned long long)peer);
-        else if (!in_bounds(off, len, r->len))
-            rc = pdkv_seterr(why, n, -ERANGE,
-                             "write [%llu, +%llu) outside region 0x%llx of %llu bytes",
-                             (unsigned long long)off, (unsigned long long)len,
-                             (unsigned long long)key, (unsigned long long)r->len);
-        else {
-            r->inflight++;
-            *dst = r->addr + off;
-        }
+    else if (!g)
+        rc = pdkv_seterr(why, n, -EACCES, "region 0x%llx is not granted to peer %llu",
+                         (unsigned long long)key, (unsigned long long)peer);
+    else if (!in_bounds(off, len, r->len))
+        rc = pdkv_seterr(why, n, -ERANGE,
+                         "write [%llu, +%llu) outside region 0x%llx of %llu bytes",
+                         (unsigned long long)off, (unsigned long long)len,
+                         (unsigned long long)key, (unsigned long long)r->len);
+    else if (pdkv_grant_admit(g, off, len, ticket) < 0)
+        rc = pdkv_seterr(why, n, -EACCES,
+                         "write [%llu, +%llu) of region 0x%llx is outside every range granted to peer %llu",
+                         (unsigned long long)off, (unsigned long long)len, (unsigned long long)key,
+                         (unsigned long long)peer);
+    else {
+        r->inflight++;
+        *dst = r->addr + off;
     }
     pthread_mutex_unlock(&rt->mu);
     return rc;
+}
+
+void pdkv_regions_unpin_remote(pdkv_regions *rt, uint64_t key, uint64_t peer, uint64_t ticket) {
+    pthread_mutex_lock(&rt->mu);
+    pdkv_region *r = find(rt, key);
+    int full = 0;
+    pdkv_grant *g = r ? grant_of(r, peer, 0, &full) : NULL;
+    if (r && r->inflight) r->inflight--;
+    if (g) pdkv_grant_landed(g, ticket);
+    pthread_mutex_unlock(&rt->mu);
 }
 
 int pdkv_regions_pin_local(pdkv_regions *rt, uint64_t key, uint64_t off, uint64_t len,

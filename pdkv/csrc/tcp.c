@@ -1,10 +1,13 @@
 /* tcp transport: one-sided writes with immediates, in user space (see transport.h, tcp_wire.h).
- * This file: creation, regions, post, poll, destroy; connections are in tcp_conn.c.
+ * This file: the function table (creation, regions, post, poll, destroy); it calls down into
+ * tcp_accept.c (listener, handshakes), tcp_conn.c (set-up), tcp_rx.c (receivers), tcp_state.c
+ * (connection table), tcp_net.c (sockets).
  *
- * Each node listens on one port. prepare(peer) hands out a random token in the info blob;
- * complete(conn, info) opens num_streams sockets to the peer's listener and presents that
- * token, so a receiver knows which peer a stream belongs to and checks every frame against the
- * regions granted to that peer. Writes are spread over the streams (least queued bytes first);
+ * Each node listens on one port. prepare(peer) hands out a random token in the info blob (or
+ * set_token binds the connection to a token of the authenticated control session instead);
+ * complete(conn, info) opens num_streams sockets to the peer's listener and presents the token,
+ * so a receiver knows which peer a stream belongs to and checks every frame against the
+ * grants of that peer; a stream without a valid token gets no thread (tcp_accept.c). Writes are spread over the streams (least queued bytes first);
  * each stream has its own sender thread (tcp_tx.c), each incoming stream its receiver (tcp_rx.c).
  */
 #define _GNU_SOURCE
@@ -25,65 +28,35 @@
 
 #include "tcp_internal.h"
 
-#define SOCK_BUF (4 << 20) /* per socket and direction: fewer wake-ups per MiB on loopback */
-
-/* Per thread, so the poller and a Python thread posting at once don't mix their reasons. */
-static __thread char tls_err[PDKV_REASON_MAX];
-
-int tcp_err(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(tls_err, sizeof(tls_err), fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-void tcp_sockopts(int fd) {
-    int one = 1, buf = SOCK_BUF;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
-}
-
-int tcp_send_all(int fd, const void *buf, size_t len) {
-    const char *p = buf;
-    while (len) {
-        ssize_t r = send(fd, p, len, MSG_NOSIGNAL);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return -errno;
-        p += r;
-        len -= (size_t)r;
-    }
-    return 1;
-}
-
-/* 1: got all, 0: EOF, <0: -errno. */
-int tcp_recv_all(int fd, void *buf, size_t len) {
-    char *p = buf;
-    while (len) {
-        ssize_t r = recv(fd, p, len, 0);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return -errno;
-        if (r == 0) return 0;
-        p += r;
-        len -= (size_t)r;
-    }
-    return 1;
-}
-tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id) { /* caller holds t->lock */
-    return (id >= 1 && id <= t->num_conns) ? t->conns[id - 1] : NULL;
-}
-
 /* ---- vtable ---- */
 
 static int t_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
-    return pdkv_regions_add(&((tcp_t *)bt)->regions, addr, len, key, tls_err, sizeof(tls_err));
+    return pdkv_regions_add(&((tcp_t *)bt)->regions, addr, len, key, tcp_errbuf(), PDKV_REASON_MAX);
 }
-static int t_grant(pdkv_transport *bt, uint64_t key, uint64_t peer) {
-    return pdkv_regions_grant(&((tcp_t *)bt)->regions, key, peer, tls_err, sizeof(tls_err));
+static int t_grant(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t *key_out) {
+    if (key_out) *key_out = key;
+    return pdkv_regions_grant(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_revoke(pdkv_transport *bt, uint64_t key, uint64_t peer) {
+    return pdkv_regions_revoke(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_grant_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                         uint64_t *key_out) {
+    if (key_out) *key_out = key;
+    return pdkv_regions_grant_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static int t_revoke_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len) {
+    return pdkv_regions_revoke_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+}
+static void t_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
+    tcp_t *t = (tcp_t *)bt;
+    out->refused_writes = __atomic_load_n(&t->refused_writes, __ATOMIC_RELAXED);
+    out->refused_conns = __atomic_load_n(&t->refused_conns, __ATOMIC_RELAXED);
+    out->pending_conns = __atomic_load_n(&t->pending_conns, __ATOMIC_RELAXED);
+    out->rx_threads = __atomic_load_n(&t->rx_threads, __ATOMIC_RELAXED);
 }
 static int t_dereg(pdkv_transport *bt, uint64_t key) {
-    return pdkv_regions_remove(&((tcp_t *)bt)->regions, key, tls_err, sizeof(tls_err));
+    return pdkv_regions_remove(&((tcp_t *)bt)->regions, key, tcp_errbuf(), PDKV_REASON_MAX);
 }
 static int t_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
     tcp_t *t = (tcp_t *)bt;
@@ -105,7 +78,7 @@ static int t_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
     tcp_op *ops = n <= 256 ? stack_ops : malloc((size_t)n * sizeof(*ops));
     const uint8_t **src = n <= 256 ? stack_src : malloc((size_t)n * sizeof(*src));
     int rc = (!ops || !src) ? tcp_err(-ENOMEM, "out of memory")
-                            : pdkv_regions_pin_writes(&t->regions, w, n, src, tls_err, sizeof(tls_err));
+                            : pdkv_regions_pin_writes(&t->regions, w, n, src, tcp_errbuf(), PDKV_REASON_MAX);
     if (rc < 0) {
         if (ops != stack_ops) free(ops);
         if (src != stack_src) free(src);
@@ -193,7 +166,7 @@ static int t_poll(pdkv_transport *bt, pdkv_completion *out, int max) {
 static int t_event_fd(pdkv_transport *bt) { return ((tcp_t *)bt)->cq.efd; }
 static const char *t_last_error(pdkv_transport *bt) {
     (void)bt;
-    return tls_err;
+    return tcp_errbuf();
 }
 
 static void t_destroy(pdkv_transport *bt) {
@@ -219,9 +192,11 @@ static void t_destroy(pdkv_transport *bt) {
 }
 
 static const pdkv_transport_ops tcp_ops = {
-    .name = "tcp", .reg = t_reg, .grant = t_grant, .dereg = t_dereg, .prepare = tcp_prepare,
-    .complete = tcp_complete, .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll,
-    .event_fd = t_event_fd, .last_error = t_last_error, .destroy = t_destroy,
+    .name = "tcp", .reg = t_reg, .grant = t_grant, .revoke = t_revoke, .grant_range = t_grant_range,
+    .revoke_range = t_revoke_range, .dereg = t_dereg, .prepare = tcp_prepare, .complete = tcp_complete,
+    .set_token = tcp_set_token,
+    .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll, .event_fd = t_event_fd,
+    .last_error = t_last_error, .counters = t_counters, .destroy = t_destroy,
 };
 
 pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *o, char *err, size_t errlen) {
@@ -242,6 +217,9 @@ pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *o, char *
     t->base.ops = &tcp_ops;
     t->base.node_id = node_id;
     t->num_streams = o->num_streams;
+    t->handshake_ms = o->handshake_ms ? o->handshake_ms : 5000;
+    t->max_pending = o->max_pending ? o->max_pending : 64;
+    t->max_per_source = o->max_per_source ? o->max_per_source : (t->max_pending + 3) / 4;
     t->lfd = t->stop_fd = -1;
     snprintf(t->host, sizeof(t->host), "%s", host);
     pthread_rwlock_init(&t->lock, NULL);
@@ -286,7 +264,6 @@ fail:
     return NULL;
 }
 
-/* The port a tcp transport listens on (for logs and tests). */
 int pdkv_tcp_port(pdkv_transport *bt) {
     return bt && bt->ops == &tcp_ops ? ((tcp_t *)bt)->port : -1;
 }

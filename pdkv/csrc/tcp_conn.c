@@ -16,47 +16,6 @@
 
 #define CONNECT_TIMEOUT_S 10
 
-tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token) {
-    for (uint32_t i = 0; i < t->num_conns; i++) {
-        tcp_conn *c = t->conns[i];
-        if (c && c->peer == peer && c->token == token && __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_DEAD)
-            return c;
-    }
-    return NULL;
-}
-
-/* Mark a connection dead once (first reason wins) and wake its senders so they fail their queues. */
-void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason) {
-    pthread_mutex_lock(&c->mu); /* waits for a complete() in progress: streams are then set */
-    int was = c->state;
-    tcp_stream *streams = c->streams;
-    if (was != CONN_DEAD) {
-        snprintf(c->reason, sizeof(c->reason), "%s", reason);
-        __atomic_store_n(&c->state, CONN_DEAD, __ATOMIC_RELEASE);
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (was == CONN_DEAD) return;
-    if (status) pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, c->peer, 0, status, 0, "%s", reason);
-    for (uint32_t i = 0; streams && i < c->num_streams; i++) { /* none if never completed */
-        tcp_stream *s = &streams[i];
-        pthread_mutex_lock(&s->mu);
-        s->dead = 1;
-        if (s->fd >= 0) {
-            tcp_frame bye;
-            tcp_frame_make(&bye, TCP_FR_BYE, 0, 0, 0, 0, 0);
-            ssize_t r = send(s->fd, &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
-            (void)r;
-            shutdown(s->fd, SHUT_RDWR);
-        }
-        pthread_mutex_unlock(&s->mu);
-        uint64_t one = 1;
-        if (s->wake_fd >= 0) {
-            ssize_t r = write(s->wake_fd, &one, sizeof(one));
-            (void)r;
-        }
-    }
-}
-
 int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) {
     tcp_t *t = (tcp_t *)bt;
     tcp_conn *c = calloc(1, sizeof(*c));
@@ -65,7 +24,7 @@ int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *inf
     c->state = CONN_PREPARED;
     c->num_streams = t->num_streams;
     pthread_mutex_init(&c->mu, NULL);
-    if (getrandom(&c->token, sizeof(c->token), 0) != sizeof(c->token)) {
+    if (getrandom(c->token, sizeof(c->token), 0) != sizeof(c->token)) {
         free(c);
         return tcp_err(-EIO, "getrandom failed: %s", strerror(errno));
     }
@@ -81,12 +40,36 @@ int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *inf
     c->id = t->num_conns;
     pthread_rwlock_unlock(&t->lock);
     tcp_conninfo info = {.magic = TCP_INFO_MAGIC, .version = TCP_VERSION, .node_id = t->base.node_id,
-                     .token = c->token, .port = t->port};
+                         .port = t->port};
+    memcpy(info.token, c->token, sizeof(info.token));
     snprintf(info.host, sizeof(info.host), "%s", t->host);
     memcpy(info_out, &info, sizeof(info));
     *info_len = sizeof(info);
     *conn_out = c->id;
     return 0;
+}
+
+/* Bind connection `id` to the token of its authenticated control session: the peer's streams
+ * must present it (the random token of the info no longer opens this connection), and ours do.
+ * Call it right after prepare(), before the info goes to the peer. */
+int tcp_set_token(pdkv_transport *bt, uint32_t id, const void *token, uint32_t len) {
+    tcp_t *t = (tcp_t *)bt;
+    if (len < 16 || len > TCP_TOKEN_LEN)
+        return tcp_err(-EINVAL, "a session token must be 16..%d bytes, got %u", TCP_TOKEN_LEN, len);
+    pthread_rwlock_wrlock(&t->lock);
+    tcp_conn *c = tcp_conn_get(t, id);
+    int rc = 0;
+    if (!c)
+        rc = tcp_err(-ENOENT, "unknown connection %u", id);
+    else if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_PREPARED || c->streams)
+        rc = tcp_err(-EISCONN, "connection %u is already complete or dead: set its token before complete()", id);
+    else {
+        memset(c->token, 0, sizeof(c->token));
+        memcpy(c->token, token, len);
+        c->session = 1;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return rc;
 }
 
 static int dial(const tcp_conninfo *info, char *why, size_t n) {
@@ -159,7 +142,9 @@ int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blo
             break;
         }
         tcp_hello h = {.magic = TCP_HELLO_MAGIC, .version = TCP_VERSION, .node_id = t->base.node_id,
-                       .token = info.token, .stream = i, .num_streams = c->num_streams};
+                       .stream = i, .num_streams = c->num_streams};
+        /* a session token is never sent in the info: both ends were given it */
+        memcpy(h.token, c->session ? c->token : info.token, sizeof(h.token));
         tcp_frame ack;
         int r = tcp_send_all(s->fd, &h, sizeof(h));
         if (r > 0) r = tcp_recv_all(s->fd, &ack, sizeof(ack));

@@ -1,6 +1,6 @@
-/* Private state of the tcp transport, shared by tcp.c (set-up, post, vtable), tcp_tx.c (one
- * sender thread per outgoing stream) and tcp_rx.c (listener + one receiver thread per incoming
- * stream). Not part of the API. */
+/* Private state of the tcp transport, shared by tcp.c (set-up, post, vtable), tcp_conn.c
+ * (connections), tcp_tx.c (one sender thread per outgoing stream), tcp_rx.c (listener + one
+ * receiver thread per incoming stream) and the leaves tcp_state.c / tcp_net.c. Not part of the API. */
 #ifndef PDKV_TCP_INTERNAL_H
 #define PDKV_TCP_INTERNAL_H
 
@@ -38,7 +38,9 @@ enum { CONN_PREPARED = 1, CONN_CONNECTED = 2, CONN_DEAD = 3 };
 
 typedef struct tcp_conn {
     uint32_t id;
-    uint64_t peer, token;
+    uint64_t peer;
+    uint8_t token[TCP_TOKEN_LEN]; /* what the peer's hello must carry (and ours carries, if session) */
+    int session;                  /* token given by the control session (set_token) */
     int state; /* atomic */
     uint32_t num_streams;
     tcp_stream *streams;
@@ -59,6 +61,7 @@ typedef struct tcp_rx {
 typedef struct tcp_t {
     pdkv_transport base;
     uint32_t num_streams;
+    uint32_t handshake_ms, max_pending, max_per_source; /* listener bounds (tcp_accept.c) */
     char host[64];
     uint16_t port;
     int lfd, stop_fd;
@@ -72,25 +75,35 @@ typedef struct tcp_t {
     tcp_rx *rx;
     pdkv_regions regions;
     pdkv_cq cq;
+    uint64_t refused_writes, refused_conns, pending_conns, rx_threads; /* atomic counters */
 } tcp_t;
 
-/* tcp.c */
+/* Call order (each file calls only files below it):
+ *   tcp.c (function table) -> tcp_accept.c (listener, handshakes) -> tcp_conn.c (set-up,
+ *   teardown) -> tcp_rx.c (receivers), tcp_tx.c (senders) -> tcp_state.c (connection table)
+ *   -> tcp_net.c (errors, socket I/O). */
+/* tcp_net.c */
 int tcp_err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+char *tcp_errbuf(void); /* this thread's last reason, PDKV_REASON_MAX bytes */
 void tcp_sockopts(int fd);
 int tcp_send_all(int fd, const void *buf, size_t len);
 int tcp_recv_all(int fd, void *buf, size_t len);
-tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id);                         /* caller holds t->lock */
+/* tcp_state.c */
+tcp_conn *tcp_conn_get(tcp_t *t, uint32_t id);                        /* caller holds t->lock */
+tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, const uint8_t *token); /* caller holds t->lock */
+void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason);
 /* tcp_conn.c */
-tcp_conn *tcp_conn_by_token(tcp_t *t, uint64_t peer, uint64_t token); /* caller holds t->lock */
 int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out);
 int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blob_len);
 int tcp_disconnect(pdkv_transport *bt, uint32_t id);
+int tcp_set_token(pdkv_transport *bt, uint32_t id, const void *token, uint32_t len);
 void tcp_conn_free(tcp_t *t, tcp_conn *c); /* fail, stop its receivers, join its senders, free */
-void tcp_conn_fail(tcp_t *t, tcp_conn *c, int status, const char *reason);
 /* tcp_tx.c */
 void *tcp_tx_main(void *arg);
-/* tcp_rx.c */
+/* tcp_accept.c */
 void *tcp_listener_main(void *arg);
+/* tcp_rx.c */
+int tcp_rx_start(tcp_t *t, int fd, uint64_t peer, uint32_t conn); /* a receiver for an accepted stream */
 void tcp_rx_stop(tcp_t *t, uint32_t conn, int all); /* shut down + join receivers */
 
 #endif

@@ -1,7 +1,7 @@
-/* tcp transport: the listener and one receiver thread per incoming stream.
+/* tcp transport: one receiver thread per incoming stream, started by the listener
+ * (tcp_accept.c) only after the stream's hello carried a valid token.
  *
- * A receiver first checks the hello (the token must be one that this node handed to that peer
- * in prepare()), then loops: read a 40-byte header, check it (magic, check word, type), check
+ * A receiver loops: read a 40-byte header, check it (magic, check word, type), check
  * that the key exists, is granted to this peer and that [off, off+len) lies inside the region,
  * and only then receive the payload straight into the region. Anything wrong: an ERROR
  * completion here, an ERROR frame to the writer, and the stream is closed without writing a byte.
@@ -22,16 +22,14 @@
 
 #include "tcp_internal.h"
 
-#define HELLO_TIMEOUT_S 10
-
 static int quiet(tcp_rx *rx) {
     return __atomic_load_n(&rx->stopping, __ATOMIC_ACQUIRE) || __atomic_load_n(&rx->t->stopping, __ATOMIC_ACQUIRE);
 }
 
 /* Report locally and tell the writer, then let the caller close. */
-static void reject(tcp_rx *rx, int status, const char *reason) {
+static void reject(tcp_rx *rx, int status, uint32_t imm, const char *reason) {
     tcp_t *t = rx->t;
-    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, status, 0, "from peer %llu: %s",
+    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, status, imm, "from peer %llu: %s",
                   (unsigned long long)rx->peer, reason);
     tcp_frame f;
     size_t n = strlen(reason);
@@ -41,45 +39,6 @@ static void reject(tcp_rx *rx, int status, const char *reason) {
     struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
     ssize_t r = sendmsg(rx->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)r;
-}
-
-static void send_ack(int fd, const char *reason) {
-    tcp_frame f;
-    size_t n = reason ? strlen(reason) : 0;
-    tcp_frame_make(&f, TCP_FR_ACK, 0, 0, n, 0, 0);
-    tcp_send_all(fd, &f, sizeof(f));
-    if (n) tcp_send_all(fd, reason, n);
-}
-
-static int hello(tcp_rx *rx) {
-    tcp_t *t = rx->t;
-    tcp_hello h;
-    struct timeval tv = {HELLO_TIMEOUT_S, 0};
-    setsockopt(rx->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    if (tcp_recv_all(rx->fd, &h, sizeof(h)) <= 0) return -1; /* not a peer, or gone: nothing to report */
-    char why[PDKV_REASON_MAX];
-    if (h.magic != TCP_HELLO_MAGIC || h.version != TCP_VERSION) {
-        snprintf(why, sizeof(why), "not a pdkv tcp hello (magic 0x%08x version %u)", h.magic, h.version);
-        goto bad;
-    }
-    pthread_rwlock_rdlock(&t->lock);
-    tcp_conn *c = tcp_conn_by_token(t, h.node_id, h.token);
-    if (c) rx->conn = c->id;
-    pthread_rwlock_unlock(&t->lock);
-    if (!c) {
-        snprintf(why, sizeof(why), "connection from node %llu with a token this node did not give it",
-                 (unsigned long long)h.node_id);
-        goto bad;
-    }
-    rx->peer = h.node_id;
-    send_ack(rx->fd, NULL);
-    tv.tv_sec = 0;
-    setsockopt(rx->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    return 0;
-bad:
-    pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, h.node_id, 0, -EACCES, 0, "rejected a connection: %s", why);
-    send_ack(rx->fd, why);
-    return -1;
 }
 
 static void frames(tcp_rx *rx) {
@@ -113,9 +72,12 @@ static void frames(tcp_rx *rx) {
             rc = -EPROTO;
         }
         uint8_t *dst = NULL;
-        if (rc == 0) rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, why, sizeof(why));
+        uint64_t ticket = 0;
+        if (rc == 0)
+            rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, &ticket, why, sizeof(why));
         if (rc < 0) {
-            reject(rx, rc, why);
+            if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
+            reject(rx, rc, rc == -EPROTO ? 0 : f.imm, why); /* the imm names the request it hit */
             return;
         }
         uint64_t got = 0;
@@ -125,7 +87,7 @@ static void frames(tcp_rx *rx) {
             ssize_t r = readv(rx->fd, iov, 2);
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
-                pdkv_regions_unpin(&t->regions, f.key);
+                pdkv_regions_unpin_remote(&t->regions, f.key, rx->peer, ticket);
                 if (!quiet(rx))
                     pdkv_cq_pushf(&t->cq, PDKV_CQ_ERROR, 0, rx->peer, f.len, -ECONNRESET, f.imm,
                                   "peer %llu disconnected mid-write (%llu of %llu bytes into key 0x%llx)",
@@ -140,7 +102,7 @@ static void frames(tcp_rx *rx) {
                 got = f.len;
             }
         }
-        pdkv_regions_unpin(&t->regions, f.key);
+        pdkv_regions_unpin_remote(&t->regions, f.key, rx->peer, ticket);
         if (f.flags & TCP_FL_IMM)
             pdkv_cq_pushf(&t->cq, PDKV_CQ_IMM, 0, rx->peer, f.len, 0, f.imm, NULL);
     }
@@ -148,7 +110,7 @@ static void frames(tcp_rx *rx) {
 
 static void *rx_main(void *arg) {
     tcp_rx *rx = arg;
-    if (hello(rx) == 0) frames(rx);
+    frames(rx);
     pthread_mutex_lock(&rx->t->rxmu);
     if (rx->fd >= 0) {
         shutdown(rx->fd, SHUT_RDWR);
@@ -157,6 +119,7 @@ static void *rx_main(void *arg) {
     }
     rx->done = 1;
     pthread_mutex_unlock(&rx->t->rxmu);
+    __atomic_sub_fetch(&rx->t->rx_threads, 1, __ATOMIC_RELAXED);
     return NULL;
 }
 
@@ -198,35 +161,25 @@ void tcp_rx_stop(tcp_t *t, uint32_t conn, int all) {
     }
 }
 
-void *tcp_listener_main(void *arg) {
-    tcp_t *t = arg;
-    for (;;) {
-        struct pollfd pf[2] = {{t->lfd, POLLIN, 0}, {t->stop_fd, POLLIN, 0}};
-        if (poll(pf, 2, -1) < 0 && errno != EINTR) break;
-        if (__atomic_load_n(&t->stopping, __ATOMIC_ACQUIRE) || pf[1].revents) break;
-        if (!(pf[0].revents & POLLIN)) continue;
-        int fd = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        tcp_sockopts(fd);
-        tcp_rx *rx = calloc(1, sizeof(*rx));
-        if (!rx) {
-            close(fd);
-            continue;
-        }
-        rx->t = t;
-        rx->fd = fd;
-        rx->conn = 0;
-        pthread_mutex_lock(&t->rxmu);
-        reap(t);
-        if (pthread_create(&rx->thread, NULL, rx_main, rx) != 0) {
-            pthread_mutex_unlock(&t->rxmu);
-            close(fd);
-            free(rx);
-            continue;
-        }
-        rx->next = t->rx;
-        t->rx = rx;
+int tcp_rx_start(tcp_t *t, int fd, uint64_t peer, uint32_t conn) {
+    tcp_rx *rx = calloc(1, sizeof(*rx));
+    if (!rx) return -ENOMEM;
+    rx->t = t;
+    rx->fd = fd;
+    rx->peer = peer;
+    rx->conn = conn;
+    pthread_mutex_lock(&t->rxmu);
+    reap(t);
+    __atomic_add_fetch(&t->rx_threads, 1, __ATOMIC_RELAXED);
+    int rc = pthread_create(&rx->thread, NULL, rx_main, rx);
+    if (rc) {
+        __atomic_sub_fetch(&t->rx_threads, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&t->rxmu);
+        free(rx);
+        return -rc;
     }
-    return NULL;
+    rx->next = t->rx;
+    t->rx = rx;
+    pthread_mutex_unlock(&t->rxmu);
+    return 0;
 }

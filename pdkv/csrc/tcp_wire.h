@@ -1,7 +1,10 @@
 /* Wire format of the tcp transport (host byte order: both ends are little-endian x86/arm).
  *
- * A stream starts with a hello from the writer (node id, the token the receiver put in its
- * connection info, stream index) answered by an ACK frame (len 0: accepted, else a reason).
+ * A stream starts with a hello from the writer (node id, a 32-byte token, stream index) answered
+ * by an ACK frame (len 0: accepted, else a reason). The token is either the session token both
+ * nodes were given for this connection by their authenticated control session (set_token: never
+ * sent in the connection info) or, without one, the random token the receiver put in its info.
+ * The receiver checks it before it accepts anything else on the stream.
  * Then DATA frames: a 40-byte header followed by `len` payload bytes that the receiver reads
  * straight into the registered region. The receiver answers a bad frame with an ERROR frame
  * (len bytes of reason) and closes; a writer that leaves on purpose sends BYE.
@@ -20,7 +23,8 @@
 #define TCP_FRAME_MAGIC 0x464b4450u /* "PDKF" */
 #define TCP_HELLO_MAGIC 0x484b4450u /* "PDKH" */
 #define TCP_INFO_MAGIC 0x494b4450u  /* "PDKI" */
-#define TCP_VERSION 1u
+#define TCP_VERSION 2u
+#define TCP_TOKEN_LEN 32
 
 enum tcp_frame_type { TCP_FR_DATA = 1, TCP_FR_ERROR = 2, TCP_FR_BYE = 3, TCP_FR_ACK = 4 };
 #define TCP_FL_IMM 1u
@@ -35,13 +39,15 @@ typedef struct __attribute__((packed)) tcp_frame {
 
 typedef struct __attribute__((packed)) tcp_hello {
     uint32_t magic, version;
-    uint64_t node_id, token;
+    uint64_t node_id;
+    uint8_t token[TCP_TOKEN_LEN];
     uint32_t stream, num_streams;
 } tcp_hello;
 
 typedef struct __attribute__((packed)) tcp_conninfo {
     uint32_t magic, version;
-    uint64_t node_id, token;
+    uint64_t node_id;
+    uint8_t token[TCP_TOKEN_LEN]; /* random; unused when both ends were given a session token */
     uint16_t port;
     char host[64]; /* NUL-terminated numeric address */
 } tcp_conninfo;

@@ -58,14 +58,32 @@ typedef struct pdkv_write {
 
 typedef struct pdkv_transport pdkv_transport;
 
+typedef struct pdkv_transport_counters {
+    uint64_t refused_writes; /* remote writes refused before landing (key, grant, range, bounds) */
+    uint64_t refused_conns;  /* incoming connections closed: bad hello/token, deadline, cap */
+    uint64_t pending_conns;  /* incoming connections not yet authenticated, now */
+    uint64_t rx_threads;     /* receive threads running now */
+} pdkv_transport_counters;
+
 typedef struct pdkv_transport_ops {
     const char *name; /* "tcp", "verbs", "fake" */
 
     /* Register [addr, addr+len). *key_out is what a peer names in its writes. */
     int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
-    /* Allow peer `peer` to write into region `key` (tcp checks this on every frame;
-     * verbs: no-op beyond the rkey itself). */
-    int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer);
+    /* Grants: a peer may write into a region only while it holds a grant to it. tcp and fake
+     * check every frame against the writer's grants before a byte lands; verbs has the NIC check
+     * them (a protection domain per peer, see verbs_mr.c). *key_out (may be NULL) gets the key
+     * that peer must name in its writes: `key` itself on tcp/fake, a per-peer key on verbs.
+     * grant: the whole region. revoke: end it (-ENOENT if not held; tcp/fake: -EBUSY while a
+     * write it allowed is landing). Once revoke returns 0, nothing from that peer lands there. */
+    int (*grant)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
+    int (*revoke)(pdkv_transport *t, uint64_t key, uint64_t peer);
+    /* Narrow grants: only [off, off+len) of the region (in the region's own offsets, the same
+     * offsets writes use). A peer's ranges in one region must not overlap (-EEXIST); a write must
+     * lie inside one range. revoke_range names exactly a granted range (-ENOENT otherwise). */
+    int (*grant_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                       uint64_t *key_out);
+    int (*revoke_range)(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
     /* -EBUSY while writes from or into the region are in flight; -ENOENT for an unknown key. */
     int (*dereg)(pdkv_transport *t, uint64_t key);
 
@@ -73,6 +91,11 @@ typedef struct pdkv_transport_ops {
     int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
                    uint32_t *conn_out);
     int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
+    /* Optional (NULL: the transport needs none; verbs binds QPs through the info exchange).
+     * tcp: bind conn to a token (16..32 bytes) both nodes got from their authenticated control
+     * session, before complete() and before the info is sent: the peer's streams must present
+     * it in their first frame or are closed unread; it is never put in the info blob. */
+    int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len);
     /* Drop a connection: pending writes complete with ERROR; nothing is left running for it. */
     int (*disconnect)(pdkv_transport *t, uint32_t conn);
 
@@ -85,6 +108,8 @@ typedef struct pdkv_transport_ops {
     int (*event_fd)(pdkv_transport *t);
 
     const char *(*last_error)(pdkv_transport *t);
+    /* Counters for stats() and tests (fields a transport does not track stay 0). */
+    void (*counters)(pdkv_transport *t, struct pdkv_transport_counters *out);
     /* Stop every thread, close every fd, free everything. Safe with writes in flight. */
     void (*destroy)(pdkv_transport *t);
 } pdkv_transport_ops;
@@ -99,6 +124,9 @@ typedef struct pdkv_tcp_opts {
     const char *host;      /* listen address, e.g. "127.0.0.1" */
     uint16_t port;         /* 0: any free port */
     uint32_t num_streams;  /* connections per peer */
+    uint32_t handshake_ms; /* an incoming stream must send its hello within this (0: 5000) */
+    uint32_t max_pending;  /* incoming streams waiting for their hello at once (0: 64) */
+    uint32_t max_per_source; /* ... of them from one IP address (0: a quarter of max_pending) */
 } pdkv_tcp_opts;
 pdkv_transport *pdkv_tcp_create(uint64_t node_id, const pdkv_tcp_opts *opts, char *err,
                                 size_t errlen);
@@ -108,10 +136,20 @@ typedef struct pdkv_verbs_opts {
     uint8_t port_num;        /* usually 1 */
     int gid_index;           /* -1: pick a RoCE v2 / IB GID automatically */
     uint32_t qps_per_peer;
+    int isolate_peers;       /* a protection domain per peer: grants enforced by the NIC */
 } pdkv_verbs_opts;
 /* Defined only when built with libibverbs (PDKV_HAVE_VERBS). */
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
                                   size_t errlen);
+
+/* By name ("tcp", "verbs", "fake"), so callers need no #ifdefs (transports.c): the options of the
+ * other transports are ignored. NULL with a reason in err for an unknown or unavailable name. */
+pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
+                                      const pdkv_verbs_opts *verbs, char *err, size_t errlen);
+/* 1 if this build has the verbs transport (libibverbs headers were found at build time). */
+int pdkv_have_verbs(void);
+/* The port a tcp transport listens on (logs and tests); -1 for any other transport. */
+int pdkv_tcp_port(pdkv_transport *t);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,15 @@
 /* pdkv verbs transport: RDMA WRITE / WRITE_WITH_IMM over ibverbs RC queue pairs (transport.h).
  *
+ * This file holds the function table, creation and teardown, and calls down (verbs_internal.h).
+ *
  * Shape (what an engineer who knows NIXL / Mooncake / fabric-lib expects):
  *  - one NIC (chosen by name), one PD, one CQ for sends and receives, one completion channel;
  *  - qps_per_peer RC QPs per connection; a batch is spread round-robin over them;
  *  - one SRQ kept full of zero-length receives, reposted as they are consumed, so a
- *    WRITE_WITH_IMM never meets receiver-not-ready (and rnr_retry=7 covers bursts);
+ *    WRITE_WITH_IMM never meets receiver-not-ready (rnr_retry is bounded: a receiver stuck for
+ *    about a second fails the writes with an error instead of stalling them forever);
+ *  - one CQ sized to the QPs and SRQs it serves (grown as connections are added); a poll error
+ *    or IBV_EVENT_CQ_ERR fails every connection at once (verbs_progress.c);
  *  - post() never blocks: writes enter a per-connection backlog that is moved onto the send
  *    queues as they have room (verbs_post.c);
  *  - a WR is signaled every VB_SIGNAL_EVERY posts and at the end of each post call; RC completes
@@ -14,17 +19,21 @@
  *    turns work completions into pdkv completions in a queue and signals an eventfd; it also
  *    reads async events (a peer's bad write breaks our QP: QP_ACCESS_ERR) and reports them.
  *
- * Keys: regions are registered with iova = the address's offset within its 4 KiB page, so a
+ * Keys: regions are registered with iova = the address's offset within its page (sysconf), so a
  * peer addresses a region from 0 without knowing our virtual address (the page offset is kept
  * so providers that require iova and address to share it accept the MR). A key is
- *   [63:44] region index + 1 | [43:32] page offset | [31:0] rkey
+ *   [63:48] region index + 1 | [47:32] page offset | [31:0] rkey
  * and a write to (key, roff) goes to remote address pgoff + roff with rkey. The NIC checks rkey,
  * PD, access and bounds; nothing is ever written outside the registered region.
+ *
+ * Grants (verbs_mr.c): with isolate_peers each peer has its own protection domain and a grant
+ * is a registration in it, so the NIC enforces who may write where (and for how long).
  *
  * NOTE: dereg refuses (-EBUSY) while a local write from the region is outstanding. Writes INTO a
  * region cannot be seen by the target under one-sided RDMA; the layer above must quiesce peers
  * (the messenger's leases) before deregistering a destination region.
  */
+#ifdef PDKV_HAVE_VERBS
 #define _GNU_SOURCE
 #include "verbs_internal.h"
 
@@ -38,244 +47,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-/* Per thread, so the progress thread and a Python thread posting at once don't mix their
- * reasons (the same rule as tcp.c). */
-static __thread char tls_err[256];
-
-const char *vb_errbuf(void) { return tls_err; }
-void vb_clear_error(void) { tls_err[0] = 0; }
-
-void vb_fail(vb_transport *t, const char *fmt, ...)
-{
-    va_list ap;
-    (void)t;
-    va_start(ap, fmt);
-    vsnprintf(tls_err, sizeof tls_err, fmt, ap);
-    va_end(ap);
-}
-
-/* Called with t->mu held. */
-void vb_push(vb_transport *t, const pdkv_completion *c)
-{
-    if (t->cq_count == t->cq_cap) {
-        uint32_t cap = t->cq_cap ? t->cq_cap * 2 : 256;
-        pdkv_completion *ring = malloc(cap * sizeof *ring);
-        if (!ring)
-            return; /* out of memory: the completion is lost, the eventfd still fires */
-        for (uint32_t i = 0; i < t->cq_count; i++)
-            ring[i] = t->cq_ring[(t->cq_head + i) % t->cq_cap];
-        free(t->cq_ring);
-        t->cq_ring = ring;
-        t->cq_head = 0;
-        t->cq_cap = cap;
-    }
-    t->cq_ring[(t->cq_head + t->cq_count++) % t->cq_cap] = *c;
-    uint64_t one = 1;
-    if (write(t->efd, &one, sizeof one) < 0) {
-        /* counter saturated: it is readable anyway */
-    }
-}
-
-void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
-{
-    pdkv_completion c;
-    memset(&c, 0, sizeof c);
-    c.kind = PDKV_CQ_ERROR;
-    c.wr_id = wr_id;
-    c.peer = peer;
-    c.status = status;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c.reason, sizeof c.reason, fmt, ap);
-    va_end(ap);
-    vb_push(t, &c);
-}
-
-static int wc_errno(enum ibv_wc_status st)
-{
-    switch (st) {
-    case IBV_WC_REM_ACCESS_ERR: return -EACCES;   /* bad key, bounds or permission at the peer */
-    case IBV_WC_LOC_PROT_ERR: return -EFAULT;
-    case IBV_WC_RETRY_EXC_ERR: return -ECONNRESET; /* the peer stopped answering */
-    case IBV_WC_RNR_RETRY_EXC_ERR: return -EAGAIN;
-    case IBV_WC_WR_FLUSH_ERR: return -ECANCELED;   /* an earlier error broke the QP */
-    default: return -EIO;
-    }
-}
-
-/* Called with t->mu held: a send completion retires every earlier WR of its QP (RC order). */
-static void on_send_wc(vb_transport *t, const struct ibv_wc *wc)
-{
-    vb_conn *c;
-    vb_qp *q = vb_find_qp(t, wc->qp_num, &c);
-    if (!q)
-        return; /* the connection was dropped and its writes already reported */
-    while (q->count && q->head_seq <= wc->wr_id) {
-        uint64_t seq = q->head_seq++;
-        vb_pending p = q->ring[seq % t->sq_depth];
-        q->count--;
-        if (t->regions[p.region].inflight)
-            t->regions[p.region].inflight--;
-        if (seq < wc->wr_id || wc->status == IBV_WC_SUCCESS) {
-            pdkv_completion done;
-            memset(&done, 0, sizeof done);
-            done.kind = PDKV_CQ_WRITE_DONE;
-            done.wr_id = p.wr_id;
-            done.peer = c->peer;
-            done.len = p.len;
-            vb_push(t, &done);
-        } else {
-            c->broken = 1;
-            vb_push_error(t, p.wr_id, c->peer, wc_errno(wc->status),
-                          "verbs: write to peer %llu failed: %s (status %d)",
-                          (unsigned long long)c->peer, ibv_wc_status_str(wc->status),
-                          (int)wc->status);
-        }
-    }
-    vb_pump(t, c); /* room on the send queue: move backlog writes (or fail them if broken) */
-}
-
-static void on_recv_wc(vb_transport *t, const struct ibv_wc *wc)
-{
-    vb_conn *c;
-    uint64_t peer = vb_find_qp(t, wc->qp_num, &c) ? c->peer : 0;
-    if (wc->status != IBV_WC_SUCCESS) {
-        if (wc->status != IBV_WC_WR_FLUSH_ERR)
-            vb_push_error(t, 0, peer, wc_errno(wc->status), "verbs: receive failed: %s",
-                          ibv_wc_status_str(wc->status));
-        return;
-    }
-    if (!(wc->wc_flags & IBV_WC_WITH_IMM))
-        return;
-    pdkv_completion imm;
-    memset(&imm, 0, sizeof imm);
-    imm.kind = PDKV_CQ_IMM;
-    imm.imm = ntohl(wc->imm_data);
-    imm.peer = peer;
-    imm.len = wc->byte_len;
-    vb_push(t, &imm);
-}
-
-static void on_async_event(vb_transport *t)
-{
-    struct ibv_async_event ev;
-    if (ibv_get_async_event(t->ctx, &ev))
-        return;
-    pthread_mutex_lock(&t->mu);
-    if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
-        ev.event_type == IBV_EVENT_QP_ACCESS_ERR) {
-        vb_conn *c;
-        if (vb_find_qp(t, ev.element.qp->qp_num, &c)) {
-            c->broken = 1;
-            vb_flush_backlog(t, c, -ECONNRESET, "the connection broke");
-            vb_push_error(t, 0, c->peer, ev.event_type == IBV_EVENT_QP_ACCESS_ERR ? -EACCES : -EIO,
-                          "verbs: connection to peer %llu broken: %s",
-                          (unsigned long long)c->peer,
-                          ev.event_type == IBV_EVENT_QP_ACCESS_ERR
-                              ? "the peer wrote with a bad key, address or permission"
-                              : "queue pair error");
-        }
-    } else if (ev.event_type == IBV_EVENT_PORT_ERR || ev.event_type == IBV_EVENT_DEVICE_FATAL) {
-        vb_push_error(t, 0, 0, -ENETDOWN, "verbs: %s on NIC %s",
-                      ev.event_type == IBV_EVENT_PORT_ERR ? "port went down" : "device fatal error",
-                      ibv_get_device_name(t->ctx->device));
-    }
-    pthread_mutex_unlock(&t->mu);
-    ibv_ack_async_event(&ev);
-}
-
-/* Handles one batch of work completions; returns how many there were. */
-static int drain_cq(vb_transport *t)
-{
-    struct ibv_wc wcs[64];
-    int n = ibv_poll_cq(t->cq, 64, wcs);
-    if (n <= 0)
-        return n;
-    /* Repost consumed receives first and without t->mu, so the SRQ never waits on a poster. */
-    int consumed = 0;
-    for (int i = 0; i < n; i++)
-        consumed += wcs[i].wr_id == VB_RECV_ID;
-    int repost = vb_post_recvs(t, consumed);
-    pthread_mutex_lock(&t->mu);
-    if (repost) /* immediates will soon meet receiver-not-ready: say so, loudly */
-        vb_push_error(t, 0, 0, -EIO, "verbs: cannot repost %d receives on the SRQ", consumed);
-    for (int i = 0; i < n; i++) {
-        if (wcs[i].wr_id == VB_RECV_ID) /* opcode is undefined on error: tell by wr_id */
-            on_recv_wc(t, &wcs[i]);
-        else
-            on_send_wc(t, &wcs[i]);
-    }
-    pthread_mutex_unlock(&t->mu);
-    return n;
-}
-
-static void *progress_main(void *arg)
-{
-    vb_transport *t = arg;
-    struct pollfd pf[3] = {{t->channel->fd, POLLIN, 0}, {t->ctx->async_fd, POLLIN, 0},
-                           {t->wake_fd, POLLIN, 0}};
-    uint64_t batches = 0;
-    while (!__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
-        /* Spin a little while completions flow; then arm and sleep so an idle node costs 0.
-         * Under steady traffic, look at async events every so often without sleeping. */
-        int idle = 0;
-        while (idle < VB_SPIN_POLLS && !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
-            idle = drain_cq(t) > 0 ? 0 : idle + 1;
-            if (!idle && ++batches % 256 == 0 && poll(&pf[1], 1, 0) == 1)
-                on_async_event(t);
-        }
-        if (ibv_req_notify_cq(t->cq, 0)) {
-            pthread_mutex_lock(&t->mu);
-            vb_push_error(t, 0, 0, -EIO, "verbs: ibv_req_notify_cq failed");
-            pthread_mutex_unlock(&t->mu);
-        }
-        if (drain_cq(t) > 0) /* a completion that raced the arming */
-            continue;
-        if (poll(pf, 3, -1) < 0 && errno != EINTR)
-            break;
-        if (pf[2].revents)
-            break; /* destroy */
-        if (pf[0].revents & POLLIN) {
-            struct ibv_cq *cq;
-            void *cq_ctx;
-            if (!ibv_get_cq_event(t->channel, &cq, &cq_ctx))
-                ibv_ack_cq_events(cq, 1);
-        }
-        if (pf[1].revents & POLLIN)
-            on_async_event(t);
-    }
-    return NULL;
-}
-
-int vb_start_progress(vb_transport *t)
-{
-    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (t->efd < 0 || t->wake_fd < 0 || vb_set_nonblock(t->channel->fd) ||
-        vb_set_nonblock(t->ctx->async_fd)) {
-        vb_fail(t, "verbs: cannot create event fds: %s", strerror(errno));
-        return -1;
-    }
-    if (pthread_create(&t->thread, NULL, progress_main, t)) {
-        vb_fail(t, "verbs: cannot start the progress thread");
-        return -1;
-    }
-    t->thread_started = 1;
-    return 0;
-}
-
-void vb_stop_progress(vb_transport *t)
-{
-    if (t->thread_started) {
-        __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE);
-        uint64_t one = 1;
-        if (write(t->wake_fd, &one, sizeof one) < 0) {
-            /* cannot fail on a fresh eventfd */
-        }
-        pthread_join(t->thread, NULL);
-        t->thread_started = 0;
-    }
-}
+static void vb_destroy(pdkv_transport *t);
 
 static int vb_poll(pdkv_transport *base, pdkv_completion *out, int max)
 {
@@ -297,13 +69,24 @@ static int vb_poll(pdkv_transport *base, pdkv_completion *out, int max)
     return n;
 }
 
-static int vb_event_fd(pdkv_transport *base) { return ((vb_transport *)base)->efd; }
-static const char *vb_last_error(pdkv_transport *base) { (void)base; return tls_err; }
+static void vb_counters(pdkv_transport *base, pdkv_transport_counters *out)
+{
+    vb_transport *t = (vb_transport *)base;
+    pthread_mutex_lock(&t->mu);
+    out->refused_writes = t->refused_writes;
+    pthread_mutex_unlock(&t->mu);
+}
 
-const pdkv_transport_ops vb_ops = {
+static int vb_event_fd(pdkv_transport *base) { return ((vb_transport *)base)->efd; }
+static const char *vb_last_error(pdkv_transport *base) { (void)base; return vb_errbuf(); }
+
+static const pdkv_transport_ops vb_ops = {
     .name = "verbs",
     .reg = vb_reg,
     .grant = vb_grant,
+    .revoke = vb_revoke,
+    .grant_range = vb_grant_range,
+    .revoke_range = vb_revoke_range,
     .dereg = vb_dereg,
     .prepare = vb_prepare,
     .complete = vb_complete,
@@ -312,5 +95,93 @@ const pdkv_transport_ops vb_ops = {
     .poll = vb_poll,
     .event_fd = vb_event_fd,
     .last_error = vb_last_error,
+    .counters = vb_counters,
     .destroy = vb_destroy,
 };
+
+pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,
+                                  size_t errlen)
+{
+    vb_transport *t = calloc(1, sizeof *t);
+    if (!t) {
+        snprintf(err, errlen, "verbs: out of memory");
+        return NULL;
+    }
+    t->base.ops = &vb_ops;
+    t->base.node_id = node_id;
+    t->efd = t->wake_fd = -1;
+    vb_clear_error(); /* a reason left by an earlier call on this thread is not ours */
+    t->port_num = o && o->port_num ? o->port_num : 1;
+    t->qps_per_peer = o && o->qps_per_peer ? o->qps_per_peer : 1;
+    t->isolate = o && o->isolate_peers;
+    long page = sysconf(_SC_PAGESIZE);
+    t->page_size = page > 0 ? (uint64_t)page : 4096;
+    pthread_mutex_init(&t->mu, NULL);
+    t->conns = calloc(VB_MAX_CONNS, sizeof *t->conns);
+    t->regions = calloc(VB_MAX_REGIONS, sizeof *t->regions);
+    t->domains = calloc(VB_MAX_DOMAINS, sizeof *t->domains);
+    int n = 0;
+    while (o && o->nics && o->nics[n])
+        n++;
+    if (!t->conns || !t->regions || !t->domains)
+        vb_fail(t, "verbs: out of memory");
+    else if (t->page_size > VB_MAX_PGOFF || (t->page_size & (t->page_size - 1)))
+        vb_fail(t, "verbs: page size %llu is not a power of two up to 64 KiB (keys keep 16 bits of page offset)",
+                (unsigned long long)t->page_size);
+    else if (n != 1)
+        vb_fail(t, "verbs: exactly one NIC name is supported per transport, got %d", n);
+    else if (!strcmp(o->nics[0], "auto") || !o->nics[0][0])
+        vb_fail(t, "verbs: NIC '%s' must be resolved to a device name before the transport "
+                   "is created", o->nics[0]);
+    else if (t->qps_per_peer > VB_MAX_QPS)
+        vb_fail(t, "verbs: qps_per_peer must be 1..%d, got %u", VB_MAX_QPS, t->qps_per_peer);
+    if (!vb_errbuf()[0] && !vb_open_device(t, o)) {
+        if (!t->isolate) /* shared mode: every peer's QPs live in t->pd, on t->srq */
+            t->domains[0] = (vb_domain){.used = 1, .pd = t->pd, .srq = t->srq};
+        if (!vb_start_progress(t))
+            return &t->base;
+    }
+    snprintf(err, errlen, "%s", vb_errbuf());
+    vb_destroy(&t->base);
+    return NULL;
+}
+
+/* Stop the progress thread first, then break every QP (nothing can land or complete after
+ * ibv_destroy_qp), then free in dependency order. Safe with writes in flight. */
+static void vb_destroy(pdkv_transport *base)
+{
+    vb_transport *t = (vb_transport *)base;
+    vb_stop_progress(t);
+    pthread_mutex_lock(&t->mu);
+    for (uint32_t i = 0; t->conns && i < VB_MAX_CONNS; i++)
+        if (t->conns[i].used)
+            vb_drop_conn(t, &t->conns[i], "transport destroyed");
+    for (uint32_t i = 0; t->isolate && t->domains && i < VB_MAX_DOMAINS; i++)
+        if (t->domains[i].used)
+            vb_domain_free(t, &t->domains[i]); /* grants and local MRs, SRQ, PD */
+    for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
+        if (t->regions[i].mr)
+            ibv_dereg_mr(t->regions[i].mr);
+    pthread_mutex_unlock(&t->mu);
+    if (t->srq)
+        ibv_destroy_srq(t->srq);
+    if (t->cq)
+        ibv_destroy_cq(t->cq);
+    if (t->channel)
+        ibv_destroy_comp_channel(t->channel);
+    if (t->pd)
+        ibv_dealloc_pd(t->pd);
+    if (t->ctx)
+        ibv_close_device(t->ctx);
+    if (t->efd >= 0)
+        close(t->efd);
+    if (t->wake_fd >= 0)
+        close(t->wake_fd);
+    pthread_mutex_destroy(&t->mu);
+    free(t->regions);
+    free(t->domains);
+    free(t->conns);
+    free(t->cq_ring);
+    free(t);
+}
+#endif /* PDKV_HAVE_VERBS */

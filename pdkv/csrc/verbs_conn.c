@@ -44,7 +44,34 @@ void vb_drop_conn(vb_transport *t, vb_conn *c, const char *why)
     }
     vb_flush_backlog(t, c, -ECANCELED, why);
     free(c->backlog);
+    vb_domain *d = &t->domains[c->domain];
+    if (d->num_conns)
+        d->num_conns--;
     memset(c, 0, sizeof *c);
+    vb_domain_tidy(t, d); /* a peer with no connection and no grant keeps no PD */
+}
+
+/* Called with t->mu held, before `add` more QPs are created. A CQ must hold every completion its
+ * QPs and SRQs can have outstanding at once (each QP's send queue, each SRQ's receives), else it
+ * overruns and the device fails it: grow it (ibv_resize_cq) or refuse the connection. */
+static int size_cq(vb_transport *t, uint32_t add)
+{
+    uint64_t qps = add, srqs = t->isolate ? 0 : 1;
+    for (uint32_t i = 0; i < t->conns_hi; i++)
+        qps += t->conns[i].used ? t->qps_per_peer : 0;
+    for (uint32_t i = 0; t->isolate && i < VB_MAX_DOMAINS; i++)
+        srqs += t->domains[i].used;
+    uint64_t need = qps * t->sq_depth + srqs * t->srq_depth;
+    if (need <= t->cq_size)
+        return 0;
+    if (need > t->max_cqe || ibv_resize_cq(t->cq, (int)need)) {
+        vb_fail(t, "verbs: the completion queue would need %llu entries for %llu QPs (device limit %u): "
+                   "too many connections for one transport", (unsigned long long)need,
+                (unsigned long long)qps, t->max_cqe);
+        return -ENOSPC;
+    }
+    t->cq_size = (uint32_t)need;
+    return 0;
 }
 
 int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *info_len,
@@ -52,6 +79,11 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
 {
     vb_transport *t = (vb_transport *)base;
     pthread_mutex_lock(&t->mu);
+    if (t->cq_dead) {
+        pthread_mutex_unlock(&t->mu);
+        vb_fail(t, "verbs: the completion queue failed earlier: this transport can make no new connection");
+        return -EIO;
+    }
     uint32_t i = 0;
     while (i < VB_MAX_CONNS && t->conns[i].used)
         i++;
@@ -60,9 +92,19 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
         vb_fail(t, "verbs: too many connections (%d)", VB_MAX_CONNS);
         return -EMFILE;
     }
+    vb_domain *d = vb_domain_get(t, peer, 1);
+    int sized = d ? size_cq(t, t->qps_per_peer) : -ENOMEM;
+    if (sized) {
+        if (d)
+            vb_domain_tidy(t, d);
+        pthread_mutex_unlock(&t->mu);
+        return sized;
+    }
     vb_conn *c = &t->conns[i];
     c->used = 1;
     c->peer = peer;
+    c->domain = (uint32_t)(d - t->domains);
+    d->num_conns++;
     if (i >= t->conns_hi)
         t->conns_hi = i + 1;
     vb_info info;
@@ -78,7 +120,7 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
     for (uint32_t k = 0; k < t->qps_per_peer; k++) {
         vb_qp *q = &c->qps[k];
         struct ibv_qp_init_attr ia = {
-            .send_cq = t->cq, .recv_cq = t->cq, .srq = t->srq, .qp_type = IBV_QPT_RC,
+            .send_cq = t->cq, .recv_cq = t->cq, .srq = d->srq, .qp_type = IBV_QPT_RC,
             .cap = {.max_send_wr = t->sq_depth, .max_send_sge = 1},
         };
         struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0,
@@ -86,7 +128,7 @@ int vb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
                                 .qp_access_flags = IBV_ACCESS_LOCAL_WRITE |
                                                    IBV_ACCESS_REMOTE_WRITE};
         int rc = -1;
-        if ((q->ring = calloc(t->sq_depth, sizeof *q->ring)) && (q->qp = ibv_create_qp(t->pd, &ia)))
+        if ((q->ring = calloc(t->sq_depth, sizeof *q->ring)) && (q->qp = ibv_create_qp(d->pd, &ia)))
             rc = ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                                               IBV_QP_ACCESS_FLAGS);
         if (rc) {
@@ -122,7 +164,7 @@ static int connect_qp(vb_transport *t, vb_qp *q, const vb_info *r, uint32_t k)
     a.dest_qp_num = r->qpn[k];
     a.rq_psn = r->psn[k];
     a.max_dest_rd_atomic = 1;
-    a.min_rnr_timer = 12; /* 0.64 ms */
+    a.min_rnr_timer = 28; /* 163.84 ms: what a writer waits between receiver-not-ready retries */
     a.ah_attr.port_num = t->port_num;
     a.ah_attr.dlid = r->lid;
     if (t->link_layer == IBV_LINK_LAYER_ETHERNET) { /* RoCE routes by GID: a GRH is mandatory */
@@ -140,7 +182,10 @@ static int connect_qp(vb_transport *t, vb_qp *q, const vb_info *r, uint32_t k)
     a.qp_state = IBV_QPS_RTS;
     a.timeout = 14;   /* 4.096 us * 2^14 = 67 ms per retry */
     a.retry_cnt = 7;
-    a.rnr_retry = 7;  /* retry forever on receiver-not-ready: the SRQ refills */
+    /* NOTE: 7 would retry receiver-not-ready forever, so a stuck receiver would stall our writes
+     * without an error; 6 retries x 164 ms (the peer's min_rnr_timer) end them with
+     * IBV_WC_RNR_RETRY_EXC_ERR after about a second (the SRQ refills in microseconds) */
+    a.rnr_retry = VB_RNR_RETRY;
     a.sq_psn = q->psn;
     a.max_rd_atomic = 1;
     return ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |

@@ -1,4 +1,4 @@
-/* Internal state of the verbs transport (verbs.c, verbs_setup.c, verbs_conn.c, verbs_post.c).
+/* Internal state of the verbs transport (verbs*.c; the call order is below).
  * Only compiled when libibverbs is present (PDKV_HAVE_VERBS). */
 #ifndef PDKV_VERBS_INTERNAL_H
 #define PDKV_VERBS_INTERNAL_H
@@ -14,15 +14,49 @@
 #define VB_SRQ_DEPTH 4096      /* zero-length receives kept posted (capped by max_srq_wr) */
 #define VB_SIGNAL_EVERY 64     /* signal at least every N WRs so the SQ never fills */
 #define VB_SPIN_POLLS 256      /* empty CQ polls before the progress thread sleeps */
+#define VB_RNR_RETRY 6         /* bounded: 7 means retry receiver-not-ready forever */
 #define VB_RECV_ID UINT64_MAX  /* wr_id of every receive; sends use sequence numbers */
 #define VB_INFO_MAGIC 0x766b6470u /* "pdkv" */
 #define VB_INFO_VERSION 1
+#define VB_MAX_REGIONS 1024    /* registered regions (the key has 16 bits for the index) */
+#define VB_MAX_DOMAINS 256     /* peers with a protection domain of their own (isolate_peers) */
+#define VB_MAX_PGOFF 65536     /* the key has 16 bits for the page offset: pages up to 64 KiB */
+
+/* Keys: [63:48] region index + 1 | [47:32] offset of the region's start in its page | [31:0] rkey.
+ * A write to (key, off) goes to iova pgoff + off with that rkey. */
+#define VB_KEY(idx, pgoff, rkey) ((uint64_t)((idx) + 1) << 48 | (uint64_t)(pgoff) << 32 | (uint32_t)(rkey))
+#define VB_KEY_INDEX(key) ((uint32_t)((key) >> 48))           /* index + 1, 0: none */
+#define VB_KEY_PGOFF(key) ((uint64_t)(((key) >> 32) & 0xffff))
 
 typedef struct vb_region {
-    struct ibv_mr *mr; /* NULL: free slot */
-    uint64_t key, len;
+    struct ibv_mr *mr; /* in t->pd; shared mode: LOCAL+REMOTE_WRITE, isolate_peers: LOCAL only */
+    uint8_t *addr;
+    uint64_t key, len, pgoff; /* key 0: free slot */
     uint32_t inflight; /* local writes from this region not yet completed */
 } vb_region;
+
+/* A registration of (part of) a region that one peer may write: the grant itself (the NIC
+ * checks rkey, PD and bounds). off/len are region offsets; whole: the entire region. */
+typedef struct vb_grant_mr {
+    struct ibv_mr *mr;
+    uint32_t region;
+    int whole;
+    uint64_t off, len;
+} vb_grant_mr;
+
+/* isolate_peers: one protection domain per peer. Its QPs live in it, so the NIC lets that peer
+ * reach only the MRs of this PD: a local-only registration of every region (sources of our
+ * writes to the peer) plus the peer's grants. Shared mode: one domain (t->pd) for every peer. */
+typedef struct vb_domain {
+    int used;
+    uint64_t peer;
+    struct ibv_pd *pd;
+    struct ibv_srq *srq;           /* QPs of one PD share one SRQ of that PD */
+    uint32_t num_conns;
+    struct ibv_mr **lmr;           /* [VB_MAX_REGIONS] local-only MRs, by region index */
+    vb_grant_mr *grants;
+    uint32_t num_grants, grants_cap;
+} vb_domain;
 
 typedef struct vb_pending { uint64_t wr_id, len; uint32_t region; } vb_pending;
 
@@ -38,6 +72,7 @@ typedef struct vb_qp {
 typedef struct vb_conn {
     int used, ready, broken;
     uint64_t peer;
+    uint32_t domain; /* index into t->domains */
     uint32_t rr; /* round-robin cursor over qps */
     vb_qp qps[VB_MAX_QPS];
     pdkv_write *backlog; /* accepted writes not yet on a send queue (ring) */
@@ -72,6 +107,9 @@ typedef struct vb_transport {
     uint32_t qps_per_peer, sq_depth, srq_depth;
     vb_region *regions;
     uint32_t num_regions;
+    int isolate;          /* isolate_peers: a protection domain per peer */
+    uint64_t page_size;   /* sysconf(_SC_PAGESIZE): the page offset of keys */
+    vb_domain *domains;   /* [VB_MAX_DOMAINS]; shared mode uses domains[0] = t->pd / t->srq */
     vb_conn *conns;
     uint32_t conns_hi; /* conns[conns_hi..] have never been used: lookups stop there */
     pdkv_completion *cq_ring; /* completions waiting for poll() */
@@ -79,28 +117,56 @@ typedef struct vb_transport {
     int efd, wake_fd;
     pthread_t thread;
     int thread_started, stop;
+    int cq_dead;          /* ibv_poll_cq failed or IBV_EVENT_CQ_ERR: every connection is failed */
+    uint32_t cq_size;     /* entries of t->cq: resized to what the QPs and SRQs can produce */
+    uint32_t max_cqe;     /* the device's limit */
+    uint64_t refused_writes; /* a peer's bad write broke our QP (IBV_EVENT_QP_ACCESS_ERR); under mu */
 } vb_transport;
 
-extern const pdkv_transport_ops vb_ops;
+/* Call order (each file calls only files below it):
+ *   verbs.c (function table, create, destroy) -> verbs_progress.c (the progress thread)
+ *   -> verbs_conn.c (QPs) -> verbs_post.c (backlog, posting) -> verbs_mr.c (regions, grants)
+ *   -> verbs_domain.c (per-peer protection domains) -> verbs_setup.c (NIC, PD, CQ, SRQ)
+ *   -> verbs_report.c (errors, completions for the core). */
 
-/* verbs.c: completions and the progress thread */
+/* verbs_report.c */
 void vb_fail(vb_transport *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *vb_errbuf(void); /* this thread's last failure reason */
 void vb_clear_error(void);
-void vb_push(vb_transport *t, const pdkv_completion *c);
+void vb_push(vb_transport *t, const pdkv_completion *c); /* caller holds t->mu */
 void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
-int vb_start_progress(vb_transport *t);
-void vb_stop_progress(vb_transport *t);
 
-/* verbs_setup.c: device, regions, receives, destroy */
+/* verbs_setup.c: device, PD, CQ, SRQ */
+int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o);
 int vb_set_nonblock(int fd);
-int vb_post_recvs(vb_transport *t, int n);
+int vb_post_recvs(struct ibv_srq *srq, int n);
+
+/* verbs_domain.c: protection domains (caller holds t->mu) */
+vb_domain *vb_domain_get(vb_transport *t, uint64_t peer, int create); /* NULL + vb_fail */
+void vb_domain_tidy(vb_transport *t, vb_domain *d); /* free it once no conn or grant uses it */
+int vb_domain_add_region(vb_transport *t, vb_domain *d, uint32_t region); /* its local MR */
+void vb_domain_drop_region(vb_transport *t, uint32_t region); /* every grant and local MR of it */
+void vb_domain_free(vb_transport *t, vb_domain *d);
+uint32_t vb_lkey(vb_transport *t, const vb_conn *c, const vb_region *r); /* for c's QPs */
+
+/* verbs_mr.c: regions and grants */
 int vb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
-int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer);
+int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
+int vb_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
+int vb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                   uint64_t *key_out);
+int vb_revoke_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
 int vb_dereg(pdkv_transport *t, uint64_t key);
-void vb_destroy(pdkv_transport *t);
 vb_region *vb_find_region(vb_transport *t, uint64_t key);
+
+/* verbs_post.c: posting through the backlog */
+int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+void vb_pump(vb_transport *t, vb_conn *c);
+void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
+/* Put q in ERR and fail every WR still outstanding on it now: a provider may flush only signaled
+ * WRs (or nothing, once the CQ failed), so no completion is awaited for them. */
+void vb_fail_outstanding(vb_transport *t, vb_conn *c, vb_qp *q, int status, const char *why);
 
 /* verbs_conn.c: connections */
 vb_qp *vb_find_qp(vb_transport *t, uint32_t qp_num, vb_conn **conn_out);
@@ -110,9 +176,8 @@ int vb_complete(pdkv_transport *t, uint32_t conn, const void *info, uint32_t inf
 int vb_disconnect(pdkv_transport *t, uint32_t conn);
 void vb_drop_conn(vb_transport *t, vb_conn *c, const char *why);
 
-/* verbs_post.c: posting through the backlog */
-int vb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
-void vb_pump(vb_transport *t, vb_conn *c);
-void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why);
+/* verbs_progress.c: the progress thread */
+int vb_start_progress(vb_transport *t);
+void vb_stop_progress(vb_transport *t);
 
 #endif

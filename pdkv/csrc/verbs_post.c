@@ -1,8 +1,8 @@
 /* pdkv verbs transport: posting writes. post() never blocks: writes enter the connection's
  * backlog and are moved onto its QPs' send queues as far as they have room; the progress thread
  * moves more after each send completion. (A send queue fills when the peer stops answering; on
- * real hardware the peer's NIC answers even if its process is stopped, but receiver-not-ready
- * with rnr_retry=7 retries forever — posting must not wait on either.)
+ * real hardware the peer's NIC answers even if its process is stopped, and receiver-not-ready
+ * is retried for about a second — posting must not wait on either.)
  * Compiled into the extension only with libibverbs (PDKV_HAVE_VERBS); see verbs.c. */
 #ifdef PDKV_HAVE_VERBS
 #define _GNU_SOURCE
@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,6 +49,23 @@ void vb_flush_backlog(vb_transport *t, vb_conn *c, int status, const char *why)
     }
 }
 
+void vb_fail_outstanding(vb_transport *t, vb_conn *c, vb_qp *q, int status, const char *why)
+{
+    if (!q->qp)
+        return;
+    /* once ibv_modify_qp(ERR) returns, the QP reads no more source memory: a WR failed here may
+     * have landed (reported failed: safe) but one reported done has surely landed */
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+    ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+    for (; q->count; q->count--, q->head_seq++) {
+        vb_pending p = q->ring[q->head_seq % t->sq_depth];
+        if (t->regions[p.region].inflight)
+            t->regions[p.region].inflight--;
+        vb_push_error(t, p.wr_id, c->peer, status, "verbs: write to peer %llu failed: %s",
+                      (unsigned long long)c->peer, why);
+    }
+}
+
 /* Called with t->mu held. Posts w[0..n) on one QP; returns how many the QP accepted. */
 static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w, int n)
 {
@@ -57,8 +75,8 @@ static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w
         vb_region *r = vb_find_region(t, w[j].lkey);
         uint64_t seq = q->next_seq++;
         q->ring[seq % t->sq_depth] = (vb_pending){w[j].wr_id, w[j].len, (uint32_t)(r - t->regions)};
-        sges[j] = (struct ibv_sge){.addr = ((w[j].lkey >> 32) & 4095) + w[j].loff,
-                                   .length = (uint32_t)w[j].len, .lkey = r->mr->lkey};
+        sges[j] = (struct ibv_sge){.addr = VB_KEY_PGOFF(w[j].lkey) + w[j].loff,
+                                   .length = (uint32_t)w[j].len, .lkey = vb_lkey(t, c, r)};
         memset(&wrs[j], 0, sizeof wrs[j]);
         wrs[j].wr_id = seq;
         wrs[j].next = j + 1 < n ? &wrs[j + 1] : NULL;
@@ -69,7 +87,7 @@ static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w
         /* NOTE: the last WR of every call is signaled, so no unsignaled WR is left unretired. */
         if (seq % VB_SIGNAL_EVERY == VB_SIGNAL_EVERY - 1 || j == n - 1)
             wrs[j].send_flags = IBV_SEND_SIGNALED;
-        wrs[j].wr.rdma.remote_addr = ((w[j].rkey >> 32) & 4095) + w[j].roff;
+        wrs[j].wr.rdma.remote_addr = VB_KEY_PGOFF(w[j].rkey) + w[j].roff;
         wrs[j].wr.rdma.rkey = (uint32_t)w[j].rkey;
     }
     q->count += (uint32_t)n;
@@ -79,12 +97,14 @@ static int post_chunk(vb_transport *t, vb_conn *c, vb_qp *q, const pdkv_write *w
     int accepted = bad ? (int)(bad - wrs) : 0;
     q->next_seq -= (uint64_t)(n - accepted); /* un-queue what the QP refused */
     q->count -= (uint32_t)(n - accepted);
-    /* The accepted tail may be unsignaled: break the QP so every WR flushes and is reported. */
-    struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
-    ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+    /* The accepted tail may be unsignaled: break the QP and fail what it holds now. */
     c->broken = 1;
     vb_fail(t, "verbs: ibv_post_send to peer %llu failed: %s", (unsigned long long)c->peer,
             strerror(rc));
+    char why[256];
+    snprintf(why, sizeof why, "%s", vb_errbuf());
+    vb_fail_outstanding(t, c, q, -EIO, why);
+    vb_fail(t, "%s", why);
     return accepted;
 }
 

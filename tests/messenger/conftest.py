@@ -107,15 +107,16 @@ def transport(request):
 
 @pytest.fixture
 def spawn(transport, request):
-    """spawn(node_id, **messenger_kwargs) -> Peer; every peer is stopped after the test."""
+    """spawn(node_id, env_extra=None, **messenger_kwargs) -> Peer (env_extra: extra environment variables of
+    that peer, e.g. PDKV_LOOPBACK_FAULTS); every peer is stopped after the test."""
     env = dict(os.environ)
     env.pop("LD_LIBRARY_PATH", None)
     if transport == "verbs":
         env["LD_LIBRARY_PATH"] = request.getfixturevalue("loopback_verbs_dir")
     peers: list[Peer] = []
 
-    def make(node_id: int, **kwargs) -> Peer:
-        p = Peer(transport, node_id, env, **kwargs)
+    def make(node_id: int, env_extra: dict | None = None, **kwargs) -> Peer:
+        p = Peer(transport, node_id, {**env, **(env_extra or {})}, **kwargs)
         peers.append(p)
         return p
 

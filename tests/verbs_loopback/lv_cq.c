@@ -79,11 +79,59 @@ int ibv_destroy_cq(struct ibv_cq *cq)
     return 0;
 }
 
+int ibv_resize_cq(struct ibv_cq *cq, int cqe)
+{
+    if (cqe <= 0)
+        return EINVAL;
+    pthread_mutex_lock(&g_mu);
+    struct lv_cq *c = (struct lv_cq *)cq;
+    if (cqe < c->count) {
+        pthread_mutex_unlock(&g_mu);
+        return EINVAL;
+    }
+    cq->cqe = cqe; /* the ring grows on demand; only the overrun threshold moves */
+    c->overrun_reported = 0;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+/* Called with g_mu held: PDKV_LOOPBACK_FAULTS=cq_error_after=N / poll_error_after=N (see
+ * lv_internal.h) break the CQ once N completions were pushed into it. */
+static int cq_breaks(struct lv_cq *c)
+{
+    long cq_err = lv_fault("cq_error_after"), poll_err = lv_fault("poll_error_after");
+    c->pushed++;
+    if (c->failed)
+        return 1;
+    if (cq_err > 0 && c->pushed > cq_err) { /* as an overrun: the event, and the CQ stalls */
+        c->failed = 1;
+        struct lv_context *ctx = (struct lv_context *)c->cq.context;
+        if (ctx->num_events < (int)(sizeof ctx->events / sizeof ctx->events[0])) {
+            struct ibv_async_event *e = &ctx->events[ctx->num_events++];
+            memset(e, 0, sizeof *e);
+            e->event_type = IBV_EVENT_CQ_ERR;
+            e->element.cq = &c->cq;
+            char one = 1;
+            if (write(ctx->async_pipe[1], &one, 1) < 0) {
+                /* cannot happen with fewer than 64 pending events in a pipe */
+            }
+        }
+        return 1;
+    }
+    if (poll_err > 0 && c->pushed > poll_err) { /* ibv_poll_cq returns an error from now on */
+        c->failed = 2;
+        return 0;
+    }
+    return 0;
+}
+
 /* Called with g_mu held. A real CQ that holds more than its cqe entries overruns (fatal); here
  * the ring grows so nothing is lost, but the overrun is reported on stderr once, which the tests
  * treat as a failure of the caller's CQ sizing. */
 void lv_cq_push(struct lv_cq *c, const struct ibv_wc *wc)
 {
+    if (cq_breaks(c) && c->failed == 1)
+        return; /* the completion is lost, as in an overrun */
     if (c->count == c->cq.cqe && !c->overrun_reported) {
         c->overrun_reported = 1;
         fprintf(stderr, "loopback verbs: CQ overrun (%d entries)\n", c->cq.cqe);
@@ -127,6 +175,10 @@ int lv_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
     struct lv_cq *c = (struct lv_cq *)cq;
     int got = 0;
     pthread_mutex_lock(&g_mu);
+    if (c->failed == 2) {
+        pthread_mutex_unlock(&g_mu);
+        return -EIO; /* a provider's poll error: the CQ is unusable */
+    }
     while (got < n && c->count) {
         wc[got++] = c->ring[c->head];
         c->head = (c->head + 1) % c->cap;

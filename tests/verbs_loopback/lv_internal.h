@@ -7,7 +7,8 @@
  * process has one listener ("pdkv-loopverbs-<pid>"); a QP that reaches RTS connects to the
  * listener of the process named in its destination GID (::ffff:127.<pid>) and streams frames
  * (header + payload) from a sender thread, so ibv_post_send never blocks, as on a NIC. The
- * target checks rkey, PD, access flags and bounds BEFORE placing a byte, receives the payload
+ * target checks rkey, PD (the MR's PD must be the responder QP's: per-peer PDs isolate peers),
+ * access flags and bounds BEFORE placing a byte, receives the payload
  * straight into the MR, consumes a posted receive for an immediate, and acks. A NAK (bad
  * rkey/bounds/access, receiver not ready) or a dead peer puts the requester QP into the error
  * state and flushes its outstanding work requests, as real RC does.
@@ -17,6 +18,13 @@
  *
  * One process-wide mutex (g_mu) guards every object; payload copies run outside it while the
  * MR is pinned by a busy count (dereg waits for it), so dereg never frees under a landing write.
+ *
+ * Fault hooks (PDKV_LOOPBACK_FAULTS, comma-separated, read once):
+ *   cq_error_after=N     after N completions a CQ raises IBV_EVENT_CQ_ERR and delivers nothing
+ *                        more (what an overrun does);
+ *   poll_error_after=N   after N completions ibv_poll_cq on that CQ returns -EIO;
+ *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
+ *                        unsignaled WR then gets no completion at all).
  *
  * Known differences from hardware: a stopped target process stops acking (a real NIC acks for
  * a stopped process); CQs grow instead of overrunning; one port per device.
@@ -59,6 +67,8 @@ struct lv_cq {
     int cap, head, count;
     int armed;
     int overrun_reported;
+    long pushed;  /* completions ever pushed (fault hooks count them) */
+    int failed;   /* 1: CQ_ERR raised, the CQ stalls; 2: ibv_poll_cq fails */
 };
 
 struct lv_rq { /* a receive queue: posted wr_ids */
@@ -111,6 +121,10 @@ struct lv_qp {
 struct lv_hello { uint32_t magic, dst_qpn, src_qpn, pad; };
 struct lv_frame { uint64_t seq, raddr, len; uint32_t rkey, has_imm, imm_be, pad; };
 struct lv_ack { uint64_t seq; uint32_t status, pad; };
+
+/* fault hooks (lv_objects.c): the value of `name` in PDKV_LOOPBACK_FAULTS, 1 for a bare flag,
+ * 0 if absent */
+long lv_fault(const char *name);
 
 /* objects (lv_objects.c) */
 struct lv_mr *lv_find_mr_rkey(uint32_t rkey);

@@ -24,6 +24,24 @@ static struct lv_mr *g_mrs;
 static uint32_t g_next_key = 0x1000;
 static uint32_t g_next_handle = 1;
 
+long lv_fault(const char *name)
+{
+    static char spec[256] = "";
+    static int read_env;
+    if (!read_env) {
+        const char *env = getenv("PDKV_LOOPBACK_FAULTS");
+        snprintf(spec, sizeof spec, ",%s,", env ? env : "");
+        read_env = 1;
+    }
+    char key[64];
+    snprintf(key, sizeof key, ",%s", name);
+    const char *p = strstr(spec, key);
+    if (!p)
+        return 0;
+    p += strlen(key);
+    return *p == '=' ? atol(p + 1) : *p == ',' ? 1 : 0;
+}
+
 /* PDKV_LOOPBACK_NICS="a,b" names the devices (default one device "lo_verbs0"). */
 static void init_devices(void)
 {

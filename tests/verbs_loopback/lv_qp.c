@@ -27,6 +27,10 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *a)
         errno = EINVAL;
         return NULL;
     }
+    if (a->srq && a->srq->pd != pd) { /* a QP and its SRQ share one protection domain */
+        errno = EINVAL;
+        return NULL;
+    }
     struct lv_qp *q = calloc(1, sizeof *q);
     if (q)
         q->out = calloc(a->cap.max_send_wr, sizeof *q->out);

@@ -30,9 +30,12 @@ static void push_send_wc(struct lv_qp *q, const struct lv_wr *w, enum ibv_wc_sta
  * flushed (errors always produce a completion, signaled or not), and the QP enters ERR. */
 void lv_qp_fail(struct lv_qp *q, enum ibv_wc_status first)
 {
-    for (int i = 0; i < q->out_count; i++)
-        push_send_wc(q, &q->out[(q->out_head + i) % q->max_send_wr],
-                     i == 0 ? first : IBV_WC_WR_FLUSH_ERR);
+    int signaled_only = lv_fault("flush_signaled_only") > 0;
+    for (int i = 0; i < q->out_count; i++) {
+        const struct lv_wr *w = &q->out[(q->out_head + i) % q->max_send_wr];
+        if (w->signaled || !signaled_only || (i == 0 && first != IBV_WC_WR_FLUSH_ERR))
+            push_send_wc(q, w, i == 0 ? first : IBV_WC_WR_FLUSH_ERR);
+    }
     q->out_head = q->out_count = 0;
     q->err_pending = 0;
     q->qp.state = IBV_QPS_ERR;

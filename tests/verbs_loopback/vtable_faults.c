@@ -135,7 +135,7 @@ void scenario_errors(void)
     pdkv_transport *a = make(1), *b = make(9);
     uint64_t key;
     CHECK(a->ops->reg(a, NULL, 0, &key) == -EINVAL, "empty region");
-    CHECK(a->ops->dereg(a, 12345) == -ENOENT && a->ops->grant(a, 12345, 2) == -ENOENT, "bad key");
+    CHECK(a->ops->dereg(a, 12345) == -ENOENT && a->ops->grant(a, 12345, 2, NULL) == -ENOENT, "bad key");
     CHECK(a->ops->disconnect(a, 77) == -ENOENT, "bad conn");
     char ia[PDKV_INFO_MAX], ib[PDKV_INFO_MAX];
     uint32_t la, lb, ca, cb, cx;

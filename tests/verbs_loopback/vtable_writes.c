@@ -21,7 +21,7 @@ void target_writes(void)
     uint64_t size, key;
     uint8_t *buf = map_dst(&size), *dst = buf + GUARD + DST_SKEW;
     CHECK(t->ops->reg(t, dst, DST_LEN, &key) == 0, "reg: %s", t->ops->last_error(t));
-    CHECK(t->ops->grant(t, key, 1) == 0, "grant");
+    CHECK(t->ops->grant(t, key, 1, NULL) == 0, "grant");
     ctl_send(&key, sizeof key);
     static pdkv_write w[NUM_WRITES];
     plan(w, NUM_WRITES, 0, key);
