@@ -69,7 +69,8 @@ class Slot:
 
 
 class DecodeCoordinator:
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True):
+    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True,
+                 secret: bytes | None = None):
         """``commands``: the engine loop's EngineLoop.put. Installs the decode connector on ``engine``."""
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
@@ -84,7 +85,8 @@ class DecodeCoordinator:
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
-        self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead)
+        self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
+                                  secret)
         self._rr = 0
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
@@ -221,6 +223,11 @@ class DecodeCoordinator:
         if kind == P.DONE_AT and msg.get("t_end") is not None:
             self._exposed(rid, t_end=float(msg["t_end"]))
         if slot is None or slot.peer is not peer:
+            return
+        if kind == P.FAIL and msg.get("duplicate"):
+            # NOTE: the peer refused a second PREFILL of rid and kept the first job: its writes may
+            # still land, so this must not end the slot (only the first job's answer does)
+            log.warning("decode: prefill node at %s:%d refused a duplicate PREFILL of %s", peer.host, peer.port, rid)
             return
         for ev in self.m.drain():  # completions already counted come first: the count is the truth
             self.on_event(ev)

@@ -7,12 +7,15 @@ the shared ones for that node. Each node is a ``pdkv serve`` subprocess with its
 is the decode node's API (the prefill node's ports come from its section); ``--set
 prefill.server.port=8101`` / ``--set decode.X=Y`` set one node only.
 The decode node's ``messenger.prefill_peers`` is filled in from the prefill node's control port.
+Each cluster gets a fresh secret (pdkv/auth.py) in both nodes' environment, so the two
+authenticate each other and nothing else on the host can pose as either.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdkv.auth import SECRET_ENV, new_secret
 from pdkv.config import ConfigError, _read_yaml, load_config
 
 log = logging.getLogger("pdkv.up")
@@ -116,6 +120,10 @@ def up(path: str, overrides: list[str], log_level: str | None = None, timeout: f
             stop["sig"] = sig
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         procs: dict[str, subprocess.Popen] = {}
+        # One secret per cluster, handed to the nodes through their environment (never argv, which
+        # `ps` shows); an operator's own $PDKV_CLUSTER_SECRET is kept.
+        env = dict(os.environ)
+        env.setdefault(SECRET_ENV, new_secret())
         try:
             for role in ROLES:
                 f, sets, cfg = roles[role]
@@ -124,7 +132,7 @@ def up(path: str, overrides: list[str], log_level: str | None = None, timeout: f
                 if log_level:
                     cmd += ["--log-level", log_level]
                 # own process group: a terminal's Ctrl-C reaches `pdkv up`, which stops the nodes in order
-                procs[role] = subprocess.Popen(cmd, start_new_session=True)
+                procs[role] = subprocess.Popen(cmd, start_new_session=True, env=env)
                 _healthy(cfg, procs[role], timeout)
                 log.info("%s node up (pid %d): http://%s:%d", role, procs[role].pid, cfg.server.host,
                          cfg.server.port)
