@@ -66,7 +66,8 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     if cfg.transport == "tcp":
         kwargs.update(host=cfg.host, port=cfg.port, num_streams=cfg.num_streams)
     elif cfg.transport == "verbs":
-        kwargs.update(nics=list(where.nics))
+        # a protection domain per peer: only a connected, granted peer can write (pdkv/disagg/grants.py)
+        kwargs.update(nics=list(where.nics), isolate_peers=True)
     return Messenger(cfg.transport, node_id, **kwargs)
 
 

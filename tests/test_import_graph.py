@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.shard",
      "pdkv.default_model"),
     ("pdkv.detokenizer", "pdkv.tiny_model", "pdkv.topo"),
-    ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv"),  # leaves
+    ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv.auth", "pdkv"),  # leaves
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -36,6 +36,7 @@ import torch
 from pdkv.control import ControlError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
+from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.writes import expected_writes
@@ -66,6 +67,8 @@ class Slot:
     all_landed: bool = False  # the count fired (then the messenger dropped the counter)
     nbytes: int = 0  # what the expected writes carry
     timer: asyncio.TimerHandle | None = None
+    grantee: int = 0  # the prefill node's id the ranges were granted to
+    grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
 
 
 class DecodeCoordinator:
@@ -82,6 +85,8 @@ class DecodeCoordinator:
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows)
+        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
+                                    narrow=messenger.transport != "verbs")
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -131,12 +136,22 @@ class DecodeCoordinator:
             return
         peer = live[self._rr % len(live)]
         self._rr += 1
+        grantee = peer.channel.peer.node_id
+        try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
+            granted = self.grants.grant(grantee, pages, row)
+        except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
+            log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
+            self.rows.give_back(row)
+            self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
+            self.commands(ReleasePages(rid))
+            return
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
         slot = Slot(imm, rid, peer, len(pages), row,
                     expected_writes(plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
+        slot.grantee, slot.grants = grantee, tuple(granted)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
@@ -181,9 +196,8 @@ class DecodeCoordinator:
             self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
-        # NOTE: the row goes back before RemoteKVReady, which makes the engine retry admission
-        self._free(slot, release=False)  # the engine owns the pages now
-        self.commands(RemoteKVReady(slot.rid))
+        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke)
+        self._free(slot, release=False, then=RemoteKVReady(slot.rid))
 
     def _exposed(self, rid: str, landed: float | None = None, t_end: float | None = None) -> None:
         landed = landed if landed is not None else self._landed_at.pop(rid, None)
@@ -278,7 +292,9 @@ class DecodeCoordinator:
             self._free(slot, release=True)
         self.links.redial(peer)
 
-    def _free(self, slot: Slot, release: bool) -> None:
+    def _free(self, slot: Slot, release: bool, then=None) -> None:
+        """The slot ends: no write of it can land any more. Its grants are revoked, then its row
+        goes back and the engine gets ReleasePages (``release``) and ``then``."""
         if slot.timer is not None:
             slot.timer.cancel()
         self.slots.pop(slot.imm, None)
@@ -286,8 +302,19 @@ class DecodeCoordinator:
             del self.by_rid[slot.rid]
         slot.peer.slots.pop(slot.imm, None)
         slot.state = SlotState.RELEASED if release else slot.state
-        self.rows.give_back(slot.hidden_row)
         self.m.forget(slot.imm)  # no counter outlives its slot (a no-op when it fired or was dropped)
-        if release:
-            self.commands(ReleasePages(slot.rid))
+        cmds = ([ReleasePages(slot.rid)] if release else []) + ([then] if then is not None else [])
+        self._revoke_then(slot, list(slot.grants), cmds)
 
+    def _revoke_then(self, slot: Slot, ranges: list, cmds: list) -> None:
+        """Revoke ``ranges``; only when all are gone do the row and the pages go back (a range
+        that a write is landing in right now is retried shortly)."""
+        busy = self.grants.revoke(slot.grantee, ranges)
+        if busy:
+            self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
+            return
+        slot.grants = ()
+        # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
+        self.rows.give_back(slot.hidden_row)
+        for c in cmds:
+            self.commands(c)

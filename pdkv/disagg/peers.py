@@ -76,11 +76,13 @@ class PrefillPeers:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
-            for key in self.kv.keys:
-                self.m.grant(key, ch.peer.node_id)
-            self.m.grant(self.hidden_key, ch.peer.node_id)
-            await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv.keys[0], "kv_keys": self.kv.keys,
-                           "hidden_key": self.hidden_key})
+            keys, hidden_key = self.kv.keys, self.hidden_key
+            if self.m.transport == "verbs":  # whole-region grants in the peer's own protection domain
+                keys = [self.m.grant(k, ch.peer.node_id) for k in keys]
+                hidden_key = self.m.grant(self.hidden_key, ch.peer.node_id)
+            # else: nothing yet; each PREFILL grants its own pages (pdkv/disagg/grants.py)
+            await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
+                           "hidden_key": hidden_key})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
             if msg["type"] == P.REFUSE:
                 raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
