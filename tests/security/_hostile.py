@@ -37,14 +37,19 @@ class HostileDecode:
         ph = self.pc.hello
         return dataclasses.replace(ph, node_id=self.node_id, role="decode")
 
-    async def connect(self, port: int, secret: bytes | None, token=None) -> ControlChannel:
+    async def connect(self, port: int, secret: bytes | None, token=None, info=None) -> ControlChannel:
+        """``info``: a data-path info to send instead of this messenger's (then CONNECT is sent and
+        the channel returned without waiting for CONNECTED)."""
         ch = await ControlChannel.connect("127.0.0.1", port, self.hello(), 5, secret=secret)
         grant_to = ch.peer.node_id
         self.m.grant(self.kv_key, grant_to)
         self.m.grant(self.hidden_key, grant_to)
-        conn, info = self.m.prepare(grant_to, ch.token if token is None else token)
-        await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv_key, "kv_keys": [self.kv_key],
+        conn, real = self.m.prepare(grant_to, ch.token if token is None else token)
+        await ch.send({"type": P.CONNECT, "info": info or real, "kv_key": self.kv_key, "kv_keys": [self.kv_key],
                        "hidden_key": self.hidden_key})
+        if info is not None:
+            self.ch = ch
+            return ch
         msg = await asyncio.wait_for(ch.recv(), 10)
         assert msg["type"] == P.CONNECTED, msg
         await asyncio.get_running_loop().run_in_executor(None, self.m.complete, conn, msg["info"])
@@ -65,3 +70,12 @@ class HostileDecode:
         if self.ch is not None:
             self.ch.close()
         self.m.close()
+
+
+def blackhole_info(info: bytes, port: int) -> bytes:
+    """``info`` (a tcp prepare()'s) redirected to ``port`` (a listener that never accepts)."""
+    from pdkv._messenger import tcp_decode_info
+    import struct
+
+    off = info.find(struct.pack("<H", tcp_decode_info(info)["port"]))
+    return info[:off] + struct.pack("<H", port) + info[off + 2:]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from _cluster import Cluster, post_completion, wait_for
-from _hostile import HostileDecode, proc_counts
+from _hostile import HostileDecode, blackhole_info, proc_counts
 
 from pdkv.auth import write_secret_file
 from pdkv.control import AuthenticationFailed, ControlError
@@ -161,3 +161,34 @@ def test_oversized_frame_before_authentication_costs_no_memory(cluster):
         s.close()
     assert proc_counts()["rss_kb"] - before["rss_kb"] < 64 << 10  # < 64 MiB grown in all
     still_serves(cluster)
+
+
+def test_connect_to_a_data_address_that_never_answers_does_not_stall_the_node(cluster):
+    """Finding 1: Messenger.complete() toward a listener that never accepts blocks ~10 s; the
+    prefill node's event loop must keep serving /health and the real decode node meanwhile."""
+    import urllib.request
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    pc = cluster.pc
+
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            _, real = h.m.prepare(pc.node_id, b"z" * 32)
+            await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret,
+                            info=blackhole_info(real, hole.getsockname()[1]))
+            wait_for(lambda: pc._setups_busy == 1, 5, "the set-up to be running")
+            loop = asyncio.get_running_loop()
+            with urllib.request.urlopen(cluster.prefill.url + "/health", timeout=30) as r:
+                assert r.status == 200
+            assert pc._setups_busy == 1  # /health answered while the set-up was still blocked
+            await loop.run_in_executor(None, still_serves, cluster)
+            assert pc._setups_busy == 1  # ... and so did the real decode node's request
+        finally:
+            h.close()
+    asyncio.run(main())
+    hole.close()
+    wait_for(lambda: pc._setups_busy == 0, 30, "the set-up to give up")
+    assert len(cluster.pc.links) == 1
