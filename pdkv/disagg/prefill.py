@@ -29,7 +29,7 @@ import torch
 from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import protocol as P
-from pdkv.disagg.jobs import Job, JobEnd, JobTable
+from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
@@ -220,16 +220,16 @@ class PrefillCoordinator(LoopEvents):
             self._send(link, {"type": P.FAIL, "req": req if isinstance(req, str) else repr(req)[:64],
                               "reason": f"malformed PREFILL: {e}", "posted": 0})
             return
-        if req in link.jobs:
-            self._rlog.warning("duplicate", "prefill: refusing a duplicate PREFILL for %r (still in flight)", req)
-            self._send(link, {"type": P.FAIL, "req": req, "posted": 0, "duplicate": True,
-                              "reason": f"duplicate PREFILL: request id {req!r} is still in flight on this node"})
-            return
         tokens, pages, imm, hidden_off, seed = fields
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
                   next(self._tags), time.perf_counter(), seed)
+        try:
+            self.jobs.add(job)
+        except DuplicateJob as e:
+            self._rlog.warning("duplicate", "prefill: refusing a duplicate PREFILL for %r (still in flight)", req)
+            self._send(link, {"type": P.FAIL, "req": req, "posted": 0, "duplicate": True, "reason": e.args[0]})
+            return
         link.jobs[job.req] = job
-        self.jobs.add(job)
         self.commands(AddRequest(job.key, job.tokens, PREFILL_PARAMS, job.arrival))
 
     def _send(self, link: Link, msg: dict) -> None:
