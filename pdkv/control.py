@@ -155,6 +155,9 @@ class ControlChannel:
         self._out, self._in = seal if seal is not None else (None, None)
         self.max_frame = max_frame
         self.last_heard = time.monotonic()
+        self.last_tick = time.monotonic()  # this side's heartbeat last ran (a stall of this node shows here)
+        self._stall: tuple[float, float] | None = None  # (when noticed, how long) of this node's own stall
+        self._lease = 0.0
         self._hb_task: asyncio.Task | None = None
         self._closed = False
 
@@ -274,8 +277,17 @@ class ControlChannel:
                         on_dead: Callable[[str], Awaitable[None] | None]) -> None:
         """Send heartbeats every ``interval`` s; call ``on_dead(reason)`` once if the peer is silent
         for ``lease`` s. Receiving is the caller's loop (``recv``), which refreshes liveness."""
+        self._lease = lease
+
         async def beat():
             while not self._closed:
+                now = time.monotonic()
+                if now - self.last_tick > lease:
+                    # NOTE: THIS node did not run for longer than the lease (SIGSTOP, a VM pause, a
+                    # blocked loop): the peer's silence is ours; give it a fresh lease to speak.
+                    self._stall = (now, now - self.last_tick)
+                    self.last_heard = now
+                self.last_tick = now
                 try:
                     await self.send({"type": "HEARTBEAT", "t": time.time()})
                 except ControlError as e:
@@ -288,6 +300,18 @@ class ControlChannel:
                     return
                 await asyncio.sleep(interval)
         self._hb_task = asyncio.get_running_loop().create_task(beat())
+
+    def own_stall(self) -> float | None:
+        """Seconds this node itself stood still (its heartbeat did not run) if that is longer than
+        the lease and recent, else None: then a peer that gave up on us did not die."""
+        if self._hb_task is None:
+            return None
+        now = time.monotonic()
+        if now - self.last_tick > self._lease:
+            return now - self.last_tick
+        if self._stall is not None and now - self._stall[0] < 2 * self._lease + 1:
+            return self._stall[1]
+        return None
 
     def close(self) -> None:
         if self._closed:

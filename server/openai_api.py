@@ -57,9 +57,19 @@ class OpenAIRoutes:
         if not raw:
             raise APIError("the request body is empty; send a JSON object")
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply to be a request") from None
+        try:  # a JSON escape like "\ud800" decodes to a lone surrogate, which no tokenizer takes
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"the request body contains a lone UTF-16 surrogate ({e.object[e.start:e.end]!r} "
+                           f"is not valid Unicode text)") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply to be a request") from None
+        return body
 
     async def _serve(self, request: web.Request, req: GenerateRequest, prefix: str) -> web.StreamResponse:
         if req.model is not None and req.model != self.model_name:
@@ -81,7 +91,8 @@ class OpenAIRoutes:
             async for _ in gen.outputs():
                 pass
         except EngineFailure as e:
-            raise APIError(str(e), 500, code="engine_error") from None
+            raise APIError(str(e), e.status, code="engine_error",
+                           headers=None if e.retry_after is None else {"Retry-After": str(e.retry_after)}) from None
         chat = gen.req.chat
         choices = []
         for c in gen.choices:
@@ -103,7 +114,11 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, OSError):  # the client left before the first byte: nothing to say
+            log.info("client disconnected from %s before its stream started", gen.id)
+            return resp
         chat, req = gen.req.chat, gen.req
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
@@ -143,7 +158,7 @@ class OpenAIRoutes:
                                                    out.finish_reason if out.finished else None)))
                         started.add(c.index)
             except EngineFailure as e:
-                await send(error_body(str(e), 500, code="engine_error"))
+                await send(error_body(str(e), e.status, code="engine_error"))
             else:
                 if req.include_usage:
                     await send(chunk(None, usage=gen.usage()))

@@ -131,7 +131,8 @@ class DecodeCoordinator:
         live = self.links.live()
         if not live:
             self.rows.give_back(row)
-            self.commands(FailRequest(rid, "no prefill node is connected"))
+            self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
+                                           "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
         peer = live[self._rr % len(live)]
@@ -273,6 +274,10 @@ class DecodeCoordinator:
         if peer.dead and peer.channel is None:
             return
         was_dead, peer.dead = peer.dead, True
+        stall = peer.channel.own_stall() if peer.channel is not None else None
+        if stall is not None:
+            reason = (f"this decode node was frozen for {stall:.1f} s, longer than the {self.mcfg.lease_s} s lease "
+                      f"(messenger.lease_s), so the prefill node gave it up: {reason}")
         if peer.channel is not None:
             peer.channel.close()
             peer.channel = None
@@ -287,7 +292,8 @@ class DecodeCoordinator:
         for slot in list(peer.slots.values()):
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
-                self.commands(FailRequest(slot.rid, f"the prefill node died during the KV transfer ({reason})"))
+                what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
+                self.commands(FailRequest(slot.rid, f"{what} ({reason})"))
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)

@@ -38,7 +38,12 @@ log = logging.getLogger(__name__)
 class EngineFailure(RuntimeError):
     """The engine could not run a request (refused at admission, its KV transfer failed, or a
     step raised); the request was aborted and its pages freed or held until no transfer can
-    touch them."""
+    touch them. ``status``: the HTTP status it maps to (503 + ``retry_after`` s: try again later,
+    e.g. no prefill node is connected right now)."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 # ---- commands: small frozen dataclasses, one handler each (EngineLoop._handlers) --------------
@@ -72,6 +77,8 @@ class FailRequest:
 
     request_id: str
     reason: str
+    status: int = 500  # what the client's HTTP answer says (EngineFailure.status)
+    retry_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +200,8 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - refused (or validation raced): tell the client
                 self._admission.popleft()
                 self._known.discard(cmd.request_id)
-                self.events.on_failed(cmd.request_id, EngineFailure(str(e)))
+                self.events.on_failed(cmd.request_id, EngineFailure(str(e), getattr(e, "status", 500),
+                                                                    getattr(e, "retry_after", None)))
                 continue
             self._admission.popleft()
 
@@ -221,7 +229,7 @@ class EngineLoop:
             self.engine.abort(cmd.request_id, quarantine=True, reason="error")
         if cmd.request_id in self._known:
             self._known.discard(cmd.request_id)
-            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason))
+            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason, cmd.status, cmd.retry_after))
 
     def _on_release(self, cmd: ReleasePages) -> None:
         self.engine.release(cmd.request_id)

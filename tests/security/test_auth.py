@@ -209,3 +209,21 @@ def test_no_secret_means_loopback_only_unless_insecure(caplog):
     with caplog.at_level("WARNING"):
         auth.check_exposure({"messenger.control_host": "0.0.0.0"}, None, True)
     assert "INSECURE" in caplog.text
+
+
+def test_a_node_that_stood_still_knows_it_was_itself():
+    """A decode node frozen longer than the lease must not blame its peer: own_stall says so."""
+    import time
+
+    async def main():
+        c, s = await pair(SECRET, SECRET)
+        c.start_heartbeat(0.05, 0.5, lambda r: None)
+        s.start_heartbeat(0.05, 0.5, lambda r: None)
+        await asyncio.sleep(0.2)
+        assert c.own_stall() is None
+        time.sleep(0.8)  # this whole process (both sides) stands still, as under SIGSTOP
+        assert c.own_stall() > 0.5
+        await asyncio.sleep(0.2)
+        assert c.own_stall() > 0.5 and not c.closed  # noticed, and the peer got a fresh lease
+        c.close(); s.close()
+    asyncio.run(main())
