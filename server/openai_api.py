@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIRoutes:
-    def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int):
+    def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int,
+                 max_prompts_x_n: int = 256):
         self.aengine = aengine
+        self.max_prompts_x_n = max_prompts_x_n
         self.model_name = model_name
         self.model_root = model_root
         self.max_body_bytes = max_body_bytes
@@ -75,6 +77,10 @@ class OpenAIRoutes:
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}' "
                            f"(see GET /v1/models)", 404, param="model", code="model_not_found")
+        count = (1 if req.chat else len(req.prompts)) * req.n
+        if count > self.max_prompts_x_n:  # each is one engine request: 400 x 16 made 6,400 before
+            raise APIError(f"this request asks for {count} completions (prompts x n); the limit is "
+                           f"{self.max_prompts_x_n} (server.max_prompts_x_n)", 400, param="n")
         if not self.aengine.is_alive():
             raise APIError("the engine is not running", 503)
         gen = Generation(self.aengine, req, prefix)

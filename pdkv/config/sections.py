@@ -52,6 +52,10 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    idle_timeout_s: float = 30.0  # a connection with no request in progress this long is closed
+    keepalive_timeout_s: float = 15.0  # aiohttp's keep-alive bound between requests
+    max_connections: int = 1024  # beyond it, idle connections are closed oldest first
+    max_prompts_x_n: int = 256  # prompts x n of one request (each is an engine request); more is a 400
 
 
 @dataclass(frozen=True)
