@@ -80,7 +80,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
-        aengine = AsyncEngine(engine, metrics, loop) if serves_api else None
+        aengine = AsyncEngine(engine, metrics, loop, cfg.server.max_waiting_requests) if serves_api else None
         if node is not None:
             await node.start(metrics, loop, aengine.commands if aengine is not None else None)
         if aengine is not None:

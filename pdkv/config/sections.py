@@ -56,6 +56,7 @@ class ServerConfig:
     keepalive_timeout_s: float = 15.0  # aiohttp's keep-alive bound between requests
     max_connections: int = 1024  # beyond it, idle connections are closed oldest first
     max_prompts_x_n: int = 256  # prompts x n of one request (each is an engine request); more is a 400
+    max_waiting_requests: int = 4096  # engine requests waiting for admission; beyond: 503 + Retry-After
 
 
 @dataclass(frozen=True)

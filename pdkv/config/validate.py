@@ -65,6 +65,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     for name in ("idle_timeout_s", "keepalive_timeout_s"):
         need(getattr(sv, name) > 0, f"server.{name}", "a positive number of seconds", getattr(sv, name))
     need(sv.max_connections > 0, "server.max_connections", "a positive integer", sv.max_connections)
+    need(sv.max_waiting_requests > 0, "server.max_waiting_requests", "a positive integer", sv.max_waiting_requests)
     need(sv.max_prompts_x_n > 0, "server.max_prompts_x_n", "a positive integer", sv.max_prompts_x_n)
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)

@@ -80,7 +80,8 @@ class PrefillCoordinator(LoopEvents):
                                           self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
-        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine")
+        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
+                                      max_waiting=cfg.server.max_waiting_requests)
         self.commands = self.engine_loop.put
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links: list[Link] = []

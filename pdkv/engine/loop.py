@@ -117,8 +117,11 @@ class LoopEvents:
 class EngineLoop:
     """Runs ``engine`` on one daemon thread; ``put`` is called from any thread."""
 
-    def __init__(self, engine, events: LoopEvents, name: str = "pdkv-engine"):
+    def __init__(self, engine, events: LoopEvents, name: str = "pdkv-engine", max_waiting: int = 4096):
+        """``max_waiting``: requests that may wait for admission at once; one more is failed at
+        once with a 503 (Retry-After) instead of queueing without bound."""
         self.engine, self.events = engine, events
+        self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._admission: deque[AddRequest] = deque()  # waiting for pages / connector resources
         self._known: set[str] = set()  # request ids queued or admitted, not yet finished
@@ -185,6 +188,11 @@ class EngineLoop:
     def _on_add(self, cmd: AddRequest) -> None:
         if cmd.request_id in self._known:
             self.events.on_failed(cmd.request_id, EngineFailure(f"request id {cmd.request_id!r} is already in use"))
+            return
+        if len(self._admission) >= self.max_waiting:
+            self.events.on_failed(cmd.request_id, EngineFailure(
+                f"the server is at capacity: {len(self._admission)} requests already wait for pages or other "
+                f"per-request resources (server.max_waiting_requests); retry shortly", 503, 1))
             return
         self._known.add(cmd.request_id)
         self.events.on_added(cmd)
