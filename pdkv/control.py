@@ -118,6 +118,8 @@ async def read_frame(reader: asyncio.StreamReader, sealer: auth.Sealer | None = 
         head = await reader.readexactly(_LEN.size)
     except asyncio.IncompleteReadError as e:
         raise ControlError("control connection closed by peer") from e
+    except OSError as e:  # e.g. a reset: the same ending, said the same way
+        raise ControlError(f"control connection broke: {e}") from e
     (n,) = _LEN.unpack(head)
     tag_len = auth.TAG_BYTES if sealer is not None else 0
     if n > limit + tag_len:  # refused before a byte of it is read: nothing big is buffered
@@ -126,6 +128,8 @@ async def read_frame(reader: asyncio.StreamReader, sealer: auth.Sealer | None = 
         body = await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise ControlError("control connection closed in the middle of a frame") from e
+    except OSError as e:
+        raise ControlError(f"control connection broke in the middle of a frame: {e}") from e
     if sealer is not None:
         if n < tag_len or not sealer.check(body[:-tag_len], body[-tag_len:]):
             raise ControlError("control frame failed its authentication check (altered, replayed or "

@@ -38,6 +38,7 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
 from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
@@ -100,6 +101,7 @@ class DecodeCoordinator:
         self._landed_at: dict[str, float] = {}
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
         self.connector = DecodeConnector(self, self.rows)
         engine.set_connector(self.connector)
 
@@ -172,7 +174,7 @@ class DecodeCoordinator:
 
     def on_event(self, ev) -> None:
         if ev.kind == "error":
-            log.warning("decode: messenger error from peer %#x: %s", ev.peer, ev.reason)
+            self._rlog.warning(f"messenger:{ev.peer}", "decode: messenger error from peer %#x: %s", ev.peer, ev.reason)
             return
         if ev.kind != "imm_done":
             return
