@@ -7,7 +7,12 @@ Frame: a 4-byte big-endian length, then a msgpack map with a "type" key. A frame
 ``MAX_FRAME`` or one that does not decode to a map is a protocol error: the connection is
 dropped with an error that says what was wrong (nothing is half-applied).
 
-Handshake: each side sends HELLO first and reads the peer's. When the two disagree on anything
+Authentication comes first (pdkv/auth.py): AUTH nonces both ways, then the dialer's PROOF, then
+the acceptor's; until then a frame may be at most ``PRE_AUTH_MAX_FRAME`` bytes and the whole
+handshake must finish within its timeout. With a cluster secret every later frame is sealed
+(a MAC over a sequence number and the body); after the handshake frames may be ``max_frame``.
+
+Handshake: each side then sends HELLO and reads the peer's. When the two disagree on anything
 that must match (model fingerprint, dtype, KV layout, page size, parallel plan, protocol
 version) each side sends REFUSE naming every difference, and both raise ``HandshakeRefused``.
 
@@ -29,8 +34,11 @@ from typing import Any, Awaitable, Callable
 
 import msgpack
 
-PROTOCOL_VERSION = 1
-MAX_FRAME = 64 << 20
+from pdkv import auth
+
+PROTOCOL_VERSION = 2  # 2: authentication before HELLO
+MAX_FRAME = 64 << 20  # default after the handshake (messenger.max_frame_bytes)
+PRE_AUTH_MAX_FRAME = 64 << 10  # AUTH, PROOF, HELLO, REFUSE are small: nothing big before trust
 _LEN = struct.Struct(">I")
 
 # Fields of Hello that both sides must agree on, in the order differences are reported.
@@ -43,6 +51,10 @@ class ControlError(ConnectionError):
 
 class HandshakeRefused(ControlError):
     """The two sides cannot work together; the message names every difference."""
+
+
+class AuthenticationFailed(HandshakeRefused):
+    """The peer did not prove it holds the cluster secret (or the two disagree on having one)."""
 
 
 def model_fingerprint(config: dict, param_shapes: dict[str, tuple[int, ...]]) -> str:
@@ -91,25 +103,38 @@ class Hello:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def encode_frame(msg: dict) -> bytes:
+def encode_frame(msg: dict, sealer: auth.Sealer | None = None, limit: int = MAX_FRAME) -> bytes:
     body = msgpack.packb(msg, use_bin_type=True)
-    if len(body) > MAX_FRAME:
-        raise ControlError(f"control frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    if len(body) > limit:
+        raise ControlError(f"control frame of {len(body)} bytes exceeds the {limit}-byte limit")
+    if sealer is not None:
+        body += sealer.tag(body)
     return _LEN.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict:
+async def read_frame(reader: asyncio.StreamReader, sealer: auth.Sealer | None = None,
+                     limit: int = MAX_FRAME) -> dict:
     try:
         head = await reader.readexactly(_LEN.size)
     except asyncio.IncompleteReadError as e:
         raise ControlError("control connection closed by peer") from e
+    except OSError as e:  # e.g. a reset: the same ending, said the same way
+        raise ControlError(f"control connection broke: {e}") from e
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ControlError(f"peer sent a control frame of {n} bytes (limit {MAX_FRAME})")
+    tag_len = auth.TAG_BYTES if sealer is not None else 0
+    if n > limit + tag_len:  # refused before a byte of it is read: nothing big is buffered
+        raise ControlError(f"peer sent a control frame of {n} bytes (limit {limit})")
     try:
         body = await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise ControlError("control connection closed in the middle of a frame") from e
+    except OSError as e:
+        raise ControlError(f"control connection broke in the middle of a frame: {e}") from e
+    if sealer is not None:
+        if n < tag_len or not sealer.check(body[:-tag_len], body[-tag_len:]):
+            raise ControlError("control frame failed its authentication check (altered, replayed or "
+                               "injected): dropping the connection")
+        body = body[:-tag_len]
     try:
         msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types for garbage
@@ -120,60 +145,126 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
 
 
 class ControlChannel:
-    """One side of an established, handshaken control connection."""
+    """One side of an established, authenticated and handshaken control connection.
+    ``token``: the data-transport token of this session (pdkv._messenger prepare(peer, token));
+    ``authenticated``: the peer proved it holds the cluster secret."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 local: Hello, peer: Hello):
+                 local: Hello, peer: Hello, token: bytes = b"", seal: tuple | None = None,
+                 max_frame: int = MAX_FRAME):
         self.reader, self.writer = reader, writer
         self.local, self.peer = local, peer
+        self.token = token
+        self.authenticated = seal is not None
+        self._out, self._in = seal if seal is not None else (None, None)
+        self.max_frame = max_frame
         self.last_heard = time.monotonic()
+        self.last_tick = time.monotonic()  # this side's heartbeat last ran (a stall of this node shows here)
+        self._stall: tuple[float, float] | None = None  # (when noticed, how long) of this node's own stall
+        self._lease = 0.0
         self._hb_task: asyncio.Task | None = None
         self._closed = False
 
     # -- establishing --------------------------------------------------------------------
     @classmethod
-    async def connect(cls, host: str, port: int, hello: Hello, timeout: float = 10.0) -> "ControlChannel":
+    async def connect(cls, host: str, port: int, hello: Hello, timeout: float = 10.0, *,
+                      secret: bytes | None = None, max_frame: int = MAX_FRAME, ssl=None) -> "ControlChannel":
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl), timeout)
         except (OSError, asyncio.TimeoutError) as e:
-            raise ControlError(f"cannot reach {hello.role} peer at {host}:{port}: {e}") from e
-        return await cls._handshake(reader, writer, hello, timeout)
+            raise ControlError(f"cannot reach the peer at {host}:{port}: {e}") from e
+        return await cls._handshake(reader, writer, hello, timeout, secret, True, max_frame)
 
     @classmethod
-    async def accept(cls, reader, writer, hello: Hello, timeout: float = 10.0) -> "ControlChannel":
-        return await cls._handshake(reader, writer, hello, timeout)
+    async def accept(cls, reader, writer, hello: Hello, timeout: float = 10.0, *,
+                     secret: bytes | None = None, max_frame: int = MAX_FRAME) -> "ControlChannel":
+        return await cls._handshake(reader, writer, hello, timeout, secret, False, max_frame)
 
     @classmethod
-    async def _handshake(cls, reader, writer, hello: Hello, timeout: float) -> "ControlChannel":
+    async def _handshake(cls, reader, writer, hello: Hello, timeout: float, secret: bytes | None,
+                         dialer: bool, max_frame: int) -> "ControlChannel":
+        """The whole exchange (authentication, HELLO) must finish within ``timeout`` s."""
         try:
-            writer.write(encode_frame({"type": "HELLO", **asdict(hello)}))
-            await writer.drain()
-            msg = await asyncio.wait_for(read_frame(reader), timeout)
-            if msg["type"] == "REFUSE":
-                raise HandshakeRefused(f"peer refused the handshake: {msg.get('reason')}")
-            if msg["type"] != "HELLO":
-                raise ControlError(f"expected HELLO from peer, got {msg['type']}")
-            peer = Hello.from_dict({k: v for k, v in msg.items() if k != "type"})
-            diffs = hello.differences(peer)
-            if diffs:
-                reason = "; ".join(diffs)
-                writer.write(encode_frame({"type": "REFUSE", "reason": reason}))
-                await writer.drain()
-                raise HandshakeRefused(f"refusing peer node {peer.node_id:#x}: {reason}")
+            return await asyncio.wait_for(cls._exchange(reader, writer, hello, secret, dialer, max_frame), timeout)
         except asyncio.TimeoutError as e:
             writer.close()
-            raise ControlError(f"peer sent no HELLO within {timeout} s") from e
+            raise ControlError(f"peer did not complete the handshake within {timeout} s") from e
         except (ControlError, OSError):
             writer.close()
             raise
-        return cls(reader, writer, hello, peer)
+
+    @classmethod
+    async def _exchange(cls, reader, writer, hello: Hello, secret: bytes | None, dialer: bool,
+                        max_frame: int) -> "ControlChannel":
+        lim = PRE_AUTH_MAX_FRAME
+
+        async def refuse(reason: str, exc=HandshakeRefused):
+            writer.write(encode_frame({"type": "REFUSE", "reason": reason}))
+            await writer.drain()
+            raise exc(reason)
+
+        async def expect(kind: str, sealer=None) -> dict:
+            msg = await read_frame(reader, sealer, lim)
+            if msg["type"] == "REFUSE":
+                exc = AuthenticationFailed if "secret" in str(msg.get("reason")) else HandshakeRefused
+                raise exc(f"peer refused the handshake: {msg.get('reason')}")
+            if msg["type"] != kind:
+                raise ControlError(f"expected {kind} from peer, got {msg['type']}"
+                                   + (" (an older pdkv without authentication?)" if msg["type"] == "HELLO" else ""))
+            return msg
+
+        mine = auth.new_nonce()
+        writer.write(encode_frame({"type": "AUTH", "nonce": mine, "secret": secret is not None}))
+        await writer.drain()
+        msg = await expect("AUTH")
+        theirs = msg.get("nonce")
+        if not isinstance(theirs, bytes) or len(theirs) != auth.NONCE_BYTES:
+            raise ControlError("peer AUTH carries no valid nonce")
+        if theirs == mine:
+            raise AuthenticationFailed("peer echoed this node's own nonce (a reflection): refused")
+        if bool(msg.get("secret")) != (secret is not None):
+            await refuse("this node has a cluster secret and the peer has none" if secret is not None else
+                         "the peer requires a cluster secret and this node has none", AuthenticationFailed)
+        me, them = (b"dial", b"accept") if dialer else (b"accept", b"dial")
+        if secret is not None:
+            if dialer:
+                writer.write(encode_frame({"type": "PROOF", "mac": auth.proof(secret, me, theirs, mine)}))
+                await writer.drain()
+            got = await expect("PROOF")
+            if not auth.check_proof(secret, them, got.get("mac"), mine, theirs):
+                await refuse("authentication failed: the peer does not hold this cluster's secret",
+                             AuthenticationFailed)
+            if not dialer:  # NOTE: only after the dialer proved itself (no oracle for strangers)
+                writer.write(encode_frame({"type": "PROOF", "mac": auth.proof(secret, me, theirs, mine)}))
+                await writer.drain()
+        dial_nonce, accept_nonce = (mine, theirs) if dialer else (theirs, mine)
+        key, token = auth.session_material(secret, dial_nonce, accept_nonce)
+        out = inn = None
+        if secret is not None:
+            out, inn = auth.Sealer(key, me), auth.Sealer(key, them)
+        writer.write(encode_frame({"type": "HELLO", **asdict(hello)}, out, lim))
+        await writer.drain()
+        msg = await expect("HELLO", inn)
+        try:
+            peer = Hello.from_dict({k: v for k, v in msg.items() if k != "type"})
+            if not isinstance(peer.node_id, int) or isinstance(peer.node_id, bool) or not 0 < peer.node_id < 2**63:
+                raise ControlError(f"peer HELLO has an invalid node_id {peer.node_id!r} (an integer in 1..2**63-1)")
+        except TypeError as e:
+            raise ControlError(f"malformed peer HELLO: {e}") from e
+        diffs = hello.differences(peer)
+        if diffs:
+            reason = "; ".join(diffs)
+            writer.write(encode_frame({"type": "REFUSE", "reason": reason}, out, lim))
+            await writer.drain()
+            raise HandshakeRefused(f"refusing peer node {peer.node_id:#x}: {reason}")
+        return cls(reader, writer, hello, peer, token, (out, inn) if out is not None else None, max_frame)
 
     # -- traffic -------------------------------------------------------------------------
     async def send(self, msg: dict) -> None:
         if self._closed:
             raise ControlError("control channel is closed")
         try:
-            self.writer.write(encode_frame(msg))
+            self.writer.write(encode_frame(msg, self._out, self.max_frame))
             await self.writer.drain()
         except (ConnectionError, OSError) as e:
             raise ControlError(f"control channel to node {self.peer.node_id:#x} broke: {e}") from e
@@ -181,7 +272,7 @@ class ControlChannel:
     async def recv(self) -> dict:
         """Next non-heartbeat message. Heartbeats only refresh ``last_heard``."""
         while True:
-            msg = await read_frame(self.reader)
+            msg = await read_frame(self.reader, self._in, self.max_frame)
             self.last_heard = time.monotonic()
             if msg["type"] != "HEARTBEAT":
                 return msg
@@ -190,8 +281,17 @@ class ControlChannel:
                         on_dead: Callable[[str], Awaitable[None] | None]) -> None:
         """Send heartbeats every ``interval`` s; call ``on_dead(reason)`` once if the peer is silent
         for ``lease`` s. Receiving is the caller's loop (``recv``), which refreshes liveness."""
+        self._lease = lease
+
         async def beat():
             while not self._closed:
+                now = time.monotonic()
+                if now - self.last_tick > lease:
+                    # NOTE: THIS node did not run for longer than the lease (SIGSTOP, a VM pause, a
+                    # blocked loop): the peer's silence is ours; give it a fresh lease to speak.
+                    self._stall = (now, now - self.last_tick)
+                    self.last_heard = now
+                self.last_tick = now
                 try:
                     await self.send({"type": "HEARTBEAT", "t": time.time()})
                 except ControlError as e:
@@ -204,6 +304,18 @@ class ControlChannel:
                     return
                 await asyncio.sleep(interval)
         self._hb_task = asyncio.get_running_loop().create_task(beat())
+
+    def own_stall(self) -> float | None:
+        """Seconds this node itself stood still (its heartbeat did not run) if that is longer than
+        the lease and recent, else None: then a peer that gave up on us did not die."""
+        if self._hb_task is None:
+            return None
+        now = time.monotonic()
+        if now - self.last_tick > self._lease:
+            return now - self.last_tick
+        if self._stall is not None and now - self._stall[0] < 2 * self._lease + 1:
+            return self._stall[1]
+        return None
 
     def close(self) -> None:
         if self._closed:

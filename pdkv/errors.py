@@ -37,7 +37,12 @@ class OutOfPages(ResourceBusy):
 
 
 class AdmissionRefused(PdkvError, RuntimeError):
-    """The KV connector refuses a request it can never serve (e.g. no prefill node connected)."""
+    """The KV connector refuses a request it cannot serve (e.g. no prefill node connected).
+    ``status`` / ``retry_after``: what the client is told (503 + Retry-After: try again later)."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 class PageStateError(PdkvError, RuntimeError):

@@ -64,9 +64,12 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     log.info("messenger: %s transport; %s", cfg.transport, where.reason)
     kwargs = dict(spin_us=cfg.spin_us, cpus=list(where.cpus) or None)
     if cfg.transport == "tcp":
-        kwargs.update(host=cfg.host, port=cfg.port, num_streams=cfg.num_streams)
+        # unauthenticated data streams waiting for their hello: bounded per source address too
+        kwargs.update(host=cfg.host, port=cfg.port, num_streams=cfg.num_streams,
+                      max_per_source=cfg.max_control_per_source)
     elif cfg.transport == "verbs":
-        kwargs.update(nics=list(where.nics))
+        # a protection domain per peer: only a connected, granted peer can write (pdkv/disagg/grants.py)
+        kwargs.update(nics=list(where.nics), isolate_peers=True)
     return Messenger(cfg.transport, node_id, **kwargs)
 
 

@@ -75,11 +75,12 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[MAX_BODY_BYTES] = cfg.server.max_body_bytes
     app[METRICS] = metrics
     app[NODE] = node
-    routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes)
+    routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
+                          cfg.server.max_prompts_x_n)
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
-        aengine = AsyncEngine(engine, metrics, loop) if serves_api else None
+        aengine = AsyncEngine(engine, metrics, loop, cfg.server.max_waiting_requests) if serves_api else None
         if node is not None:
             await node.start(metrics, loop, aengine.commands if aengine is not None else None)
         if aengine is not None:

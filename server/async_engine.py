@@ -45,11 +45,11 @@ class AsyncEngine(LoopEvents):
     (RemoteKVReady, FailRequest, ReleasePages) to the same loop.
     """
 
-    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop, max_waiting: int = 4096):
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
-        self._engine_loop = EngineLoop(engine, self)
+        self._engine_loop = EngineLoop(engine, self, max_waiting=max_waiting)
         self.commands = self._engine_loop.put
         self._sinks: dict[str, tuple[asyncio.Queue, object]] = {}  # loop thread only
         self._timings: dict[str, _Timing] = {}  # engine thread only

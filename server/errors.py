@@ -33,12 +33,14 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client as OpenAI error JSON with ``status``."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -62,7 +64,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e.message, e.status, e.param, e.code)
+        return error_response(e.message, e.status, e.param, e.code, e.headers)
     except web.HTTPRequestEntityTooLarge as e:
         limit = request.app.get(MAX_BODY_BYTES)
         msg = f"request body is too large: the limit is {limit} bytes (server.max_body_bytes)" if limit \

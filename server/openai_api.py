@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIRoutes:
-    def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int):
+    def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int,
+                 max_prompts_x_n: int = 256):
         self.aengine = aengine
+        self.max_prompts_x_n = max_prompts_x_n
         self.model_name = model_name
         self.model_root = model_root
         self.max_body_bytes = max_body_bytes
@@ -57,14 +59,28 @@ class OpenAIRoutes:
         if not raw:
             raise APIError("the request body is empty; send a JSON object")
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply to be a request") from None
+        try:  # a JSON escape like "\ud800" decodes to a lone surrogate, which no tokenizer takes
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"the request body contains a lone UTF-16 surrogate ({e.object[e.start:e.end]!r} "
+                           f"is not valid Unicode text)") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply to be a request") from None
+        return body
 
     async def _serve(self, request: web.Request, req: GenerateRequest, prefix: str) -> web.StreamResponse:
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}' "
                            f"(see GET /v1/models)", 404, param="model", code="model_not_found")
+        count = (1 if req.chat else len(req.prompts)) * req.n
+        if count > self.max_prompts_x_n:  # each is one engine request: 400 x 16 made 6,400 before
+            raise APIError(f"this request asks for {count} completions (prompts x n); the limit is "
+                           f"{self.max_prompts_x_n} (server.max_prompts_x_n)", 400, param="n")
         if not self.aengine.is_alive():
             raise APIError("the engine is not running", 503)
         gen = Generation(self.aengine, req, prefix)
@@ -81,7 +97,8 @@ class OpenAIRoutes:
             async for _ in gen.outputs():
                 pass
         except EngineFailure as e:
-            raise APIError(str(e), 500, code="engine_error") from None
+            raise APIError(str(e), e.status, code="engine_error",
+                           headers=None if e.retry_after is None else {"Retry-After": str(e.retry_after)}) from None
         chat = gen.req.chat
         choices = []
         for c in gen.choices:
@@ -103,7 +120,11 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, OSError):  # the client left before the first byte: nothing to say
+            log.info("client disconnected from %s before its stream started", gen.id)
+            return resp
         chat, req = gen.req.chat, gen.req
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
@@ -143,7 +164,7 @@ class OpenAIRoutes:
                                                    out.finish_reason if out.finished else None)))
                         started.add(c.index)
             except EngineFailure as e:
-                await send(error_body(str(e), 500, code="engine_error"))
+                await send(error_body(str(e), e.status, code="engine_error"))
             else:
                 if req.include_usage:
                     await send(chunk(None, usage=gen.usage()))

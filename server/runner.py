@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pdkv.config import Config
 from server.app import build_app, served_model_name
+from server.conn_limits import ConnectionReaper
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,17 @@ async def _start(cfg: Config, engine, node=None) -> tuple[web.AppRunner, int]:
     app = build_app(cfg, engine, node)
     # shutdown_timeout: on SIGINT, in-flight requests get a few seconds to finish, then their
     # handlers are cancelled (which aborts them in the engine) instead of holding the exit for 60 s.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=cfg.server.keepalive_timeout_s)
+    reapers: list[ConnectionReaper] = []
+
+    async def stop_reaper(_app) -> None:
+        for r in reapers:
+            await r.stop()
+    app.on_cleanup.append(stop_reaper)
     await runner.setup()
+    reapers.append(ConnectionReaper(runner.server, cfg.server.idle_timeout_s, cfg.server.max_connections))
+    reapers[0].start()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
     try:
         await site.start()

@@ -53,6 +53,11 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    idle_timeout_s: float = 30.0  # a connection with no request in progress this long is closed
+    keepalive_timeout_s: float = 15.0  # aiohttp's keep-alive bound between requests
+    max_connections: int = 1024  # beyond it, idle connections are closed oldest first
+    max_prompts_x_n: int = 256  # prompts x n of one request (each is an engine request); more is a 400
+    max_waiting_requests: int = 4096  # engine requests waiting for admission; beyond: 503 + Retry-After
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,16 @@ class MessengerConfig:
     heartbeat_s: float = 1.0  # control channel heartbeat interval
     lease_s: float = 5.0  # a peer silent this long is dead: its requests fail, their pages return
     connect_timeout_s: float = 30.0  # decode: how long to keep dialing a prefill peer at start-up
+    # Node authentication (pdkv/auth.py). The secret comes from $PDKV_CLUSTER_SECRET or this file
+    # (mode 0600), never the command line; without one a node listens on loopback only unless
+    # insecure is true (logged loudly).
+    secret_file: str = ""
+    insecure: bool = False
+    handshake_timeout_s: float = 10.0  # a control connection must authenticate + say HELLO + CONNECT within this
+    max_frame_bytes: int = 16 << 20  # control frames after the handshake (before it: 64 KiB)
+    max_control_conns: int = 64  # prefill: control connections held at once (handshaking or live)
+    max_control_per_source: int = 16  # prefill: ... of them from one source address
+    max_setups: int = 4  # data-path set-ups (Messenger.complete) running at once, each in a thread
 
 
 @dataclass(frozen=True)

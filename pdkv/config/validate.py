@@ -74,6 +74,16 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0 <= ms.control_port <= 65535, "messenger.control_port", "a TCP port in 0..65535", ms.control_port)
     for name in ("transfer_timeout_s", "heartbeat_s", "lease_s", "connect_timeout_s"):
         need(getattr(ms, name) > 0, f"messenger.{name}", "a positive number of seconds", getattr(ms, name))
+    for name in ("idle_timeout_s", "keepalive_timeout_s"):
+        need(getattr(sv, name) > 0, f"server.{name}", "a positive number of seconds", getattr(sv, name))
+    need(sv.max_connections > 0, "server.max_connections", "a positive integer", sv.max_connections)
+    need(sv.max_waiting_requests > 0, "server.max_waiting_requests", "a positive integer", sv.max_waiting_requests)
+    need(sv.max_prompts_x_n > 0, "server.max_prompts_x_n", "a positive integer", sv.max_prompts_x_n)
+    need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
+         ms.handshake_timeout_s)
+    need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)
+    for name in ("max_control_conns", "max_control_per_source", "max_setups"):
+        need(getattr(ms, name) > 0, f"messenger.{name}", "a positive integer", getattr(ms, name))
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:

@@ -36,7 +36,9 @@ import torch
 from pdkv.control import ControlError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
+from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
@@ -66,10 +68,13 @@ class Slot:
     all_landed: bool = False  # the count fired (then the messenger dropped the counter)
     nbytes: int = 0  # what the expected writes carry
     timer: asyncio.TimerHandle | None = None
+    grantee: int = 0  # the prefill node's id the ranges were granted to
+    grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
 
 
 class DecodeCoordinator:
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True):
+    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True,
+                 secret: bytes | None = None):
         """``commands``: the engine loop's EngineLoop.put. Installs the decode connector on ``engine``."""
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
@@ -81,10 +86,13 @@ class DecodeCoordinator:
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows)
+        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
+                                    narrow=messenger.transport != "verbs")
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
-        self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead)
+        self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
+                                  secret)
         self._rr = 0
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
@@ -93,6 +101,7 @@ class DecodeCoordinator:
         self._landed_at: dict[str, float] = {}
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
         self.connector = DecodeConnector(self, self.rows)
         engine.set_connector(self.connector)
 
@@ -124,17 +133,28 @@ class DecodeCoordinator:
         live = self.links.live()
         if not live:
             self.rows.give_back(row)
-            self.commands(FailRequest(rid, "no prefill node is connected"))
+            self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
+                                           "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
         peer = live[self._rr % len(live)]
         self._rr += 1
+        grantee = peer.channel.peer.node_id
+        try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
+            granted = self.grants.grant(grantee, pages, row)
+        except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
+            log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
+            self.rows.give_back(row)
+            self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
+            self.commands(ReleasePages(rid))
+            return
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
         slot = Slot(imm, rid, peer, len(pages), row,
                     expected_writes(plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
+        slot.grantee, slot.grants = grantee, tuple(granted)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
@@ -154,7 +174,7 @@ class DecodeCoordinator:
 
     def on_event(self, ev) -> None:
         if ev.kind == "error":
-            log.warning("decode: messenger error from peer %#x: %s", ev.peer, ev.reason)
+            self._rlog.warning(f"messenger:{ev.peer}", "decode: messenger error from peer %#x: %s", ev.peer, ev.reason)
             return
         if ev.kind != "imm_done":
             return
@@ -179,9 +199,8 @@ class DecodeCoordinator:
             self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
-        # NOTE: the row goes back before RemoteKVReady, which makes the engine retry admission
-        self._free(slot, release=False)  # the engine owns the pages now
-        self.commands(RemoteKVReady(slot.rid))
+        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke)
+        self._free(slot, release=False, then=RemoteKVReady(slot.rid))
 
     def _exposed(self, rid: str, landed: float | None = None, t_end: float | None = None) -> None:
         landed = landed if landed is not None else self._landed_at.pop(rid, None)
@@ -222,6 +241,11 @@ class DecodeCoordinator:
             self._exposed(rid, t_end=float(msg["t_end"]))
         if slot is None or slot.peer is not peer:
             return
+        if kind == P.FAIL and msg.get("duplicate"):
+            # NOTE: the peer refused a second PREFILL of rid and kept the first job: its writes may
+            # still land, so this must not end the slot (only the first job's answer does)
+            log.warning("decode: prefill node at %s:%d refused a duplicate PREFILL of %s", peer.host, peer.port, rid)
+            return
         for ev in self.m.drain():  # completions already counted come first: the count is the truth
             self.on_event(ev)
         slot = self.by_rid.get(rid)
@@ -252,6 +276,10 @@ class DecodeCoordinator:
         if peer.dead and peer.channel is None:
             return
         was_dead, peer.dead = peer.dead, True
+        stall = peer.channel.own_stall() if peer.channel is not None else None
+        if stall is not None:
+            reason = (f"this decode node was frozen for {stall:.1f} s, longer than the {self.mcfg.lease_s} s lease "
+                      f"(messenger.lease_s), so the prefill node gave it up: {reason}")
         if peer.channel is not None:
             peer.channel.close()
             peer.channel = None
@@ -266,12 +294,15 @@ class DecodeCoordinator:
         for slot in list(peer.slots.values()):
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
-                self.commands(FailRequest(slot.rid, f"the prefill node died during the KV transfer ({reason})"))
+                what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
+                self.commands(FailRequest(slot.rid, f"{what} ({reason})"))
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)
 
-    def _free(self, slot: Slot, release: bool) -> None:
+    def _free(self, slot: Slot, release: bool, then=None) -> None:
+        """The slot ends: no write of it can land any more. Its grants are revoked, then its row
+        goes back and the engine gets ReleasePages (``release``) and ``then``."""
         if slot.timer is not None:
             slot.timer.cancel()
         self.slots.pop(slot.imm, None)
@@ -279,8 +310,19 @@ class DecodeCoordinator:
             del self.by_rid[slot.rid]
         slot.peer.slots.pop(slot.imm, None)
         slot.state = SlotState.RELEASED if release else slot.state
-        self.rows.give_back(slot.hidden_row)
         self.m.forget(slot.imm)  # no counter outlives its slot (a no-op when it fired or was dropped)
-        if release:
-            self.commands(ReleasePages(slot.rid))
+        cmds = ([ReleasePages(slot.rid)] if release else []) + ([then] if then is not None else [])
+        self._revoke_then(slot, list(slot.grants), cmds)
 
+    def _revoke_then(self, slot: Slot, ranges: list, cmds: list) -> None:
+        """Revoke ``ranges``; only when all are gone do the row and the pages go back (a range
+        that a write is landing in right now is retried shortly)."""
+        busy = self.grants.revoke(slot.grantee, ranges)
+        if busy:
+            self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
+            return
+        slot.grants = ()
+        # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
+        self.rows.give_back(slot.hidden_row)
+        for c in cmds:
+            self.commands(c)

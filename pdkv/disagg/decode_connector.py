@@ -50,7 +50,8 @@ class DecodeConnector(KVConnector):
         if req.num_prompt_tokens <= 1:
             return LOCAL  # a one-token prompt has no KV to compute before its decode
         if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
-            raise AdmissionRefused("no prefill node is connected to this decode node")
+            raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
+                                   "prefill peers; retry shortly)", status=503, retry_after=2)
         return Admission(num_external_tokens=req.num_prompt_tokens - 1)
 
     def admit(self, req) -> bool:

@@ -29,6 +29,10 @@ import numpy as np
 from pdkv.disagg import protocol as P
 
 
+class DuplicateJob(KeyError):
+    """A PREFILL with the id of a request still in flight on this node (the first job stays)."""
+
+
 class JobState(enum.Enum):
     COMPUTING = "computing"
     DRAINING = "draining"
@@ -99,6 +103,10 @@ class JobTable:
         return len(self.jobs)
 
     def add(self, job: Job) -> None:
+        """DuplicateJob if a job with ``job.key`` is live: replacing it would orphan the first
+        job (its pages never released); the table is left as it was."""
+        if job.key in self.jobs:
+            raise DuplicateJob(f"duplicate PREFILL: request id {job.req!r} is still in flight on this node")
         self.jobs[job.key] = job
         self.by_tag[job.tag] = job
 

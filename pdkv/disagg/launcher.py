@@ -14,12 +14,16 @@ prefill, control), every decode node dialling every prefill node; with more than
 node a ``pdkv router`` (pdkv/router) serves the API at ``server.host:server.port`` in front of
 them, its settings from an optional top-level ``router:`` section (policy, balance_abs, ...).
 All of them stop on Ctrl-C: the router first, then decode, then prefill nodes.
+
+Each cluster gets a fresh secret (pdkv/auth.py) in every node's environment, so the nodes
+authenticate each other and nothing else on the host can pose as one.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -29,6 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdkv.auth import SECRET_ENV, new_secret
 from pdkv.config import ConfigError, _read_yaml, load_config
 
 log = logging.getLogger("pdkv.up")
@@ -179,12 +184,16 @@ def up(path: str, overrides: list[str], log_level: str | None = None, timeout: f
             stop["sig"] = sig
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         procs: dict[str, subprocess.Popen] = {}
+        # One secret per cluster, handed to the nodes through their environment (never argv, which
+        # `ps` shows); an operator's own $PDKV_CLUSTER_SECRET is kept.
+        env = dict(os.environ)
+        env.setdefault(SECRET_ENV, new_secret())
 
         def spawn(name: str, cmd: list[str]) -> None:
             if log_level:
                 cmd += ["--log-level", log_level]
             # own process group: a terminal's Ctrl-C reaches `pdkv up`, which stops the nodes in order
-            procs[name] = subprocess.Popen(cmd, start_new_session=True)
+            procs[name] = subprocess.Popen(cmd, start_new_session=True, env=env)
 
         try:
             for role in ROLES:  # all nodes of a role start together (loading in parallel), prefill first

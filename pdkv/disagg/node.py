@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from pdkv import auth
 from pdkv.disagg.decode import DecodeCoordinator
 from pdkv.disagg.metrics import DisaggMetrics
 from pdkv.disagg.prefill import PrefillCoordinator
@@ -34,8 +35,23 @@ class _Node:
         self.node_id = new_node_id(cfg.messenger)
         self.messenger = None
         self.pump = None
+        self.secret: bytes | None = None
+
+    def _authenticate(self) -> None:
+        """The cluster secret (pdkv/auth.py); without one, refuse to listen beyond loopback unless
+        messenger.insecure. AuthError (a ValueError) names what is wrong."""
+        ms = self.cfg.messenger
+        self.secret = auth.load_secret(ms.secret_file)
+        listeners = {"messenger.host": ms.host} if ms.transport == "tcp" else {}
+        if self.cfg.role == "prefill":
+            listeners["messenger.control_host"] = ms.control_host
+        auth.check_exposure(listeners, self.secret, ms.insecure)
+        if self.secret is None:
+            log.info("node %#x: no cluster secret: control connections are not authenticated (loopback only)",
+                     self.node_id)
 
     def _open(self, loop):
+        self._authenticate()
         if self.messenger_factory is not None:
             self.messenger = self.messenger_factory(self.cfg, self.node_id)
         else:
@@ -67,7 +83,7 @@ class DecodeNode(_Node):
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
         self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
-                                                 self.keep_hidden)
+                                                 self.keep_hidden, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         try:
             await c.start()
@@ -105,7 +121,7 @@ class PrefillNode(_Node):
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
         self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
-                                                  engine_stats=metrics.set_engine_stats)
+                                                  engine_stats=metrics.set_engine_stats, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         self.control_port = await c.start()
         log.info("prefill node %#x: control listener on %s:%d", self.node_id, self.cfg.messenger.control_host,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError, HandshakeRefused
@@ -36,10 +37,15 @@ class Peer:
 
 
 class PrefillPeers:
-    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead):
+    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None):
         """``mcfg``: the messenger config section (prefill_peers, timeouts); ``kv``: the node's
-        NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's."""
+        NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's;
+        ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None."""
         self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
+        self.secret = secret
+        # NOTE: Messenger.complete() may block for seconds (a data address that never answers):
+        # it runs here, never on the event loop, one thread per peer at most
+        self._setups = ThreadPoolExecutor(max(1, len(mcfg.prefill_peers)), thread_name_prefix="pdkv-decode-setup")
         self._on_message, self._on_dead = on_message, on_dead
         self.peers = [Peer(*split_address(p)) for p in mcfg.prefill_peers]
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -58,7 +64,8 @@ class PrefillPeers:
         deadline = time.monotonic() + self.mcfg.connect_timeout_s
         while True:
             try:
-                ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.connect_timeout_s)
+                ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.handshake_timeout_s,
+                                                  secret=self.secret, max_frame=self.mcfg.max_frame_bytes)
                 break
             except ControlError as e:
                 if once or isinstance(e, HandshakeRefused) or time.monotonic() > deadline:
@@ -68,18 +75,22 @@ class PrefillPeers:
         try:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
-            conn, info = self.m.prepare(ch.peer.node_id)
-            for key in self.kv.keys:
-                self.m.grant(key, ch.peer.node_id)
-            self.m.grant(self.hidden_key, ch.peer.node_id)
-            await ch.send({"type": P.CONNECT, "info": info, "kv_key": self.kv.keys[0], "kv_keys": self.kv.keys,
-                           "hidden_key": self.hidden_key})
-            msg = await asyncio.wait_for(ch.recv(), self.mcfg.connect_timeout_s)
+            conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+            keys, hidden_key = self.kv.keys, self.hidden_key
+            if self.m.transport == "verbs":  # whole-region grants in the peer's own protection domain
+                keys = [self.m.grant(k, ch.peer.node_id) for k in keys]
+                hidden_key = self.m.grant(self.hidden_key, ch.peer.node_id)
+            # else: nothing yet; each PREFILL grants its own pages (pdkv/disagg/grants.py)
+            await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
+                           "hidden_key": hidden_key})
+            msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
             if msg["type"] == P.REFUSE:
                 raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
             if msg["type"] != P.CONNECTED:
                 raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
-            self.m.complete(conn, msg["info"])
+            if not isinstance(msg.get("info"), bytes):
+                raise ControlError(f"prefill {peer.host}:{peer.port}: CONNECTED carries no data-path info")
+            await self.loop.run_in_executor(self._setups, self.m.complete, conn, msg["info"])
         except BaseException:
             ch.close()  # a half set-up connection must not stay behind (a redial tries again)
             if conn is not None:
@@ -114,7 +125,7 @@ class PrefillPeers:
                     return
                 except Exception as e:  # noqa: BLE001 - refused, unreachable, broken set-up: try later
                     delay = min(2 * delay, REDIAL_MAX_S)
-                    log.warning("decode: redial of prefill node at %s:%d failed (%s); next try in %.1f s",
+                    log.warning("decode: redial of prefill peer at %s:%d failed (%s); next try in %.1f s",
                                 peer.host, peer.port, e, delay)
         finally:
             peer.redial = None
@@ -126,6 +137,7 @@ class PrefillPeers:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._setups.shutdown(wait=False, cancel_futures=True)
         for peer in self.peers:
             if peer.redial is not None:
                 peer.redial.cancel()

@@ -16,17 +16,20 @@ commands go to the engine through ``commands`` (EngineLoop.put) only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdkv.control import ControlChannel, ControlError
+from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import protocol as P
-from pdkv.disagg.jobs import Job, JobEnd, JobTable
+from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
@@ -55,8 +58,10 @@ class Link:
 
 
 class PrefillCoordinator(LoopEvents):
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None, engine_stats=None):
-        """``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None."""
+    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None, engine_stats=None,
+                 secret: bytes | None = None):
+        """``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
+        ``secret``: the cluster secret every decode node must prove (pdkv/auth.py), or None."""
         from pdkv.gpu.layer_counter import make_layer_counter
 
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
@@ -75,11 +80,19 @@ class PrefillCoordinator(LoopEvents):
                                           self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
-        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine")
+        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
+                                      max_waiting=cfg.server.max_waiting_requests)
         self.commands = self.engine_loop.put
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links: list[Link] = []
         self._server: asyncio.AbstractServer | None = None
+        self.secret = secret
+        self._by_source: collections.Counter = collections.Counter()  # control connections held per source
+        # NOTE: Messenger.complete() connects sockets / QPs and may block for seconds (bounded in C by
+        # the transport's connect timeout): never on the event loop, at most max_setups at once.
+        self._setups = ThreadPoolExecutor(self.mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
+        self._setups_busy = 0
+        self._rlog = RateLimitedLog(log)
 
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
@@ -98,36 +111,73 @@ class PrefillCoordinator(LoopEvents):
             self._peer_dead(link, "prefill node shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
         self.engine.set_connector(None)
+        self._setups.shutdown(wait=False, cancel_futures=True)
 
     def is_alive(self) -> bool:
         return self.engine_loop.is_alive()
 
     # ---- control (loop thread) --------------------------------------------------------------
     async def _accept(self, reader, writer) -> None:
+        """One decode node's control connection: bounded per listener and per source address,
+        authenticated and handshaken within messenger.handshake_timeout_s, then served."""
+        peername = writer.get_extra_info("peername") or ("?", 0)
+        source = peername[0]
+        if (sum(self._by_source.values()) >= self.mcfg.max_control_conns
+                or self._by_source[source] >= self.mcfg.max_control_per_source):
+            self._rlog.warning(f"refuse:{source}", "prefill: refusing a control connection from %s: %d held "
+                               "(messenger.max_control_conns %d, max_control_per_source %d)", source,
+                               self._by_source[source], self.mcfg.max_control_conns,
+                               self.mcfg.max_control_per_source)
+            writer.close()
+            return
+        self._by_source[source] += 1
         try:
-            ch = await ControlChannel.accept(reader, writer, self.hello, self.mcfg.connect_timeout_s)
+            await self._serve(reader, writer, source)
+        finally:
+            self._by_source[source] -= 1
+            if self._by_source[source] <= 0:
+                del self._by_source[source]
+
+    async def _serve(self, reader, writer, source: str) -> None:
+        timeout = self.mcfg.handshake_timeout_s
+        ch = None
+        try:
+            ch = await ControlChannel.accept(reader, writer, self.hello, timeout, secret=self.secret,
+                                             max_frame=self.mcfg.max_frame_bytes)
             try:
                 plan = plan_link(self.kv.spec, "prefill", ch.peer.extra)
             except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
                 await ch.send({"type": P.REFUSE, "reason": str(e)})
                 raise
-            msg = await ch.recv()
+            try:  # NOTE: a peer that said HELLO but never CONNECTs is dropped after the deadline
+                msg = await asyncio.wait_for(ch.recv(), timeout)
+            except asyncio.TimeoutError as e:
+                raise ControlError(f"no CONNECT within {timeout} s of HELLO (messenger.handshake_timeout_s)") from e
             if msg["type"] != P.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
-            rkeys = check_keys(plan, msg.get("kv_keys", [msg["kv_key"]]))
-            conn, info = self.m.prepare(ch.peer.node_id)
-            self.m.complete(conn, msg["info"])
+            rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
+            conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+            try:
+                await self._complete(conn, info_in)
+            except BaseException:
+                self.m.disconnect(conn)
+                raise
             await ch.send({"type": P.CONNECTED, "info": info})
-        except (ControlError, OSError) as e:
-            log.warning("prefill: decode node connection refused or broken during set-up: %s", e)
+        except (ControlError, OSError, ValueError) as e:
+            self._rlog.warning(f"setup:{source}", "prefill: decode node connection from %s refused or broken "
+                               "during set-up: %s", source, e)
+            if ch is not None and isinstance(e, ValueError) and not isinstance(e, ControlError):
+                try:
+                    await ch.send({"type": P.REFUSE, "reason": str(e)})
+                except ControlError:
+                    pass
             writer.close()
             return
-        ex = ch.peer.extra
-        link = Link(ch, conn, rkeys, msg["hidden_key"],
+        link = Link(ch, conn, rkeys, hidden_key,
                     Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
         self.links.append(link)
-        log.info("prefill: decode node %#x connected (prefill tp=%d -> decode tp=%d)", ch.peer.node_id,
-                 plan.prefill.tp, plan.decode.tp)
+        log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
+                 source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(link, r))
         try:
             while not link.dead:
@@ -135,24 +185,53 @@ class PrefillCoordinator(LoopEvents):
         except ControlError as e:
             self._peer_dead(link, str(e))
 
+    async def _complete(self, conn: int, info: bytes) -> None:
+        """Messenger.complete in a set-up thread (the transport bounds how long it may take)."""
+        if self._setups_busy >= self.mcfg.max_setups:
+            raise ControlError(f"{self._setups_busy} data-path set-ups already running (messenger.max_setups)")
+        self._setups_busy += 1
+        try:
+            await self.loop.run_in_executor(self._setups, self.m.complete, conn, info)
+        finally:
+            self._setups_busy -= 1
+
     def _on_message(self, link: Link, msg: dict) -> None:
         kind = msg["type"]
         if kind == P.PREFILL:
-            job = Job(f"{link.channel.peer.node_id:x}:{msg['req']}", msg["req"], link, list(msg["tokens"]),
-                      np.asarray(msg["pages"], dtype=np.int64), int(msg["imm"]), int(msg["hidden_off"]),
-                      next(self._tags), time.perf_counter(), int(msg.get("seed", request_seed(msg["req"]))))
-            link.jobs[job.req] = job
-            self.jobs.add(job)
-            self.commands(AddRequest(job.key, job.tokens, PREFILL_PARAMS, job.arrival))
+            self._on_prefill(link, msg)
         elif kind == P.CANCEL:
-            job = link.jobs.get(msg["req"])
+            job = link.jobs.get(msg.get("req"))
             if job is None:  # finished already: nothing of it is in flight
-                self._send(link, {"type": P.CANCEL_ACK, "req": msg["req"], "posted": 0})
+                self._send(link, {"type": P.CANCEL_ACK, "req": msg.get("req"), "posted": 0})
             else:
                 job.reason = "cancelled by the decode node"
                 self.commands(AbortRequest(job.key))
         else:
-            log.warning("prefill: ignoring unexpected control message %s", kind)
+            self._rlog.warning(f"unexpected:{kind}", "prefill: ignoring unexpected control message %s", kind)
+
+    def _on_prefill(self, link: Link, msg: dict) -> None:
+        """A new job, or FAIL naming what was wrong (a duplicate id, a malformed field): a
+        refused PREFILL touches nothing, in particular not a job with the same id."""
+        req = msg.get("req")
+        try:
+            fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"))
+        except ValueError as e:
+            self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
+                               link.channel.peer.node_id, e)
+            self._send(link, {"type": P.FAIL, "req": req if isinstance(req, str) else repr(req)[:64],
+                              "reason": f"malformed PREFILL: {e}", "posted": 0})
+            return
+        tokens, pages, imm, hidden_off, seed = fields
+        job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
+                  next(self._tags), time.perf_counter(), seed)
+        try:
+            self.jobs.add(job)
+        except DuplicateJob as e:
+            self._rlog.warning("duplicate", "prefill: refusing a duplicate PREFILL for %r (still in flight)", req)
+            self._send(link, {"type": P.FAIL, "req": req, "posted": 0, "duplicate": True, "reason": e.args[0]})
+            return
+        link.jobs[job.req] = job
+        self.commands(AddRequest(job.key, job.tokens, PREFILL_PARAMS, job.arrival))
 
     def _send(self, link: Link, msg: dict) -> None:
         if link.dead:
@@ -242,3 +321,19 @@ class PrefillCoordinator(LoopEvents):
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass  # loop closed: shutting down
+
+
+def _connect_fields(plan, msg: dict, extra: dict):
+    """CONNECT's fields checked (ValueError / ControlError naming the bad one): the decode ranks'
+    KV keys, the hidden-state key, the peer's KV geometry from its HELLO, the data-path info."""
+    rkeys = check_keys(plan, msg.get("kv_keys", [msg.get("kv_key")]))
+    hidden_key, info = msg.get("hidden_key"), msg.get("info")
+    if not isinstance(hidden_key, int) or isinstance(hidden_key, bool) or hidden_key < 0:
+        raise ValueError(f"CONNECT hidden_key must be a non-negative integer, got {hidden_key!r}")
+    if not isinstance(info, bytes):
+        raise ValueError("CONNECT info must be bytes")
+    for name in ("num_layers", "page_nbytes", "layer_nbytes"):
+        v = extra.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"the decode node's HELLO extra.{name} must be a positive integer, got {v!r}")
+    return rkeys, hidden_key, extra, info

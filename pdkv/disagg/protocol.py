@@ -22,11 +22,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from pdkv.control import Hello, model_fingerprint
 from pdkv.shard import KVGeometry
 
 CONNECT, CONNECTED, REFUSE = "CONNECT", "CONNECTED", "REFUSE"
 PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT = "PREFILL", "CANCEL", "CANCEL_ACK", "FAIL", "DONE_AT"
+
+
+def _int(msg: dict, name: str, lo: int, hi: int) -> int:
+    v = msg.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}), got {v!r}"[:200])
+    return v
+
+
+def parse_prefill(msg: dict, num_pages: int | None = None):
+    """PREFILL's fields, checked: (tokens, pages int64 array, imm, hidden_off, seed); ValueError
+    names the first bad field (a malformed message is answered with FAIL, never a traceback)."""
+    from pdkv.shard import request_seed  # noqa: PLC0415
+
+    req, tokens, pages = msg.get("req"), msg.get("tokens"), msg.get("pages")
+    if not isinstance(req, str) or not 0 < len(req) <= 256:
+        raise ValueError("req must be a non-empty string of at most 256 characters")
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
+        raise ValueError("tokens must be a non-empty list of non-negative token ids")
+    top = num_pages if isinstance(num_pages, int) and num_pages > 0 else 2**31
+    if not isinstance(pages, list) or not pages or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < top for p in pages):
+        raise ValueError(f"pages must be a non-empty list of page numbers in [0, {top})")
+    if len(set(pages)) != len(pages):
+        raise ValueError("pages must be distinct")
+    imm = _int(msg, "imm", 0, 2**32)
+    hidden_off = _int(msg, "hidden_off", 0, 2**62)
+    seed = msg.get("seed", request_seed(req))
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}"[:200])
+    return list(tokens), np.asarray(pages, dtype=np.int64), imm, hidden_off, seed
 
 
 def dtype_name(engine) -> str:

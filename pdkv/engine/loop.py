@@ -38,7 +38,12 @@ log = logging.getLogger(__name__)
 class EngineFailure(RuntimeError):
     """The engine could not run a request (refused at admission, its KV transfer failed, or a
     step raised); the request was aborted and its pages freed or held until no transfer can
-    touch them."""
+    touch them. ``status``: the HTTP status it maps to (503 + ``retry_after`` s: try again later,
+    e.g. no prefill node is connected right now)."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 # ---- commands: small frozen dataclasses, one handler each (EngineLoop._handlers) --------------
@@ -72,6 +77,8 @@ class FailRequest:
 
     request_id: str
     reason: str
+    status: int = 500  # what the client's HTTP answer says (EngineFailure.status)
+    retry_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,11 @@ class LoopEvents:
 class EngineLoop:
     """Runs ``engine`` on one daemon thread; ``put`` is called from any thread."""
 
-    def __init__(self, engine, events: LoopEvents, name: str = "pdkv-engine"):
+    def __init__(self, engine, events: LoopEvents, name: str = "pdkv-engine", max_waiting: int = 4096):
+        """``max_waiting``: requests that may wait for admission at once; one more is failed at
+        once with a 503 (Retry-After) instead of queueing without bound."""
         self.engine, self.events = engine, events
+        self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._admission: deque[AddRequest] = deque()  # waiting for pages / connector resources
         self._known: set[str] = set()  # request ids queued or admitted, not yet finished
@@ -179,6 +189,11 @@ class EngineLoop:
         if cmd.request_id in self._known:
             self.events.on_failed(cmd.request_id, EngineFailure(f"request id {cmd.request_id!r} is already in use"))
             return
+        if len(self._admission) >= self.max_waiting:
+            self.events.on_failed(cmd.request_id, EngineFailure(
+                f"the server is at capacity: {len(self._admission)} requests already wait for pages or other "
+                f"per-request resources (server.max_waiting_requests); retry shortly", 503, 1))
+            return
         self._known.add(cmd.request_id)
         self.events.on_added(cmd)
         self._admission.append(cmd)
@@ -193,7 +208,8 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - refused (or validation raced): tell the client
                 self._admission.popleft()
                 self._known.discard(cmd.request_id)
-                self.events.on_failed(cmd.request_id, EngineFailure(str(e)))
+                self.events.on_failed(cmd.request_id, EngineFailure(str(e), getattr(e, "status", 500),
+                                                                    getattr(e, "retry_after", None)))
                 continue
             self._admission.popleft()
 
@@ -221,7 +237,7 @@ class EngineLoop:
             self.engine.abort(cmd.request_id, quarantine=True, reason="error")
         if cmd.request_id in self._known:
             self._known.discard(cmd.request_id)
-            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason))
+            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason, cmd.status, cmd.retry_after))
 
     def _on_release(self, cmd: ReleasePages) -> None:
         self.engine.release(cmd.request_id)

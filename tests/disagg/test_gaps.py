@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 from _cluster import Cluster, make_engine, node_config, post_completion as _post, serve_node, wait_for
@@ -185,7 +186,12 @@ def test_decode_redials_a_restarted_prefill_node(tiny_model_dir, tmp_path, caplo
             pre.stop()
             wait_for(lambda: not connected(), 10, "decode sees the prefill node gone")
             status, body = _post(dec.url, _body(name, prompt))
-            assert status == 500 and "no prefill node is connected" in body["error"]["message"], body
+            assert status == 503 and "no prefill node is connected" in body["error"]["message"], body
+            req = urllib.request.Request(dec.url + "/v1/completions", json.dumps(_body(name, prompt)).encode(),
+                                         {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 503 and err.value.headers["Retry-After"] == "2"
             # the same address, a new process (a new node id, a new data connection)
             pdict["server"]["port"] = free_port()
             pre = NodeProc(tmp_path, "prefill2", pdict)
@@ -196,7 +202,7 @@ def test_decode_redials_a_restarted_prefill_node(tiny_model_dir, tmp_path, caplo
             assert pre.health()["decode_nodes"] == 1
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
         logs = [r.getMessage() for r in caplog.records]
-        assert any("redial of prefill node" in m and "next try in" in m for m in logs), logs
+        assert any("redial of prefill peer" in m and "next try in" in m for m in logs), logs
         assert any("is back" in m for m in logs), logs
     finally:
         pre.stop()

@@ -47,7 +47,7 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             # a prompt of one token never needs a prefill node; longer ones get a clear error
             assert _post(dec.url, {"model": name, "prompt": [5], "max_tokens": 2})[0] == 200
             status, body = _post(dec.url, {"model": name, "prompt": [5, 6, 7], "max_tokens": 2})
-            assert status == 500 and "no prefill node is connected" in body["error"]["message"]
+            assert status == 503 and "no prefill node is connected" in body["error"]["message"]
     finally:
         pre.stop()
 

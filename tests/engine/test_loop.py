@@ -180,3 +180,24 @@ def test_stop_fails_what_is_left(loop_of):
     loop.stop()
     assert ev.next() == ("failed", "w", "the engine stopped")
     assert not loop.is_alive() and isinstance(EngineFailure("x"), RuntimeError)
+
+
+def test_admission_queue_is_bounded_with_a_503(loop_of):
+    """Finding 3: beyond max_waiting requests waiting for a resource, one more fails at once with
+    a 503 and Retry-After (never a 500, never an unbounded queue)."""
+    from pdkv.engine.loop import EngineFailure
+
+    rec = Recorder(free=0)  # nothing can be admitted: everything waits
+    eng, loop, ev = loop_of(rec, num_pages=32)
+    loop.max_waiting = 2
+    failures = {}
+    ev.on_failed = lambda rid, err: (failures.__setitem__(rid, err), ev.q.put(("failed", rid, str(err))))
+    for rid in ("w1", "w2", "over"):
+        loop.put(AddRequest(rid, [4, 5], GREEDY, 0.0))
+    assert ev.next()[:2] == ("failed", "over")
+    err = failures["over"]
+    assert isinstance(err, EngineFailure) and err.status == 503 and err.retry_after == 1
+    assert "at capacity" in str(err) and "server.max_waiting_requests" in str(err)
+    rec.free = 2
+    loop.put(ReleasePages("nothing-held"))
+    assert sorted(ev.next()[1] for _ in range(2)) == ["w1", "w2"]  # the two that waited still run

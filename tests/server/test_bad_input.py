@@ -121,3 +121,15 @@ def test_api_key(api, strict):
     assert api.http("GET", strict.url + "/health")[0] == 200  # probes and scrapers need no key
     assert api.http("GET", strict.url + "/metrics")[0] == 200
     strict.wait_idle()
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # was a 500 (RecursionError)
+    (b'{"prompt": "' + b"a" * 10 + b'\\ud800", "max_tokens": 2}', "lone UTF-16 surrogate"),  # was a 500
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "lone UTF-16 surrogate"),
+])
+def test_hostile_json_is_a_400(api, served, raw, needle):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        got, body = api.http("POST", served.url + path, raw=raw)
+        assert got == 400 and needle in body["error"]["message"], body
+    assert_still_serving(api, served)

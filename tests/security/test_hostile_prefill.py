@@ -1,0 +1,194 @@
+"""Hostile decode-node peers against a real prefill node (tcp, loopback) of a cluster with a
+secret: unauthenticated and wrong-secret peers, duplicate and malformed PREFILLs, floods of idle
+control connections. Each ends with a clear refusal, the real decode node keeps serving with
+unchanged outputs, /proc counts stay bounded and no page is leaked."""
+
+import asyncio
+import socket
+import time
+
+import pytest
+from _cluster import Cluster, post_completion, wait_for
+from _hostile import HostileDecode, blackhole_info, proc_counts
+
+from pdkv.auth import write_secret_file
+from pdkv.control import AuthenticationFailed, ControlError
+from pdkv.disagg import protocol as P
+from server.app import NODE
+
+PROMPT = {"prompt": "Roma non fu fatta in un giorno", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    f = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    write_secret_file(f)
+    over = {"messenger__secret_file": str(f), "messenger__handshake_timeout_s": 2.0,
+            "messenger__max_control_per_source": 8, "messenger__max_control_conns": 16}
+    c = Cluster(tiny_model_dir, prefill_over=over, decode_over={"messenger__secret_file": str(f)})
+    c.secret = f.read_text().strip().encode()
+    c.pc = c.prefill.app[NODE].coordinator
+    c.expected = post_completion(c.url, {**PROMPT, "model": c.model_name()})[1]["choices"][0]["text"]
+    yield c
+    c.stop()
+
+
+def still_serves(c):
+    status, body = post_completion(c.url, {**PROMPT, "model": c.model_name()})
+    assert status == 200 and body["choices"][0]["text"] == c.expected, body
+    wait_for(c.pools_full, 10, "every page back in both pools")
+    assert len(c.pc.jobs) == 0
+
+
+def test_real_pair_is_authenticated(cluster):
+    assert all(link.channel.authenticated for link in cluster.pc.links)
+    assert cluster.coordinator.peers[0].channel.authenticated
+
+
+@pytest.mark.parametrize("secret", [None, b"w" * 32], ids=["unauthenticated", "wrong-secret"])
+def test_peer_without_the_secret_is_refused(cluster, secret):
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            with pytest.raises(AuthenticationFailed):
+                await h.connect(cluster.prefill.app[NODE].control_port, secret)
+        finally:
+            h.close()
+    asyncio.run(main())
+    assert len(cluster.pc.links) == 1  # only the real decode node
+    still_serves(cluster)
+
+
+def test_duplicate_prefill_is_refused_and_the_first_job_finishes(cluster):
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            ch = await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret)
+            msg = {"type": P.PREFILL, "req": "dup", "tokens": list(range(1, 30)), "pages": list(range(8)),
+                   "imm": 7, "hidden_off": 0, "expected": 1}
+            await ch.send(msg)
+            for _ in range(20):  # a few dozen leaked the pool before
+                await ch.send({**msg, "pages": list(range(8, 16))})
+            got = await h.until(lambda m: m["type"] == P.DONE_AT and m["req"] == "dup")
+            fails = [m for m in got if m["type"] == P.FAIL]
+            assert len(fails) >= 1 and all("duplicate PREFILL" in m["reason"] and "'dup'" in m["reason"]
+                                          for m in fails)
+        finally:
+            h.close()
+    asyncio.run(main())
+    still_serves(cluster)
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"pages": "0,1"}, "pages must be"),
+    ({"pages": [-1, 2]}, "pages must be"),
+    ({"pages": [10**6]}, "pages must be"),
+    ({"imm": -5}, "imm must be"),
+    ({"tokens": [1, "x"]}, "tokens must be"),
+    ({"req": None}, "req must be"),
+    ({"hidden_off": 1.5}, "hidden_off must be"),
+])
+def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            ch = await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret)
+            await ch.send({"type": P.PREFILL, "req": "m", "tokens": [1, 2, 3], "pages": [0], "imm": 1,
+                           "hidden_off": 0, **bad})
+            got = await h.until(lambda m: m["type"] == P.FAIL)
+            assert words in got[-1]["reason"] and got[-1]["posted"] == 0
+        finally:
+            h.close()
+    asyncio.run(main())
+    assert "Traceback" not in caplog.text
+    still_serves(cluster)
+
+
+def test_negative_node_id_is_refused(cluster):
+    async def main():
+        h = HostileDecode(cluster.pc, node_id=1)
+        try:
+            import dataclasses
+            h.hello = lambda: dataclasses.replace(cluster.pc.hello, node_id=-3, role="decode")
+            with pytest.raises(ControlError):
+                await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret)
+        finally:
+            h.close()
+    asyncio.run(main())
+    still_serves(cluster)
+
+
+def test_flood_of_idle_control_connections_is_bounded(cluster):
+    """200 connections that never speak: at most max_control_per_source are held, each dropped
+    after the handshake deadline; the real pair keeps working; fds and threads come back."""
+    port = cluster.prefill.app[NODE].control_port
+    before = proc_counts()
+    socks = []
+    for _ in range(200):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(s)
+    t0 = time.monotonic()
+    still_serves(cluster)  # while the flood is held
+    assert time.monotonic() - t0 < 30
+    during = proc_counts()
+    assert during["threads"] <= before["threads"] + 4, (before, during)
+
+    def closed(s):
+        s.settimeout(0.01)
+        try:
+            return s.recv(1) == b""
+        except (socket.timeout, BlockingIOError):
+            return False
+        except OSError:
+            return True
+    wait_for(lambda: all(closed(s) for s in socks), 10, "every flood connection closed by the node")
+    for s in socks:
+        s.close()
+    wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
+    assert sum(cluster.pc._by_source.values()) == len(cluster.pc.links) == 1  # only the real pair is held
+
+
+def test_oversized_frame_before_authentication_costs_no_memory(cluster):
+    port = cluster.prefill.app[NODE].control_port
+    before = proc_counts()
+    socks = []
+    for _ in range(4):  # four 64 MiB frames grew the node by ~2.9 GB before
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall((64 << 20).to_bytes(4, "big") + b"\0" * (1 << 20))
+        socks.append(s)
+    time.sleep(0.5)
+    for s in socks:
+        s.close()
+    assert proc_counts()["rss_kb"] - before["rss_kb"] < 64 << 10  # < 64 MiB grown in all
+    still_serves(cluster)
+
+
+def test_connect_to_a_data_address_that_never_answers_does_not_stall_the_node(cluster):
+    """Finding 1: Messenger.complete() toward a listener that never accepts blocks ~10 s; the
+    prefill node's event loop must keep serving /health and the real decode node meanwhile."""
+    import urllib.request
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    pc = cluster.pc
+
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            _, real = h.m.prepare(pc.node_id, b"z" * 32)
+            await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret,
+                            info=blackhole_info(real, hole.getsockname()[1]))
+            wait_for(lambda: pc._setups_busy == 1, 5, "the set-up to be running")
+            loop = asyncio.get_running_loop()
+            with urllib.request.urlopen(cluster.prefill.url + "/health", timeout=30) as r:
+                assert r.status == 200
+            assert pc._setups_busy == 1  # /health answered while the set-up was still blocked
+            await loop.run_in_executor(None, still_serves, cluster)
+            assert pc._setups_busy == 1  # ... and so did the real decode node's request
+        finally:
+            h.close()
+    asyncio.run(main())
+    hole.close()
+    wait_for(lambda: pc._setups_busy == 0, 30, "the set-up to give up")
+    assert len(cluster.pc.links) == 1
