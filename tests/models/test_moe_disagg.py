@@ -2,7 +2,8 @@
 prefill TP2 -> decode TP1, TP1 -> TP2 and TP2 -> TP2 (tcp, real nodes on loopback) equal a
 colocated TP1 engine's for DeepSeek-V3 (the replicated latent: every decode rank receives whole
 latent pages from one seeded source rank) and for Qwen3-MoE (GQA heads split one per rank);
-DeepSeek also prefill TP2 -> decode TP1 over the loopback verbs device (``pdkv serve`` children)."""
+and over the loopback verbs device (``pdkv serve`` children): DeepSeek TP2 -> TP1, both families
+TP1 -> TP2 and TP2 -> TP2."""
 
 from __future__ import annotations
 
@@ -137,6 +138,35 @@ def test_deepseek_tp2_to_tp1_over_verbs(family, tmp_path, loopback_verbs_dir):
         d1 = procs[1]
         wait_for(lambda: all(peer["connected"] for peer in d1.health()["prefill_peers"]), 30, "peer connected")
         assert [_complete(d1.url, p) for p in PROMPTS] == family.want, d1.log_path
+        for p in procs:
+            wait_for(lambda: p.health()["num_pages_free"] == p.health()["num_pages_total"], 10, "pages back")
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_tp1_and_tp2_to_tp2_over_verbs(family, tmp_path, loopback_verbs_dir):
+    """Decode TP2 fed by a TP1 and a TP2 prefill node over the loopback verbs device (prefill
+    TP1 -> decode TP2 and TP2 -> TP2): run twice, every prompt goes through each of the two peers
+    (round robin over an odd number of prompts), and every answer equals colocated."""
+    env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
+    c1, c2 = free_port(), free_port()
+
+    def proc(name, role, tp, **kw):
+        d = node_dict(family.dir, role, port=free_port(), transport="verbs", nics=["lo_verbs0"], **kw)
+        d["parallel"] = {"tp": tp, "timeout_s": 30.0}
+        return NodeProc(tmp_path, name, d, env)
+
+    procs = [proc("p1", "prefill", 1, control_port=c1), proc("p2", "prefill", 2, control_port=c2)]
+    try:
+        procs.append(proc("d2", "decode", 2, peers=[f"127.0.0.1:{c1}", f"127.0.0.1:{c2}"]))
+        for p in procs:
+            p.wait_healthy(120)
+        d2 = procs[2]
+        wait_for(lambda: [peer["connected"] for peer in d2.health()["prefill_peers"]] == [True, True], 30,
+                 "both prefill peers connected")
+        got = [[_complete(d2.url, p) for p in PROMPTS] for _ in range(2)]
+        assert got[0] == got[1] == family.want, d2.log_path
         for p in procs:
             wait_for(lambda: p.health()["num_pages_free"] == p.health()["num_pages_total"], 10, "pages back")
     finally:
