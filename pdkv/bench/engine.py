@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     max_b = max(sizes)
     num_pages = max_b * (-(-(a.prompt_len + a.new_tokens) // a.page_size)) + 8
+    # NOTE: no prefix cache: the repeats must compute every prompt, not find the last round's pages
     engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=a.page_size, num_pages=num_pages,
-                                                                layout=a.layout),
+                                                                layout=a.layout, prefix_caching=False),
                        SchedulerConfig(max_num_batched_tokens=max_b * a.prompt_len, chunk_size=a.prompt_len,
                                        max_num_seqs=max_b), num_threads=threads)
     nparams = sum(p.numel() for p in engine.loaded.model.parameters())

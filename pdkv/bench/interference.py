@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     page = 16
     num_pages = a.streams * -(-(a.stream_prompt + a.stream_tokens) // page) + \
         a.num_long * -(-(max(lens) + a.long_new_tokens) // page) + 16
-    engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=page, num_pages=num_pages),
+    # NOTE: no prefix cache: every configuration replays the same prompts and must compute them
+    engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=page, num_pages=num_pages,
+                                                                prefix_caching=False),
                        SchedulerConfig(max_num_seqs=num_live), num_threads=a.threads)
     if a.causes:
         from pdkv.bench._causes import sdpa_paths, thread_ratios

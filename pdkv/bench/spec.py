@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                       num_nextn_predict_layers=1 if a.method == "mtp" else 0))
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     total = a.prompt_len + a.prefix_tokens + a.new_tokens + a.num_tokens + 1
-    kv = KVCacheConfig(page_size=16, num_pages=max(sizes) * (-(-total // 16)) + 16)
+    kv = KVCacheConfig(page_size=16, num_pages=max(sizes) * (-(-total // 16)) + 16, prefix_caching=False)
     sched = SchedulerConfig(max_num_batched_tokens=4096, chunk_size=1024, max_num_seqs=max(sizes))
     draft = DraftModelConfig()
     if a.method == "draft":

@@ -90,12 +90,15 @@ def test_max_tokens_and_context_limit(make_engine):
     out = engine.generate([[1] * 15], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and out.num_output_tokens == 5  # 15 + 5: exactly the limit
     # one token over the limit, by the prompt or by max_tokens: refused up front, naming the sum
-    for prompt_len, max_tokens in ((15, 6), (20, 1), (21, 1)):
+    for prompt_len, max_tokens in ((15, 6), (20, 1)):
         with pytest.raises(InvalidRequest, match=rf"prompt \({prompt_len} tokens\) \+ max_tokens "
                                                  rf"\({max_tokens}\) = {prompt_len + max_tokens} exceeds "
                                                  r"the model's context of 20 tokens"):
             engine.add_request(f"over-{prompt_len}-{max_tokens}", [1] * prompt_len,
                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    # a prompt that alone is longer than the context is named as such (the check every role shares)
+    with pytest.raises(InvalidRequest, match=r"prompt \(21 tokens\) exceeds the model's context of 20 tokens"):
+        engine.add_request("over-21-1", [1] * 21, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_total
     out = engine.generate([[1] * 19], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
     assert out.num_output_tokens == 1  # and 19 + 1 still fits
