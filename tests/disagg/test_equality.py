@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cluster import Cluster, make_engine, node_config
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, make_engine, node_config
 from pdkv.disagg.writes import pages_to_send
 from pdkv.engine import SamplingParams
 
@@ -57,11 +57,14 @@ def test_pages_to_send_covers_each_page_once_whatever_the_chunking():
         assert sent == list(range(-(-n // p))), (n, p, sent)
 
 
-@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (8, False)])
-def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwise):
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False), (64, False)])
+def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout):
     want_tokens, want_hidden = _colocated(tiny_model_dir)
-    over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise}
-    c = Cluster(tiny_model_dir, prefill_over=over)
+    want_kv = colocated_kv(tiny_model_dir, PROMPTS)  # HND: read_kv compares layouts position by position
+    over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise, "kv_cache__layout": layout}
+    c = Cluster(tiny_model_dir, prefill_over=over, decode_over={"kv_cache__layout": layout})
+    landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
     try:
         name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
         results = [None] * len(PROMPTS)
@@ -83,6 +86,15 @@ def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwi
             by_prompt[tuple(p)] = hs[r["id"] + "-0"]
         for p in PROMPTS:
             torch.testing.assert_close(by_prompt[tuple(p)], want_hidden[tuple(p)], rtol=1e-4, atol=1e-5)
+        # the KV that landed, page by page in each request's logical order, before its last
+        # prompt token ran: the colocated cache's first len-1 positions, every layer (token
+        # equality alone cannot see two pages swapped: rotary keys make attention order-blind)
+        assert sorted(landed_kv) == sorted(r["id"] + "-0" for r in results)
+        for r, p in zip(results, PROMPTS):
+            (got,) = landed_kv[r["id"] + "-0"]
+            want = [w[:, :len(p) - 1] for w in want_kv[tuple(p)]]
+            for layer, (g, w) in enumerate(zip(got, want)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
         # the writes were driven by the layer counter: every forward moved it by num_layers
         pc = c.prefill.app[NODE].coordinator
         L = c.prefill_engine.kv.num_layers
