@@ -125,26 +125,36 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_layer_writes_post_while_later_layers_compute(tiny_model_dir, layerwise):
     """The C poller posts layer l's pages as soon as the runner's hook bumped the counter past
-    layer l, during the forward pass; in after-forward mode nothing leaves before it returns."""
+    layer l, during the forward pass: layer l's hook waits (a bounded hang guard) until the
+    messenger posted l + 1 layers' batches, so passing proves they left while later layers were
+    still to compute. In after-forward mode nothing leaves before the forward returns."""
     import time
 
     c = Cluster(tiny_model_dir, prefill_over={"messenger__layerwise": layerwise, "scheduler__chunk_size": 64})
     try:
         peng = c.prefill_engine
         pc = c.prefill.app[NODE].coordinator
+        L = peng.kv.num_layers
         hook, seen = peng.connector.after_layer, []
 
-        def slow_hook(layer):  # FAULT INJECTION: a slow layer, so the poller's timing is visible
+        def waiting_hook(layer):
             hook(layer)
-            time.sleep(0.05)
-            seen.append((layer, pc.m.stats()["posted_batches"]))
-        peng.connector.after_layer = slow_hook
+            posted = pc.m.stats()["posted_batches"]
+            if layerwise:  # one chunk (27 tokens < 64), so one batch per layer
+                end = time.monotonic() + 5.0  # hang guard only
+                while posted < layer + 1 and time.monotonic() < end:
+                    time.sleep(0.001)
+                    posted = pc.m.stats()["posted_batches"]
+            elif layer == L - 1:  # give the poller a chance to post early (it must not)
+                time.sleep(0.05)
+                posted = pc.m.stats()["posted_batches"]
+            seen.append((layer, posted))
+        peng.connector.after_layer = waiting_hook
         body = json.dumps({"model": c.model_name(), "prompt": list(range(3, 30)), "max_tokens": 1}).encode()
         urllib.request.urlopen(urllib.request.Request(c.url + "/v1/completions", body,
                                                       {"Content-Type": "application/json"}), timeout=30).read()
-        L = peng.kv.num_layers
         assert [layer for layer, _ in seen] == list(range(L))
-        if layerwise:  # layer 0's pages left while layer 1.. were still computing
+        if layerwise:  # layer l's pages left inside layer l's hook: before layer l + 1 ran
             assert [n for _, n in seen] == list(range(1, L + 1)), seen
         else:
             assert all(n == 0 for _, n in seen), seen
