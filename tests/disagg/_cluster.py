@@ -155,17 +155,23 @@ def colocated_kv(model_dir, prompts, **over) -> dict:
 def hold_kv_on_landing(coordinator, engine, caches=None) -> dict:
     """Wraps a decode coordinator's engine commands: when a request's KV has landed, before the
     engine hears RemoteKVReady (so before its last prompt token runs), read its pages from every
-    cache in ``caches`` (default: the engine's own). Returns rid -> [read_kv per cache]."""
+    cache in ``caches`` (default: the engine's own). Returns rid -> (prompt, [read_kv per cache]);
+    ``.restore()`` on the returned dict puts the coordinator's own commands back."""
     from pdkv.engine.loop import RemoteKVReady
 
     caches = caches or [engine.kv]
-    seen, put = {}, coordinator.commands
+    put = coordinator.commands
+
+    class Seen(dict):
+        def restore(self):
+            coordinator.commands = put
+    seen = Seen()
 
     def commands(cmd):
         if isinstance(cmd, RemoteKVReady):
             req = engine.requests[cmd.request_id]  # parked in WAITING_FOR_REMOTE_KV: nothing writes its pages
             n = req.num_prompt_tokens - 1
-            seen[cmd.request_id] = [read_kv(c, req.pages, n) for c in caches]
+            seen[cmd.request_id] = (tuple(req.prompt_token_ids), [read_kv(c, req.pages, n) for c in caches])
         put(cmd)
     coordinator.commands = commands
     return seen

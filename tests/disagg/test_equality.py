@@ -91,7 +91,7 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
         # equality alone cannot see two pages swapped: rotary keys make attention order-blind)
         assert sorted(landed_kv) == sorted(r["id"] + "-0" for r in results)
         for r, p in zip(results, PROMPTS):
-            (got,) = landed_kv[r["id"] + "-0"]
+            _, (got,) = landed_kv[r["id"] + "-0"]
             want = [w[:, :len(p) - 1] for w in want_kv[tuple(p)]]
             for layer, (g, w) in enumerate(zip(got, want)):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
