@@ -160,18 +160,24 @@ def hold_kv_on_landing(coordinator, engine, caches=None) -> dict:
     from pdkv.engine.loop import RemoteKVReady
 
     caches = caches or [engine.kv]
-    put = coordinator.commands
+    put, conn = coordinator.commands, engine.connector
+    admit, admitted = conn.admit, {}
 
     class Seen(dict):
         def restore(self):
-            coordinator.commands = put
+            coordinator.commands, conn.admit = put, admit
     seen = Seen()
 
+    def on_admit(req):  # engine thread, before the connector posts PREFILL (so before any landing)
+        admitted[req.request_id] = req
+        return admit(req)
+
     def commands(cmd):
-        if isinstance(cmd, RemoteKVReady):
-            req = engine.requests[cmd.request_id]  # parked in WAITING_FOR_REMOTE_KV: nothing writes its pages
+        # NOTE: not engine.requests: the KV can land before add_request has filed the request
+        req = admitted.get(cmd.request_id) if isinstance(cmd, RemoteKVReady) else None
+        if req is not None:  # parked in WAITING_FOR_REMOTE_KV: nothing writes its pages
             n = req.num_prompt_tokens - 1
             seen[cmd.request_id] = (tuple(req.prompt_token_ids), [read_kv(c, req.pages, n) for c in caches])
         put(cmd)
-    coordinator.commands = commands
+    coordinator.commands, conn.admit = commands, on_admit
     return seen
