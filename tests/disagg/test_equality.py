@@ -94,7 +94,8 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
             _, (got,) = landed_kv[r["id"] + "-0"]
             want = [w[:, :len(p) - 1] for w in want_kv[tuple(p)]]
             for layer, (g, w) in enumerate(zip(got, want)):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
         # the writes were driven by the layer counter: every forward moved it by num_layers
         pc = c.prefill.app[NODE].coordinator
         L = c.prefill_engine.kv.num_layers
