@@ -181,3 +181,17 @@ def hold_kv_on_landing(coordinator, engine, caches=None) -> dict:
         put(cmd)
     coordinator.commands, conn.admit = commands, on_admit
     return seen
+
+
+_COLOCATED: dict = {}
+
+
+def assert_colocated_answer(url, name, model_dir, prompt, max_tokens: int) -> None:
+    """POST a greedy request and assert its token ids equal the colocated engine's (cached per prompt)."""
+    key = (str(model_dir), tuple(prompt), max_tokens)
+    if key not in _COLOCATED:
+        _COLOCATED[key] = colocated_tokens(model_dir, list(prompt), max_tokens)
+    status, body = post_completion(url, {"model": name, "prompt": list(prompt), "max_tokens": max_tokens,
+                                         "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _COLOCATED[key], (prompt, body)
