@@ -108,3 +108,90 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > end:
             raise AssertionError(f"{what} not reached within {timeout} s")
         time.sleep(0.02)
+
+
+def colocated_tokens(model_dir, prompt, max_tokens: int) -> list[int]:
+    """Greedy token ids of a colocated engine for ``prompt`` (the reference for disaggregated)."""
+    from pdkv.engine import SamplingParams
+
+    eng = make_engine(node_config(model_dir, "colocated"))
+    (out,) = eng.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return out.output_token_ids
+
+
+def read_kv(cache, pages, num_tokens: int) -> list:
+    """The KV of a request's first ``num_tokens`` positions, read page by page in its logical
+    order (``pages``), per layer as one [2, num_tokens, heads, head_dim] tensor whatever the layout."""
+    idx = list(pages)
+    out = []
+    for i in range(cache.num_layers):
+        t = cache.layer(i)[idx].clone()  # HND [n, 2, H, P, D] | NHD [n, 2, P, H, D]
+        if cache.layout == "HND":
+            t = t.permute(1, 0, 3, 2, 4)  # [2, n, P, H, D]
+        else:
+            t = t.permute(1, 0, 2, 3, 4)
+        out.append(t.reshape(t.shape[0], -1, *t.shape[3:])[:, :num_tokens])
+    return out
+
+
+def colocated_kv(model_dir, prompts, **over) -> dict:
+    """prompt tuple -> read_kv of a colocated engine, taken right after the forward pass that
+    wrote the prompt's last position (``over``: config overrides, as for node_config)."""
+    from pdkv.engine import SamplingParams
+
+    eng = make_engine(node_config(model_dir, "colocated", **over))
+    got = {}
+
+    def listen(batch, hidden):
+        for e in batch.entries:
+            r = e.request
+            if e.start + e.num_tokens == r.num_prompt_tokens:
+                got[tuple(r.prompt_token_ids)] = read_kv(eng.kv, r.pages, r.num_prompt_tokens)
+    eng.connector.after_forward = listen  # the colocated engine's no-op connector, observed
+    eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return got
+
+
+def hold_kv_on_landing(coordinator, engine, caches=None) -> dict:
+    """Wraps a decode coordinator's engine commands: when a request's KV has landed, before the
+    engine hears RemoteKVReady (so before its last prompt token runs), read its pages from every
+    cache in ``caches`` (default: the engine's own). Returns rid -> (prompt, [read_kv per cache]);
+    ``.restore()`` on the returned dict puts the coordinator's own commands back."""
+    from pdkv.engine.loop import RemoteKVReady
+
+    caches = caches or [engine.kv]
+    put, conn = coordinator.commands, engine.connector
+    admit, admitted = conn.admit, {}
+
+    class Seen(dict):
+        def restore(self):
+            coordinator.commands, conn.admit = put, admit
+    seen = Seen()
+
+    def on_admit(req):  # engine thread, before the connector posts PREFILL (so before any landing)
+        admitted[req.request_id] = req
+        return admit(req)
+
+    def commands(cmd):
+        # NOTE: not engine.requests: the KV can land before add_request has filed the request
+        req = admitted.get(cmd.request_id) if isinstance(cmd, RemoteKVReady) else None
+        if req is not None:  # parked in WAITING_FOR_REMOTE_KV: nothing writes its pages
+            n = req.num_prompt_tokens - 1
+            seen[cmd.request_id] = (tuple(req.prompt_token_ids), [read_kv(c, req.pages, n) for c in caches])
+        put(cmd)
+    coordinator.commands, conn.admit = commands, on_admit
+    return seen
+
+
+_COLOCATED: dict = {}
+
+
+def assert_colocated_answer(url, name, model_dir, prompt, max_tokens: int) -> None:
+    """POST a greedy request and assert its token ids equal the colocated engine's (cached per prompt)."""
+    key = (str(model_dir), tuple(prompt), max_tokens)
+    if key not in _COLOCATED:
+        _COLOCATED[key] = colocated_tokens(model_dir, list(prompt), max_tokens)
+    status, body = post_completion(url, {"model": name, "prompt": list(prompt), "max_tokens": max_tokens,
+                                         "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == _COLOCATED[key], (prompt, body)

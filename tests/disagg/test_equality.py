@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cluster import Cluster, make_engine, node_config
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, make_engine, node_config
 from pdkv.disagg.writes import pages_to_send
 from pdkv.engine import SamplingParams
 
@@ -57,11 +57,14 @@ def test_pages_to_send_covers_each_page_once_whatever_the_chunking():
         assert sent == list(range(-(-n // p))), (n, p, sent)
 
 
-@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (8, False)])
-def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwise):
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False), (64, False)])
+def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout):
     want_tokens, want_hidden = _colocated(tiny_model_dir)
-    over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise}
-    c = Cluster(tiny_model_dir, prefill_over=over)
+    want_kv = colocated_kv(tiny_model_dir, PROMPTS)  # HND: read_kv compares layouts position by position
+    over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise, "kv_cache__layout": layout}
+    c = Cluster(tiny_model_dir, prefill_over=over, decode_over={"kv_cache__layout": layout})
+    landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
     try:
         name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
         results = [None] * len(PROMPTS)
@@ -83,6 +86,16 @@ def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwi
             by_prompt[tuple(p)] = hs[r["id"] + "-0"]
         for p in PROMPTS:
             torch.testing.assert_close(by_prompt[tuple(p)], want_hidden[tuple(p)], rtol=1e-4, atol=1e-5)
+        # the KV that landed, page by page in each request's logical order, before its last
+        # prompt token ran: the colocated cache's first len-1 positions, every layer (token
+        # equality alone cannot see two pages swapped: rotary keys make attention order-blind)
+        assert sorted(landed_kv) == sorted(r["id"] + "-0" for r in results)
+        for r, p in zip(results, PROMPTS):
+            _, (got,) = landed_kv[r["id"] + "-0"]
+            want = [w[:, :len(p) - 1] for w in want_kv[tuple(p)]]
+            for layer, (g, w) in enumerate(zip(got, want)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
         # the writes were driven by the layer counter: every forward moved it by num_layers
         pc = c.prefill.app[NODE].coordinator
         L = c.prefill_engine.kv.num_layers
@@ -113,26 +126,36 @@ def test_greedy_tokens_and_hidden_equal_colocated(tiny_model_dir, chunk, layerwi
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_layer_writes_post_while_later_layers_compute(tiny_model_dir, layerwise):
     """The C poller posts layer l's pages as soon as the runner's hook bumped the counter past
-    layer l, during the forward pass; in after-forward mode nothing leaves before it returns."""
+    layer l, during the forward pass: layer l's hook waits (a bounded hang guard) until the
+    messenger posted l + 1 layers' batches, so passing proves they left while later layers were
+    still to compute. In after-forward mode nothing leaves before the forward returns."""
     import time
 
     c = Cluster(tiny_model_dir, prefill_over={"messenger__layerwise": layerwise, "scheduler__chunk_size": 64})
     try:
         peng = c.prefill_engine
         pc = c.prefill.app[NODE].coordinator
+        L = peng.kv.num_layers
         hook, seen = peng.connector.after_layer, []
 
-        def slow_hook(layer):  # FAULT INJECTION: a slow layer, so the poller's timing is visible
+        def waiting_hook(layer):
             hook(layer)
-            time.sleep(0.05)
-            seen.append((layer, pc.m.stats()["posted_batches"]))
-        peng.connector.after_layer = slow_hook
+            posted = pc.m.stats()["posted_batches"]
+            if layerwise:  # one chunk (27 tokens < 64), so one batch per layer
+                end = time.monotonic() + 5.0  # hang guard only
+                while posted < layer + 1 and time.monotonic() < end:
+                    time.sleep(0.001)
+                    posted = pc.m.stats()["posted_batches"]
+            elif layer == L - 1:  # give the poller a chance to post early (it must not)
+                time.sleep(0.05)
+                posted = pc.m.stats()["posted_batches"]
+            seen.append((layer, posted))
+        peng.connector.after_layer = waiting_hook
         body = json.dumps({"model": c.model_name(), "prompt": list(range(3, 30)), "max_tokens": 1}).encode()
         urllib.request.urlopen(urllib.request.Request(c.url + "/v1/completions", body,
                                                       {"Content-Type": "application/json"}), timeout=30).read()
-        L = peng.kv.num_layers
         assert [layer for layer, _ in seen] == list(range(L))
-        if layerwise:  # layer 0's pages left while layer 1.. were still computing
+        if layerwise:  # layer l's pages left inside layer l's hook: before layer l + 1 ran
             assert [n for _, n in seen] == list(range(1, L + 1)), seen
         else:
             assert all(n == 0 for _, n in seen), seen

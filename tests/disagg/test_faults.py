@@ -11,9 +11,30 @@ import time
 import urllib.error
 import urllib.request
 
-from _cluster import Cluster, post_completion as _post, wait_for
+import functools
+
+from server.app import NODE
+
+from _cluster import Cluster, colocated_tokens, post_completion as _post, wait_for
 
 DELAY = ("delay", 0, 0, 700_000)  # every prefill write lands 0.7 s late
+
+
+@functools.lru_cache(maxsize=None)
+def _want(model_dir, prompt: tuple, max_tokens: int) -> list[int]:
+    return colocated_tokens(model_dir, list(prompt), max_tokens)
+
+
+def _greedy(name, prompt, max_tokens=4):
+    """A request whose answer is compared token by token with the colocated engine's."""
+    return {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def _tokens(result):
+    status, body = result
+    assert status == 200, body
+    return body["choices"][0]["token_ids"]
 
 
 def _in_thread(fn, *args):
@@ -35,36 +56,81 @@ def _send_and_leave(url, body, after):
 
 
 def test_client_leaves_mid_transfer_pages_wait_for_the_writes(tiny_model_dir):
-    c = Cluster(tiny_model_dir, prefill_faults=[DELAY])
+    """A client leaves while its KV is in flight (FAKE DELAY: its 17 writes land 0.7 s late, later
+    writes at once). A request sent while those writes can still land needs the leaver's pages
+    (the decode pool has 10: the leaver holds 8, it needs 6): it waits, gets them only after the
+    writes landed, and answers exactly the colocated tokens."""
+    leaver_writes = 8 * 2 + 1  # 29 tokens of KV: 8 pages x 2 layers, + the hidden-state row
+    c = Cluster(tiny_model_dir, prefill_faults=[("delay", 0, leaver_writes, 700_000)],
+                decode_over={"kv_cache__num_pages": 10})
+    eng, conn = c.decode_engine, c.decode_engine.connector
+    quarantined, admitted = {}, []
+    finished, admit = conn.finished, conn.admit
+
+    def on_finished(req):  # engine thread, right after abort(quarantine=...) detached the pages
+        held = eng._held.get(req.request_id)  # noqa: SLF001 (the engine's quarantine, observed)
+        if held is not None:
+            quarantined[req.request_id] = set(held[0])
+        finished(req)
+
+    def on_admit(req):  # engine thread: what the request got, and what was held at that moment
+        ok = admit(req)
+        if ok and req.num_external_tokens:
+            held = {p for pages, _ in eng._held.values() for p in pages}  # noqa: SLF001
+            admitted.append((req.request_id, set(req.pages), held,
+                             {rid for rid in quarantined if rid in c.coordinator.by_rid},
+                             c.decode.app[NODE].messenger.stats()["imms"]))
+        return ok
+    conn.finished, conn.admit = on_finished, on_admit
     try:
         name = c.model_name()
-        other, box = _in_thread(_post, c.url, {"model": name, "prompt": list(range(5, 30)), "max_tokens": 4,
-                                               "ignore_eos": True})
         _send_and_leave(c.url, {"model": name, "prompt": list(range(40, 70)), "max_tokens": 4}, 0.2)
         # the client is gone, but its pages stay quarantined while the delayed writes can land
-        wait_for(lambda: c.decode_engine.num_held_pages > 0, 5, "quarantined pages")
-        other.join(30)
-        status, body = box["r"]
-        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        wait_for(lambda: quarantined, 5, "quarantined pages")
+        imms = c.decode.app[NODE].messenger.stats()["imms"]
+        assert imms < leaver_writes, imms  # sent before the leaver's writes landed
+        prompt = list(range(5, 30))
+        result = _post(c.url, _greedy(name, prompt))
+        assert _tokens(result) == _want(tiny_model_dir, tuple(prompt), 4)
+        (leaver, held_pages), = quarantined.items()
+        assert len(held_pages) == 8
+        (rid, pages, held_then, draining_then, imms_then), = [a for a in admitted if a[0] != leaver]
+        assert pages & held_pages, (pages, held_pages)  # it needed the freed pages ...
+        # ... and got them only once every write of the leaver had landed
+        assert imms_then >= leaver_writes and not pages & held_then and not draining_then, \
+            (imms_then, held_then, draining_then)
         wait_for(c.pools_full, 10, "both page pools back to full")
-        assert c.decode_engine.num_held_pages == 0 and not c.coordinator.slots
+        assert eng.num_held_pages == 0 and not c.coordinator.slots
     finally:
         c.stop()
 
 
 def test_transfer_timeout_fails_that_client_clearly(tiny_model_dir):
+    from pdkv.engine.loop import FailRequest
+
     c = Cluster(tiny_model_dir, prefill_faults=[DELAY], decode_over={"messenger__transfer_timeout_s": 0.3})
+    failed_at, put = [], c.coordinator.commands
+
+    def commands(cmd):  # event loop: the decode side fails the request; what had landed then?
+        if isinstance(cmd, FailRequest):
+            slot = c.coordinator.by_rid.get(cmd.request_id)
+            failed_at.append((c.decode.app[NODE].messenger.stats()["imms"], slot and slot.expected,
+                              slot and slot.state.value))
+        put(cmd)
+    c.coordinator.commands = commands
     try:
-        t0 = time.monotonic()
         status, body = _post(c.url, {"model": c.model_name(), "prompt": list(range(5, 30)), "max_tokens": 4})
-        assert time.monotonic() - t0 < 0.7 + 0.5  # the error came from the timeout, not the writes
         assert status == 500 and "timed out after 0.3 s" in body["error"]["message"], body
         assert "transfer_timeout_s" in body["error"]["message"]
+        # the error came from the timeout, before the delayed writes: fewer immediates than expected
+        (imms, expected, state), = failed_at
+        assert state == "sent" and imms < expected, failed_at
         wait_for(c.pools_full, 10, "both page pools back to full")
+        assert c.decode.app[NODE].messenger.stats()["imms"] == expected  # they did land, later
         metrics = urllib.request.urlopen(c.url + "/metrics").read().decode()
-        line = [x for x in metrics.splitlines() if x.startswith("pdkv_kv_transfer_failures_total")
-                and 'reason="timeout"' in x]
-        assert line and line[0].endswith(" 1.0"), [x for x in metrics.splitlines() if "failures" in x]
+        failures = [x for x in metrics.splitlines() if x.startswith("pdkv_kv_transfer_failures_total")]
+        assert [x for x in failures if not x.endswith(" 0.0")] == [
+            x for x in failures if 'reason="timeout"' in x] and any(x.endswith(" 1.0") for x in failures), failures
     finally:
         c.stop()
 
@@ -75,10 +141,9 @@ def test_prefill_fail_reaches_the_client_and_others_finish(tiny_model_dir):
     try:
         name = c.model_name()
         big, bbox = _in_thread(_post, c.url, {"model": name, "prompt": list(range(5, 45)), "max_tokens": 4})
-        status, body = _post(c.url, {"model": name, "prompt": list(range(5, 12)), "max_tokens": 4,
-                                     "ignore_eos": True})
+        other = _post(c.url, _greedy(name, list(range(5, 12))))
         big.join(30)
-        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert _tokens(other) == _want(tiny_model_dir, tuple(range(5, 12)), 4)
         bstatus, bbody = bbox["r"]
         assert bstatus == 500, bbody
         msg = bbody["error"]["message"]
@@ -105,8 +170,8 @@ def test_client_leaves_mid_decode(tiny_model_dir):
             assert got.startswith(b"HTTP/1.1 200"), got[:300]
         s.close()
         wait_for(c.pools_full, 10, "both page pools back to full")
-        status, body = _post(c.url, {"model": name, "prompt": list(range(5, 20)), "max_tokens": 3})
-        assert status == 200
+        got = _tokens(_post(c.url, _greedy(name, list(range(5, 20)), 3)))
+        assert got == _want(tiny_model_dir, tuple(range(5, 20)), 3)
     finally:
         c.stop()
 
@@ -116,9 +181,8 @@ def test_error_completion_of_a_write_that_landed_does_not_fail_the_request(tiny_
     count is the truth: the request is served; the prefill node's later FAIL finds no slot."""
     c = Cluster(tiny_model_dir, prefill_faults=[("error", 0, 1, 0)])
     try:
-        status, body = _post(c.url, {"model": c.model_name(), "prompt": list(range(5, 30)), "max_tokens": 4,
-                                     "ignore_eos": True})
-        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        got = _tokens(_post(c.url, _greedy(c.model_name(), list(range(5, 30)))))
+        assert got == _want(tiny_model_dir, tuple(range(5, 30)), 4)
         wait_for(c.pools_full, 10, "both page pools back to full")
     finally:
         c.stop()

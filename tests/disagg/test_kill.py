@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from _cluster import Cluster, make_engine, node_config, post_completion as _post, serve_node, wait_for
+from _cluster import Cluster, assert_colocated_answer, make_engine, node_config, post_completion as _post, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.disagg.node import DecodeNode
 from server.app import NODE
@@ -83,8 +83,7 @@ def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"])
         with serve_node(dcfg, make_engine(dcfg)) as d2:
             name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
-            status, body = _post(d2.url, {"model": name, "prompt": list(range(5, 30)), "max_tokens": 3})
-            assert status == 200, body
+            assert_colocated_answer(d2.url, name, tiny_model_dir, range(5, 30), 3)
 
 
 def test_handshake_refuses_a_different_page_size_or_model(tiny_model_dir, tmp_path):
@@ -105,7 +104,7 @@ def test_handshake_refuses_a_different_page_size_or_model(tiny_model_dir, tmp_pa
             assert word in str(e.value), e.value
             assert eng.allocator.num_free == eng.allocator.num_total
         # the prefill node is unharmed
-        assert _post(c.url, {"model": c.model_name(), "prompt": list(range(5, 20)), "max_tokens": 3})[0] == 200
+        assert_colocated_answer(c.url, c.model_name(), tiny_model_dir, range(5, 20), 3)
     finally:
         c.stop()
 
@@ -139,7 +138,7 @@ def test_client_leaves_while_prefill_is_frozen_pages_wait_for_the_ack(tiny_model
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
             wait_for(lambda: pre.health()["num_pages_free"] == pre.health()["num_pages_total"], 10,
                      "prefill pool full")
-            assert _post(dec.url, {"model": name, "prompt": list(range(5, 20)), "max_tokens": 2})[0] == 200
+            assert_colocated_answer(dec.url, name, tiny_model_dir, range(5, 20), 2)
     finally:
         pre.stop()
 

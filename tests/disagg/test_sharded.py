@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import make_engine, node_config, wait_for
+import torch
+
+from _cluster import colocated_kv, hold_kv_on_landing, make_engine, node_config, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.control import ControlChannel, HandshakeRefused
 from pdkv.disagg.sharded import plan_link
@@ -83,6 +85,11 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
         return json.loads(r.read())["choices"][0]["token_ids"]
 
 
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
+
+
 def _run_twice(url: str) -> list[list[int]]:
     """Every prompt, one at a time, twice: a decode node with two prefill peers takes them in
     turn, and with an odd number of prompts each prompt goes through both peers."""
@@ -103,6 +110,7 @@ def nodes(request, tmp_path_factory, tiny_model_dir):
         model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny_kv1"), num_kv_heads=1, seed=3)
     n = Nodes(model_dir)
     n.want = _reference(model_dir)
+    n.want_kv = colocated_kv(model_dir, PROMPTS)
     n.num_kv_heads = request.param
     yield n
     n.close()
@@ -115,7 +123,42 @@ def test_greedy_tokens_equal_colocated_tp1(nodes, decode):
     c = node.app[NODE].coordinator
     assert c.kv.spec.tp == (1 if decode == "d1" else 2)
     assert len(c.kv.keys) == c.kv.spec.tp  # every rank's region is registered
-    assert _run_twice(node.url) == nodes.want
+    from pdkv.tp import kv_regions
+
+    regions = kv_regions(c.engine)
+    landed = hold_kv_on_landing(c, c.engine, [r.cache for r in regions])
+    routed, send = [], c._send
+
+    def record(peer, msg):  # which prefill peer each PREFILL went to
+        if msg["type"] == "PREFILL":
+            routed.append(peer.port)
+        send(peer, msg)
+    c._send = record
+    prefill_nodes = {t.app[NODE].control_port: t for t in (nodes.p1, nodes.p2)}
+    before = {port: _metric(t.url, "pdkv_queue_prefill_seconds_count") for port, t in prefill_nodes.items()}
+    try:
+        assert _run_twice(node.url) == nodes.want
+    finally:
+        landed.restore()
+        c._send = send
+    # the KV that landed on each rank, page by page in the request's logical order, before the
+    # last prompt token ran: the colocated cache's first len-1 positions of the heads that rank holds
+    assert len(landed) == 2 * len(PROMPTS)
+    for prompt, per_rank in landed.values():
+        want = nodes.want_kv[prompt]
+        for region, got in zip(regions, per_rank):
+            heads = list(region.kv_heads)
+            for layer, (g, w) in enumerate(zip(got, want)):
+                torch.testing.assert_close(g, w[:, :len(prompt) - 1, heads], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"rank {region.rank}, {len(prompt)}-token prompt, "
+                                                         f"layer {layer}: {m}")
+    # every request went to a prefill peer of this node, and each of those peers served exactly
+    # the requests routed to it (with two peers: both, in turn)
+    ports = sorted({p.port for p in c.peers})
+    assert sorted(set(routed)) == ports and len(routed) == 2 * len(PROMPTS), routed
+    for port in ports:
+        served_now = _metric(prefill_nodes[port].url, "pdkv_queue_prefill_seconds_count") - before[port]
+        assert served_now == routed.count(port) > 0, (port, served_now, routed)
     served = sorted((p.plan.prefill.tp, p.plan.decode.tp) for p in c.peers)
     assert served == ([(2, 1)] if decode == "d1" else [(1, 2), (2, 2)])
     if nodes.num_kv_heads == 1 and decode == "d2":
