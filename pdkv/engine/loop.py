@@ -35,6 +35,8 @@ from pdkv.errors import ResourceBusy
 log = logging.getLogger(__name__)
 
 
+ADMISSION_RETRY_S = 0.05  # how often a blocked loop retries admission while requests wait
+
 class EngineFailure(RuntimeError):
     """The engine could not run a request (refused at admission, its KV transfer failed, or a
     step raised); the request was aborted and its pages freed or held until no transfer can
@@ -170,7 +172,16 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once told to stop."""
-        cmd = self._commands.get() if block else self._get_nowait()
+        if block and self._admission:
+            # NOTE: a request waits for a resource that another thread may free without a
+            # command (a hidden-state row the coordinator gives back): look again soon rather
+            # than sleep until the next command, which may never come.
+            try:
+                cmd = self._commands.get(timeout=ADMISSION_RETRY_S)
+            except queue.Empty:
+                cmd = None
+        else:
+            cmd = self._commands.get() if block else self._get_nowait()
         while cmd is not None:
             if isinstance(cmd, Stop):
                 return False
