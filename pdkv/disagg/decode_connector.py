@@ -14,30 +14,12 @@ The forward-pass points are not used: once the KV landed the request decodes lik
 
 from __future__ import annotations
 
-import collections
 import time
 
+from pdkv.disagg.rows import HiddenRows
 from pdkv.engine.connector import LOCAL, Admission, KVConnector
 from pdkv.engine.request import RequestStatus
 from pdkv.errors import AdmissionRefused
-
-
-class HiddenRows:
-    """Row indices of the registered hidden-state buffer: taken on the engine thread at
-    admission, given back on the event loop when the request's slot ends (deque ends are atomic)."""
-
-    def __init__(self, num_rows: int):
-        self.num_rows = num_rows
-        self._free = collections.deque(range(num_rows))
-
-    def take(self) -> int | None:
-        try:
-            return self._free.popleft()
-        except IndexError:
-            return None
-
-    def give_back(self, row: int) -> None:
-        self._free.append(row)
 
 
 class DecodeConnector(KVConnector):

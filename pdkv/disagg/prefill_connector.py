@@ -12,35 +12,15 @@
 
 from __future__ import annotations
 
-import collections
 import time
 
-import torch
 
 from pdkv.disagg.jobs import JobTable
+from pdkv.disagg.rows import StagingRows
 from pdkv.disagg.writes import QueueError, batches_per_layer, plan_batch, queue_chunk
 from pdkv.engine.connector import Admission, ForwardBatch, KVConnector
 
 PREFILL_ONLY = Admission(prefill_only=True)
-
-
-class StagingRows:
-    """Rows of a registered hidden-state buffer, taken on the engine thread at admission and
-    given back on the event loop when the job finished (deque ends are atomic)."""
-
-    def __init__(self, num_rows: int, hidden_size: int, dtype: torch.dtype):
-        self.buffer = torch.zeros(num_rows, hidden_size, dtype=dtype)  # [rows, hidden_size]
-        self.row_nbytes = hidden_size * self.buffer.element_size()
-        self._free = collections.deque(range(num_rows))
-
-    def take(self) -> int | None:
-        try:
-            return self._free.popleft()
-        except IndexError:
-            return None
-
-    def give_back(self, row: int) -> None:
-        self._free.append(row)
 
 
 class PrefillConnector(KVConnector):
