@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdkv.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPT = "def fibonacci(n):"  # tests/default_model checks that its completion parses
 
@@ -38,10 +40,6 @@ def port_is_free(host: str, port: int) -> bool:
             return False
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:

@@ -25,7 +25,6 @@ import copy
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from pdkv.auth import SECRET_ENV, new_secret
 from pdkv.config import ConfigError, _read_yaml, load_config
+from pdkv.ports import free_port as _free_port
 
 log = logging.getLogger("pdkv.up")
 ROLES = ("prefill", "decode")
@@ -47,10 +47,6 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 MAX_REPLICAS = 16

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from pdkv.ports import free_port  # noqa: F401  (re-exported for the tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NodeProc:

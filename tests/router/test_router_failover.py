@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,12 @@ from pathlib import Path
 import aiohttp
 
 from pdkv.router import RouterThread
+from pdkv.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True, "stream": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_node_process(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:

@@ -14,13 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from pdkv.ports import free_port as _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str):

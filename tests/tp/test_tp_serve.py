@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,11 @@ import urllib.request
 from pathlib import Path
 
 from pdkv.engine import SamplingParams
+from pdkv.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:

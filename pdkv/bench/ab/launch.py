@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,13 @@ from pathlib import Path
 import yaml
 
 from pdkv.bench.ab.archs import ArchSpec, NodeSpec, node_specs
+from pdkv.ports import free_port
 
 
 class LaunchError(RuntimeError):
     """An architecture that did not come up; the message names the node and its log."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 5.0) -> dict:
