@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 
 from aiohttp import web
 
+from pdkv.app_thread import AppThread
 from pdkv.config import Config
 from server.app import build_app, served_model_name
 from server.conn_limits import ConnectionReaper
@@ -69,68 +69,22 @@ def serve(cfg: Config, engine, node=None) -> None:
     asyncio.run(main())
 
 
-class ServerThread:
+class ServerThread(AppThread):
     """The server on a background thread with its own event loop (tests, tools, benchmarks).
 
     ``with ServerThread(cfg, engine) as srv: ... srv.url ...``; ``cfg.server.port = 0`` picks a
     free port, available as ``srv.port`` once started.
     """
 
+    name, what = "pdkv-server", "server"
+
     def __init__(self, cfg: Config, engine, node=None):
         """``node``: what serves a role other than colocated (see server.app; e.g.
         pdkv.disagg.node.build_node(cfg, engine), or a node on the fault-injecting fake transport)."""
+        super().__init__(cfg.server.host)
         self.cfg = cfg
         self.engine = engine
         self.node = node
-        self.port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pdkv-server", daemon=True)
-        self.app: web.Application | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.cfg.server.host}:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> "ServerThread":
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"server did not start within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._stop.set)
-            except RuntimeError:
-                pass
-        self._thread.join(timeout)
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            try:
-                runner, self.port = await _start(self.cfg, self.engine, self.node)
-                self.app = runner.app
-            except BaseException as e:  # noqa: BLE001 - reported to start()
-                self._error = e
-                self._ready.set()
-                return
-            self._ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await runner.cleanup()
-
-        asyncio.run(main())
+    async def _open(self):
+        return await _start(self.cfg, self.engine, self.node)

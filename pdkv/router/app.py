@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 
 import aiohttp
 from aiohttp import web
 
+from pdkv.app_thread import AppThread
 from pdkv.config.router import RouterConfig
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.nodes import Node, NodePoller
@@ -125,60 +125,14 @@ def serve_router(cfg: RouterConfig) -> None:
     asyncio.run(main())
 
 
-class RouterThread:
+class RouterThread(AppThread):
     """The router on a background thread (tests, benchmarks): ``with RouterThread(cfg) as r: r.url``."""
 
+    name, what = "pdkv-router", "router"
+
     def __init__(self, cfg: RouterConfig):
+        super().__init__(cfg.host)
         self.cfg = cfg
-        self.port: int | None = None
-        self.app: web.Application | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pdkv-router", daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "RouterThread":
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"router did not start within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._stop.set)
-            except RuntimeError:
-                pass
-        self._thread.join(timeout)
-
-    def __enter__(self) -> "RouterThread":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            try:
-                runner, self.port = await _start(self.cfg)
-                self.app = runner.app
-            except BaseException as e:  # noqa: BLE001 - reported to start()
-                self._error = e
-                self._ready.set()
-                return
-            self._ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await runner.cleanup()
-
-        asyncio.run(main())
+    async def _open(self):
+        return await _start(self.cfg)
