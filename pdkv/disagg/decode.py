@@ -41,7 +41,7 @@ from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.writes import expected_writes
-from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
+from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
 from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class DecodeCoordinator:
         self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
-        self.rows = HiddenRows(num_rows)
+        self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
         self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
                                     narrow=messenger.transport != "verbs")
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request

@@ -34,7 +34,7 @@ from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
-from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages
+from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.shard import ShardPlan, request_seed
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class PrefillCoordinator(LoopEvents):
         self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
                                       max_waiting=cfg.server.max_waiting_requests)
         self.commands = self.engine_loop.put
+        self.staging.on_free = lambda: self.commands(Wake())  # a request waiting for a row may fit
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links: list[Link] = []
         self._server: asyncio.AbstractServer | None = None

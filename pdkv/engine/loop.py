@@ -35,7 +35,9 @@ from pdkv.errors import ResourceBusy
 log = logging.getLogger(__name__)
 
 
-ADMISSION_RETRY_S = 0.05  # how often a blocked loop retries admission while requests wait
+# A safety net only: every resource admission waits for is given back with a command (pages by
+# the engine itself, hidden-state rows with Wake), so a waiting request is retried at once.
+ADMISSION_RETRY_S = 0.5
 
 class EngineFailure(RuntimeError):
     """The engine could not run a request (refused at admission, its KV transfer failed, or a
@@ -91,6 +93,12 @@ class ReleasePages:
 
 
 @dataclass(frozen=True)
+class Wake:
+    """Another thread gave back a per-request resource (a hidden-state row, pdkv/disagg/rows.py):
+    requests waiting for admission may fit now."""
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -131,7 +139,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self.num_step_errors = 0
         self._handlers = {AddRequest: self._on_add, AbortRequest: self._on_abort, RemoteKVReady: self._on_ready,
-                          FailRequest: self._on_fail, ReleasePages: self._on_release}
+                          FailRequest: self._on_fail, ReleasePages: self._on_release,
+                          Wake: lambda cmd: None}  # the loop admits after every batch of commands
 
     # ---- any thread ------------------------------------------------------------------------------
     def put(self, cmd) -> None:
@@ -173,9 +182,8 @@ class EngineLoop:
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once told to stop."""
         if block and self._admission:
-            # NOTE: a request waits for a resource that another thread may free without a
-            # command (a hidden-state row the coordinator gives back): look again soon rather
-            # than sleep until the next command, which may never come.
+            # NOTE: whatever frees a resource sends a command (Wake for hidden-state rows); the
+            # timeout only bounds the cost of a resource freed without one, should one appear.
             try:
                 cmd = self._commands.get(timeout=ADMISSION_RETRY_S)
             except queue.Empty:

@@ -10,7 +10,7 @@ import pytest
 
 from pdkv.engine import KVConnector, SamplingParams
 from pdkv.engine.connector import Admission
-from pdkv.engine.loop import (AbortRequest, AddRequest, EngineFailure, EngineLoop, FailRequest, LoopEvents,
+from pdkv.engine.loop import (AbortRequest, AddRequest, EngineFailure, EngineLoop, FailRequest, LoopEvents, Wake,
                               ReleasePages, RemoteKVReady)
 from pdkv.errors import AdmissionRefused
 
@@ -127,6 +127,42 @@ def test_admission_waits_fifo_for_a_connector_resource(loop_of):
     admitted = [c[1] for c in rec.calls if c[0] == "admit"]  # every try, refused ones included
     assert admitted[0] == "a" and set(admitted) == {"a", "b", "c"}
     assert eng.allocator.num_free == eng.allocator.num_total
+
+
+def test_a_resource_given_back_on_another_thread_wakes_admission(loop_of, monkeypatch):
+    """A hidden-state row is given back on the coordinator's event loop, not by a command the
+    engine handles: the RowPool's on_free posts Wake, so the waiting request runs at once
+    instead of waiting for the loop's safety-net timeout (set to an hour here)."""
+    import pdkv.engine.loop as loop_mod
+    from pdkv.disagg.rows import RowPool
+
+    monkeypatch.setattr(loop_mod, "ADMISSION_RETRY_S", 3600.0)
+
+    class RowConnector(Recorder):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows, self.held = rows, []
+
+        def admit(self, req):
+            row = self.rows.take()
+            if row is None:
+                return False
+            self.held.append(row)
+            return True
+
+        def finished(self, req):  # keep the row: "another thread" gives it back below
+            pass
+
+    holder = {}
+    rows = RowPool(1, on_free=lambda: holder["loop"].put(Wake()))
+    conn = RowConnector(rows)
+    eng, loop, ev = loop_of(conn, num_pages=32)
+    holder["loop"] = loop
+    loop.put(AddRequest("a", [5, 6, 7], GREEDY, 0.0))
+    assert ev.next() == ("finished", "a", "length")
+    loop.put(AddRequest("b", [5, 6, 7], GREEDY, 0.0))  # waits: the only row is still held
+    threading.Timer(0.2, rows.give_back, args=(conn.held.pop(),)).start()
+    assert ev.next() == ("finished", "b", "length")  # ev.next() gives up after 30 s
 
 
 def test_refused_and_queued_aborts_reach_the_front_end(loop_of):
