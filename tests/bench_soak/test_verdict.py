@@ -123,3 +123,10 @@ def test_svg_plot_without_matplotlib(tmp_path):
     root = ET.parse(path).getroot()
     lines = [e for e in root.iter() if e.tag.endswith("polyline")]
     assert len(lines) >= 4 and all(len(e.get("points").split()) == 20 for e in lines[:3])
+
+
+def test_restart_schedule_leaves_the_last_outage_inside_the_load():
+    from pdkv.bench.soak.run import restart_times
+
+    assert restart_times(1800, 300) == [300, 600, 900, 1200, 1500]
+    assert restart_times(36, 16) == [16] and restart_times(36, 0) == []

@@ -96,7 +96,7 @@ class Soak:
         for at in restart_times(self.opts.duration_s, self.opts.restart_every_s):
             # a node is up at least half an interval between two kills, however slow its start-up
             at = max(at, up_since + self.opts.restart_every_s / 2)
-            if at > self.opts.duration_s:
+            if at > self.opts.duration_s - self.opts.restart_every_s / 2:
                 return
             if at > self.now():
                 await asyncio.sleep(at - self.now())
