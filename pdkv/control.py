@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import ssl as _ssl
 import struct
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from typing import Any, Awaitable, Callable
 import msgpack
 
 from pdkv import auth
+from pdkv.tls import describe as _tls_reason
 
 PROTOCOL_VERSION = 2  # 2: authentication before HELLO
 MAX_FRAME = 64 << 20  # default after the handshake (messenger.max_frame_bytes)
@@ -55,6 +57,23 @@ class HandshakeRefused(ControlError):
 
 class AuthenticationFailed(HandshakeRefused):
     """The peer did not prove it holds the cluster secret (or the two disagree on having one)."""
+
+
+class TLSRefused(HandshakeRefused):
+    """The TLS handshake failed (messenger.tls): no certificate, one not from the cluster's CA,
+    or a peer that speaks plain text. Final: a redial with the same files fails the same way."""
+
+
+# NOTE: under TLS 1.3 the acceptor checks the dialler's certificate after the dialler's side of the
+# TLS handshake completed: its refusal reaches the dialler as a close before the first frame
+_TLS_CLOSED = ("TLS: the peer closed the connection right after the TLS handshake ({}): it did not accept this "
+               "node's certificate (messenger.tls: none, or not from its CA)")
+
+
+def _tls_record(head: bytes) -> bool:
+    """A TLS record header (handshake, alert, ...: type 20..23, major version 3) where a frame
+    length was expected: the peer speaks TLS and this side does not."""
+    return 20 <= head[0] <= 23 and head[1] == 3
 
 
 def model_fingerprint(config: dict, param_shapes: dict[str, tuple[int, ...]]) -> str:
@@ -123,6 +142,9 @@ async def read_frame(reader: asyncio.StreamReader, sealer: auth.Sealer | None = 
     (n,) = _LEN.unpack(head)
     tag_len = auth.TAG_BYTES if sealer is not None else 0
     if n > limit + tag_len:  # refused before a byte of it is read: nothing big is buffered
+        if _tls_record(head):
+            raise TLSRefused("the peer speaks TLS and this node does not: set messenger.tls on both nodes or "
+                             "on neither")
         raise ControlError(f"peer sent a control frame of {n} bytes (limit {limit})")
     try:
         body = await reader.readexactly(n)
@@ -169,33 +191,60 @@ class ControlChannel:
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, timeout: float = 10.0, *,
                       secret: bytes | None = None, max_frame: int = MAX_FRAME, ssl=None) -> "ControlChannel":
+        """``ssl``: a client context (pdkv.tls.client_context): TLS first, then the handshake inside."""
+        tls = {"ssl": ssl, "ssl_handshake_timeout": timeout} if ssl is not None else {}
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl), timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls), timeout)
+        except _ssl.SSLError as e:
+            raise TLSRefused(f"TLS handshake with {host}:{port} failed: {_tls_reason(e)}") from e
         except (OSError, asyncio.TimeoutError) as e:
             raise ControlError(f"cannot reach the peer at {host}:{port}: {e}") from e
-        return await cls._handshake(reader, writer, hello, timeout, secret, True, max_frame)
+        return await cls._handshake(reader, writer, hello, timeout, secret, True, max_frame, dial_tls=ssl is not None)
 
     @classmethod
     async def accept(cls, reader, writer, hello: Hello, timeout: float = 10.0, *,
-                     secret: bytes | None = None, max_frame: int = MAX_FRAME) -> "ControlChannel":
-        return await cls._handshake(reader, writer, hello, timeout, secret, False, max_frame)
+                     secret: bytes | None = None, max_frame: int = MAX_FRAME, ssl=None) -> "ControlChannel":
+        """``ssl``: a server context (pdkv.tls.server_context): the accepted stream is upgraded to
+        TLS first, within the same deadline as the rest of the handshake."""
+        return await cls._handshake(reader, writer, hello, timeout, secret, False, max_frame, ssl)
 
     @classmethod
     async def _handshake(cls, reader, writer, hello: Hello, timeout: float, secret: bytes | None,
-                         dialer: bool, max_frame: int) -> "ControlChannel":
-        """The whole exchange (authentication, HELLO) must finish within ``timeout`` s."""
+                         dialer: bool, max_frame: int, tls=None, dial_tls: bool = False) -> "ControlChannel":
+        """The whole exchange (TLS on accept, authentication, HELLO) must finish within ``timeout`` s."""
+        async def run():
+            if tls is not None:
+                try:
+                    await writer.start_tls(tls, ssl_handshake_timeout=timeout)
+                except _ssl.SSLError as e:
+                    raise TLSRefused(f"TLS handshake failed: {_tls_reason(e)}") from e
+            return await cls._exchange(reader, writer, hello, secret, dialer, max_frame, heard)
+
+        heard = [0]  # frames read from the peer so far
         try:
-            return await asyncio.wait_for(cls._exchange(reader, writer, hello, secret, dialer, max_frame), timeout)
+            return await asyncio.wait_for(run(), timeout)
         except asyncio.TimeoutError as e:
             writer.close()
             raise ControlError(f"peer did not complete the handshake within {timeout} s") from e
-        except (ControlError, OSError):
+        except ControlError as e:
             writer.close()
+            if isinstance(e.__cause__, _ssl.SSLError) and not isinstance(e, TLSRefused):
+                # e.g. the acceptor refused this node's certificate: TLS 1.3 says so at the first read
+                raise TLSRefused(f"TLS: the peer refused this node: {_tls_reason(e.__cause__)}") from e
+            if dial_tls and not heard[0] and not isinstance(e, HandshakeRefused):
+                raise TLSRefused(_TLS_CLOSED.format(e)) from e
+            raise
+        except OSError as e:
+            writer.close()
+            if isinstance(e, _ssl.SSLError):
+                raise TLSRefused(f"TLS: {_tls_reason(e)}") from e
+            if dial_tls and not heard[0]:
+                raise TLSRefused(_TLS_CLOSED.format(e)) from e
             raise
 
     @classmethod
     async def _exchange(cls, reader, writer, hello: Hello, secret: bytes | None, dialer: bool,
-                        max_frame: int) -> "ControlChannel":
+                        max_frame: int, heard: list | None = None) -> "ControlChannel":
         lim = PRE_AUTH_MAX_FRAME
 
         async def refuse(reason: str, exc=HandshakeRefused):
@@ -205,6 +254,8 @@ class ControlChannel:
 
         async def expect(kind: str, sealer=None) -> dict:
             msg = await read_frame(reader, sealer, lim)
+            if heard is not None:
+                heard[0] += 1
             if msg["type"] == "REFUSE":
                 exc = AuthenticationFailed if "secret" in str(msg.get("reason")) else HandshakeRefused
                 raise exc(f"peer refused the handshake: {msg.get('reason')}")

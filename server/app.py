@@ -58,6 +58,17 @@ def _auth_middleware(api_key: str):
     return auth
 
 
+def _held_pages(engine) -> int | None:
+    """Pages quarantined until no write can land in them (read from the event loop while the
+    engine thread may change the table: a count one step stale is fine, a torn read is retried)."""
+    for _ in range(3):
+        try:
+            return engine.num_held_pages
+        except RuntimeError:  # the table changed size while it was summed
+            continue
+    return None
+
+
 def build_app(cfg: Config, engine, node=None) -> web.Application:
     """An app serving ``engine`` (already loaded) with the ``server`` section of ``cfg``;
     ``node``: see the module docstring (None: the engine as it is, colocated)."""
@@ -102,7 +113,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
             return error_response("the engine thread is not running", 503)
         a = engine.allocator
         body = {"status": "ok", "model": name, "role": cfg.role, "num_pages_free": a.num_free,
-                "num_pages_total": a.num_total}
+                "num_pages_total": a.num_total, "num_pages_cached": a.num_evictable,
+                "num_pages_held": _held_pages(engine)}
         if node is not None:
             body.update(node.health())
         return web.json_response(body)

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),  # model families, layers, attention backends
     ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model"),
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)
-    ("pdkv.detokenizer", "pdkv.tiny_model", "pdkv.topo"),
+    ("pdkv.detokenizer", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
     ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv.auth", "pdkv.ports", "pdkv.app_thread", "pdkv"),  # leaves
     ("pdkv.cpus",),  # CPU-list parsing and pinning (the config validates parallel.cpus with it)
 ]

@@ -61,6 +61,16 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class TLSConfig:
+    # Optional TLS for the control channel (pdkv/tls.py): all three PEM files or none. Both sides
+    # present their certificate and verify the peer's against ``ca`` (mutual); the cluster
+    # secret's handshake still runs inside. The data transport is not covered.
+    cert: str = ""  # this node's certificate (chain)
+    key: str = ""  # its private key (unencrypted PEM)
+    ca: str = ""  # the CA that signs every node of the cluster (use one dedicated to it)
+
+
+@dataclass(frozen=True)
 class MessengerConfig:
     # Reserved for the disaggregation issues: filled in as they land.
     transport: str = "tcp"  # tcp | verbs
@@ -89,6 +99,7 @@ class MessengerConfig:
     max_control_conns: int = 64  # prefill: control connections held at once (handshaking or live)
     max_control_per_source: int = 16  # prefill: ... of them from one source address
     max_setups: int = 4  # data-path set-ups (Messenger.complete) running at once, each in a thread
+    tls: TLSConfig = field(default_factory=TLSConfig)  # empty: control connections in clear
 
 
 @dataclass(frozen=True)

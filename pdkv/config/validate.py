@@ -84,6 +84,16 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)
     for name in ("max_control_conns", "max_control_per_source", "max_setups"):
         need(getattr(ms, name) > 0, f"messenger.{name}", "a positive integer", getattr(ms, name))
+    tls = {"cert": ms.tls.cert, "key": ms.tls.key, "ca": ms.tls.ca}
+    if any(tls.values()):
+        for name, other in (("key", "cert"), ("cert", "key"), ("ca", "cert")):
+            need(bool(tls[other]) or not tls[name], f"messenger.tls.{other}",
+                 f"set when messenger.tls.{name} is (TLS needs cert, key and ca together)", tls[other])
+        need(bool(tls["ca"]), "messenger.tls.ca", "the CA file that signs the peers' certificates (both sides "
+             "verify each other; messenger.tls needs cert, key and ca together)", tls["ca"])
+        if check_paths:
+            for name, path in tls.items():
+                need(Path(path).is_file(), f"messenger.tls.{name}", "a PEM file that exists", path)
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdkv.control import ControlChannel, ControlError, HandshakeRefused
 from pdkv.disagg import protocol as P
 from pdkv.disagg.sharded import plan_link
+from pdkv.tls import client_context
 
 log = logging.getLogger("pdkv.disagg.decode")  # the decode node's log, as before the split (filtered on)
 REDIAL_FIRST_S, REDIAL_MAX_S = 0.1, 5.0  # backoff between redials of a dead prefill node (doubling)
@@ -43,6 +44,7 @@ class PrefillPeers:
         ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None."""
         self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
         self.secret = secret
+        self.tls = client_context(mcfg.tls)  # messenger.tls, or None (ConfigError names the field)
         # NOTE: Messenger.complete() may block for seconds (a data address that never answers):
         # it runs here, never on the event loop, one thread per peer at most
         self._setups = ThreadPoolExecutor(max(1, len(mcfg.prefill_peers)), thread_name_prefix="pdkv-decode-setup")
@@ -65,7 +67,8 @@ class PrefillPeers:
         while True:
             try:
                 ch = await ControlChannel.connect(peer.host, peer.port, self.hello, self.mcfg.handshake_timeout_s,
-                                                  secret=self.secret, max_frame=self.mcfg.max_frame_bytes)
+                                                  secret=self.secret, max_frame=self.mcfg.max_frame_bytes,
+                                                  ssl=self.tls)
                 break
             except ControlError as e:
                 if once or isinstance(e, HandshakeRefused) or time.monotonic() > deadline:

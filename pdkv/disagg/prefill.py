@@ -36,6 +36,7 @@ from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.shard import ShardPlan, request_seed
+from pdkv.tls import server_context, start_server
 
 log = logging.getLogger(__name__)
 NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per admitted request)
@@ -88,6 +89,8 @@ class PrefillCoordinator(LoopEvents):
         self.links: list[Link] = []
         self._server: asyncio.AbstractServer | None = None
         self.secret = secret
+        # messenger.tls, or None; a connection is upgraded only after it was counted (see _accept)
+        self.tls = server_context(self.mcfg.tls)
         self._by_source: collections.Counter = collections.Counter()  # control connections held per source
         # NOTE: Messenger.complete() connects sockets / QPs and may block for seconds (bounded in C by
         # the transport's connect timeout): never on the event loop, at most max_setups at once.
@@ -101,7 +104,8 @@ class PrefillCoordinator(LoopEvents):
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport)
         self.engine_loop.start()
-        self._server = await asyncio.start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port)
+        self._server = await start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port,
+                                          upgrade_later=self.tls is not None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -144,7 +148,7 @@ class PrefillCoordinator(LoopEvents):
         ch = None
         try:
             ch = await ControlChannel.accept(reader, writer, self.hello, timeout, secret=self.secret,
-                                             max_frame=self.mcfg.max_frame_bytes)
+                                             max_frame=self.mcfg.max_frame_bytes, ssl=self.tls)
             try:
                 plan = plan_link(self.kv.spec, "prefill", ch.peer.extra)
             except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
