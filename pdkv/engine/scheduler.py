@@ -279,6 +279,8 @@ class Scheduler:
             if not self._grow(req, n):
                 if fresh:
                     self._unreuse(req)
+                if self._holder_first(req):
+                    continue
                 break
             if fresh and req.num_preemptions == 0:  # a recompute is not a new query (vLLM counts so too)
                 self.cache.record_query(req.num_tokens, req.num_computed_tokens)
@@ -288,6 +290,21 @@ class Scheduler:
             out.seqs.append(self._seq(req, n))
             budget -= n
         return out
+
+    def _holder_first(self, head: Request) -> bool:
+        """``head`` does not fit and nothing runs: move the first waiting request that already
+        holds pages (its remote KV landed; it needs at most a few more) in front of it. True if
+        one was moved. NOTE: strict FIFO would deadlock here: with nothing running, no page
+        comes free unless the requests sitting on pages run (a preempted request at the head
+        that needs more than the free pages would wait for ever behind them)."""
+        if self.running:
+            return False  # they finish and free pages: FIFO order is kept
+        holder = next((r for r in self.waiting if r.pages and r is not head), None)
+        if holder is None or head.pages:
+            return False
+        self.waiting.remove(holder)
+        self.waiting.appendleft(holder)
+        return True
 
     def update_computed(self, out: SchedulerOutput) -> None:
         for s in out.seqs:

@@ -68,3 +68,38 @@ def test_scheduler_frees_every_page_exactly_once(num_pages, page_size, budget, c
     assert a.num_free == num_pages
     assert not s.running and not s.waiting and not s.remote
     assert all(r.status in (RequestStatus.ABORTED, RequestStatus.FINISHED) for r in live.values())
+
+
+def test_landed_requests_holding_pages_do_not_wait_behind_a_request_that_cannot_fit():
+    """16 pages of 4: two remote requests (3 + 5 pinned pages) land while a local 32-token
+    request decodes; its next token needs a ninth page, so it preempts itself and goes back to
+    the head of the queue needing 9 pages with only 8 free. Nothing runs, and the 8 held pages
+    belong to the landed requests behind it: strict FIFO waited for ever (the decode node's
+    60 s hang). They must run first, then everything finishes and every page comes back."""
+    a = PageAllocator(16)
+    s = Scheduler(a, 4, 64, 64, max_num_seqs=8)
+    r13, r21, x = _req(13, 13, 2), _req(21, 21, 2), _req(32, 32, 4)
+    s.add_remote(r13)
+    s.add_remote(r21)
+    s.add(x)
+
+    def step():
+        out = s.schedule()
+        s.update_computed(out)
+        for seq in out.seqs:
+            if seq.sample:
+                seq.request.output_token_ids.append(7)
+                if len(seq.request.output_token_ids) >= seq.request.params.max_tokens:
+                    s.finish(seq.request, "length")
+        return out
+
+    assert [q.request for q in step().seqs] == [x]  # its whole prompt: 8 pages
+    s.remote_ready(r13)
+    s.remote_ready(r21)
+    out = step()
+    assert out.preempted == ["r32"] and not out.seqs and list(s.waiting)[:1] == [x]
+    for _ in range(20):
+        if not step().seqs:
+            break
+    assert all(r.status == RequestStatus.FINISHED for r in (r13, r21, x)), [r.status for r in (r13, r21, x)]
+    assert a.num_free == 16
