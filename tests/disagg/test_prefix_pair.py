@@ -128,6 +128,12 @@ def test_second_request_moves_only_the_pages_the_decode_node_lacks(tiny_model_di
     try:
         name = c.model_name()
         sent = record_prefills(c)
+        granted, grant = [], c.coordinator.grants.grant
+
+        def record_grant(peer, pages, row):  # tcp: narrow grants, the pages the peer may write
+            granted.append(sorted(pages))
+            return grant(peer, pages, row)
+        c.coordinator.grants.grant = record_grant
         kv = c.decode_engine.kv
         L, page, hidden = kv.num_layers, kv.page_nbytes, c.coordinator.hidden_nbytes
         assert c.coordinator.peers[0].plan.expected_writes_total(1, L) == L  # TP1 -> TP1: a write per page and layer
@@ -138,6 +144,8 @@ def test_second_request_moves_only_the_pages_the_decode_node_lacks(tiny_model_di
         assert complete(c, name, second) == want[1]
         after = counters(c)
         assert [(m["cached"], len(m["pages"])) for m in sent] == [(0, 12), (40, 2)]
+        assert granted == [sorted(m["pages"]) for m in sent]  # only the pages written, never a cached one
+        assert c.coordinator.grants.narrow and not set(granted[1]) & set(sent[0]["pages"][:10])
         for node in ("decode", "prefill"):
             d1 = {n: mid[node, n] - before[node, n] for n in COUNTERS}
             d2 = {n: after[node, n] - mid[node, n] for n in COUNTERS}
@@ -170,6 +178,51 @@ def test_prefill_node_sends_the_pages_its_own_cache_gave_it(tiny_model_dir):
         for node in ("decode", "prefill"):
             assert after[node, "pdkv_kv_transfer_pages_total"] - before[node, "pdkv_kv_transfer_pages_total"] == 16
             assert after[node, "pdkv_kv_transfer_pages_skipped_total"] == before[node, "pdkv_kv_transfer_pages_skipped_total"]
+        wait_for(c.pools_full, 10, "every page back in both pools")
+    finally:
+        c.stop()
+
+
+def test_pages_still_arriving_are_not_reused_until_landed(tiny_model_dir):
+    """The first request's KV has landed on the decode node but the engine has not heard it yet
+    (RemoteKVReady held back): a second request with the same 8-token prefix arriving meanwhile
+    finds nothing cached (PREFILL cached=0); once the first is ready, a third one reuses its
+    pages (cached=8). All three answer the colocated tokens."""
+    import time
+
+    from pdkv.engine.loop import RemoteKVReady
+
+    prompts = [list(range(40, 48)) + [1, 2, 3], list(range(40, 48)) + [4, 5, 6], list(range(40, 48)) + [7, 8, 9]]
+    want = reference(tiny_model_dir, prompts)
+    c = Cluster(tiny_model_dir)
+    try:
+        name = c.model_name()
+        sent = record_prefills(c)
+        put, held = c.coordinator.commands, []
+
+        def commands(cmd):
+            if isinstance(cmd, RemoteKVReady) and not held:
+                held.append(cmd)  # the first landing only
+            else:
+                put(cmd)
+        c.coordinator.commands = commands
+        got = [None] * 3
+
+        def run(i):
+            got[i] = complete(c, name, prompts[i])
+        first = threading.Thread(target=run, args=(0,))
+        first.start()
+        wait_for(lambda: held, 20, "the first request's KV landed")
+        second = threading.Thread(target=run, args=(1,))
+        second.start()
+        wait_for(lambda: len(sent) == 2, 20, "the second PREFILL sent")
+        time.sleep(0.1)
+        put(held[0])
+        first.join(30)
+        second.join(30)
+        run(2)
+        assert [m["cached"] for m in sent] == [0, 0, 8]
+        assert got == want
         wait_for(c.pools_full, 10, "every page back in both pools")
     finally:
         c.stop()
