@@ -175,12 +175,16 @@ def main(argv: list[str]) -> int:
         kv = f"{r['kv_bytes']:>12.0f}" if "kv_bytes" in r else f"{'-':>12}"
         print(f"{m:<10}cache {name:<4}{r['prompt_tokens_computed']:>10}{kv}"
               f"{r['ttft_p50_ms']:>9.1f}ms{r['ttft_p99_ms']:>9.1f}ms{r['wall_s']:>7.1f}s")
+    for (m, name), r in runs.items():
+        for e in r.get("errors", [])[:3]:
+            print(f"{m} cache {name}: request failed: {e}")
     for m in modes:
         s, off, on = summary[m], runs[m, "off"], runs[m, "on"]
         line = (f"{m}: computed prompt tokens fall {s['computed_fall']:.1%} = {s['fall_over_ideal']:.0%} of the ideal")
         if m == "disagg":
             line += (f", KV bytes fall {s['kv_bytes_fall']:.1%} = {s['kv_fall_over_ideal']:.0%} of the ideal "
-                     f"(pages moved {on['pages_decode']:.0f} vs {off['pages_decode']:.0f}, skipped "
+                     f"(prefill node sent {off['bytes_prefill']:.0f} / {on['bytes_prefill']:.0f} B off / on; "
+                     f"pages moved {on['pages_decode']:.0f} vs {off['pages_decode']:.0f}, skipped "
                      f"{on['pages_skipped_decode']:.0f}; errors {len(off['errors']) + len(on['errors'])})")
         print(line + f" (target >= 80%: {'met' if s['target_met'] else 'NOT met'}); TTFT p50 on/off "
               f"{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, p99 {on['ttft_p99_ms'] / off['ttft_p99_ms']:.2f}; "
