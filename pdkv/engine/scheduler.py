@@ -279,7 +279,7 @@ class Scheduler:
             if not self._grow(req, n):
                 if fresh:
                     self._unreuse(req)
-                if self._holder_first(req):
+                if self._unblock(req, budget):
                     continue
                 break
             if fresh and req.num_preemptions == 0:  # a recompute is not a new query (vLLM counts so too)
@@ -291,19 +291,32 @@ class Scheduler:
             budget -= n
         return out
 
-    def _holder_first(self, head: Request) -> bool:
-        """``head`` does not fit and nothing runs: move the first waiting request that already
-        holds pages (its remote KV landed; it needs at most a few more) in front of it. True if
-        one was moved. NOTE: strict FIFO would deadlock here: with nothing running, no page
-        comes free unless the requests sitting on pages run (a preempted request at the head
-        that needs more than the free pages would wait for ever behind them)."""
+    def _unblock(self, head: Request, budget: int) -> bool:
+        """``head`` does not fit and nothing runs. True if the queue was changed so that another
+        try can succeed: a waiting request that already holds pages (its remote KV landed) and
+        fits now is moved in front of ``head``; if none fits, the newest such request gives its
+        pages back (a preemption: its published pages stay cached, it is recomputed later).
+        NOTE: strict FIFO deadlocked here (the decode node's 60 s hang): with nothing running no
+        page comes free unless the requests sitting on pages run, and decode admission reserves
+        only a remote prompt's pages, so landed requests can hold every page while each needs
+        one more (or a preempted request at the head needs more than the free pages)."""
         if self.running:
             return False  # they finish and free pages: FIFO order is kept
-        holder = next((r for r in self.waiting if r.pages and r is not head), None)
-        if holder is None or head.pages:
+        holders = [r for r in self.waiting if r.pages and r is not head]
+        for r in holders:
+            need = self.pages_for(r.num_computed_tokens + self._plan(r, budget)) - len(r.pages)
+            if need <= 0 or self.allocator.can_allocate(need):
+                self.waiting.remove(r)
+                self.waiting.appendleft(r)
+                return True
+        victims = [r for r in holders if not r.prefill_only]
+        if not victims:
             return False
-        self.waiting.remove(holder)
-        self.waiting.appendleft(holder)
+        r = victims[-1]
+        self.allocator.free(r.pages)  # its published pages stay cached: recompute finds them
+        r.pages, r.num_computed_tokens, r.num_published_pages = [], 0, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
         return True
 
     def update_computed(self, out: SchedulerOutput) -> None:
