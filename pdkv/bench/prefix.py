@@ -14,6 +14,11 @@ and the window's ideal hit rate: the share of its blocks whose hash id an earlie
 window already had (token-weighted, the last partial block counting its scaled size). Target:
 the fall in computed prompt tokens is at least 80% of that ideal. Greedy outputs of the two runs
 are compared token for token.
+
+The disaggregated half (``--mode disagg`` or ``both``, pdkv/bench/prefix_disagg.py) replays the
+same window through a prefill node and a decode node, caching on and off on both, and adds the
+KV bytes the decode node received; its target: computed prompt tokens and transferred KV bytes
+both fall by at least 80% of the ideal hit rate.
 """
 
 from __future__ import annotations
@@ -110,6 +115,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--speedup", type=float, default=10.0, help="trace time / replay time")
     ap.add_argument("--num-pages", type=int, default=20000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mode", choices=("colocated", "disagg", "both"), default="both",
+                    help="one engine, a prefill + decode pair (tcp loopback), or both, on the same window")
     ap.add_argument("--model", type=Path, default=None, help="an HF folder (default: pdkv.tiny_model)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = ap.parse_args(argv)
@@ -125,20 +132,37 @@ def main(argv: list[str]) -> int:
     window = load_window(args.trace, args.start, args.num, args.block_tokens, args.max_output, 512)
     ideal = ideal_hit_rate(window)
     longest = max(len(w[1]) + w[2] for w in window)
-    results = {}
+    runs = {}  # (mode, "off" | "on") -> result
     for on in (False, True):
-        engine = LLMEngine(ModelConfig(path=str(model), max_model_len=max(longest, 64)),
-                           KVCacheConfig(page_size=args.block_tokens, num_pages=args.num_pages, prefix_caching=on),
-                           SchedulerConfig(), num_threads=args.threads)
-        results["on" if on else "off"] = replay(engine, window, args.speedup)
-    off, on = results["off"], results["on"]
-    same = sum(off["outputs"][r] == on["outputs"][r] for r in off["outputs"])
-    fall = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+        key = "on" if on else "off"
+        if args.mode != "disagg":
+            engine = LLMEngine(ModelConfig(path=str(model), max_model_len=max(longest, 64)),
+                               KVCacheConfig(page_size=args.block_tokens, num_pages=args.num_pages, prefix_caching=on),
+                               SchedulerConfig(), num_threads=args.threads)
+            runs["colocated", key] = replay(engine, window, args.speedup)
+        if args.mode != "colocated":
+            from pdkv.bench.prefix_disagg import replay_disagg  # noqa: PLC0415
+
+            runs["disagg", key] = replay_disagg(model, window, args.speedup, args.block_tokens, args.num_pages, on,
+                                                max(longest, 64), args.threads)
+    modes = [m for m in ("colocated", "disagg") if (m, "off") in runs]
+    ref = runs[modes[0], "off"]["outputs"]
     summary = {"window": [args.start, args.start + len(window)], "requests": len(window),
-               "prompt_tokens": sum(len(w[1]) for w in window), "ideal_hit_rate": ideal,
-               "computed_fall": fall, "fall_over_ideal": fall / ideal if ideal else float("nan"),
-               "target_met": fall >= 0.8 * ideal, "outputs_identical": f"{same}/{len(off['outputs'])}",
-               **{f"{k}_{name}": v for name, r in results.items() for k, v in r.items() if k != "outputs"}}
+               "prompt_tokens": sum(len(w[1]) for w in window), "ideal_hit_rate": ideal}
+    for m in modes:
+        off, on = runs[m, "off"], runs[m, "on"]
+        fall = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+        same = sum(ref.get(r) == o for run in (off, on) for r, o in run["outputs"].items())
+        summary[m] = {"computed_fall": fall, "fall_over_ideal": fall / ideal if ideal else float("nan"),
+                      "outputs_identical": f"{same}/{2 * len(window)}",
+                      **{f"{k}_{name}": v for name, r in (("off", off), ("on", on)) for k, v in r.items()
+                         if k != "outputs"}}
+        met = fall >= 0.8 * ideal
+        if m == "disagg":
+            kv_fall = 1 - on["kv_bytes"] / off["kv_bytes"] if off["kv_bytes"] else float("nan")
+            summary[m].update(kv_bytes_fall=kv_fall, kv_fall_over_ideal=kv_fall / ideal if ideal else float("nan"))
+            met = met and kv_fall >= 0.8 * ideal
+        summary[m]["target_met"] = met
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -146,12 +170,23 @@ def main(argv: list[str]) -> int:
           f"{summary['prompt_tokens']} prompt tokens ({args.block_tokens} per 512-token block), "
           f"replayed {args.speedup:g}x faster")
     print(f"ideal hit rate (repeated blocks): {ideal:.1%}")
-    print(f"{'':14}{'computed':>10}{'hits':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'wall':>8}{'preempt':>9}")
-    for name, r in results.items():
-        print(f"caching {name:<6}{r['prompt_tokens_computed']:>10}{r['prefix_cache_hits']:>10}"
-              f"{r['ttft_p50_ms']:>9.1f}ms{r['ttft_p99_ms']:>9.1f}ms{r['wall_s']:>7.1f}s{r['num_preemptions']:>9}")
-    print(f"computed prompt tokens fall {fall:.1%} = {summary['fall_over_ideal']:.0%} of the ideal "
-          f"(target >= 80%: {'met' if summary['target_met'] else 'NOT met'}); "
-          f"TTFT p50 on/off {on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, p99 {on['ttft_p99_ms'] / off['ttft_p99_ms']:.2f}; "
-          f"greedy outputs identical: {summary['outputs_identical']}")
+    print(f"{'':20}{'computed':>10}{'KV bytes':>12}{'TTFT p50':>11}{'TTFT p99':>11}{'wall':>8}")
+    for (m, name), r in runs.items():
+        kv = f"{r['kv_bytes']:>12.0f}" if "kv_bytes" in r else f"{'-':>12}"
+        print(f"{m:<10}cache {name:<4}{r['prompt_tokens_computed']:>10}{kv}"
+              f"{r['ttft_p50_ms']:>9.1f}ms{r['ttft_p99_ms']:>9.1f}ms{r['wall_s']:>7.1f}s")
+    for (m, name), r in runs.items():
+        for e in r.get("errors", [])[:3]:
+            print(f"{m} cache {name}: request failed: {e}")
+    for m in modes:
+        s, off, on = summary[m], runs[m, "off"], runs[m, "on"]
+        line = (f"{m}: computed prompt tokens fall {s['computed_fall']:.1%} = {s['fall_over_ideal']:.0%} of the ideal")
+        if m == "disagg":
+            line += (f", KV bytes fall {s['kv_bytes_fall']:.1%} = {s['kv_fall_over_ideal']:.0%} of the ideal "
+                     f"(prefill node sent {off['bytes_prefill']:.0f} / {on['bytes_prefill']:.0f} B off / on; "
+                     f"pages moved {on['pages_decode']:.0f} vs {off['pages_decode']:.0f}, skipped "
+                     f"{on['pages_skipped_decode']:.0f}; errors {len(off['errors']) + len(on['errors'])})")
+        print(line + f" (target >= 80%: {'met' if s['target_met'] else 'NOT met'}); TTFT p50 on/off "
+              f"{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, p99 {on['ttft_p99_ms'] / off['ttft_p99_ms']:.2f}; "
+              f"greedy outputs identical to {modes[0]} off: {s['outputs_identical']}")
     return 0

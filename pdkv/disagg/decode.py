@@ -68,6 +68,7 @@ class Slot:
     all_landed: bool = False  # the count fired (then the messenger dropped the counter)
     nbytes: int = 0  # what the expected writes carry
     timer: asyncio.TimerHandle | None = None
+    skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
     grantee: int = 0  # the prefill node's id the ranges were granted to
     grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
 
@@ -128,8 +129,10 @@ class DecodeCoordinator:
             pass
 
     # ---- requests (loop thread) ------------------------------------------------------------
-    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int) -> None:
-        """The engine admitted ``rid`` with ``pages`` and hidden-state row ``row`` (the connector)."""
+    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, cached: int = 0) -> None:
+        """The engine admitted ``rid`` with hidden-state row ``row`` (the connector): this node
+        holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache), ``pages``
+        are the pages for the rest, the only ones the prefill node is granted and writes."""
         live = self.links.live()
         if not live:
             self.rows.give_back(row)
@@ -155,13 +158,14 @@ class DecodeCoordinator:
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
         slot.grantee, slot.grants = grantee, tuple(granted)
+        slot.skip = cached // self.engine.kv.page_size
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "pages": pages, "imm": imm,
-                          "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
+        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": pages,
+                          "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
                           "seed": seed})
 
     def _send(self, peer: Peer, msg: dict) -> None:
@@ -194,6 +198,7 @@ class DecodeCoordinator:
         now = time.perf_counter()
         self.metrics.ttft_transfer.observe(now - slot.t_sent)
         self.metrics.kv_bytes.inc(slot.nbytes)
+        self.metrics.transferred(slot.num_pages, slot.skip, slot.expected)
         self._exposed(slot.rid, landed=time.time())
         if self.keep_hidden:  # the last few, for tests and debugging (bounded)
             self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()

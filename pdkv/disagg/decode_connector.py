@@ -1,11 +1,15 @@
 """The decode side's KV connector: a prompt's KV comes from a prefill node (engine thread).
 
 - ``admission``: a prompt of more than one token has its first n-1 tokens' KV computed
-  remotely: the engine reserves pinned pages for them and parks the request in
-  WAITING_FOR_REMOTE_KV (a one-token prompt runs locally; with no prefill node connected the
-  request is refused, rather than silently colocated);
+  remotely, less the whole pages this node's prefix cache holds (``req.num_cached_tokens``, a
+  peek the engine made): the engine takes those cached pages, reserves pinned pages for the rest
+  and parks the request in WAITING_FOR_REMOTE_KV. A one-token prompt, or one whose every page
+  before its last token is cached here, runs locally (nothing to transfer: it computes its last
+  token as any local request would). With no prefill node connected the request is refused,
+  rather than silently colocated;
 - ``admit``: reserves the request's hidden-state slot row (none free: the request waits), then
-  asks the coordinator (on the event loop) to send PREFILL with the page ids;
+  asks the coordinator (on the event loop) to send PREFILL with the cached count and the ids of
+  the pages after it (only those are granted and written);
 - ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
   the transfer and releases the (quarantined) pages once no write can land.
 
@@ -26,15 +30,20 @@ class DecodeConnector(KVConnector):
     def __init__(self, coordinator, rows: HiddenRows):
         """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to."""
         self.coordinator, self.rows = coordinator, rows
+        self.page_size = coordinator.engine.kv.page_size
         self._remote: set[str] = set()  # admitted with remote KV, not finished
 
     def admission(self, req) -> Admission:
         if req.num_prompt_tokens <= 1:
             return LOCAL  # a one-token prompt has no KV to compute before its decode
+        cached = req.num_cached_tokens  # whole pages, at most n - 1 tokens
+        if cached >= req.num_prompt_tokens - 1:  # every page before the last token is here
+            self.coordinator.metrics.transferred(0, cached // self.page_size, 0)
+            return LOCAL  # takes the cached pages when scheduled, computes the last token
         if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
                                    "prefill peers; retry shortly)", status=503, retry_after=2)
-        return Admission(num_external_tokens=req.num_prompt_tokens - 1)
+        return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=True)
 
     def admit(self, req) -> bool:
         if not req.num_external_tokens:
@@ -45,7 +54,9 @@ class DecodeConnector(KVConnector):
         self._remote.add(req.request_id)
         c = self.coordinator
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
-        c.post(c.send_prefill, req.request_id, list(req.prompt_token_ids[:-1]), list(req.pages), row)
+        cached = req.num_cached_tokens  # what the engine took from the cache: only the pages after it come
+        c.post(c.send_prefill, req.request_id, list(req.prompt_token_ids[:-1]),
+               list(req.pages[cached // self.page_size:]), row, cached)
         return True
 
     def finished(self, req) -> None:

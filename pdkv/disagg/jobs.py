@@ -53,7 +53,7 @@ class Job:
     req: str  # the decode node's request id
     link: object  # pdkv.disagg.prefill.Link: the decode node it came from
     tokens: list[int]
-    dst_pages: np.ndarray  # int64 [num_pages]: the decode node's pages
+    dst_pages: np.ndarray  # int64 [num_pages]: the decode node's pages (for the prompt's pages skip..)
     imm: int
     hidden_off: int
     tag: int
@@ -71,6 +71,8 @@ class Job:
     t_first: float | None = None  # first chunk queued (time.perf_counter)
     t_end: float | None = None  # end of its last forward pass (time.time, for DONE_AT)
     staging: int | None = None  # its hidden-state staging row, reserved at admission
+    skip: int = 0  # leading prompt pages the decode node holds already (PREFILL cached / page size)
+    num_pages_sent: int = 0  # prompt pages whose writes were queued (each once, every layer and rank)
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

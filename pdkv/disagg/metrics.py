@@ -27,6 +27,14 @@ class DisaggMetrics:
 
         self.kv_bytes = c("pdkv_kv_transfer_bytes", "KV-cache and hidden-state bytes sent (prefill) or "
                                                    "received (decode).")
+        # prefix caching across the pair: the pages the decode node held already are not sent
+        self.kv_pages = c("pdkv_kv_transfer_pages", "Prompt KV pages sent (prefill) or received (decode); each "
+                                                   "page once, whatever the layers and ranks it spans.")
+        self.kv_pages_skipped = c("pdkv_kv_transfer_pages_skipped", "Prompt KV pages not transferred because the "
+                                                                   "decode node's prefix cache held them already.")
+        self.kv_writes = c("pdkv_kv_transfer_writes", "Immediate-carrying writes completed without error "
+                                                     "(prefill) or landed and counted (decode): page writes "
+                                                     "per layer and shard pair, plus the hidden-state row.")
         self.transfer_time = h("pdkv_kv_transfer_seconds", "Per request: first write queued (prefill) or "
                                                           "PREFILL sent (decode) to all writes done / landed.")
         self.exposed_transfer = h("pdkv_kv_transfer_exposed_seconds", "End of the last prefill forward to "
@@ -43,6 +51,11 @@ class DisaggMetrics:
                                                             "until a peer quiesced.")
         for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error"):
             self.failures.labels(*self._lab, reason)
+
+    def transferred(self, pages: int, skipped: int, writes: int) -> None:
+        self.kv_pages.inc(pages)
+        self.kv_pages_skipped.inc(skipped)
+        self.kv_writes.inc(writes)
 
     def failed(self, reason: str) -> None:
         self.failures.labels(*self._lab, reason).inc()

@@ -219,16 +219,16 @@ class PrefillCoordinator(LoopEvents):
         refused PREFILL touches nothing, in particular not a job with the same id."""
         req = msg.get("req")
         try:
-            fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"))
+            fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size)
         except ValueError as e:
             self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
                                link.channel.peer.node_id, e)
             self._send(link, {"type": P.FAIL, "req": req if isinstance(req, str) else repr(req)[:64],
                               "reason": f"malformed PREFILL: {e}", "posted": 0})
             return
-        tokens, pages, imm, hidden_off, seed = fields
+        tokens, pages, imm, hidden_off, seed, cached = fields
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
-                  next(self._tags), time.perf_counter(), seed)
+                  next(self._tags), time.perf_counter(), seed, skip=cached // self.engine.kv.page_size)
         try:
             self.jobs.add(job)
         except DuplicateJob as e:
@@ -291,6 +291,7 @@ class PrefillCoordinator(LoopEvents):
         self.commands(ReleasePages(job.key))
         if self.metrics is not None:
             self.metrics.kv_bytes.inc(job.num_bytes)
+            self.metrics.transferred(job.num_pages_sent, job.skip, job.num_ok)
             if job.t_first is not None:
                 self.metrics.transfer_time.observe(time.perf_counter() - job.t_first)
         msg = job.answer()

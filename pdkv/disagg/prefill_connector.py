@@ -1,7 +1,9 @@
 """The prefill side's KV connector: a forward pass's layout in, page writes out (engine thread).
 
 - ``admission``: every request of a prefill node is prefill-only (all its pages up front, never
-  sampled, pages held after the last chunk until the job's writes are done);
+  sampled, pages held after the last chunk until the job's writes are done) and reuses this
+  node's own cached prefix (computed once, its pages still sent to the decode node from
+  PREFILL's ``cached`` on: see writes.py);
 - ``admit``: reserves the job's hidden-state staging row (no row free: the request waits);
 - ``before_forward``: each chunk's complete pages (writes.plan_batch), queued layer by layer on
   the layer counter; the C poller posts layer l once the counter passed it;
@@ -20,7 +22,7 @@ from pdkv.disagg.rows import StagingRows
 from pdkv.disagg.writes import QueueError, batches_per_layer, plan_batch, queue_chunk
 from pdkv.engine.connector import Admission, ForwardBatch, KVConnector
 
-PREFILL_ONLY = Admission(prefill_only=True)
+PREFILL_ONLY = Admission(prefill_only=True, reuse_cached=True)
 
 
 class PrefillConnector(KVConnector):
@@ -70,7 +72,10 @@ class PrefillConnector(KVConnector):
             job = self.jobs.get(rid)
             return None if job is None or job.link.dead else job.dst_pages
 
-        for chunk in plan_batch(batch, self.page_size, dst_of):
+        def skip_of(rid):  # the pages the decode node holds already (PREFILL's cached)
+            return self.jobs.get(rid).skip
+
+        for chunk in plan_batch(batch, self.page_size, dst_of, skip_of):
             job = self.jobs.get(chunk.request_id)
             link = job.link
             n = self.src.num_layers * batches_per_layer(link.plan, job.seed)
@@ -86,6 +91,7 @@ class PrefillConnector(KVConnector):
                 job.write_failed(str(e))
                 continue
             job.num_writes += writes
+            job.num_pages_sent += len(chunk.src_pages)
 
     def after_forward(self, batch: ForwardBatch, hidden) -> None:
         """The last prompt row of each finished prefill goes to its decode slot.

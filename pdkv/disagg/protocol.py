@@ -5,7 +5,13 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
                      kv_keys: one region key per decode rank (kv_key = kv_keys[0])
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
-  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed}
+  decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed}
+                     tokens: the prompt minus its last token (the decode node computes that one);
+                     cached: how many leading tokens the decode node's prefix cache already holds
+                     (whole pages, < len(tokens), default 0): the prefill node writes only the
+                     pages after them, and ``pages`` names exactly those (one decode page per
+                     page of tokens[cached:]); expected = the writes those pages make, from the
+                     link's shard plan (pdkv/disagg/writes.py), + 1 for the hidden-state row;
                      seed: the request's replica-assignment seed (pdkv.shard.request_seed(req))
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
@@ -38,9 +44,11 @@ def _int(msg: dict, name: str, lo: int, hi: int) -> int:
     return v
 
 
-def parse_prefill(msg: dict, num_pages: int | None = None):
-    """PREFILL's fields, checked: (tokens, pages int64 array, imm, hidden_off, seed); ValueError
-    names the first bad field (a malformed message is answered with FAIL, never a traceback)."""
+def parse_prefill(msg: dict, num_pages: int | None = None, page_size: int | None = None):
+    """PREFILL's fields, checked: (tokens, pages int64 array, imm, hidden_off, seed, cached);
+    ValueError names the first bad field (a malformed message is answered with FAIL, never a
+    traceback). ``page_size`` given: ``cached`` must be whole pages and ``pages`` exactly one
+    page per page of ``tokens[cached:]`` (a short list would send writes past it)."""
     from pdkv.shard import request_seed  # noqa: PLC0415
 
     req, tokens, pages = msg.get("req"), msg.get("tokens"), msg.get("pages")
@@ -60,7 +68,17 @@ def parse_prefill(msg: dict, num_pages: int | None = None):
     seed = msg.get("seed", request_seed(req))
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}"[:200])
-    return list(tokens), np.asarray(pages, dtype=np.int64), imm, hidden_off, seed
+    cached = msg.get("cached", 0)
+    if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached < len(tokens):
+        raise ValueError(f"cached must be an integer in [0, {len(tokens)}) (the tokens sent), got {cached!r}"[:200])
+    if page_size:
+        if cached % page_size:
+            raise ValueError(f"cached must be a multiple of the page size {page_size}, got {cached}")
+        want = -(-len(tokens) // page_size) - cached // page_size
+        if len(pages) != want:
+            raise ValueError(f"pages must name {want} page(s) for tokens[{cached}:] of {len(tokens)} tokens "
+                             f"(page size {page_size}), got {len(pages)}")
+    return list(tokens), np.asarray(pages, dtype=np.int64), imm, hidden_off, seed, cached
 
 
 def dtype_name(engine) -> str:

@@ -34,10 +34,11 @@ class ChunkWrites:
     dst_pages: np.ndarray  # int64 [n]: the decode node's page ids
 
 
-def plan_batch(batch, page_size: int, dst_pages_of) -> list[ChunkWrites]:
+def plan_batch(batch, page_size: int, dst_pages_of, skip_of=None) -> list[ChunkWrites]:
     """The page writes a forward pass's layout (a pdkv.engine.ForwardBatch) makes due: for each
     prefill-only entry whose destination ``dst_pages_of(request_id)`` is known (None: skip it),
-    the pages its chunk completes. Pure: no messenger, no threads."""
+    the pages its chunk completes. ``skip_of(request_id)``: the leading pages the destination
+    already holds (None: 0); ``dst`` then starts at that page. Pure: no messenger, no threads."""
     out = []
     for e in batch.entries:
         if not e.prefill_only:
@@ -45,21 +46,28 @@ def plan_batch(batch, page_size: int, dst_pages_of) -> list[ChunkWrites]:
         dst = dst_pages_of(e.request_id)
         if dst is None:
             continue
-        idx = pages_to_send(e.start, e.num_tokens, page_size, e.is_last_chunk)
+        skip = skip_of(e.request_id) if skip_of is not None else 0
+        first = e.start == e.request.num_cached_tokens  # the first chunk after the reused prefix
+        idx = pages_to_send(e.start, e.num_tokens, page_size, e.is_last_chunk, skip, first)
         if len(idx):
             out.append(ChunkWrites(e.request_id, np.asarray(e.page_ids[idx.start:idx.stop], dtype=np.int64),
-                                   dst[idx.start:idx.stop]))
+                                   dst[idx.start - skip:idx.stop - skip]))
     return out
 
 
-def pages_to_send(start: int, num_tokens: int, page_size: int, is_last: bool) -> range:
-    """Indices (into the request's page list) of the pages this chunk completes.
+def pages_to_send(start: int, num_tokens: int, page_size: int, is_last: bool, skip: int = 0,
+                  first: bool = False) -> range:
+    """Indices (into the request's page list) of the pages this chunk completes, less the first
+    ``skip`` (the destination holds them).
 
     Chunk = prompt tokens [start, start + num_tokens). Pages before ``start // page_size`` were
-    complete (and sent) earlier; the page holding ``start`` was partial or empty before."""
+    complete (and sent) earlier; the page holding ``start`` was partial or empty before.
+    ``first``: the request's first computed chunk, after a prefix it reused (never computed
+    here, so never sent by an earlier chunk): its pages from ``skip`` on go now too."""
     end = start + num_tokens
     stop = end // page_size + (1 if is_last and end % page_size else 0)
-    return range(start // page_size, stop)
+    lo = skip if first else max(start // page_size, skip)
+    return range(lo, max(lo, stop))
 
 
 @dataclass(frozen=True)

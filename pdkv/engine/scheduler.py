@@ -279,6 +279,8 @@ class Scheduler:
             if not self._grow(req, n):
                 if fresh:
                     self._unreuse(req)
+                if self._unblock(req, budget):
+                    continue
                 break
             if fresh and req.num_preemptions == 0:  # a recompute is not a new query (vLLM counts so too)
                 self.cache.record_query(req.num_tokens, req.num_computed_tokens)
@@ -288,6 +290,34 @@ class Scheduler:
             out.seqs.append(self._seq(req, n))
             budget -= n
         return out
+
+    def _unblock(self, head: Request, budget: int) -> bool:
+        """``head`` does not fit and nothing runs. True if the queue was changed so that another
+        try can succeed: a waiting request that already holds pages (its remote KV landed) and
+        fits now is moved in front of ``head``; if none fits, the newest such request gives its
+        pages back (a preemption: its published pages stay cached, it is recomputed later).
+        NOTE: strict FIFO deadlocked here (the decode node's 60 s hang): with nothing running no
+        page comes free unless the requests sitting on pages run, and decode admission reserves
+        only a remote prompt's pages, so landed requests can hold every page while each needs
+        one more (or a preempted request at the head needs more than the free pages)."""
+        if self.running:
+            return False  # they finish and free pages: FIFO order is kept
+        holders = [r for r in self.waiting if r.pages and r is not head]
+        for r in holders:
+            need = self.pages_for(r.num_computed_tokens + self._plan(r, budget)) - len(r.pages)
+            if need <= 0 or self.allocator.can_allocate(need):
+                self.waiting.remove(r)
+                self.waiting.appendleft(r)
+                return True
+        victims = [r for r in holders if not r.prefill_only]
+        if not victims:
+            return False
+        r = victims[-1]
+        self.allocator.free(r.pages)  # its published pages stay cached: recompute finds them
+        r.pages, r.num_computed_tokens, r.num_published_pages = [], 0, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     def update_computed(self, out: SchedulerOutput) -> None:
         for s in out.seqs:

@@ -24,7 +24,7 @@ Invariants the engine keeps (tests/engine/test_prefix_cache.py checks them):
 - one page per hash: a second request that computed the same page meanwhile keeps its copy
   private (it is freed, not cached, when the request ends).
 
-What the disaggregated roles use (the engine side is built; the connectors adopt it next):
+What the disaggregated roles use (pdkv/disagg's connectors do; PREFILL carries ``cached``):
 - decode node: before ``KVConnector.admission(req)`` the engine sets ``req.num_cached_tokens`` to
   the prompt tokens this node already holds (whole pages, at most all but the last token). A
   connector that returns ``Admission(num_external_tokens=n - 1 - req.num_cached_tokens,

@@ -22,7 +22,10 @@ class FakeCoordinator:
 
     def __init__(self, routable=True):
         self.routable, self.posted = routable, []
-        self.metrics = SimpleNamespace(queue_admission=SimpleNamespace(observe=lambda s: None))
+        self.skipped = []
+        self.metrics = SimpleNamespace(queue_admission=SimpleNamespace(observe=lambda s: None),
+                                       transferred=lambda pages, skipped, writes: self.skipped.append(skipped))
+        self.engine = SimpleNamespace(kv=SimpleNamespace(page_size=4))
 
     def can_route(self):
         return self.routable
@@ -49,7 +52,7 @@ def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
     assert conn.admission(a).num_external_tokens == 8
     a.num_external_tokens, a.pages = 8, [3, 4]
     assert conn.admit(a) is True
-    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0))]
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, 0))]
     b.num_external_tokens = 8
     assert conn.admit(b) is False  # the only row is taken: b waits
     conn.rows.give_back(0)
@@ -57,6 +60,26 @@ def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
     coord.routable = False
     with pytest.raises(AdmissionRefused, match="no prefill node is connected"):
         conn.admission(_req("c", 5))
+
+
+def test_decode_connector_asks_only_for_what_its_prefix_cache_lacks():
+    """The engine found 4 cached tokens (one page of 4): PREFILL names them and only the pages
+    after them; a prompt cached up to its last token runs locally, even with no prefill node."""
+    coord = FakeCoordinator()
+    conn = DecodeConnector(coord, HiddenRows(2))
+    a = _req("a", 11)
+    a.num_cached_tokens = 4
+    plan = conn.admission(a)
+    assert plan.num_external_tokens == 6 and plan.reuse_cached is True
+    a.num_external_tokens, a.pages = 6, [9, 3, 4]  # the cached page first, then the two to fill
+    assert conn.admit(a) is True
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, 4))]
+    coord.routable = False
+    whole = _req("whole", 9)
+    whole.num_cached_tokens = 8  # every page before the last token
+    plan = conn.admission(whole)
+    assert plan.num_external_tokens == 0 and not plan.prefill_only and coord.skipped == [2]
+    assert conn.admit(whole) is True and len(coord.posted) == 1  # no PREFILL for it
 
 
 @pytest.mark.parametrize("reason,told", [("abort", True), ("error", False)])

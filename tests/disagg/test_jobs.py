@@ -102,3 +102,27 @@ def test_plan_batch_skips_sampled_rows_and_unknown_or_dead_destinations():
                           _entry("live", 8, 0, 8, 9, [7, 8])), 17)
     plan = plan_batch(batch, 4, lambda rid: dst if rid == "live" else None)
     assert [(w.request_id, list(w.src_pages), list(w.dst_pages)) for w in plan] == [("live", [7, 8], [5, 6])]
+
+
+@pytest.mark.parametrize("chunks", [[2], [1, 1], [2, 2, 3]])
+@pytest.mark.parametrize("skip", [0, 1, 2, 3])
+@pytest.mark.parametrize("reused", [0, 4, 8])
+def test_plan_batch_sends_only_the_pages_the_destination_lacks(chunks, skip, reused):
+    """Prefix caching on both sides: the destination holds the first ``skip`` pages (its list
+    starts at page ``skip``), this node reused its first ``reused`` tokens (never computed).
+    Every page in [skip, pages) goes exactly once, to its own destination page, whichever side
+    holds more: the reused ones the destination lacks go with the first chunk."""
+    page_size = 4
+    prompt_len = max(reused + sum(chunks), 4 * skip + 1)
+    chunks = chunks + [prompt_len - reused - sum(chunks)] if prompt_len > reused + sum(chunks) else chunks
+    pages = list(range(11, 11 + -(-prompt_len // page_size)))
+    dst = np.arange(21 + skip, 21 + len(pages), dtype=np.int64)  # dst[i] is the destination of page skip + i
+    sent, start = [], reused
+    for n in chunks:
+        e = _entry("a", prompt_len, start, n, 0, pages)
+        e.request.num_cached_tokens = reused
+        for w in plan_batch(ForwardBatch((e,), n), page_size, lambda rid: dst, lambda rid: skip):
+            assert list(w.dst_pages) == [p + 10 for p in w.src_pages]
+            sent += list(w.src_pages)
+        start += n
+    assert sent == pages[skip:], (prompt_len, chunks)

@@ -4,6 +4,7 @@ and finishes happen (the allocator itself is tested in tests/kv)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -68,3 +69,72 @@ def test_scheduler_frees_every_page_exactly_once(num_pages, page_size, budget, c
     assert a.num_free == num_pages
     assert not s.running and not s.waiting and not s.remote
     assert all(r.status in (RequestStatus.ABORTED, RequestStatus.FINISHED) for r in live.values())
+
+
+def _stepper(s):
+    def step():
+        out = s.schedule()
+        s.update_computed(out)
+        for seq in out.seqs:
+            if seq.sample:
+                seq.request.output_token_ids.append(7)
+                if len(seq.request.output_token_ids) >= seq.request.params.max_tokens:
+                    s.finish(seq.request, "length")
+        return out
+    return step
+
+
+def test_landed_requests_holding_pages_do_not_wait_behind_a_request_that_cannot_fit():
+    """16 pages of 4: two remote requests (3 + 5 pinned pages) land while a local 32-token
+    request decodes; its next token needs a ninth page, so it preempts itself and goes back to
+    the head of the queue needing 9 pages with only 8 free. Nothing runs, and the 8 held pages
+    belong to the landed requests behind it: strict FIFO waited for ever (the decode node's
+    60 s hang). They must run first, then everything finishes and every page comes back."""
+    a = PageAllocator(16)
+    s = Scheduler(a, 4, 64, 64, max_num_seqs=8)
+    r13, r21, x = _req(13, 13, 2), _req(21, 21, 2), _req(32, 32, 4)
+    s.add_remote(r13)
+    s.add_remote(r21)
+    s.add(x)
+    step = _stepper(s)
+
+    assert [q.request for q in step().seqs] == [x]  # its whole prompt: 8 pages
+    s.remote_ready(r13)
+    s.remote_ready(r21)
+    out = step()
+    assert out.preempted == ["r32"] and not out.seqs and list(s.waiting)[:1] == [x]
+    for _ in range(20):
+        if not step().seqs:
+            break
+    assert all(r.status == RequestStatus.FINISHED for r in (r13, r21, x)), [r.status for r in (r13, r21, x)]
+    assert a.num_free == 16
+
+
+@pytest.mark.parametrize("last_len", [40, 41], ids=["one-fits", "none-fits"])
+def test_landed_requests_holding_every_page_still_finish(last_len):
+    """16 pages of 4, four remote requests land holding all 16 (9, 13, 5 and a last one of 40
+    or 41 tokens, last in the queue) and nothing runs. 40: its last prompt token fits in its
+    pages, so it goes first. 41: every one of them needs one more page (none is free), so
+    the last one in the queue gives its pages back and is recomputed. Either way all finish, every page back."""
+    a = PageAllocator(16)
+    s = Scheduler(a, 4, 64, 64, max_num_seqs=8)
+    reqs = [_req(9, 9, 3), _req(13, 13, 3), _req(5, 5, 3), _req(last_len, last_len, 3)]
+    for r in reqs:
+        s.add_remote(r)
+    assert a.num_free == 0
+    for r in reqs[3:] + reqs[:3]:  # the long one lands first: landings go to the queue's front
+        s.remote_ready(r)
+    assert list(s.waiting) == [reqs[2], reqs[1], reqs[0], reqs[3]]
+    step = _stepper(s)
+    first = step()
+    if last_len == 40:
+        assert [q.request for q in first.seqs] == [reqs[3]] and reqs[3].num_preemptions == 0
+    else:
+        # the last in the queue gave its pages back
+        assert [r.num_preemptions for r in reqs] == [0, 0, 0, 1] and first.seqs
+    for _ in range(60):
+        out = step()
+        if not out.seqs and not out.preempted:
+            break
+    assert all(r.status == RequestStatus.FINISHED for r in reqs), [(r.request_id, r.status) for r in reqs]
+    assert a.num_free == 16

@@ -87,6 +87,14 @@ def test_duplicate_prefill_is_refused_and_the_first_job_finishes(cluster):
     ({"tokens": [1, "x"]}, "tokens must be"),
     ({"req": None}, "req must be"),
     ({"hidden_off": 1.5}, "hidden_off must be"),
+    # prefix caching: the decode node's cached prefix must be whole pages inside the tokens sent,
+    # and the pages must be exactly those after it (page size 4 here)
+    ({"cached": "4"}, "cached must be an integer"),
+    ({"cached": -4}, "cached must be an integer"),
+    ({"cached": 3}, "cached must be an integer in [0, 3)"),
+    ({"tokens": list(range(1, 10)), "cached": 2, "pages": [0, 1]}, "cached must be a multiple of the page size 4"),
+    ({"tokens": list(range(1, 10)), "cached": 4, "pages": [0, 1, 2]}, "pages must name 2 page(s)"),
+    ({"tokens": list(range(1, 10)), "pages": [0]}, "pages must name 3 page(s)"),
 ])
 def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
     async def main():
