@@ -1,11 +1,14 @@
 """The decode side's KV connector: a prompt's KV comes from a prefill node (engine thread).
 
-- ``admission``: a prompt of more than one token has its first n-1 tokens' KV computed
-  remotely: the engine reserves pinned pages for them and parks the request in
-  WAITING_FOR_REMOTE_KV (a one-token prompt runs locally; with no prefill node connected the
-  request is refused, rather than silently colocated);
-- ``admit``: reserves the request's hidden-state slot row (none free: the request waits), then
-  asks the coordinator (on the event loop) to send PREFILL with the page ids;
+- ``admission``: where the prompt is prefilled is the chooser's ``decide`` (pdkv/disagg/choice.py:
+  a short uncached part, every prefill node saturated or none connected: here, through the
+  engine's normal chunked path, LOCAL; with ``disagg.local_fallback`` false no prefill node is a
+  503). Remote: the first n-1 tokens' KV is computed by a prefill node; the engine reserves
+  pinned pages for them and parks the request in WAITING_FOR_REMOTE_KV;
+- ``admit``: counts the decision; for remote KV reserves the request's hidden-state slot row
+  (none free: the request waits) and the prefill node the chooser picks (none live any more:
+  the request waits too, and its next admission decides again), then asks the coordinator (on
+  the event loop) to send PREFILL with the page ids;
 - ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
   the transfer and releases the (quarantined) pages once no write can land.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from pdkv.disagg.choice import Where
 from pdkv.disagg.rows import HiddenRows
 from pdkv.engine.connector import LOCAL, Admission, KVConnector
 from pdkv.engine.request import RequestStatus
@@ -27,25 +31,41 @@ class DecodeConnector(KVConnector):
         """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to."""
         self.coordinator, self.rows = coordinator, rows
         self._remote: set[str] = set()  # admitted with remote KV, not finished
+        # NOTE: the engine calls admit right after admission for the same request, on this thread
+        # (a failed reservation in between calls admission again): one decision in flight at a time
+        self._decided: tuple[str, Where] | None = None
 
     def admission(self, req) -> Admission:
-        if req.num_prompt_tokens <= 1:
-            return LOCAL  # a one-token prompt has no KV to compute before its decode
-        if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
+        where = self.coordinator.chooser.decide(req.num_prompt_tokens, req.num_cached_tokens)
+        self._decided = (req.request_id, where)
+        if where is Where.REFUSED_NO_PEER:
+            self.coordinator.metrics.decided(where)  # final: admit never runs for it
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
-                                   "prefill peers; retry shortly)", status=503, retry_after=2)
+                                   "prefill peers; retry shortly; disagg.local_fallback is false)",
+                                   status=503, retry_after=2)
+        if where is not Where.REMOTE:
+            return LOCAL  # prefilled here, chunked like colocated
         return Admission(num_external_tokens=req.num_prompt_tokens - 1)
 
     def admit(self, req) -> bool:
+        c = self.coordinator
+        decided, self._decided = self._decided, None
+        where = decided[1] if decided is not None and decided[0] == req.request_id else Where.LOCAL_SHORT
         if not req.num_external_tokens:
+            c.metrics.decided(where)
             return True
         row = self.rows.take()
         if row is None:
             return False
+        tokens = list(req.prompt_token_ids[:-1])
+        peer = c.chooser.pick(tokens)
+        if peer is None:  # every prefill node died since admission: decide again next time
+            self.rows.give_back(row)
+            return False
+        c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
-        c = self.coordinator
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
-        c.post(c.send_prefill, req.request_id, list(req.prompt_token_ids[:-1]), list(req.pages), row)
+        c.post(c.send_prefill, req.request_id, tokens, list(req.pages), row, peer)
         return True
 
     def finished(self, req) -> None:

@@ -58,7 +58,9 @@ class Nodes:
         self.p2 = start("prefill", 2, PrefillNode)
         addr = {n: f"127.0.0.1:{t.app[NODE].control_port}" for n, t in (("p1", self.p1), ("p2", self.p2))}
         self.d1 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]])
-        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]])
+        # no prefix affinity: a prompt repeated goes to the other peer (ties rotate), so both serve it
+        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]],
+                        disagg__affinity_pages=0)
 
     def close(self):
         for t in reversed(self.threads):
