@@ -9,7 +9,8 @@
     otherwise                                  -> REMOTE
 
 ``pick`` (engine thread, once the request holds its pages and hidden-state row): the live
-node with the shortest queue (ties rotate), unsaturated and with room for the prompt first; a
+node with the shortest queue (ties: the one picked least recently), unsaturated, with room for
+the prompt and without a failure in the last ``expiry_s`` first; a
 node that prefilled the same leading pages before is taken instead while its queue is within
 ``affinity_max_extra_tokens`` of that (its prefix cache may hold them). A node's queue is what
 its last heartbeat reported (pdkv/disagg/load.py) plus the tokens this node picked it for since:
@@ -57,6 +58,8 @@ class PeerRoute:
     sent: deque = field(default_factory=deque)  # (seq, tokens, monotonic time) not yet in a report
     num_sent: int = 0  # PREFILLs sent on its current control channel (compared with ``seen``)
     num_routed: int = 0  # PREFILLs sent to it in all
+    last_pick: int = 0  # the chooser's pick count when it was last picked (ties go to the oldest)
+    failed_at: float = float("-inf")  # monotonic time it last failed a request or died
 
     def queued(self, now: float, expiry_s: float) -> int:
         while self.sent and now - self.sent[0][2] > expiry_s:  # never reported: forget it eventually
@@ -82,7 +85,7 @@ class PrefillChooser:
         self.cfg, self.peers, self.page_size, self.expiry_s = dcfg, peers, page_size, expiry_s
         self.lock = threading.Lock()
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix key -> index in peers
-        self._rr = 0
+        self._num_picks = 0
 
     # ---- engine thread -------------------------------------------------------------------------
     def decide(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> Where:
@@ -115,15 +118,14 @@ class PrefillChooser:
             q = {i: self.peers[i].route.queued(now, self.expiry_s) for i in live}
 
             def rank(i: int) -> tuple:
-                r = self.peers[i].route.report
-                no_room = r is not None and r.free_pages * self.page_size < n
-                return bound is not None and q[i] >= bound, no_room, q[i]
+                route = self.peers[i].route
+                no_room = route.report is not None and route.report.free_pages * self.page_size < n
+                failed = now - route.failed_at < self.expiry_s  # tried last for a while (it may fail again)
+                return bound is not None and q[i] >= bound, no_room, failed, q[i], route.last_pick
 
-            self._rr += 1
-            order = live[self._rr % len(live):] + live[:self._rr % len(live)]  # ties rotate
-            best = min(order, key=rank)
+            best = min(live, key=rank)
             held = next((self._affinity[k] for k in reversed(keys) if k in self._affinity), None)
-            if held in q and rank(held)[:2] == rank(best)[:2] and q[held] <= q[best] + self.cfg.affinity_max_extra_tokens:
+            if held in q and rank(held)[:3] == rank(best)[:3] and q[held] <= q[best] + self.cfg.affinity_max_extra_tokens:
                 best = held
             for k in keys:
                 self._affinity[k] = best
@@ -131,7 +133,9 @@ class PrefillChooser:
             while len(self._affinity) > MAX_AFFINITY_ENTRIES:
                 self._affinity.popitem(last=False)
             peer = self.peers[best]
+            self._num_picks += 1
             peer.route.reserved += n
+            peer.route.last_pick = self._num_picks
             return peer
 
     # ---- event loop ----------------------------------------------------------------------------
@@ -148,6 +152,11 @@ class PrefillChooser:
         """What ``pick`` reserved on ``peer`` is not sent there after all."""
         with self.lock:
             peer.route.reserved = max(0, peer.route.reserved - num_tokens)
+
+    def failed(self, peer) -> None:
+        """``peer`` failed a request or died: it is tried last for ``expiry_s``."""
+        with self.lock:
+            peer.route.failed_at = time.monotonic()
 
     def report(self, peer, load: PrefillLoad | None) -> None:
         """``peer``'s heartbeat said ``load`` (None: no valid load: it is treated as reporting none)."""

@@ -262,6 +262,7 @@ class DecodeCoordinator:
                 self._landed(slot)
                 return
             self.metrics.failed("prefill_failed")
+            self.chooser.failed(peer)
             self.commands(FailRequest(rid, f"the prefill node failed the request: {msg.get('reason')}"))
             self._drain(slot, int(msg.get("posted", 0)), got)
         elif kind in (P.FAIL, P.CANCEL_ACK) or (kind == P.DONE_AT and slot.state == SlotState.CANCELLING):
@@ -281,6 +282,7 @@ class DecodeCoordinator:
         if peer.dead and peer.channel is None:
             return
         was_dead, peer.dead = peer.dead, True
+        self.chooser.failed(peer)  # once back, it is tried last for a while
         stall = peer.channel.own_stall() if peer.channel is not None else None
         if stall is not None:
             reason = (f"this decode node was frozen for {stall:.1f} s, longer than the {self.mcfg.lease_s} s lease "

@@ -195,3 +195,27 @@ def test_measure_load_counts_what_is_left_to_compute():
 
 def test_metric_labels_are_the_decisions():
     assert set(WHERE) == {w.value for w in Where}
+
+
+def test_ties_go_to_the_least_recently_picked():
+    ch, peers = _chooser(3, affinity_pages=0)
+    got = []
+    for _ in range(6):
+        p = ch.pick(list(range(10)))
+        ch.unreserve(p, 10)  # equal queues every time
+        got.append(p.name)
+    assert got == ["p0", "p1", "p2", "p0", "p1", "p2"]
+
+
+def test_a_peer_that_failed_is_tried_last_for_a_while():
+    ch, peers = _chooser(2, affinity_pages=0)
+    ch.report(peers[1], _load(queued=60))
+    ch.failed(peers[0])
+    assert ch.pick(list(range(10))) is peers[1]  # busier, but it did not just fail
+    peers[1].dead = True
+    assert ch.pick(list(range(10))) is peers[0]  # the only live one is still used
+    later, lp = _chooser(2, affinity_pages=0)
+    later.expiry_s = 0.0
+    later.report(lp[1], _load(queued=60))
+    later.failed(lp[0])
+    assert later.pick(list(range(10))) is lp[0]  # the failure is old: load decides again
