@@ -3,6 +3,7 @@ gets it by load and prefix affinity, and the heartbeat load it reads (malformed 
 with the field named)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -219,3 +220,24 @@ def test_a_peer_that_failed_is_tried_last_for_a_while():
     later.report(lp[1], _load(queued=60))
     later.failed(lp[0])
     assert later.pick(list(range(10))) is lp[0]  # the failure is old: load decides again
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("local_prefill_max_tokens", -1, "zero or a positive number of prompt tokens"),
+    ("max_prefill_queue_tokens", -5, "null (no bound) or zero or a positive number"),
+    ("affinity_pages", 65, "an integer in [0, 64]"),
+    ("affinity_max_extra_tokens", -1, "zero or a positive number of queued prompt tokens"),
+    ("local_prefill_max_tokens", "many", "must be an integer"),
+    ("local_fallback", "perhaps", "must be"),
+])
+def test_bad_disagg_config_names_the_field(field, value, says):
+    from pdkv.config import ConfigError, config_from_dict, load_config
+
+    with pytest.raises(ConfigError, match=rf"disagg\.{field} .*{re.escape(says)}"):
+        config_from_dict({"role": "decode", "messenger": {"prefill_peers": ["127.0.0.1:7100"]},
+                          "disagg": {field: value}})
+    if not isinstance(value, str):
+        with pytest.raises(ConfigError, match=rf"--set disagg\.{field}={value}: disagg\.{field} must"):
+            load_config("configs/decode.yaml", [f"disagg.{field}={value}"])
+    with pytest.raises(ConfigError, match=r"unknown field 'disagg\.local_prefil'"):
+        load_config("configs/decode.yaml", ["disagg.local_prefil=3"])

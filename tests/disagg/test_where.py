@@ -89,10 +89,10 @@ def test_short_prompt_prefilled_here_long_one_there(cluster, tiny_model_dir):
     assert prefills_served(c.prefill.url) == p0 + 1
     assert _delta(decisions(c.url), d0) == {"local_short": 1, "remote": 1}
     # the prefill node's heartbeats acknowledge what was sent: its queue, as seen here, is empty again
-    def idle():
-        s = c.coordinator.chooser.snapshot()[0]
-        return s["reported"] and s["queued_tokens"] == 0 and s["routed"] >= 1
-    wait_for(idle, 5, "an idle prefill node's queue reported empty")
+    route = c.coordinator.peers[0].route
+    wait_for(lambda: route.report is not None and route.report.seen == route.num_sent >= 1, 5,
+             "the prefill node's heartbeat counts every PREFILL sent on the channel")
+    assert c.coordinator.chooser.snapshot()[0]["queued_tokens"] == 0  # idle, and nothing left unacknowledged
     wait_for(lambda: c.pools_full(), 10, "every page back")
 
 
