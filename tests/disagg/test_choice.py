@@ -63,16 +63,19 @@ def test_pick_least_loaded_by_report():
 
 
 def test_a_burst_between_heartbeats_spreads_and_seen_acknowledges_it():
-    """Nothing reported yet: each pick counts against its peer until a report covers it, so a
-    burst alternates instead of piling onto the node that looked idle."""
+    """p0 reported an empty queue, p1 15 tokens, and no report comes during the burst: each pick
+    counts against its peer until a report covers it, so the burst alternates instead of piling
+    onto the node that looked idle."""
     ch, peers = _chooser(2, affinity_pages=0)
+    ch.report(peers[0], _load(queued=0))
+    ch.report(peers[1], _load(queued=15))
     got = []
     for i in range(6):
         toks = list(range(i * 10, i * 10 + 20))
         p = ch.pick(toks)
         ch.sent(p, len(toks))
         got.append(p.name)
-    assert got.count("p0") == got.count("p1") == 3, got
+    assert got == ["p0", "p1"] * 3, got
     assert peers[0].route.queued(0, 1e9) == 60 and peers[0].route.reserved == 0
     # p0's report counts its first two PREFILLs: only the third is still added on top of it
     ch.report(peers[0], _load(queued=7, seen=2))

@@ -188,7 +188,8 @@ def test_bound_zero_always_prefills_here(tiny_model_dir):
 def test_two_prefill_nodes_the_busy_one_gets_nothing(tiny_model_dir):
     """Two prefill nodes; one reports a heavy queue (fault injection on its heartbeats, bound
     above it so neither is saturated): every request goes to the other one, one at a time and in
-    a burst. Without the injection both serve (the load, not the order, decides)."""
+    a burst. Without the injection both serve (the load, not the order, decides), and prompts
+    that share their first pages go to one node (prefix affinity)."""
     from pdkv.disagg.node import DecodeNode, PrefillNode
     from server.runner import ServerThread
 
@@ -229,6 +230,14 @@ def test_two_prefill_nodes_the_busy_one_gets_nothing(tiny_model_dir):
             assert_colocated_answer(d.url, name, tiny_model_dir, _prompt(60 + i, 24), 3)
         served = [prefills_served(t.url) - b for t, b in zip(p, before)]
         assert min(served) >= 1 and sum(served) == 4, served
+        # prefix affinity: prompts sharing their first disagg.affinity_pages pages (16 tokens)
+        # all go to the node that prefilled the first of them (both queues are near empty)
+        before = [prefills_served(t.url) for t in p]
+        shared = _prompt(70, 16)
+        for i in range(4):
+            assert_colocated_answer(d.url, name, tiny_model_dir, shared + _prompt(71 + i, 8), 3)
+        served = [prefills_served(t.url) - b for t, b in zip(p, before)]
+        assert sorted(served) == [0, 4], served
     finally:
         for t in reversed(threads):
             t.stop()
