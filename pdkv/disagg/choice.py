@@ -44,10 +44,6 @@ class Where(enum.Enum):
     LOCAL_NO_PEER = "local_no_peer"
     REFUSED_NO_PEER = "refused_no_peer"
 
-    @property
-    def local(self) -> bool:
-        return self in (Where.LOCAL_SHORT, Where.LOCAL_SATURATED, Where.LOCAL_NO_PEER)
-
 
 @dataclass
 class PeerRoute:
