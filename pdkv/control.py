@@ -16,10 +16,11 @@ Handshake: each side then sends HELLO and reads the peer's. When the two disagre
 that must match (model fingerprint, dtype, KV layout, page size, parallel plan, protocol
 version) each side sends REFUSE naming every difference, and both raise ``HandshakeRefused``.
 
-Liveness: each side sends HEARTBEAT every ``interval`` seconds; a peer silent for ``lease``
-seconds is declared dead (``on_dead`` fires once), which is what lets a decode node reuse pages
-that a dead prefill node might otherwise still write, and lets a prefill node free source pages
-of a decode node that disappeared.
+Liveness: each side sends HEARTBEAT every ``interval`` seconds (plus whatever the role's
+``payload()`` adds, e.g. a prefill node's load; the receiver hands it to ``on_heartbeat``); a peer
+silent for ``lease`` seconds is declared dead (``on_dead`` fires once), which is what lets a
+decode node reuse pages that a dead prefill node might otherwise still write, and lets a prefill
+node free source pages of a decode node that disappeared.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import ssl as _ssl
 import struct
 import time
@@ -37,6 +39,8 @@ import msgpack
 
 from pdkv import auth
 from pdkv.tls import describe as _tls_reason
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2  # 2: authentication before HELLO
 MAX_FRAME = 64 << 20  # default after the handshake (messenger.max_frame_bytes)
@@ -186,6 +190,9 @@ class ControlChannel:
         self._lease = 0.0
         self._hb_task: asyncio.Task | None = None
         self._closed = False
+        # Called with every HEARTBEAT received (the whole message, unchecked: what the role added
+        # to it is the role's to check); None: heartbeats only refresh liveness.
+        self.on_heartbeat: Callable[[dict], None] | None = None
 
     # -- establishing --------------------------------------------------------------------
     @classmethod
@@ -327,11 +334,18 @@ class ControlChannel:
             self.last_heard = time.monotonic()
             if msg["type"] != "HEARTBEAT":
                 return msg
+            if self.on_heartbeat is not None:
+                try:
+                    self.on_heartbeat(msg)
+                except Exception:  # noqa: BLE001 - what a heartbeat carries never breaks the channel
+                    log.exception("control: heartbeat handler failed on a heartbeat from node %#x", self.peer.node_id)
 
     def start_heartbeat(self, interval: float, lease: float,
-                        on_dead: Callable[[str], Awaitable[None] | None]) -> None:
+                        on_dead: Callable[[str], Awaitable[None] | None],
+                        payload: Callable[[], dict] | None = None) -> None:
         """Send heartbeats every ``interval`` s; call ``on_dead(reason)`` once if the peer is silent
-        for ``lease`` s. Receiving is the caller's loop (``recv``), which refreshes liveness."""
+        for ``lease`` s. Receiving is the caller's loop (``recv``), which refreshes liveness.
+        ``payload()``: more fields for each heartbeat (read at each beat)."""
         self._lease = lease
 
         async def beat():
@@ -343,8 +357,14 @@ class ControlChannel:
                     self._stall = (now, now - self.last_tick)
                     self.last_heard = now
                 self.last_tick = now
+                extra = {}
+                if payload is not None:
+                    try:
+                        extra = payload()
+                    except Exception:  # noqa: BLE001 - a broken payload must not stop the liveness beat
+                        log.exception("control: heartbeat payload failed; sending a plain heartbeat")
                 try:
-                    await self.send({"type": "HEARTBEAT", "t": time.time()})
+                    await self.send({**extra, "type": "HEARTBEAT", "t": time.time()})
                 except ControlError as e:
                     await _maybe_await(on_dead(str(e)))
                     return

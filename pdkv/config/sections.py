@@ -15,6 +15,7 @@ TRANSPORTS = ("tcp", "verbs")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
+MAX_AFFINITY_PAGES = 64  # disagg.affinity_pages: more never helps (the first pages decide)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,31 @@ class MessengerConfig:
 
 
 @dataclass(frozen=True)
+class DisaggConfig:
+    # A decode node's choice of where each prompt is prefilled (pdkv/disagg/choice.py). Defaults
+    # measured with `python -m pdkv.bench where` on the default model, see docs/BENCHMARKS.md
+    # ("Where to prefill").
+    # A prompt whose uncached part (tokens the local prefix cache does not hold) is at most this
+    # long is prefilled here: the round trip to a prefill node costs more than computing it
+    # (measured: local 1.5-1.9x faster up to 192 tokens, slower from 256).
+    local_prefill_max_tokens: int = 128
+    # A prefill node is saturated while its queue (prompt tokens its last heartbeat reported not
+    # yet computed, plus those this node sent it since) is at least this long; with every live
+    # one saturated the prompt is prefilled here. 0: always prefill here; null: no bound.
+    # (measured: ~1 s of the prefill node's work, 3x a 1024-token prompt's local prefill)
+    max_prefill_queue_tokens: int | None = 8192
+    # No prefill node connected: prefill here (true), or refuse with a 503 + Retry-After (false:
+    # strict disaggregation, e.g. a decode node that must never run a prompt's prefill).
+    local_fallback: bool = True
+    # Prefix affinity: the first affinity_pages full pages of each prompt sent remotely are
+    # remembered (bounded map) with the node that prefilled them; a later prompt starting the
+    # same way goes to that node if its queue is within affinity_max_extra_tokens of the least
+    # loaded node's (its prefix cache may hold those pages). 0 pages: off.
+    affinity_pages: int = 4
+    affinity_max_extra_tokens: int = 2048
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     # Tensor parallelism on one node: rank 0 runs the engine (scheduler, server, messenger) and
     # starts ranks 1..tp-1 as processes that follow its steps. CPU: gloo, KV in shared memory;
@@ -143,6 +169,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     messenger: MessengerConfig = field(default_factory=MessengerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the file this config came from, for error messages
 

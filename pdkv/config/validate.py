@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_TOKENS, ROLES, SPEC_METHODS, TRANSPORTS,
-                                  Config, ConfigError)
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_SPEC_TOKENS, ROLES,
+                                  SPEC_METHODS, TRANSPORTS, Config, ConfigError)
 
 
 def _cpus_ok(text: str) -> bool:
@@ -100,6 +100,16 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         host, _, port = peer.rpartition(":")
         need(bool(host) and port.isdigit() and 0 < int(port) <= 65535, "messenger.prefill_peers",
              "a list of host:port (each prefill node's messenger.control_port)", peer)
+    dg = cfg.disagg
+    need(dg.local_prefill_max_tokens >= 0, "disagg.local_prefill_max_tokens",
+         "zero or a positive number of prompt tokens (0: every multi-token prompt goes to a prefill node)",
+         dg.local_prefill_max_tokens)
+    need(dg.max_prefill_queue_tokens is None or dg.max_prefill_queue_tokens >= 0, "disagg.max_prefill_queue_tokens",
+         "null (no bound) or zero or a positive number of queued prompt tokens", dg.max_prefill_queue_tokens)
+    need(0 <= dg.affinity_pages <= MAX_AFFINITY_PAGES, "disagg.affinity_pages",
+         f"an integer in [0, {MAX_AFFINITY_PAGES}] (0: no prefix affinity)", dg.affinity_pages)
+    need(dg.affinity_max_extra_tokens >= 0, "disagg.affinity_max_extra_tokens",
+         "zero or a positive number of queued prompt tokens", dg.affinity_max_extra_tokens)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

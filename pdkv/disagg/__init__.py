@@ -6,7 +6,9 @@ coordinators that drive the messenger and the control channel.
     jobs.py               the prefill node's job table (state machine, answers), no threads
     prefill_connector.py  PrefillConnector: a forward pass's layout -> page + hidden-state writes
     prefill.py            PrefillCoordinator: control listener, messenger events, job table driver
-    decode_connector.py   DecodeConnector: remote-KV admission, hidden-state rows
+    load.py               a prefill node's load, as its heartbeats carry it (checked on arrival)
+    choice.py             PrefillChooser: prefill here or remotely, and on which prefill node
+    decode_connector.py   DecodeConnector: where to prefill (admission), hidden-state rows
     decode.py             DecodeCoordinator: prefill peers, slots (immediates), counts, quarantine
     node.py               PrefillNode / DecodeNode, build_node(cfg, engine): what the server is handed
     launcher.py           `pdkv up`: a local prefill + decode cluster as subprocesses

@@ -1,7 +1,8 @@
 """The decode node's coordinator: prefill peers, request slots, the immediate counts.
 
-Per remote request: a slot (a 32-bit immediate never reused, a hidden-state row), PREFILL to a
-prefill peer (round robin over the live ones), ``expect(imm, count)``; when the count's
+Per remote request: a slot (a 32-bit immediate never reused, a hidden-state row), PREFILL to the
+prefill peer the chooser picked by load and prefix affinity (pdkv/disagg/choice.py; whether the
+prompt is prefilled remotely at all is its ``decide``, at admission), ``expect(imm, count)``; when the count's
 imm_done arrives the KV and hidden state have landed and the engine gets RemoteKVReady. Every other
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
@@ -93,8 +94,8 @@ class DecodeCoordinator:
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
-                                  secret)
-        self._rr = 0
+                                  secret, cfg.disagg, engine.kv.page_size)
+        self.chooser = self.links.chooser
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
         # exposed transfer = landed (here) - end of the last prefill forward (DONE_AT); either may
@@ -129,24 +130,28 @@ class DecodeCoordinator:
             pass
 
     # ---- requests (loop thread) ------------------------------------------------------------
-    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, cached: int = 0) -> None:
-        """The engine admitted ``rid`` with hidden-state row ``row`` (the connector): this node
-        holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache), ``pages``
+    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, peer: Peer | None,
+                     cached: int = 0) -> None:
+        """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
+        ``peer`` for it (the connector; a peer that died since is replaced by another). This node
+        holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
         are the pages for the rest, the only ones the prefill node is granted and writes."""
-        live = self.links.live()
-        if not live:
+        if peer is None or peer.dead or peer.channel is None:
+            if peer is not None:
+                self.chooser.unreserve(peer, len(tokens))
+            peer = self.chooser.pick(tokens)
+        if peer is None:
             self.rows.give_back(row)
             self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
                                            "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
-        peer = live[self._rr % len(live)]
-        self._rr += 1
         grantee = peer.channel.peer.node_id
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
             granted = self.grants.grant(grantee, pages, row)
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
+            self.chooser.unreserve(peer, len(tokens))
             self.rows.give_back(row)
             self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
@@ -164,6 +169,7 @@ class DecodeCoordinator:
         peer.slots[imm] = slot
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
+        self.chooser.sent(peer, len(tokens))
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": pages,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
                           "seed": seed})
@@ -262,6 +268,7 @@ class DecodeCoordinator:
                 self._landed(slot)
                 return
             self.metrics.failed("prefill_failed")
+            self.chooser.failed(peer)
             self.commands(FailRequest(rid, f"the prefill node failed the request: {msg.get('reason')}"))
             self._drain(slot, int(msg.get("posted", 0)), got)
         elif kind in (P.FAIL, P.CANCEL_ACK) or (kind == P.DONE_AT and slot.state == SlotState.CANCELLING):
@@ -281,6 +288,7 @@ class DecodeCoordinator:
         if peer.dead and peer.channel is None:
             return
         was_dead, peer.dead = peer.dead, True
+        self.chooser.failed(peer)  # once back, it is tried last for a while
         stall = peer.channel.own_stall() if peer.channel is not None else None
         if stall is not None:
             reason = (f"this decode node was frozen for {stall:.1f} s, longer than the {self.mcfg.lease_s} s lease "

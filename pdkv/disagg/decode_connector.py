@@ -2,14 +2,17 @@
 
 - ``admission``: a prompt of more than one token has its first n-1 tokens' KV computed
   remotely, less the whole pages this node's prefix cache holds (``req.num_cached_tokens``, a
-  peek the engine made): the engine takes those cached pages, reserves pinned pages for the rest
-  and parks the request in WAITING_FOR_REMOTE_KV. A one-token prompt, or one whose every page
-  before its last token is cached here, runs locally (nothing to transfer: it computes its last
-  token as any local request would). With no prefill node connected the request is refused,
-  rather than silently colocated;
-- ``admit``: reserves the request's hidden-state slot row (none free: the request waits), then
-  asks the coordinator (on the event loop) to send PREFILL with the cached count and the ids of
-  the pages after it (only those are granted and written);
+  peek the engine made); a one-token prompt, or one whose every page before its last token is
+  cached here, runs locally (nothing to transfer). Otherwise where the rest is prefilled is the
+  chooser's ``decide`` (pdkv/disagg/choice.py: a short uncached part, every prefill node
+  saturated or none connected: here, through the engine's normal chunked path, LOCAL; with
+  ``disagg.local_fallback`` false no prefill node is a 503). Remote: the engine takes the cached
+  pages, reserves pinned pages for the rest and parks the request in WAITING_FOR_REMOTE_KV;
+- ``admit``: counts the decision; for remote KV reserves the request's hidden-state slot row
+  (none free: the request waits) and the prefill node the chooser picks (none live any more:
+  the request waits too, and its next admission decides again), then asks the coordinator (on
+  the event loop) to send PREFILL with the cached count and the ids of the pages after it (only
+  those are granted and written);
 - ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
   the transfer and releases the (quarantined) pages once no write can land.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+from pdkv.disagg.choice import Where
 from pdkv.disagg.rows import HiddenRows
 from pdkv.engine.connector import LOCAL, Admission, KVConnector
 from pdkv.engine.request import RequestStatus
@@ -32,31 +36,51 @@ class DecodeConnector(KVConnector):
         self.coordinator, self.rows = coordinator, rows
         self.page_size = coordinator.engine.kv.page_size
         self._remote: set[str] = set()  # admitted with remote KV, not finished
+        # NOTE: the engine calls admit right after admission for the same request, on this thread
+        # (a failed reservation in between calls admission again): one decision in flight at a time
+        self._decided: tuple[str, Where] | None = None
 
     def admission(self, req) -> Admission:
+        rid = req.request_id
         if req.num_prompt_tokens <= 1:
+            self._decided = (rid, Where.LOCAL_SHORT)
             return LOCAL  # a one-token prompt has no KV to compute before its decode
         cached = req.num_cached_tokens  # whole pages, at most n - 1 tokens
         if cached >= req.num_prompt_tokens - 1:  # every page before the last token is here
+            self._decided = (rid, Where.LOCAL_SHORT)
             self.coordinator.metrics.transferred(0, cached // self.page_size, 0)
             return LOCAL  # takes the cached pages when scheduled, computes the last token
-        if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
+        where = self.coordinator.chooser.decide(req.num_prompt_tokens, cached)
+        self._decided = (rid, where)
+        if where is Where.REFUSED_NO_PEER:
+            self.coordinator.metrics.decided(where)  # final: admit never runs for it
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
-                                   "prefill peers; retry shortly)", status=503, retry_after=2)
+                                   "prefill peers; retry shortly; disagg.local_fallback is false)",
+                                   status=503, retry_after=2)
+        if where is not Where.REMOTE:
+            return LOCAL  # prefilled here, chunked like colocated
         return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=True)
 
     def admit(self, req) -> bool:
+        c = self.coordinator
+        decided, self._decided = self._decided, None
+        where = decided[1] if decided is not None and decided[0] == req.request_id else Where.LOCAL_SHORT
         if not req.num_external_tokens:
+            c.metrics.decided(where)
             return True
         row = self.rows.take()
         if row is None:
             return False
+        tokens = list(req.prompt_token_ids[:-1])
+        peer = c.chooser.pick(tokens)
+        if peer is None:  # every prefill node died since admission: decide again next time
+            self.rows.give_back(row)
+            return False
+        c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
-        c = self.coordinator
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
         cached = req.num_cached_tokens  # what the engine took from the cache: only the pages after it come
-        c.post(c.send_prefill, req.request_id, list(req.prompt_token_ids[:-1]),
-               list(req.pages[cached // self.page_size:]), row, cached)
+        c.post(c.send_prefill, req.request_id, tokens, list(req.pages[cached // self.page_size:]), row, peer, cached)
         return True
 
     def finished(self, req) -> None:

@@ -13,8 +13,10 @@ FINISHED: every batch completed locally, so its source pages may be reused: the 
 it and ``answer`` is what goes back to the decode node.
 
 NOTE: ``outstanding`` is the one field two threads write (the engine thread queues batches,
-the event loop counts batch_done); it is changed only under ``JobTable.lock``. Everything else
-is written on the event loop (and only read on the engine thread).
+the event loop counts batch_done); it is changed only under ``JobTable.lock``. ``num_computed``
+and ``t_first`` are written on the engine thread only (and read on the loop without a lock: the
+load report may be a step old). Everything else is written on the event loop (and only read on
+the engine thread).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Job:
     write_errors: int = 0
     error_reason: str = ""
     reason: str = ""
+    # prompt tokens in its KV once the step now running ends (engine thread; read by the load report)
+    num_computed: int = 0
     t_first: float | None = None  # first chunk queued (time.perf_counter)
     t_end: float | None = None  # end of its last forward pass (time.time, for DONE_AT)
     staging: int | None = None  # its hidden-state staging row, reserved at admission

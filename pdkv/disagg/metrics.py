@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "refused_no_peer")  # choice.Where values
 _T = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -51,6 +52,13 @@ class DisaggMetrics:
                                                             "until a peer quiesced.")
         for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error"):
             self.failures.labels(*self._lab, reason)
+        self.decisions = Counter("pdkv_disagg_prefill_decisions", "Decode: where each prompt was prefilled "
+                                 "(remote, or here: local_short, local_saturated, local_no_peer; "
+                                 "refused_no_peer: a 503, disagg.local_fallback false).",
+                                 lab + ["where"], registry=registry)
+        if role == "decode":
+            for where in WHERE:
+                self.decisions.labels(*self._lab, where)
 
     def transferred(self, pages: int, skipped: int, writes: int) -> None:
         self.kv_pages.inc(pages)
@@ -59,3 +67,7 @@ class DisaggMetrics:
 
     def failed(self, reason: str) -> None:
         self.failures.labels(*self._lab, reason).inc()
+
+    def decided(self, where) -> None:
+        """A prefill decision (pdkv.disagg.choice.Where) for one request."""
+        self.decisions.labels(*self._lab, where.value).inc()

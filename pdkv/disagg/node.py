@@ -102,8 +102,12 @@ class DecodeNode(_Node):
 
     def health(self) -> dict:
         c = self.coordinator
-        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead} for p in c.peers],
-                "transfers_in_flight": len(c.slots)} if c else {}
+        if c is None:
+            return {}
+        loads = c.chooser.snapshot()  # its queue as seen here, PREFILLs sent to it
+        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead, **load}
+                                  for p, load in zip(c.peers, loads)],
+                "transfers_in_flight": len(c.slots)}
 
 
 class PrefillNode(_Node):

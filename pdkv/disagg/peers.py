@@ -6,6 +6,8 @@ rank's KV region key plus the hidden-state key, CONNECTED (or REFUSE) back. A pe
 dialled again with doubling backoff up to REDIAL_MAX_S, each failure logged, so a prefill node
 restarted on the same address serves again without restarting this node. What a message or a
 death means for the requests is the coordinator's business (``on_message`` / ``on_dead``).
+Each peer's heartbeats carry its load (pdkv/disagg/load.py): checked here and handed to the
+prefill chooser (pdkv/disagg/choice.py), which says which peer a prompt goes to.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError, HandshakeRefused
 from pdkv.disagg import protocol as P
+from pdkv.disagg.choice import PeerRoute, PrefillChooser
+from pdkv.disagg.load import parse_load
+from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import plan_link
 from pdkv.tls import client_context
 
@@ -35,13 +40,18 @@ class Peer:
     dead: bool = True
     redial: asyncio.Task | None = None  # dialling it again after it died
     plan: object = None  # pdkv.shard.ShardPlan: the peer's ShardSpec -> ours (set by the handshake)
+    route: PeerRoute = field(default_factory=PeerRoute)  # its queue as seen here (the chooser's, under its lock)
 
 
 class PrefillPeers:
-    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None):
+    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None,
+                 dcfg=None, page_size: int = 16):
         """``mcfg``: the messenger config section (prefill_peers, timeouts); ``kv``: the node's
         NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's;
-        ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None."""
+        ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None;
+        ``dcfg``: the ``disagg`` config section (the chooser's policy; None: the defaults)."""
+        from pdkv.config import DisaggConfig  # noqa: PLC0415
+
         self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
         self.secret = secret
         self.tls = client_context(mcfg.tls)  # messenger.tls, or None (ConfigError names the field)
@@ -50,6 +60,8 @@ class PrefillPeers:
         self._setups = ThreadPoolExecutor(max(1, len(mcfg.prefill_peers)), thread_name_prefix="pdkv-decode-setup")
         self._on_message, self._on_dead = on_message, on_dead
         self.peers = [Peer(*split_address(p)) for p in mcfg.prefill_peers]
+        self.chooser = PrefillChooser(dcfg or DisaggConfig(), self.peers, page_size, mcfg.lease_s)
+        self._rlog = RateLimitedLog(log)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.hello = None
         self._stopping = False
@@ -99,6 +111,8 @@ class PrefillPeers:
             if conn is not None:
                 self.m.disconnect(conn)
             raise
+        self.chooser.connected(peer)  # NOTE: before it is live: its reports count this channel's PREFILLs
+        ch.on_heartbeat = lambda msg: peer.channel is ch and self._heard(peer, msg)
         peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
         # NOTE: callbacks of this channel only act while it is the peer's current one (after a
         # redial, the old channel's reader and heartbeat must not kill the new connection)
@@ -114,6 +128,16 @@ class PrefillPeers:
         except ControlError as e:
             if peer.channel is ch:
                 self._on_dead(peer, str(e))
+
+    def _heard(self, peer: Peer, msg: dict) -> None:
+        """A heartbeat of ``peer``: its load (a malformed one is logged and counts as none)."""
+        try:
+            load = parse_load(msg)
+        except ValueError as e:
+            self._rlog.warning(f"load:{peer.host}:{peer.port}", "decode: ignoring the load in a heartbeat of "
+                               "prefill node %s:%d: %s", peer.host, peer.port, e)
+            load = None
+        self.chooser.report(peer, load)
 
     async def _redial(self, peer: Peer) -> None:
         """Dial a dead prefill peer again (e.g. restarted on the same address) with doubling

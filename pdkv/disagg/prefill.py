@@ -30,6 +30,7 @@ from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
+from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
@@ -56,6 +57,7 @@ class Link:
     plan: ShardPlan  # this node's ShardSpec -> the decode node's (agreed in the handshake)
     jobs: dict = field(default_factory=dict)  # req id -> Job
     dead: bool = False
+    num_prefills: int = 0  # PREFILLs received on this channel (the load report's ``seen``)
 
 
 class PrefillCoordinator(LoopEvents):
@@ -81,6 +83,9 @@ class PrefillCoordinator(LoopEvents):
                                           self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
+        # the engine's last stats (engine thread after each step), for the load report; before its
+        # first step the engine thread is not running yet, so reading them here is safe
+        self.last_stats: dict | None = engine.stats()
         self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
                                       max_waiting=cfg.server.max_waiting_requests)
         self.commands = self.engine_loop.put
@@ -183,7 +188,8 @@ class PrefillCoordinator(LoopEvents):
         self.links.append(link)
         log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
                  source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
-        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(link, r))
+        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(link, r),
+                           payload=lambda: {"load": self.load_report(link).to_wire()})
         try:
             while not link.dead:
                 self._on_message(link, await ch.recv())
@@ -214,9 +220,14 @@ class PrefillCoordinator(LoopEvents):
         else:
             self._rlog.warning(f"unexpected:{kind}", "prefill: ignoring unexpected control message %s", kind)
 
+    def load_report(self, link: Link) -> PrefillLoad:
+        """What the next heartbeat on ``link`` tells its decode node (pdkv/disagg/load.py)."""
+        return measure_load(self.jobs, self.last_stats, link.num_prefills)
+
     def _on_prefill(self, link: Link, msg: dict) -> None:
         """A new job, or FAIL naming what was wrong (a duplicate id, a malformed field): a
         refused PREFILL touches nothing, in particular not a job with the same id."""
+        link.num_prefills += 1  # refused ones too: the decode node counted each one it sent
         req = msg.get("req")
         try:
             fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size)
@@ -319,8 +330,10 @@ class PrefillCoordinator(LoopEvents):
         self._post(self._engine_done, request_id, JobEnd.CANCELLED)
 
     def on_commands_applied(self) -> None:
+        stats = self.engine.stats()
+        self.last_stats = stats  # NOTE: one reference swap: the loop's load report reads it unlocked
         if self._engine_stats is not None:
-            self._engine_stats(self.engine.stats())
+            self._engine_stats(stats)
 
     def _post(self, fn, *args) -> None:
         try:

@@ -63,7 +63,10 @@ class PrefillConnector(KVConnector):
         self._step_end = base + self.src.num_layers + (0 if self.layerwise else 1)
         for e in batch.entries:
             job = self.jobs.get(e.request_id)
-            if job is not None and job.t_first is None and e.prefill_only:
+            if job is None or not e.prefill_only:
+                continue
+            job.num_computed = e.start + e.num_tokens  # what the load report counts as done
+            if job.t_first is None:
                 job.t_first = time.perf_counter()
                 if self.metrics is not None:
                     self.metrics.queue_prefill.observe(job.t_first - job.arrival)

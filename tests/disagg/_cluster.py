@@ -22,13 +22,17 @@ def post_completion(url, body, timeout=30):
 
 
 def node_config(model_dir, role: str, **over):
-    """A small config for ``role``; ``over``: dotted overrides like messenger__lease_s=2."""
+    """A small config for ``role``; ``over``: dotted overrides like messenger__lease_s=2. A decode
+    node sends every multi-token prompt to its prefill node (disagg__local_prefill_max_tokens=0)
+    unless ``over`` says otherwise."""
     d = {"role": role, "model": {"path": str(model_dir)},
          "kv_cache": {"page_size": 4, "num_pages": 64},
          "scheduler": {"max_num_batched_tokens": 64, "chunk_size": 16, "max_num_seqs": 8},
          "server": {"port": 0},
          "messenger": {"heartbeat_s": 0.2, "lease_s": 1.5, "transfer_timeout_s": 20.0,
                        "connect_timeout_s": 10.0}}
+    if role == "decode":  # these tests exercise the transfer: every multi-token prompt goes remote
+        d["disagg"] = {"local_prefill_max_tokens": 0}
     for k, v in over.items():
         sec, _, name = k.partition("__")
         d.setdefault(sec, {})[name] = v

@@ -70,7 +70,10 @@ def node_dict(model_dir, role: str, *, port: int, control_port: int = 0, peers=(
          "connect_timeout_s": 20.0, "control_port": control_port, "prefill_peers": list(peers)}
     if nics:
         m["nics"] = list(nics)
-    return {"role": role, "model": {"path": str(model_dir)},
-            "kv_cache": {"page_size": page_size, "num_pages": num_pages},
-            "scheduler": {"max_num_batched_tokens": 64, "chunk_size": chunk, "max_num_seqs": 8},
-            "server": {"port": port}, "messenger": m}
+    d = {"role": role, "model": {"path": str(model_dir)},
+         "kv_cache": {"page_size": page_size, "num_pages": num_pages},
+         "scheduler": {"max_num_batched_tokens": 64, "chunk_size": chunk, "max_num_seqs": 8},
+         "server": {"port": port}, "messenger": m}
+    if role == "decode":  # the transfer is what these tests exercise: no local prefill of short prompts
+        d["disagg"] = {"local_prefill_max_tokens": 0}
+    return d

@@ -9,26 +9,38 @@ import numpy as np
 import pytest
 import torch
 
+from pdkv.config import DisaggConfig
+from pdkv.disagg.choice import PeerRoute, PrefillChooser
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
 from pdkv.disagg.jobs import Job, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.engine.connector import LOCAL
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.errors import AdmissionRefused
 
 
 class FakeCoordinator:
-    """FAKE (for these tests): records what the connector posts to the event loop."""
+    """FAKE (for these tests): records what the connector posts to the event loop; its chooser
+    is the real one over one stand-in peer (``routable``: whether that peer is live)."""
 
-    def __init__(self, routable=True):
-        self.routable, self.posted = routable, []
-        self.skipped = []
+    def __init__(self, routable=True, **disagg):
+        self.posted, self.decisions, self.skipped = [], [], []
+        self.peer = SimpleNamespace(dead=not routable, route=PeerRoute())
+        dcfg = DisaggConfig(**{"local_prefill_max_tokens": 0, **disagg})
+        self.chooser = PrefillChooser(dcfg, [self.peer], page_size=4, expiry_s=5.0)
         self.metrics = SimpleNamespace(queue_admission=SimpleNamespace(observe=lambda s: None),
+                                       decided=self.decisions.append,
                                        transferred=lambda pages, skipped, writes: self.skipped.append(skipped))
         self.engine = SimpleNamespace(kv=SimpleNamespace(page_size=4))
 
-    def can_route(self):
-        return self.routable
+    @property
+    def routable(self):
+        return not self.peer.dead
+
+    @routable.setter
+    def routable(self, value):
+        self.peer.dead = not value
 
     def post(self, fn, *args):
         self.posted.append((fn.__name__, args))
@@ -52,14 +64,40 @@ def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
     assert conn.admission(a).num_external_tokens == 8
     a.num_external_tokens, a.pages = 8, [3, 4]
     assert conn.admit(a) is True
-    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, 0))]
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, coord.peer, 0))]
     b.num_external_tokens = 8
     assert conn.admit(b) is False  # the only row is taken: b waits
     conn.rows.give_back(0)
     assert conn.admit(b) is True
+    assert coord.peer.route.reserved == 16  # both picked for the one peer, not yet sent
     coord.routable = False
-    with pytest.raises(AdmissionRefused, match="no prefill node is connected"):
+    c = _req("c", 5)
+    assert conn.admission(c) is LOCAL  # no prefill node: prefilled here (disagg.local_fallback)
+    assert conn.admit(c) is True
+    assert [w.value for w in coord.decisions] == ["remote", "remote", "local_no_peer"]
+
+
+def test_decode_connector_refuses_without_a_prefill_node_when_strict():
+    coord = FakeCoordinator(routable=False, local_fallback=False)
+    conn = DecodeConnector(coord, HiddenRows(1))
+    with pytest.raises(AdmissionRefused, match="no prefill node is connected.*local_fallback") as e:
         conn.admission(_req("c", 5))
+    assert e.value.status == 503 and [w.value for w in coord.decisions] == ["refused_no_peer"]
+    assert conn.admission(_req("one", 1)) is LOCAL  # a one-token prompt needs no prefill node
+
+
+def test_decode_connector_waits_when_every_peer_died_after_admission():
+    """Remote at admission, no live peer at admit: the row goes back and the request waits
+    (its next admission decides again: local now)."""
+    coord = FakeCoordinator()
+    conn = DecodeConnector(coord, HiddenRows(1))
+    a = _req("a", 9)
+    assert conn.admission(a).num_external_tokens == 8
+    coord.routable = False
+    a.num_external_tokens, a.pages = 8, [3, 4]
+    assert conn.admit(a) is False and conn.rows.take() == 0 and not coord.posted
+    conn.rows.give_back(0)
+    assert conn.admission(_req("a", 9)) is LOCAL
 
 
 def test_decode_connector_asks_only_for_what_its_prefix_cache_lacks():
@@ -73,7 +111,7 @@ def test_decode_connector_asks_only_for_what_its_prefix_cache_lacks():
     assert plan.num_external_tokens == 6 and plan.reuse_cached is True
     a.num_external_tokens, a.pages = 6, [9, 3, 4]  # the cached page first, then the two to fill
     assert conn.admit(a) is True
-    assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, 4))]
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, coord.peer, 4))]
     coord.routable = False
     whole = _req("whole", 9)
     whole.num_cached_tokens = 8  # every page before the last token

@@ -172,7 +172,8 @@ def test_decode_redials_a_restarted_prefill_node(tiny_model_dir, tmp_path, caplo
     pre = NodeProc(tmp_path, "prefill", pdict)
     try:
         pre.wait_healthy()
-        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"])
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
+                           disagg__local_fallback=False)  # strict: no prefill node is a 503 (test_kill: local)
         eng = make_engine(dcfg)
         with caplog.at_level(logging.INFO, logger="pdkv.disagg.decode"), serve_node(dcfg, eng) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]

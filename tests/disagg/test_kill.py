@@ -44,10 +44,13 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
             health = json.loads(urllib.request.urlopen(dec.url + "/health").read())
             assert health["prefill_peers"][0]["connected"] is False
-            # a prompt of one token never needs a prefill node; longer ones get a clear error
+            # a prompt of one token never needs a prefill node; longer ones are prefilled here now
+            # (disagg.local_fallback; test_gaps keeps the strict 503) and answer as colocated
             assert _post(dec.url, {"model": name, "prompt": [5], "max_tokens": 2})[0] == 200
-            status, body = _post(dec.url, {"model": name, "prompt": [5, 6, 7], "max_tokens": 2})
-            assert status == 503 and "no prefill node is connected" in body["error"]["message"]
+            assert_colocated_answer(dec.url, name, tiny_model_dir, list(range(5, 40)), 4)
+            metrics = urllib.request.urlopen(dec.url + "/metrics").read().decode()
+            assert 'pdkv_disagg_prefill_decisions_total{model_name="%s",role="decode",where="local_no_peer"} 1.0' \
+                % name in metrics, [x for x in metrics.splitlines() if "decisions" in x]
     finally:
         pre.stop()
 

@@ -65,7 +65,9 @@ class Nodes:
         # reuses its pages there, and they must still arrive). D3: both sides' caches on.
         off = {"kv_cache__prefix_caching": False}
         self.d1 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]], **off)
-        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]], **off)
+        # no prefix affinity: a prompt repeated goes to the other peer (ties rotate), so both serve it
+        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]],
+                        disagg__affinity_pages=0, **off)
         self.d3 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]])
 
     def close(self):

@@ -18,7 +18,7 @@ def _cluster_file(tmp_path, model_dir, **decode):
     d = yaml.safe_load((ROOT / "configs" / "local-disagg.yaml").read_text())
     d["model"]["path"] = str(model_dir)
     d["kv_cache"].update(num_pages=64, page_size=4)
-    d["decode"] = decode
+    d["decode"] = {"disagg": {"local_prefill_max_tokens": 0}, **decode}  # a short prompt still goes remote
     p = tmp_path / "cluster.yaml"
     p.write_text(yaml.safe_dump(d))
     return p

@@ -75,7 +75,9 @@ class Nodes:
         self.p2 = start("prefill", 2, PrefillNode)
         addr = {n: f"127.0.0.1:{t.app[NODE].control_port}" for n, t in (("p1", self.p1), ("p2", self.p2))}
         self.d1 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]])
-        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]])
+        # no prefix affinity: a prompt repeated goes to the other peer (ties rotate), so both serve it
+        self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]],
+                        disagg__affinity_pages=0)
 
     def close(self):
         for t in reversed(self.threads):
@@ -155,6 +157,8 @@ def test_tp1_and_tp2_to_tp2_over_verbs(family, tmp_path, loopback_verbs_dir):
     def proc(name, role, tp, **kw):
         d = node_dict(family.dir, role, port=free_port(), transport="verbs", nics=["lo_verbs0"], **kw)
         d["parallel"] = {"tp": tp, "timeout_s": 30.0}
+        if role == "decode":
+            d["disagg"]["affinity_pages"] = 0  # a repeated prompt goes to the other peer (ties rotate)
         return NodeProc(tmp_path, name, d, env)
 
     procs = [proc("p1", "prefill", 1, control_port=c1), proc("p2", "prefill", 2, control_port=c2)]

@@ -85,7 +85,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
     # a second decode node whose peers are the real prefill node and the impostor
     real = c.prefill.app[NODE].control_port
     dcfg = node_config(tiny_model_dir, "decode", messenger__secret_file=str(f),
-                       messenger__prefill_peers=[f"127.0.0.1:{real}", f"127.0.0.1:{hostile.port}"])
+                       messenger__prefill_peers=[f"127.0.0.1:{real}", f"127.0.0.1:{hostile.port}"],
+                       disagg__affinity_pages=0)  # the same prompt three times: both peers get it
     c.d2_engine = make_engine(dcfg)
     c.d2 = serve_node(dcfg, c.d2_engine).start()
     c.hostile = hostile
@@ -103,7 +104,7 @@ def test_write_outside_the_requests_pages_is_refused(cluster):
     t0 = proc_counts()
     model = cluster.model_name()
     outcomes = [post_completion(cluster.d2.url, {**PROMPT, "model": model}) for _ in range(3)]
-    assert cluster.hostile.seen, "the impostor got no request (round robin over both peers)"
+    assert cluster.hostile.seen, "the impostor got no request (ties rotate over both peers)"
     foreign = cluster.hostile.foreign
     # the foreign page was not touched by the impostor (0xCD/0xAB would be there otherwise)
     page = ctypes.string_at(region.address + foreign * page_nbytes, page_nbytes)
