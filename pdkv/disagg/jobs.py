@@ -71,6 +71,7 @@ class Job:
     t_first: float | None = None  # first chunk queued (time.perf_counter)
     t_end: float | None = None  # end of its last forward pass (time.time, for DONE_AT)
     staging: int | None = None  # its hidden-state staging row, reserved at admission
+    dst_keys: object = None  # pdkv.disagg.range_keys.RangeKeys: its write keys (None: the link's keys)
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

@@ -31,6 +31,7 @@ from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.disagg.range_keys import RangeKeys
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
@@ -215,6 +216,7 @@ class PrefillCoordinator(LoopEvents):
         req = msg.get("req")
         try:
             fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"))
+            dst_keys = RangeKeys.parse(msg, fields[1], link.plan.decode.tp, link.dst.num_layers)
         except ValueError as e:
             self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
                                link.channel.peer.node_id, e)
@@ -223,7 +225,7 @@ class PrefillCoordinator(LoopEvents):
             return
         tokens, pages, imm, hidden_off, seed = fields
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
-                  next(self._tags), time.perf_counter(), seed)
+                  next(self._tags), time.perf_counter(), seed, dst_keys=dst_keys)
         try:
             self.jobs.add(job)
         except DuplicateJob as e:

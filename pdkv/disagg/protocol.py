@@ -5,8 +5,11 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
                      kv_keys: one region key per decode rank (kv_key = kv_keys[0])
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
-  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed}
-                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req))
+  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed, runs, kv_rkeys, hidden_rkey}
+                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req));
+                     runs/kv_rkeys/hidden_rkey: the keys of the ranges granted for it, one per
+                     (decode rank, layer, run of pages) (pdkv/disagg/grants.py, range_keys.py);
+                     without them the writes name CONNECT's region keys
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)
