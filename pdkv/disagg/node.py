@@ -102,8 +102,13 @@ class DecodeNode(_Node):
 
     def health(self) -> dict:
         c = self.coordinator
-        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead} for p in c.peers],
-                "transfers_in_flight": len(c.slots)} if c else {}
+        if not c:
+            return {}
+        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead,
+                                   "grants": c.held.get(p.channel.peer.node_id, 0) if p.channel else 0}
+                                  for p in c.peers],
+                "transfers_in_flight": len(c.slots), "grants_held": sum(c.held.values()),
+                "refused_writes": c.m.stats()["refused_writes"]}
 
 
 class PrefillNode(_Node):
