@@ -114,3 +114,13 @@ def test_prefill_keys_are_checked_against_the_pages():
             RangeKeys.parse(bad, np.asarray([0]), 1, 2)
     with pytest.raises(ValueError, match="page 1 is in no granted run"):
         RangeKeys.parse(fields, np.asarray([0, 1]), 1, 2)
+
+
+def test_grants_bench_prints_the_cost_per_run_count(capsys):
+    from pdkv.bench.grants import main, pages_with_runs
+    from pdkv.disagg.grants import page_runs
+
+    assert [len(page_runs(pages_with_runs(16, r))) for r in (1, 2, 4, 16)] == [1, 2, 4, 16]
+    assert main(["--layers", "2", "--pages", "4", "--pool", "16", "--repeat", "2", "--held", "3"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 3), (2, 5), (4, 9)]  # 1 + layers x runs ranges
