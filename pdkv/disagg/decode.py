@@ -152,6 +152,7 @@ class DecodeCoordinator:
         peer = room[0]
         self._rr += 1
         grantee = peer.channel.peer.node_id
+        t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
             granted = self.grants.grant(grantee, pages, row)
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
@@ -161,6 +162,8 @@ class DecodeCoordinator:
             self.commands(ReleasePages(rid))
             return
         self.held[grantee] = self.held.get(grantee, 0) + len(granted)
+        self.metrics.grant_time.observe(time.perf_counter() - t0)
+        self.metrics.grants.inc(len(granted))
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
         slot = Slot(imm, rid, peer, len(pages), row,
@@ -180,6 +183,7 @@ class DecodeCoordinator:
     def _refuse(self, rid: str, row: int, reason: str, retry_after: int | None = None) -> None:
         """Nothing was granted or sent: the client gets 503 naming the limit."""
         log.warning("decode: refusing %s: %s", rid, reason)
+        self.metrics.failed("grant_limit")
         self.rows.give_back(row)
         self.commands(FailRequest(rid, reason, 503, retry_after))
         self.commands(ReleasePages(rid))
