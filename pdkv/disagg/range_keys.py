@@ -35,6 +35,8 @@ class RangeKeys:
         if (not isinstance(runs, list) or not runs or not all(
                 isinstance(r, list) and len(r) == 2 and all(_uint(x, 2**31) for x in r) and r[1] > 0 for r in runs)):
             raise ValueError("runs must be a non-empty list of [first page, count] pairs")
+        if len(runs) > len(pages):  # bounded by the request's pages, so by the pool: not by the sender
+            raise ValueError(f"runs: {len(runs)} runs for {len(pages)} pages")
         firsts = np.asarray([r[0] for r in runs], dtype=np.int64)
         counts = np.asarray([r[1] for r in runs], dtype=np.int64)
         if np.any(firsts[1:] < firsts[:-1] + counts[:-1]):

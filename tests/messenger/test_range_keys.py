@@ -111,7 +111,9 @@ def test_prefill_keys_are_checked_against_the_pages():
                       ({**fields, "hidden_rkey": -1}, "hidden_rkey"),
                       ({**fields, "kv_rkeys": [1, 2, 3, 2**64]}, "must be 4 keys")]:
         with pytest.raises(ValueError, match=what):
-            RangeKeys.parse(bad, np.asarray([0]), 1, 2)
+            RangeKeys.parse(bad, np.asarray([0, 2]), 1, 2)
+    with pytest.raises(ValueError, match="3 runs for 2 pages"):
+        RangeKeys.parse({**fields, "runs": [[0, 1], [2, 1], [4, 1]]}, np.asarray([0, 2]), 1, 2)
     with pytest.raises(ValueError, match="page 1 is in no granted run"):
         RangeKeys.parse(fields, np.asarray([0, 1]), 1, 2)
 

@@ -87,6 +87,9 @@ def test_duplicate_prefill_is_refused_and_the_first_job_finishes(cluster):
     ({"tokens": [1, "x"]}, "tokens must be"),
     ({"req": None}, "req must be"),
     ({"hidden_off": 1.5}, "hidden_off must be"),
+    ({"runs": [[0, 1]], "kv_rkeys": [1], "hidden_rkey": 2}, "kv_rkeys must be"),  # one key per layer needed
+    ({"runs": [[1, 1]], "kv_rkeys": [1, 1], "hidden_rkey": 2}, "page 0 is in no granted run"),
+    ({"runs": [[0, 1]], "kv_rkeys": [1, 1], "hidden_rkey": None}, "hidden_rkey must be"),
 ])
 def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
     async def main():
