@@ -4,8 +4,8 @@ The decode node grants a request's pages per (decode rank, layer, run of consecu
 and sends each range's write key with PREFILL (pdkv/disagg/grants.py ``fields``). On tcp they
 are all the region's key; on verbs each is the rkey of that range's own MR, so every write must
 name the key of the range it falls in — a write under another range's key (or after the range
-was revoked) is refused by the NIC and breaks the connection. ``groups`` splits a chunk's
-destination pages by key, so each page batch (pdkv/disagg/writes.py) uses one key.
+was revoked) is refused by the NIC and breaks the connection. ``split`` / ``groups`` split a
+chunk's destination pages by key, so each page batch (pdkv/disagg/writes.py) uses one key.
 
 A PREFILL whose keys do not cover its pages is refused (ValueError naming what is missing),
 never half-written.
@@ -22,8 +22,9 @@ import numpy as np
 class RangeKeys:
     firsts: np.ndarray  # int64 [runs]: first page of each run, ascending
     counts: np.ndarray  # int64 [runs]
-    keys: np.ndarray  # uint64 [decode ranks, layers, runs]
+    keys: list  # [decode rank][layer][run] -> int (nested lists: indexed per batch, on the engine thread)
     hidden: int  # the hidden-state row's write key
+    uniform: bool  # every run of a (rank, layer) has the same key (tcp): one batch per layer
 
     @classmethod
     def parse(cls, msg: dict, pages: np.ndarray, ranks: int, layers: int) -> "RangeKeys | None":
@@ -47,7 +48,8 @@ class RangeKeys:
                              f"{len(runs)} run(s)), got {len(flat) if isinstance(flat, list) else flat!r}"[:200])
         if not _uint(hidden, 2**64):
             raise ValueError(f"hidden_rkey must be a non-negative integer, got {hidden!r}"[:200])
-        out = cls(firsts, counts, np.asarray(flat, dtype=np.uint64).reshape(ranks, layers, len(runs)), hidden)
+        keys = np.asarray(flat, dtype=np.uint64).reshape(ranks, layers, len(runs))
+        out = cls(firsts, counts, keys.tolist(), hidden, bool((keys == keys[:, :, :1]).all()))
         out.runs_of(pages)  # every page is in a granted run
         return out
 
@@ -59,13 +61,22 @@ class RangeKeys:
             raise ValueError(f"page {int(dst_pages[np.argmax(bad)])} is in no granted run")
         return idx
 
-    def groups(self, rank: int, layer: int, dst_pages: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
-        """(key, positions into dst_pages) per distinct key of (rank, layer); positions None: all."""
-        keys = self.keys[rank, layer][self.runs_of(dst_pages)]
-        uniq = np.unique(keys)
-        if len(uniq) == 1:
-            return [(int(uniq[0]), None)]
-        return [(int(k), np.flatnonzero(keys == k)) for k in uniq]
+    def split(self, dst_pages: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+        """(run, positions into dst_pages) per run the pages fall in (positions None: all of
+        them); computed once per chunk, the keys then per (rank, layer) by ``groups``."""
+        idx = self.runs_of(dst_pages)
+        if self.uniform:
+            return [(int(idx[0]), None)]
+        runs = np.unique(idx)
+        if len(runs) == 1:
+            return [(int(runs[0]), None)]
+        return [(int(r), np.flatnonzero(idx == r)) for r in runs]
+
+    def groups(self, split, rank: int, layer: int) -> list[tuple[int, np.ndarray | None]]:
+        """(key, positions) of the writes to decode rank ``rank``'s ``layer``, one per entry of
+        ``split`` (this chunk's runs)."""
+        keys = self.keys[rank][layer]
+        return [(keys[r], pos) for r, pos in split]
 
 
 def _uint(v, top: int) -> bool:

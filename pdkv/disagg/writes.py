@@ -91,13 +91,16 @@ class QueueError(RuntimeError):
         self.num_batches = num_batches
 
 
-def _dst_groups(rkeys, rank: int, layer: int, dst_pages: np.ndarray):
-    """(key, positions or None for all) of the writes to decode rank ``rank``'s ``layer``:
-    ``rkeys`` is one region key per decode rank, or the request's RangeKeys (one key per granted
-    range, pdkv/disagg/range_keys.py: then one batch per key)."""
-    if isinstance(rkeys, RangeKeys):
-        return rkeys.groups(rank, layer, dst_pages)
-    return [(rkeys[rank], None)]
+def _dst_split(rkeys, dst_pages: np.ndarray):
+    """``rkeys`` is one region key per decode rank, or the request's RangeKeys (one key per
+    granted range, pdkv/disagg/range_keys.py): then the chunk's pages split by run (once)."""
+    return rkeys.split(dst_pages) if isinstance(rkeys, RangeKeys) else None
+
+
+def _dst_groups(rkeys, split, rank: int, layer: int):
+    """(key, positions or None for all) of the writes to decode rank ``rank``'s ``layer``: one
+    batch per key."""
+    return [(rkeys[rank], None)] if split is None else rkeys.groups(split, rank, layer)
 
 
 def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int, lkeys: list[int],
@@ -115,12 +118,13 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
     if len(src_pages) == 0:
         return 0, 0
     pairs = plan.active_pairs(seed)
+    split = _dst_split(rkeys, dst_pages)
     num_batches = num_writes = 0
     for layer in range(src.num_layers):
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
         for pair in pairs:
             lkey = lkeys[pair.prefill_rank]
-            for rkey, pos in _dst_groups(rkeys, pair.decode_rank, layer, dst_pages):
+            for rkey, pos in _dst_groups(rkeys, split, pair.decode_rank, layer):
                 sp, dp = (src_pages, dst_pages) if pos is None else (src_pages[pos], dst_pages[pos])
                 for seg in pair.segments:
                     try:
@@ -140,8 +144,8 @@ def count_batches(plan: ShardPlan, seed: int, num_layers: int, rkeys, dst_pages:
     """How many batches queue_chunk queues for these arguments (0 pages: none)."""
     if len(dst_pages) == 0:
         return 0
-    return sum(len(pair.segments) * len(_dst_groups(rkeys, pair.decode_rank, layer, dst_pages))
-               for layer in range(num_layers) for pair in plan.active_pairs(seed))
+    runs = 1 if not isinstance(rkeys, RangeKeys) else len(rkeys.split(dst_pages))  # the same for every (rank, layer)
+    return num_layers * runs * batches_per_layer(plan, seed)
 
 
 def batches_per_layer(plan: ShardPlan, seed: int) -> int:

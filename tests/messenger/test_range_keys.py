@@ -102,8 +102,8 @@ def test_planned_writes_name_each_ranges_key_and_land(spawn, connect, transport,
 def test_prefill_keys_are_checked_against_the_pages():
     fields = {"runs": [[0, 1], [2, 2]], "kv_rkeys": [11, 12, 13, 14], "hidden_rkey": 9}
     keys = RangeKeys.parse(fields, np.asarray([2, 0, 3]), 1, 2)
-    assert [(k, None if p is None else p.tolist()) for k, p in keys.groups(0, 1, np.asarray([3, 0, 2]))] == \
-        [(13, [1]), (14, [0, 2])]
+    split = keys.split(np.asarray([3, 0, 2]))
+    assert [(k, None if p is None else p.tolist()) for k, p in keys.groups(split, 0, 1)] == [(13, [1]), (14, [0, 2])]
     assert RangeKeys.parse({"runs": [[0, 1]]}, np.asarray([0]), 1, 1) is None  # no keys: the link's
     for bad, what in [({**fields, "kv_rkeys": [1, 2, 3]}, "must be 4 keys"),
                       ({**fields, "runs": [[2, 2], [0, 1]]}, "ascending"),
