@@ -2,10 +2,10 @@
 (the device is on LD_LIBRARY_PATH only there): it holds the cluster secret and the real
 prefill node's HELLO, so a decode node connects to it and sends it PREFILLs.
 
-    python _verbs_impostor.py MODEL_DIR SECRET_FILE MODE OUT_JSON
+    python _verbs_impostor.py MODEL_DIR SECRET_FILE MODE OUT_JSON PORT
 
-prints its control port on the first line of stdout, then serves until killed. OUT_JSON is
-rewritten after every PREFILL with what it saw and did.
+listens on 127.0.0.1:PORT and serves until killed. OUT_JSON is rewritten after every PREFILL
+with what it saw and did.
 
 MODE attack: each control connection's first PREFILL gets one attack (later ones are only
 counted), then the impostor closes the connection (the decode node fails its requests, tears
@@ -118,11 +118,10 @@ class Impostor:
 
 
 async def main() -> None:
-    model_dir, secret_file, mode, out = sys.argv[1:5]
+    model_dir, secret_file, mode, out, port = sys.argv[1:6]
     imp = Impostor(model_dir, load_secret(secret_file), mode, Path(out))
     imp.save()
-    srv = await asyncio.start_server(imp.accept, "127.0.0.1", 0)
-    print(srv.sockets[0].getsockname()[1], flush=True)
+    await asyncio.start_server(imp.accept, "127.0.0.1", int(port))
     await asyncio.Event().wait()
 
 

@@ -43,14 +43,13 @@ class Impostor:
     def __init__(self, model_dir, secret_file: Path, mode: str, tmp: Path, env: dict):
         self.out = tmp / f"impostor-{mode}.json"
         self.log = open(tmp / f"impostor-{mode}.log", "wb")
+        self.port = free_port()  # chosen here so that the decode node can start meanwhile
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_verbs_impostor.py"), str(model_dir),
-                                      str(secret_file), mode, str(self.out)], stdout=subprocess.PIPE,
-                                     stderr=self.log, env={**os.environ, **env})
-        line = self.proc.stdout.readline()
-        assert line.strip().isdigit(), (tmp / f"impostor-{mode}.log").read_text()[-2000:]
-        self.port = int(line)
+                                      str(secret_file), mode, str(self.out), str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
     def record(self) -> dict:
+        assert self.proc.poll() is None, self.log.name
         return json.loads(self.out.read_text())
 
     def stop(self):
@@ -81,7 +80,7 @@ def nodes(tiny_model_dir, tmp_path, loopback_verbs_dir):
         dec = proc("decode", "decode", decode_messenger, peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
         pre.wait_healthy(60)
         dec.wait_healthy(60)
-        wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 20, "both peers connected")
+        wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 30, "both peers connected")
         return pre, imp, dec
 
     yield start
