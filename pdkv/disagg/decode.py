@@ -182,7 +182,7 @@ class DecodeCoordinator:
 
     def _refuse(self, rid: str, row: int, reason: str, retry_after: int | None = None) -> None:
         """Nothing was granted or sent: the client gets 503 naming the limit."""
-        log.warning("decode: refusing %s: %s", rid, reason)
+        self._rlog.warning("grant_limit", "decode: refusing %s: %s", rid, reason)  # may repeat under load
         self.metrics.failed("grant_limit")
         self.rows.give_back(row)
         self.commands(FailRequest(rid, reason, 503, retry_after))
