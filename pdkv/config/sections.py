@@ -100,6 +100,11 @@ class MessengerConfig:
     max_control_conns: int = 64  # prefill: control connections held at once (handshaking or live)
     max_control_per_source: int = 16  # prefill: ... of them from one source address
     max_setups: int = 4  # data-path set-ups (Messenger.complete) running at once, each in a thread
+    # decode: narrow grants (pdkv/disagg/grants.py) per request and held by one prefill peer at
+    # once: ranges = (KV ranks x layers x runs of pages) + 1; on verbs each is an MR (registered
+    # at PREFILL, deregistered when the request's slot ends). Beyond: the request is refused (503).
+    max_grants_per_request: int = 16384
+    max_grants_per_peer: int = 65536
     tls: TLSConfig = field(default_factory=TLSConfig)  # empty: control connections in clear
 
 

@@ -2,6 +2,8 @@
 coordinators that drive the messenger and the control channel.
 
     writes.py             which pages a prefill chunk completes (plan_batch); per-layer batches
+    grants.py             decode side: the page ranges a prefill peer may write per request (verbs: MRs)
+    range_keys.py         prefill side: the write key of the granted range each page falls in
     protocol.py           control messages (PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT) and the HELLO
     jobs.py               the prefill node's job table (state machine, answers), no threads
     prefill_connector.py  PrefillConnector: a forward pass's layout -> page + hidden-state writes

@@ -88,8 +88,8 @@ class DecodeCoordinator:
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
-        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
-                                    narrow=messenger.transport != "verbs")
+        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes)
+        self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -146,7 +146,21 @@ class DecodeCoordinator:
                                            "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
+        need = self.grants.count(pages)
+        if need > self.mcfg.max_grants_per_request:
+            self.chooser.unreserve(peer, len(tokens))
+            self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
+                              f"pages; messenger.max_grants_per_request is {self.mcfg.max_grants_per_request})")
+            return
+        if not self._has_room(peer, need):  # the chooser's pick holds too many grants: another live one
+            self.chooser.unreserve(peer, len(tokens))
+            peer = next((p for p in self.links.live() if self._has_room(p, need)), None)
+            if peer is None:
+                self._refuse(rid, row, f"every prefill node holds too many grants for another {need} "
+                                  f"(messenger.max_grants_per_peer {self.mcfg.max_grants_per_peer}); retry shortly", 2)
+                return
         grantee = peer.channel.peer.node_id
+        t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
             granted = self.grants.grant(grantee, pages, row)
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
@@ -156,6 +170,9 @@ class DecodeCoordinator:
             self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
             return
+        self.held[grantee] = self.held.get(grantee, 0) + len(granted)
+        self.metrics.grant_time.observe(time.perf_counter() - t0)
+        self.metrics.grants.inc(len(granted))
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
         slot = Slot(imm, rid, peer, len(pages), row,
@@ -172,7 +189,20 @@ class DecodeCoordinator:
         self.chooser.sent(peer, len(tokens))
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": pages,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed})
+                          "seed": seed, **self.grants.fields(pages, granted)})
+
+    def _has_room(self, peer: Peer, need: int) -> bool:
+        """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
+        return (peer.channel is not None
+                and self.held.get(peer.channel.peer.node_id, 0) + need <= self.mcfg.max_grants_per_peer)
+
+    def _refuse(self, rid: str, row: int, reason: str, retry_after: int | None = None) -> None:
+        """Nothing was granted or sent: the client gets 503 naming the limit."""
+        self._rlog.warning("grant_limit", "decode: refusing %s: %s", rid, reason)  # may repeat under load
+        self.metrics.failed("grant_limit")
+        self.rows.give_back(row)
+        self.commands(FailRequest(rid, reason, 503, retry_after))
+        self.commands(ReleasePages(rid))
 
     def _send(self, peer: Peer, msg: dict) -> None:
         async def send():
@@ -334,6 +364,11 @@ class DecodeCoordinator:
         if busy:
             self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
             return
+        held = self.held.get(slot.grantee, 0) - len(slot.grants) if slot.grants else None
+        if held is not None:
+            self.held[slot.grantee] = held
+            if held <= 0:
+                del self.held[slot.grantee]
         slot.grants = ()
         # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
         self.rows.give_back(slot.hidden_row)

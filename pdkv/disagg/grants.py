@@ -1,18 +1,21 @@
 """Narrow grants: a prefill peer may write only the pages (and the hidden-state row) reserved
-for the requests it was sent, and only while they are reserved.
+for the requests it was sent, and only while they are reserved — on every transport.
 
 The decode node grants at PREFILL (before the message leaves) and revokes when the slot ends —
 only once no write of it can land any more (every expected write landed, the peer reported
 what it posted and those landed, or its data connection was torn down), and before the pages
-or the row go to anyone else. A write outside a live grant is refused by the receiver before a
-byte lands (pdkv._messenger grant_range). Ranges are region offsets, the ones writes use: page
-``p`` of layer ``l`` is ``[l * layer_nbytes + p * page_nbytes, + page_nbytes)``; consecutive
-page ids coalesce into one range per layer.
+or the row go to anyone else. A write outside a live grant is refused before a byte lands: by
+the tcp receiver (pdkv._messenger grant_range), or on verbs by the NIC. Ranges are region
+offsets, the ones writes use: page ``p`` of layer ``l`` is ``[l * layer_nbytes + p *
+page_nbytes, + page_nbytes)``; consecutive page ids coalesce into one range per layer.
 
-verbs: RDMA has nothing finer than a memory region, and a per-range region would be one MR per
-(layer, run of pages) with its own key that every write would have to name; the verbs transport
-is run with a protection domain per peer instead (only connected peers can write; see
-pdkv/messenger.py), and its grants stay whole-region (``narrow=False``).
+Each grant returns the key the peer must name in writes into it (``Range.wkey``): on tcp the
+region's key (the receiver checks the writer's ranges), on verbs the rkey of an MR of exactly
+that range in the peer's protection domain — one MR per (rank, layer, run of pages), the RDMA
+protection unit. PREFILL carries them (``fields``) and the prefill node's planner names, per
+write, the key of the range it falls in (pdkv/disagg/range_keys.py). Registration is the cost:
+``count`` MRs per request, bounded per request and per peer (messenger.max_grants_per_request,
+max_grants_per_peer; decode.py refuses beyond them, naming the limit).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pdkv._messenger import RegionBusyError
 
 @dataclass(frozen=True)
 class Range:
-    key: int
+    key: int  # the region's key (what grant/revoke name)
     offset: int
     length: int
+    wkey: int = 0  # the key the peer names in its writes into this range
 
 
 def page_runs(pages) -> list[tuple[int, int]]:
@@ -41,38 +45,50 @@ def page_runs(pages) -> list[tuple[int, int]]:
 
 
 class RequestGrants:
-    def __init__(self, messenger, kv_keys: list[int], geometry, hidden_key: int, hidden_nbytes: int,
-                 narrow: bool = True):
+    def __init__(self, messenger, kv_keys: list[int], geometry, hidden_key: int, hidden_nbytes: int):
         self.m, self.kv_keys, self.g = messenger, list(kv_keys), geometry
-        self.hidden_key, self.hidden_nbytes, self.narrow = hidden_key, hidden_nbytes, narrow
+        self.hidden_key, self.hidden_nbytes = hidden_key, hidden_nbytes
+
+    def count(self, pages) -> int:
+        """How many ranges (verbs: MRs) a request with ``pages`` is granted."""
+        return 1 + len(self.kv_keys) * self.g.num_layers * len(page_runs(pages))
 
     def ranges(self, pages, hidden_row: int) -> list[Range]:
+        """The hidden row, then per rank (kv_keys order), per layer, per run: the order ``fields``
+        and pdkv/disagg/range_keys.py rely on."""
         out = [Range(self.hidden_key, hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
+        runs = page_runs(pages)
         for key in self.kv_keys:
             for layer in range(self.g.num_layers):
                 base = layer * self.g.layer_nbytes
                 out += [Range(key, base + first * self.g.page_nbytes, count * self.g.page_nbytes)
-                        for first, count in page_runs(pages)]
+                        for first, count in runs]
         return out
 
     def grant(self, peer: int, pages, hidden_row: int) -> list[Range]:
-        """Grant ``peer`` the request's ranges (none when not narrow); on an error the ones
-        already granted are revoked and the error raised."""
-        if not self.narrow:
-            return []
+        """Grant ``peer`` the request's ranges, each with the key it must write with; on an
+        error the ones already granted are revoked and the error raised."""
         done: list[Range] = []
         try:
             for r in self.ranges(pages, hidden_row):
-                self.m.grant_range(r.key, peer, r.offset, r.length)
-                done.append(r)
+                wkey = self.m.grant_range(r.key, peer, r.offset, r.length)
+                done.append(Range(r.key, r.offset, r.length, wkey))
         except BaseException:
             self.revoke(peer, done)
             raise
         return done
 
+    @staticmethod
+    def fields(pages, granted: list[Range]) -> dict:
+        """PREFILL's grant fields: the runs, the write key of each (rank, layer, run) range
+        flattened in that order, and the hidden row's write key."""
+        return {"runs": [list(r) for r in page_runs(pages)], "kv_rkeys": [r.wkey for r in granted[1:]],
+                "hidden_rkey": granted[0].wkey}
+
     def revoke(self, peer: int, ranges: list[Range]) -> list[Range]:
         """Revoke ``ranges``; returns those still busy (a write the grant allowed is landing
-        right now: retry them shortly, and keep the pages until they are gone)."""
+        right now: retry them shortly, and keep the pages until they are gone). On verbs the
+        MR is deregistered: after that the NIC refuses every write through its key."""
         busy = []
         for r in ranges:
             try:

@@ -77,6 +77,7 @@ class Job:
     staging: int | None = None  # its hidden-state staging row, reserved at admission
     skip: int = 0  # leading prompt pages the decode node holds already (PREFILL cached / page size)
     num_pages_sent: int = 0  # prompt pages whose writes were queued (each once, every layer and rank)
+    dst_keys: object = None  # pdkv.disagg.range_keys.RangeKeys: its write keys (None: the link's keys)
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

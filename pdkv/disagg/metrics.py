@@ -50,7 +50,11 @@ class DisaggMetrics:
                                                            "queue + compute + transfer, as seen by decode).")
         self.pages_pinned = g("pdkv_kv_pages_pinned_remote", "Pages reserved for remote writes or held "
                                                             "until a peer quiesced.")
-        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error"):
+        self.grants = c("pdkv_kv_grants", "Decode: ranges granted to prefill peers, one per KV rank, layer and run "
+                                          "of pages plus the hidden row (verbs: MRs registered).")
+        self.grant_time = h("pdkv_kv_grant_seconds", "Decode: granting one request's ranges (verbs: "
+                                                     "registering its MRs).")
+        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error", "grant_limit"):
             self.failures.labels(*self._lab, reason)
         self.decisions = Counter("pdkv_disagg_prefill_decisions", "Decode: where each prompt was prefilled "
                                  "(remote, or here: local_short, local_saturated, local_no_peer; "

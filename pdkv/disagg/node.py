@@ -105,9 +105,11 @@ class DecodeNode(_Node):
         if c is None:
             return {}
         loads = c.chooser.snapshot()  # its queue as seen here, PREFILLs sent to it
-        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead, **load}
+        return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead, **load,
+                                   "grants": c.held.get(p.channel.peer.node_id, 0) if p.channel else 0}
                                   for p, load in zip(c.peers, loads)],
-                "transfers_in_flight": len(c.slots)}
+                "transfers_in_flight": len(c.slots), "grants_held": sum(c.held.values()),
+                "refused_writes": c.m.stats()["refused_writes"]}
 
 
 class PrefillNode(_Node):

@@ -91,11 +91,9 @@ class PrefillPeers:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+            # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
+            # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key = self.kv.keys, self.hidden_key
-            if self.m.transport == "verbs":  # whole-region grants in the peer's own protection domain
-                keys = [self.m.grant(k, ch.peer.node_id) for k in keys]
-                hidden_key = self.m.grant(self.hidden_key, ch.peer.node_id)
-            # else: nothing yet; each PREFILL grants its own pages (pdkv/disagg/grants.py)
             await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
                            "hidden_key": hidden_key})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)

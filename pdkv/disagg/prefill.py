@@ -32,6 +32,7 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.disagg.range_keys import RangeKeys
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
@@ -231,6 +232,7 @@ class PrefillCoordinator(LoopEvents):
         req = msg.get("req")
         try:
             fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size)
+            dst_keys = RangeKeys.parse(msg, fields[1], link.plan.decode.tp, link.dst.num_layers)
         except ValueError as e:
             self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
                                link.channel.peer.node_id, e)
@@ -239,7 +241,8 @@ class PrefillCoordinator(LoopEvents):
             return
         tokens, pages, imm, hidden_off, seed, cached = fields
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
-                  next(self._tags), time.perf_counter(), seed, skip=cached // self.engine.kv.page_size)
+                  next(self._tags), time.perf_counter(), seed, skip=cached // self.engine.kv.page_size,
+                  dst_keys=dst_keys)
         try:
             self.jobs.add(job)
         except DuplicateJob as e:

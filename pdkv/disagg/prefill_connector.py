@@ -19,7 +19,7 @@ import time
 
 from pdkv.disagg.jobs import JobTable
 from pdkv.disagg.rows import StagingRows
-from pdkv.disagg.writes import QueueError, batches_per_layer, plan_batch, queue_chunk
+from pdkv.disagg.writes import QueueError, count_batches, plan_batch, queue_chunk
 from pdkv.engine.connector import Admission, ForwardBatch, KVConnector
 
 PREFILL_ONLY = Admission(prefill_only=True, reuse_cached=True)
@@ -81,11 +81,12 @@ class PrefillConnector(KVConnector):
         for chunk in plan_batch(batch, self.page_size, dst_of, skip_of):
             job = self.jobs.get(chunk.request_id)
             link = job.link
-            n = self.src.num_layers * batches_per_layer(link.plan, job.seed)
+            rkeys = link.kv_rkeys if job.dst_keys is None else job.dst_keys  # per-range keys (grants.py)
+            n = count_batches(link.plan, job.seed, self.src.num_layers, rkeys, chunk.dst_pages)
             self.jobs.queued(job, n)
             try:
                 _, writes = queue_chunk(self.m, watch=self.watch, base=base, layerwise=self.layerwise,
-                                        conn=link.conn, lkeys=self.kv.keys, rkeys=link.kv_rkeys,
+                                        conn=link.conn, lkeys=self.kv.keys, rkeys=rkeys,
                                         src=self.src, dst=link.dst, plan=link.plan, seed=job.seed,
                                         src_pages=chunk.src_pages, dst_pages=chunk.dst_pages, imm=job.imm,
                                         tag=job.tag)
@@ -117,8 +118,9 @@ class PrefillConnector(KVConnector):
             self.staging.buffer[job.staging].copy_(hidden[e.row + e.num_tokens - 1])
             nbytes = self.staging.row_nbytes
             self.jobs.queued(job, 1)
+            hidden_rkey = job.link.hidden_rkey if job.dst_keys is None else job.dst_keys.hidden
             try:
-                self.m.write(job.link.conn, self.staging_key, job.staging * nbytes, job.link.hidden_rkey,
+                self.m.write(job.link.conn, self.staging_key, job.staging * nbytes, hidden_rkey,
                              job.hidden_off, nbytes, imm=job.imm, tag=job.tag)
             except Exception as e:  # noqa: BLE001
                 self.jobs.queued(job, -1)

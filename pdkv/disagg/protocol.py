@@ -5,14 +5,18 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
                      kv_keys: one region key per decode rank (kv_key = kv_keys[0])
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
-  decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed}
+  decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
+                             runs, kv_rkeys, hidden_rkey}
                      tokens: the prompt minus its last token (the decode node computes that one);
                      cached: how many leading tokens the decode node's prefix cache already holds
                      (whole pages, < len(tokens), default 0): the prefill node writes only the
                      pages after them, and ``pages`` names exactly those (one decode page per
                      page of tokens[cached:]); expected = the writes those pages make, from the
                      link's shard plan (pdkv/disagg/writes.py), + 1 for the hidden-state row;
-                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req))
+                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req));
+                     runs/kv_rkeys/hidden_rkey: the keys of the ranges granted for it, one per
+                     (decode rank, layer, run of pages) (pdkv/disagg/grants.py, range_keys.py);
+                     without them the writes name CONNECT's region keys
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdkv.disagg.range_keys import RangeKeys
 from pdkv.shard import ShardPlan
 
 
@@ -98,37 +99,61 @@ class QueueError(RuntimeError):
         self.num_batches = num_batches
 
 
+def _dst_split(rkeys, dst_pages: np.ndarray):
+    """``rkeys`` is one region key per decode rank, or the request's RangeKeys (one key per
+    granted range, pdkv/disagg/range_keys.py): then the chunk's pages split by run (once)."""
+    return rkeys.split(dst_pages) if isinstance(rkeys, RangeKeys) else None
+
+
+def _dst_groups(rkeys, split, rank: int, layer: int):
+    """(key, positions or None for all) of the writes to decode rank ``rank``'s ``layer``: one
+    batch per key."""
+    return [(rkeys[rank], None)] if split is None else rkeys.groups(split, rank, layer)
+
+
 def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int, lkeys: list[int],
-                rkeys: list[int], src: Geometry, dst: Geometry, plan: ShardPlan, seed: int,
+                rkeys, src: Geometry, dst: Geometry, plan: ShardPlan, seed: int,
                 src_pages: np.ndarray, dst_pages: np.ndarray, imm: int, tag: int) -> tuple[int, int]:
     """Queue one chunk's page writes, layer by layer, on the counter ``watch``.
 
     For each (prefill rank p, decode rank d) pair of the request's replica assignment
-    (``plan.active_pairs(seed)``), each of the pair's segments is one batch: every page of the
-    chunk, from region ``lkeys[p]`` (this node's rank p) to region ``rkeys[d]`` (the decode
-    node's rank d). Every rank's page p of layer l sits at the same offset of its own region
-    (all ranks have the same pages and shapes), so ``src``/``dst`` describe every region.
-    src_pages, dst_pages: int64 [n] page ids on each side. Returns (batches queued, writes)."""
+    (``plan.active_pairs(seed)``), each of the pair's segments is one batch per destination key:
+    the chunk's pages from region ``lkeys[p]`` (this node's rank p) to the decode node's rank d,
+    under the key ``rkeys`` gives each page (see _dst_groups). Every rank's page p of layer l sits
+    at the same offset of its own region (all ranks have the same pages and shapes), so
+    ``src``/``dst`` describe every region. src_pages, dst_pages: int64 [n] page ids on each side.
+    Returns (batches queued, writes); count_batches says beforehand how many batches."""
     if len(src_pages) == 0:
         return 0, 0
     pairs = plan.active_pairs(seed)
+    split = _dst_split(rkeys, dst_pages)
     num_batches = num_writes = 0
     for layer in range(src.num_layers):
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
         for pair in pairs:
-            lkey, rkey = lkeys[pair.prefill_rank], rkeys[pair.decode_rank]
-            for seg in pair.segments:
-                try:
-                    messenger.queue_pages(watch, target, conn, lkey, rkey, src_pages, dst_pages,
-                                          seg_len=seg.length, src_page_stride=src.page_nbytes,
-                                          dst_page_stride=dst.page_nbytes,
-                                          src_off=layer * src.layer_nbytes + seg.src_offset,
-                                          dst_off=layer * dst.layer_nbytes + seg.dst_offset, imm=imm, tag=tag)
-                except Exception as e:  # noqa: BLE001
-                    raise QueueError(num_batches, e) from e
-                num_batches += 1
-                num_writes += len(src_pages)
+            lkey = lkeys[pair.prefill_rank]
+            for rkey, pos in _dst_groups(rkeys, split, pair.decode_rank, layer):
+                sp, dp = (src_pages, dst_pages) if pos is None else (src_pages[pos], dst_pages[pos])
+                for seg in pair.segments:
+                    try:
+                        messenger.queue_pages(watch, target, conn, lkey, rkey, sp, dp,
+                                              seg_len=seg.length, src_page_stride=src.page_nbytes,
+                                              dst_page_stride=dst.page_nbytes,
+                                              src_off=layer * src.layer_nbytes + seg.src_offset,
+                                              dst_off=layer * dst.layer_nbytes + seg.dst_offset, imm=imm, tag=tag)
+                    except Exception as e:  # noqa: BLE001
+                        raise QueueError(num_batches, e) from e
+                    num_batches += 1
+                    num_writes += len(sp)
     return num_batches, num_writes
+
+
+def count_batches(plan: ShardPlan, seed: int, num_layers: int, rkeys, dst_pages: np.ndarray) -> int:
+    """How many batches queue_chunk queues for these arguments (0 pages: none)."""
+    if len(dst_pages) == 0:
+        return 0
+    runs = 1 if not isinstance(rkeys, RangeKeys) else len(rkeys.split(dst_pages))  # the same for every (rank, layer)
+    return num_layers * runs * batches_per_layer(plan, seed)
 
 
 def batches_per_layer(plan: ShardPlan, seed: int) -> int:

@@ -95,6 +95,9 @@ def test_duplicate_prefill_is_refused_and_the_first_job_finishes(cluster):
     ({"tokens": list(range(1, 10)), "cached": 2, "pages": [0, 1]}, "cached must be a multiple of the page size 4"),
     ({"tokens": list(range(1, 10)), "cached": 4, "pages": [0, 1, 2]}, "pages must name 2 page(s)"),
     ({"tokens": list(range(1, 10)), "pages": [0]}, "pages must name 3 page(s)"),
+    ({"runs": [[0, 1]], "kv_rkeys": [1], "hidden_rkey": 2}, "kv_rkeys must be"),  # one key per layer needed
+    ({"runs": [[1, 1]], "kv_rkeys": [1, 1], "hidden_rkey": 2}, "page 0 is in no granted run"),
+    ({"runs": [[0, 1]], "kv_rkeys": [1, 1], "hidden_rkey": None}, "hidden_rkey must be"),
 ])
 def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
     async def main():

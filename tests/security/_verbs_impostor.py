@@ -1,0 +1,129 @@
+"""An authenticated but hostile prefill node on the loopback verbs device, as a child process
+(the device is on LD_LIBRARY_PATH only there): it holds the cluster secret and the real
+prefill node's HELLO, so a decode node connects to it and sends it PREFILLs.
+
+    python _verbs_impostor.py MODEL_DIR SECRET_FILE MODE OUT_JSON PORT
+
+listens on 127.0.0.1:PORT and serves until killed. OUT_JSON is rewritten after every PREFILL
+with what it saw and did.
+
+MODE attack: each control connection's first PREFILL gets one attack (later ones are only
+counted), then the impostor closes the connection (the decode node fails its requests, tears
+the data path down and redials):
+  1. foreign — its request's own range key, into the page right after that range (another
+     request's page, or a free one): outside the MR;
+  2. stale — it answers FAIL{posted 0} (the decode node revokes: deregisters the MRs and frees
+     the pages), then writes with the old key into those pages;
+  3. region — CONNECT's region key (no MR of it in this peer's protection domain).
+  Each write is recorded with whether the NIC refused it (a completion with an error).
+MODE silent: accepts every PREFILL and never writes nor answers (it holds its grants).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "disagg"))
+
+from _cluster import make_engine, node_config  # noqa: E402
+
+from pdkv._messenger import Messenger  # noqa: E402
+from pdkv.auth import load_secret  # noqa: E402
+from pdkv.control import ControlChannel  # noqa: E402
+from pdkv.disagg import protocol as P  # noqa: E402
+
+ATTACKS = ("foreign", "stale", "region")
+NODE_ID = 0xBAD
+
+
+class Impostor:
+    def __init__(self, model_dir: str, secret: bytes, mode: str, out: Path):
+        engine = make_engine(node_config(model_dir, "prefill", messenger__transport="verbs",
+                                         messenger__nics=["lo_verbs0"]))
+        self.hello = P.make_hello(engine, NODE_ID, "prefill", "verbs")
+        self.secret, self.mode, self.out = secret, mode, out
+        self.m = Messenger("verbs", NODE_ID, nics=["lo_verbs0"])
+        self.src = bytearray(b"\xcd\xab" * (1 << 19))  # what a landed attack would leave behind
+        self.lkey = self.m.register(self.src)
+        self.record = {"prefills": 0, "attacks": []}
+        self.tags = iter(range(1000, 10**6))
+
+    def save(self):
+        self.out.write_text(json.dumps(self.record))
+
+    async def accept(self, reader, writer):
+        ch = await ControlChannel.accept(reader, writer, self.hello, 5, secret=self.secret)
+        msg = await ch.recv()
+        conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+        await asyncio.get_running_loop().run_in_executor(None, self.m.complete, conn, msg["info"])
+        await ch.send({"type": P.CONNECTED, "info": info})
+        ch.start_heartbeat(0.2, 5.0, lambda reason: None)  # alive as far as the decode node can tell
+        geo = ch.peer.extra
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def read():  # every PREFILL is counted, also those that arrive during an attack
+            try:
+                while True:
+                    m = await ch.recv()
+                    if m["type"] == P.PREFILL:
+                        self.record["prefills"] += 1
+                        self.save()
+                        got.put_nowait(m)
+            except Exception:  # noqa: BLE001 - closed
+                return
+        reader = asyncio.get_running_loop().create_task(read())
+        m = await got.get()
+        if self.mode == "silent":
+            await reader
+            return
+        kind = ATTACKS[len(self.record["attacks"]) % len(ATTACKS)]
+        first, count = m["runs"][0]
+        after = first + count
+        foreign = after if after < geo["num_pages"] and after not in m["pages"] else \
+            next(p for p in range(geo["num_pages"]) if p not in m["pages"])
+        if kind == "foreign":
+            key, off = m["kv_rkeys"][0], foreign * geo["page_nbytes"]
+        elif kind == "stale":
+            await ch.send({"type": P.FAIL, "req": m["req"], "reason": "impostor", "posted": 0})
+            await asyncio.sleep(1.0)  # the decode node has revoked by now; its pages may be another's
+            key, off = m["kv_rkeys"][0], first * geo["page_nbytes"]
+        else:
+            key, off = msg["kv_keys"][0], foreign * geo["page_nbytes"]
+        refused = await self.write(conn, key, off, geo["page_nbytes"], m["imm"])
+        await asyncio.sleep(0.3)
+        ch.close()
+        reader.cancel()
+        self.record["attacks"].append({"kind": kind, "req": m["req"], "offset": off, "refused": refused})
+        self.save()
+
+    async def write(self, conn: int, key: int, off: int, length: int, imm: int) -> bool | str:
+        """One write; True if it completed with an error (refused), False if it completed cleanly."""
+        tag = next(self.tags)
+        try:
+            self.m.write(conn, self.lkey, 0, key, off, length, imm=imm, tag=tag)
+        except Exception as e:  # noqa: BLE001 - refused before it left (e.g. the QP already broke)
+            return f"raised: {e}"
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            for ev in self.m.drain():
+                if ev.kind == "batch_done" and ev.tag == tag:
+                    return ev.num_errors > 0 or ev.status < 0
+            await asyncio.sleep(0.01)
+        return "no completion"
+
+
+async def main() -> None:
+    model_dir, secret_file, mode, out, port = sys.argv[1:6]
+    imp = Impostor(model_dir, load_secret(secret_file), mode, Path(out))
+    imp.save()
+    await asyncio.start_server(imp.accept, "127.0.0.1", int(port))
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
