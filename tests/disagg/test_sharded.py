@@ -5,8 +5,8 @@ the source replica set); the handshake refuses a pair the shard planner cannot s
 
 One set of nodes per model for the whole module (TP2 engines start follower processes):
 prefill P1 (TP1) and P2 (TP2); decode D1 (TP1, fed by P2) and D2 (TP2, fed by P1 and P2 in turn);
-D3 (TP1, fed by P2) with prefix caching across the pair: only the pages it lacks move, from
-every prefill rank (each replica set's choice seeded per request).
+D3 (TP1, fed by P2) and D4 (TP2, fed by P1) with prefix caching across the pair: only the pages
+the decode node lacks move, from and to every rank (each replica set's choice seeded per request).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def _engine(cfg):
 
 
 class Nodes:
-    """P1, P2 (prefill TP1/TP2), D1 (TP1 <- P2), D2 (TP2 <- P1, P2), D3 (TP1 <- P2, prefix caching
-    on both sides); ServerThreads on loopback."""
+    """P1, P2 (prefill TP1/TP2), D1 (TP1 <- P2), D2 (TP2 <- P1, P2), D3 (TP1 <- P2) and D4
+    (TP2 <- P1) with prefix caching on both sides; ServerThreads on loopback."""
 
     def __init__(self, model_dir):
         from pdkv.disagg.node import DecodeNode, PrefillNode
@@ -62,13 +62,14 @@ class Nodes:
         addr = {n: f"127.0.0.1:{t.app[NODE].control_port}" for n, t in (("p1", self.p1), ("p2", self.p2))}
         # NOTE: D1 and D2 without a prefix cache of their own, so every request's KV moves (the
         # landing checks below count them); the prefill nodes keep theirs (a prompt's second run
-        # reuses its pages there, and they must still arrive). D3: both sides' caches on.
+        # reuses its pages there, and they must still arrive). D3, D4: both sides' caches on.
         off = {"kv_cache__prefix_caching": False}
         self.d1 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]], **off)
         # no prefix affinity: a prompt repeated goes to the other peer (ties rotate), so both serve it
         self.d2 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"], addr["p2"]],
                         disagg__affinity_pages=0, **off)
         self.d3 = start("decode", 1, DecodeNode, messenger__prefill_peers=[addr["p2"]])
+        self.d4 = start("decode", 2, DecodeNode, messenger__prefill_peers=[addr["p1"]])
 
     def close(self):
         for t in reversed(self.threads):
@@ -184,52 +185,61 @@ def _counts(url: str) -> dict:
              "pdkv_kv_transfer_writes_total")}
 
 
-def test_prefix_caching_across_a_tp2_to_tp1_pair(nodes):
-    """D3 (TP1) fed by P2 (TP2), prefix caching on both: prompts sharing no prefix, part of a
-    page, whole pages and a whole prompt, one after another and then together, answer the
-    colocated tokens with every landed page equal to the colocated KV; then a prompt sharing a
-    10-page prefix with the one before it moves 2 of its 12 pages, from both prefill ranks, and
-    both nodes count exactly the pages, bytes and immediates of the plan for those 2."""
+@pytest.mark.parametrize("decode,prefill", [("d3", "p2"), ("d4", "p1")], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_prefix_caching_across_a_sharded_pair(nodes, decode, prefill):
+    """D3 (TP1) fed by P2 (TP2), D4 (TP2) fed by P1 (TP1), prefix caching on both sides:
+    prompts sharing no prefix, part of a page, whole pages and a whole prompt, one after another
+    and then together, answer the colocated tokens with every landed page on every decode rank
+    equal to the colocated KV of that rank's heads; then a prompt sharing a 10-page prefix with
+    the one before it moves 2 of its 12 pages, to every decode rank, and both nodes count exactly
+    the pages, bytes and immediates of the link's plan for those 2."""
     from concurrent.futures import ThreadPoolExecutor
 
     from pdkv.tp import kv_regions
 
-    base = list(range(200, 214))
+    dnode, pnode = getattr(nodes, decode), getattr(nodes, prefill)
+    base = list(range(200, 214)) if decode == "d3" else list(range(300, 314))
     shapes = [base, [90] + base[1:], base[:2] + [91, 92, 93, 94, 95], base[:8] + [96, 97, 98, 99],
               list(base), base[:9]]
-    d3 = nodes.d3.app[NODE].coordinator
+    dc = dnode.app[NODE].coordinator
     eng = make_engine(node_config(nodes.model_dir, "colocated", kv_cache__prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [eng.generate([p], params)[0].output_token_ids for p in shapes]
-    landed = hold_kv_on_landing(d3, d3.engine, [r.cache for r in kv_regions(d3.engine)])
+    regions = kv_regions(dc.engine)
+    landed = hold_kv_on_landing(dc, dc.engine, [r.cache for r in regions])
     try:
-        assert [_complete(nodes.d3.url, p) for p in shapes] == want
+        assert [_complete(dnode.url, p) for p in shapes] == want
         with ThreadPoolExecutor(len(shapes)) as ex:
-            assert list(ex.map(lambda p: _complete(nodes.d3.url, p), shapes)) == want
+            assert list(ex.map(lambda p: _complete(dnode.url, p), shapes)) == want
     finally:
         landed.restore()
     want_kv = colocated_kv(nodes.model_dir, shapes)
     assert landed  # (the fully cached ones ran locally: nothing landed for them)
-    for prompt, (got,) in landed.values():
-        for layer, (g, w) in enumerate(zip(got, want_kv[prompt])):
-            torch.testing.assert_close(g, w[:, :len(prompt) - 1], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{len(prompt)}-token prompt, layer {layer}: {m}")
+    for prompt, per_rank in landed.values():
+        for region, got in zip(regions, per_rank):
+            heads = list(region.kv_heads)
+            for layer, (g, w) in enumerate(zip(got, want_kv[prompt])):
+                torch.testing.assert_close(g, w[:, :len(prompt) - 1, heads], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"rank {region.rank}, {len(prompt)}-token prompt, "
+                                                         f"layer {layer}: {m}")
     prefix = [(11 * i) % 400 + 5 for i in range(40)]
     first, second = prefix + [31, 32, 33, 34, 35, 36], prefix + [41, 42, 43, 44, 45, 46]
+    if decode == "d4":
+        first, second = [t + 1 for t in first], [t + 1 for t in second]
     want = [eng.generate([p], params)[0].output_token_ids for p in (first, second)]
-    assert _complete(nodes.d3.url, first) == want[0]
-    before = {"decode": _counts(nodes.d3.url), "prefill": _counts(nodes.p2.url)}
-    assert _complete(nodes.d3.url, second) == want[1]
-    wait_for(lambda: _counts(nodes.p2.url)["pdkv_kv_transfer_pages_total"] > before["prefill"]["pdkv_kv_transfer_pages_total"],
+    assert _complete(dnode.url, first) == want[0]
+    before = {"decode": _counts(dnode.url), "prefill": _counts(pnode.url)}
+    assert _complete(dnode.url, second) == want[1]
+    wait_for(lambda: _counts(pnode.url)["pdkv_kv_transfer_pages_total"] > before["prefill"]["pdkv_kv_transfer_pages_total"],
              10, "the prefill node's job finished")
-    (peer,) = d3.peers
-    L = d3.engine.kv.num_layers
+    (peer,) = dc.peers
+    L = dc.engine.kv.num_layers
     per_page = peer.plan.expected_writes_total(1, L) // L  # writes per page and layer, all shard pairs
-    assert per_page >= (2 if nodes.num_kv_heads == 2 else 1)  # kv2: each prefill rank sends its head
-    want_delta = {"pdkv_kv_transfer_bytes_total": 2 * L * d3.engine.kv.page_nbytes + d3.hidden_nbytes,
+    assert per_page >= (2 if nodes.num_kv_heads == 2 or decode == "d4" else 1)  # two ranks on one side
+    want_delta = {"pdkv_kv_transfer_bytes_total": 2 * L * sum(r.cache.page_nbytes for r in regions) + dc.hidden_nbytes,
                   "pdkv_kv_transfer_pages_total": 2, "pdkv_kv_transfer_pages_skipped_total": 10,
                   "pdkv_kv_transfer_writes_total": 2 * L * per_page + 1}
-    for node, url in (("decode", nodes.d3.url), ("prefill", nodes.p2.url)):
+    for node, url in (("decode", dnode.url), ("prefill", pnode.url)):
         after = _counts(url)
         assert {k: after[k] - before[node][k] for k in after} == want_delta, node
 
