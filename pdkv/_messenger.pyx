@@ -90,11 +90,12 @@ cdef class Messenger:
         self._watched = {}
         self._busy = 0
         self._closing = 0
+        self.rank_nics = ()
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+                 bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -125,6 +126,9 @@ cdef class Messenger:
         verbs.gid_index = gid_index
         verbs.qps_per_peer = qps_per_peer
         verbs.isolate_peers = isolate_peers
+        if not 0 <= remote_nics <= 16:
+            raise InvalidRequestError(_errno.EINVAL, f"remote_nics must be 0..16, got {remote_nics}")
+        verbs.remote_nics = remote_nics
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -256,6 +260,40 @@ cdef class Messenger:
             _raise(rc, self.t.ops.last_error(self.t), "grant")
         return out
 
+    def nic_key(self, uint64_t key, uint32_t nic):
+        """verbs: the key of region `key` on NIC number `nic` (an index into the transport's NIC
+        list). A write leaves through the NIC of its local key and lands through the NIC of its
+        remote key; grant() on a NIC's key registers the grant on that NIC. tcp/fake have one
+        path: `key` itself for nic 0, InvalidRequestError for any other."""
+        cdef int rc
+        cdef uint64_t out = 0
+        self._check()
+        if self.t.ops.nic_key == NULL:
+            if nic:
+                raise InvalidRequestError(_errno.EINVAL, f"the {self.transport} transport has one path, no NIC {nic}")
+            return key
+        rc = self.t.ops.nic_key(self.t, key, nic, &out)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "nic_key")
+        return out
+
+    def nic_stats(self):
+        """Per NIC (verbs; [] on tcp/fake): dicts of name, writes, bytes (posted through it),
+        writes_done, bytes_done, errors, imms, imm_bytes (writes with an immediate that landed
+        through it), in the order of the transport's NIC list."""
+        cdef pdkv_nic_stats s[16]
+        cdef int n, i
+        self._check()
+        if self.t.ops.nic_stats == NULL:
+            return []
+        n = self.t.ops.nic_stats(self.t, s, 16)
+        out = []
+        for i in range(min(n, 16)):
+            out.append(dict(name=s[i].name.decode("utf-8", "replace"), writes=s[i].writes, bytes=s[i].bytes,
+                            writes_done=s[i].writes_done, bytes_done=s[i].bytes_done, errors=s[i].errors,
+                            imms=s[i].imms, imm_bytes=s[i].imm_bytes))
+        return out
+
     def revoke(self, uint64_t key, uint64_t peer):
         """End `peer`'s whole-region grant of `key`: afterwards nothing it sends lands there.
         InvalidRequestError if it holds none; RegionBusyError (tcp/fake) while a write it
@@ -317,7 +355,7 @@ cdef class Messenger:
         unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
         open the connection. Both ends must pass the same token (or neither). verbs/fake: not
         needed (the queue pairs are bound by the info exchange itself) and ignored."""
-        cdef char info[512]
+        cdef char *info
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
@@ -329,6 +367,9 @@ cdef class Messenger:
             tok = token
             tok_len = len(token)
         self._check()
+        info = <char *>malloc(PDKV_INFO_MAX)  # verbs: one blob per (local NIC, remote NIC) pair
+        if info == NULL:
+            raise MemoryError()
         self._enter()
         try:
             with nogil:
@@ -342,9 +383,12 @@ cdef class Messenger:
                     msg = self.t.ops.last_error(self.t)
         finally:
             self._busy -= 1
-        if rc < 0:
-            _raise(rc, msg, "prepare")
-        return conn, info[:n]
+        try:
+            if rc < 0:
+                _raise(rc, msg, "prepare")
+            return conn, info[:n]
+        finally:
+            free(info)
 
     def complete(self, uint32_t conn, bytes info):
         """Finish connection `conn` with the peer's info (from its prepare())."""

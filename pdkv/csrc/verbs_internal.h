@@ -115,6 +115,8 @@ typedef struct vb_transport {
     pdkv_completion *cq_ring; /* completions waiting for poll() */
     uint32_t cq_head, cq_count, cq_cap;
     int efd, wake_fd;
+    int efd_shared;       /* efd belongs to a multi-NIC transport (verbs_multi.h): poll() never
+                           * resets it (the core's poller does, before it polls every NIC) */
     pthread_t thread;
     int thread_started, stop;
     int cq_dead;          /* ibv_poll_cq failed or IBV_EVENT_CQ_ERR: every connection is failed */

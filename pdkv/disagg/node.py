@@ -55,7 +55,8 @@ class _Node:
         if self.messenger_factory is not None:
             self.messenger = self.messenger_factory(self.cfg, self.node_id)
         else:
-            self.messenger = open_messenger(self.cfg.messenger, self.node_id)
+            # every TP rank's pages leave through its own NIC (verbs): the placement needs the ranks
+            self.messenger = open_messenger(self.cfg.messenger, self.node_id, num_ranks=self.cfg.parallel.tp)
         return self.messenger
 
     def _close(self) -> None:

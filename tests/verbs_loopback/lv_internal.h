@@ -26,6 +26,9 @@
  *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
  *                        unsignaled WR then gets no completion at all).
  *
+ * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
+ *   the device (what the port counters of a NIC tell; test-only export).
+ *
  * Known differences from hardware: a stopped target process stops acking (a real NIC acks for
  * a stopped process); CQs grow instead of overrunning; one port per device.
  */
@@ -38,7 +41,7 @@
 #include <stdint.h>
 
 #define LV_MAGIC 0x4c564231u /* "LVB1" */
-#define LV_MAX_DEVICES 4
+#define LV_MAX_DEVICES 16
 #define LV_RNR_WAIT_MS 2000 /* how long a target waits for a posted receive (rnr_retry=7) */
 
 extern pthread_mutex_t g_mu;
@@ -125,6 +128,12 @@ struct lv_ack { uint64_t seq; uint32_t status, pad; };
 /* fault hooks (lv_objects.c): the value of `name` in PDKV_LOOPBACK_FAULTS, 1 for a bare flag,
  * 0 if absent */
 long lv_fault(const char *name);
+
+/* Per-device traffic, counted by the device itself (a NIC's port counters): writes this
+ * process's QPs of the device sent, and writes that landed through its responder QPs. Read by
+ * tests with pdkv_loopback_counters() (ctypes, in the process that loaded the device).
+ * Called with g_mu held. */
+void lv_count(struct ibv_device *dev, int rx, uint64_t bytes);
 
 /* objects (lv_objects.c) */
 struct lv_mr *lv_find_mr_rkey(uint32_t rkey);

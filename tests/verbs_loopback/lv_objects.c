@@ -20,6 +20,7 @@ pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 
 static struct ibv_device g_devices[LV_MAX_DEVICES];
 static int g_num_devices = -1;
+static uint64_t g_counts[LV_MAX_DEVICES][4]; /* tx writes, tx bytes, rx writes, rx bytes */
 static struct lv_mr *g_mrs;
 static uint32_t g_next_key = 0x1000;
 static uint32_t g_next_handle = 1;
@@ -60,6 +61,30 @@ static void init_devices(void)
         snprintf(d->name, sizeof d->name, "%s", tok);
         snprintf(d->dev_name, sizeof d->dev_name, "uverbs%d", g_num_devices - 1);
     }
+}
+
+void lv_count(struct ibv_device *dev, int rx, uint64_t bytes)
+{
+    long i = dev - g_devices;
+    if (i >= 0 && i < LV_MAX_DEVICES) {
+        g_counts[i][rx ? 2 : 0]++;
+        g_counts[i][rx ? 3 : 1] += bytes;
+    }
+}
+
+/* Test-only export (not a libibverbs symbol): 0 and the four counts, -1 for an unknown name. */
+int pdkv_loopback_counters(const char *name, uint64_t out[4])
+{
+    pthread_mutex_lock(&g_mu);
+    init_devices();
+    int rc = -1;
+    for (int i = 0; i < g_num_devices; i++)
+        if (!strcmp(g_devices[i].name, name)) {
+            memcpy(out, g_counts[i], sizeof g_counts[i]);
+            rc = 0;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 struct ibv_device **ibv_get_device_list(int *num)
