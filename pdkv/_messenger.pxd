@@ -7,6 +7,8 @@ cdef extern from "transport.h" nogil:
     enum:
         PDKV_INFO_MAX
         PDKV_REASON_MAX
+        PDKV_REG_DMABUF
+        PDKV_REG_PEERMEM
 
     ctypedef struct pdkv_transport_counters:
         uint64_t refused_writes, refused_conns, pending_conns, rx_threads
@@ -31,6 +33,8 @@ cdef extern from "transport.h" nogil:
         const char *(*last_error)(pdkv_transport *t) noexcept nogil
         int (*nic_key)(pdkv_transport *t, uint64_t key, uint32_t nic, uint64_t *key_out) noexcept nogil
         int (*nic_stats)(pdkv_transport *t, pdkv_nic_stats *out, int max) noexcept nogil
+        int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                          uint64_t *key_out, uint32_t *method_out) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops

@@ -71,6 +71,8 @@ class Messenger:
     # verbs over several NICs (csrc/verbs_multi.h): a region is registered on every NIC; its key
     # on NIC n (index into nics) makes a write leave (local key) or land (remote key) through n
     def nic_key(self, key: int, nic: int) -> int: ...
+    # verbs, GPUDirect RDMA: the dma-buf fd first, then the device pointer (nvidia-peermem)
+    def register_device(self, fd: int, offset: int, length: int, addr: int = 0) -> tuple[int, str]: ...
     def nic_stats(self) -> list[dict[str, Any]]: ...  # per NIC: name, writes, bytes, writes_done,
     # bytes_done, errors, imms, imm_bytes ([] on tcp/fake)
     rank_nics: tuple[tuple[int, ...], ...]  # per TP rank: its NIC indices (pdkv/messenger.py)

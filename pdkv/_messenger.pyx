@@ -247,6 +247,34 @@ cdef class Messenger:
             _raise(rc, msg, "register")
         return key
 
+    def register_device(self, int fd, uint64_t offset, uint64_t length, uint64_t addr=0):
+        """verbs: register device (GPU) memory for GPUDirect RDMA -> (key, "dmabuf" | "peermem").
+
+        First the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1: skip; the fd is not taken:
+        the transport keeps its own dup), then the device pointer `addr` (ibv_reg_mr through
+        nvidia-peermem; 0: skip). TransportUnavailableError naming both attempts when neither
+        works. pdkv.gpu.gpudirect.register_on_messenger obtains the fd from the CUDA driver."""
+        cdef uint64_t key = 0
+        cdef uint32_t method = 0
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        if self.t.ops.reg_device == NULL:
+            raise InvalidRequestError(_errno.EOPNOTSUPP, f"the {self.transport} transport cannot register "
+                                      "device memory (GPUDirect RDMA is verbs only; tcp stages through host memory)")
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.reg_device(self.t, fd, offset, length, <void *>addr, &key, &method)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            if rc == -_errno.EOPNOTSUPP:
+                raise TransportUnavailableError(-rc, f"register_device: {msg.decode('utf-8', 'replace')}")
+            _raise(rc, msg, "register_device")
+        return key, "dmabuf" if method == PDKV_REG_DMABUF else "peermem"
+
     def grant(self, uint64_t key, uint64_t peer):
         """Allow node `peer` to write anywhere in region `key` -> the key that peer must name
         in its writes (tcp/fake: `key`; verbs with isolate_peers: a key of the region's

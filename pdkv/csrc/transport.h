@@ -58,6 +58,8 @@ typedef struct pdkv_write {
 
 typedef struct pdkv_transport pdkv_transport;
 
+enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2 }; /* reg_device's way */
+
 /* What one NIC carried (verbs over several NICs; stats() and /metrics). */
 typedef struct pdkv_nic_stats {
     char name[64];
@@ -128,6 +130,12 @@ typedef struct pdkv_transport_ops {
     int (*nic_key)(pdkv_transport *t, uint64_t key, uint32_t nic, uint64_t *key_out);
     /* Optional: fill up to max per-NIC counts; returns the number of NICs. */
     int (*nic_stats)(pdkv_transport *t, pdkv_nic_stats *out, int max);
+    /* Optional (verbs): register device (GPU) memory for GPUDirect RDMA: first as the dma-buf
+     * `fd` at `offset` (fd < 0: skip), then as the device pointer `addr` (peer memory, NULL:
+     * skip). *method_out: PDKV_REG_DMABUF or PDKV_REG_PEERMEM. The fd is not taken (the transport
+     * keeps a dup). -EOPNOTSUPP with both attempts named when neither works. */
+    int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                      uint64_t *key_out, uint32_t *method_out);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

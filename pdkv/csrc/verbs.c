@@ -97,6 +97,7 @@ static const pdkv_transport_ops vb_ops = {
     .last_error = vb_last_error,
     .counters = vb_counters,
     .destroy = vb_destroy,
+    .reg_device = vb_reg_device,
 };
 
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,
@@ -169,8 +170,11 @@ static void vb_destroy(pdkv_transport *base)
         if (t->domains[i].used)
             vb_domain_free(t, &t->domains[i]); /* grants and local MRs, SRQ, PD */
     for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
-        if (t->regions[i].mr)
+        if (t->regions[i].mr) {
             ibv_dereg_mr(t->regions[i].mr);
+            if (t->regions[i].dmabuf)
+                close(t->regions[i].dmabuf_fd);
+        }
     pthread_mutex_unlock(&t->mu);
     if (t->srq)
         ibv_destroy_srq(t->srq);

@@ -99,6 +99,7 @@ static const pdkv_transport_ops vm_ops = {
     .destroy = vm_destroy,
     .nic_key = vm_nic_key,
     .nic_stats = vm_nic_stats,
+    .reg_device = vm_reg_device,
 };
 
 pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,

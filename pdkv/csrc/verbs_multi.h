@@ -72,6 +72,8 @@ typedef struct vm_transport {
 
 /* verbs_multi_mr.c: regions and grants (each takes t->mu) */
 int vm_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+int vm_reg_device(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                  uint64_t *key_out, uint32_t *method_out); /* GPU memory on every NIC */
 int vm_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
 int vm_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
 int vm_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,

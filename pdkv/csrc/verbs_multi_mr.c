@@ -54,9 +54,11 @@ static uint64_t outer(uint32_t idx, uint32_t nic, uint64_t child_key)
     return VM_KEY(idx, nic, VM_KEY_LOW(child_key));
 }
 
-int vm_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
+/* On every NIC (all or nothing: a region lives on every NIC or on none). fd >= -1: device
+ * memory (reg_device), else host memory (reg). */
+static int reg_all(vm_transport *t, int device, int fd, uint64_t offset, void *addr, uint64_t len,
+                   uint64_t *key_out, uint32_t *method_out)
 {
-    vm_transport *t = (vm_transport *)base;
     pthread_mutex_lock(&t->mu);
     uint32_t i = 0;
     while (i < VM_MAX_REGIONS && t->regions[i].used)
@@ -67,11 +69,16 @@ int vm_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
         rc = -ENOSPC;
     }
     vm_region r = {.used = 1, .len = len};
-    uint32_t n = 0;
-    for (; !rc && n < t->num_nics; n++)
-        rc = t->nic[n]->ops->reg(t->nic[n], addr, len, &r.child_key[n]);
-    if (rc) { /* all or nothing: a region lives on every NIC or on none */
-        char why[256];
+    uint32_t n = 0, method = 0;
+    for (; !rc && n < t->num_nics; n++) {
+        pdkv_transport *c = t->nic[n];
+        uint32_t m = 0;
+        rc = device ? c->ops->reg_device(c, fd, offset, len, addr, &r.child_key[n], &m)
+                    : c->ops->reg(c, addr, len, &r.child_key[n]);
+        method = method ? method : m;
+    }
+    if (rc) {
+        char why[600];
         snprintf(why, sizeof why, "%s", vb_errbuf());
         for (uint32_t k = 0; k + 1 < n; k++)
             t->nic[k]->ops->dereg(t->nic[k], r.child_key[k]);
@@ -80,9 +87,22 @@ int vm_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
     } else {
         t->regions[i] = r;
         *key_out = outer(i, 0, r.child_key[0]);
+        if (method_out)
+            *method_out = method;
     }
     pthread_mutex_unlock(&t->mu);
     return rc;
+}
+
+int vm_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
+{
+    return reg_all((vm_transport *)base, 0, -1, 0, addr, len, key_out, NULL);
+}
+
+int vm_reg_device(pdkv_transport *base, int fd, uint64_t offset, uint64_t len, void *addr,
+                  uint64_t *key_out, uint32_t *method_out)
+{
+    return reg_all((vm_transport *)base, 1, fd, offset, addr, len, key_out, method_out);
 }
 
 int vm_nic_key(pdkv_transport *base, uint64_t key, uint32_t nic, uint64_t *key_out)

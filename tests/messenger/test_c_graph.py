@@ -27,6 +27,11 @@ def test_the_parser_sees_the_real_functions_and_calls():
     # several NICs: the multi-NIC transport sits above the single-NIC one, under transports.c
     assert "verbs_multi.c" in g["transports.c"] and "verbs.c" in g["verbs_multi.c"]
     assert {"verbs_multi_conn.c", "verbs_multi_mr.c"} <= g["verbs_multi.c"] and "verbs_mr.c" in g["verbs_multi_mr.c"]
+    # GPUDirect: device memory registered above the region table; every MR of a region (own,
+    # per-peer, grants) through the leaf that knows dma-buf regions
+    assert "verbs_gpudirect.c" in g["verbs.c"] and "verbs_mr.c" in g["verbs_gpudirect.c"]
+    assert all("verbs_memreg.c" in g[f] for f in ("verbs_gpudirect.c", "verbs_mr.c", "verbs_domain.c"))
+    assert g["verbs_memreg.c"] == set()
     assert "transports.c" not in set().union(*g.values())  # the entry point nobody calls back
 
 

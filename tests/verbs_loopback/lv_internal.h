@@ -29,6 +29,14 @@
  * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
  *   the device (what the port counters of a NIC tell; test-only export).
  *
+ * dma-buf (test stand-in): ibv_reg_dmabuf_mr mmaps the fd (MAP_SHARED) and registers that
+ *   mapping, so an ordinary fd that can be mmapped (a memfd) stands in for a GPU's dma-buf: a
+ *   write lands in the fd's pages, which the test reads through its own mapping. An fd that
+ *   cannot be mapped fails as a dma-buf a NIC cannot import does (errno from mmap).
+ *   PDKV_LOOPBACK_FAULTS=no_dmabuf makes every ibv_reg_dmabuf_mr fail with EOPNOTSUPP and
+ *   no_peermem makes ibv_reg_mr on an address outside this process's mappings fail with EFAULT
+ *   (what a kernel without a peer-memory client says for a device pointer).
+ *
  * Known differences from hardware: a stopped target process stops acking (a real NIC acks for
  * a stopped process); CQs grow instead of overrunning; one port per device.
  */
@@ -61,6 +69,8 @@ struct lv_mr {
     uint64_t iova;
     int access;
     int busy; /* payload copies in progress */
+    void *map;      /* ibv_reg_dmabuf_mr: the provider's own mapping of the fd, unmapped at dereg */
+    size_t map_len;
     struct lv_mr *next;
 };
 

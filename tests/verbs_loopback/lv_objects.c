@@ -8,11 +8,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #undef ibv_query_port
 #undef ibv_reg_mr
 #undef ibv_reg_mr_iova
+#undef ibv_reg_dmabuf_mr
 #undef ibv_get_device_list
 
 pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -244,6 +246,45 @@ struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint6
     return &m->mr;
 }
 
+/* Test stand-in for a GPU dma-buf: the fd's pages, mapped by the provider (lv_internal.h). */
+struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length, uint64_t iova,
+                                 int fd, int access)
+{
+    if (lv_fault("no_dmabuf")) {
+        errno = EOPNOTSUPP;
+        return NULL;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t base = offset & ~(uint64_t)(page - 1), skip = offset - base;
+    if (!length) {
+        errno = EINVAL;
+        return NULL;
+    }
+    void *map = mmap(NULL, length + skip, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)base);
+    if (map == MAP_FAILED)
+        return NULL; /* errno from mmap: EBADF, ENODEV (not mappable), EACCES ... */
+    struct ibv_mr *mr = ibv_reg_mr_iova2(pd, (char *)map + skip, length, iova, (unsigned)access);
+    if (!mr) {
+        int e = errno;
+        munmap(map, length + skip);
+        errno = e;
+        return NULL;
+    }
+    struct lv_mr *m = (struct lv_mr *)mr;
+    m->map = map;
+    m->map_len = length + skip;
+    return mr;
+}
+
+/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
+static int unmapped(const void *addr, size_t len)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
+    unsigned char v;
+    return mincore((void *)a, (size_t)page, &v) != 0 || (len && mincore((void *)a, 1, &v) != 0);
+}
+
 struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 {
     return ibv_reg_mr_iova2(pd, addr, len, (uintptr_t)addr, (unsigned)access);
@@ -251,6 +292,10 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 
 struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
 {
+    if (lv_fault("no_peermem") && unmapped(addr, len)) {
+        errno = EFAULT;
+        return NULL;
+    }
     return ibv_reg_mr_iova2(pd, addr, len, iova, (unsigned)access);
 }
 
@@ -267,6 +312,8 @@ int ibv_dereg_mr(struct ibv_mr *mr)
             break;
         }
     pthread_mutex_unlock(&g_mu);
+    if (m->map)
+        munmap(m->map, m->map_len);
     free(m);
     return 0;
 }
