@@ -124,6 +124,52 @@ def rank_key(messenger, key: int, rank: int, choice: int = 0) -> int:
     return messenger.nic_key(key, nics[choice % len(nics)])
 
 
+def rank_keys(messenger, key: int, rank: int) -> int | tuple[int, ...]:
+    """``rank_key`` for each of rank ``rank``'s NICs: one int when it has one NIC (or one path),
+    else a tuple to pick from per request (pdkv.shard.pick_nic)."""
+    per_rank = getattr(messenger, "rank_nics", ()) or ()
+    n = len(per_rank[rank % len(per_rank)]) if per_rank else 1
+    keys = tuple(rank_key(messenger, key, rank, c) for c in range(n))
+    return keys[0] if n == 1 else keys
+
+
+class NicMetrics:
+    """A Prometheus collector of what each NIC of a verbs messenger carried (its nic_stats, read
+    at scrape time): ``pdkv_nic_write_bytes_total{nic}`` / ``pdkv_nic_writes_total{nic}`` (this
+    node's writes completed through the NIC), ``pdkv_nic_write_errors_total{nic}``,
+    ``pdkv_nic_landed_bytes_total{nic}`` / ``pdkv_nic_landed_writes_total{nic}`` (peers' writes
+    with an immediate that landed through it). Nothing for tcp/fake or a closed messenger."""
+
+    FIELDS = (("write_bytes", "bytes_done", "Bytes of this node's writes completed through the NIC."),
+              ("writes", "writes_done", "This node's writes completed through the NIC."),
+              ("write_errors", "errors", "This node's writes through the NIC that failed."),
+              ("landed_bytes", "imm_bytes", "Bytes of peers' writes (with an immediate) that landed through the NIC."),
+              ("landed_writes", "imms", "Peers' writes with an immediate that landed through the NIC."))
+
+    def __init__(self, messenger, model_name: str, role: str):
+        self.m, self.labels = messenger, (model_name, role)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        try:
+            stats = self.m.nic_stats()
+        except Exception:  # noqa: BLE001 - closed messenger: no samples
+            stats = []
+        for name, field, doc in self.FIELDS:
+            fam = CounterMetricFamily(f"pdkv_nic_{name}", doc, labels=["model_name", "role", "nic"])
+            for s in stats:
+                fam.add_metric([*self.labels, s["name"]], s[field])
+            yield fam
+
+
+def register_nic_metrics(registry, messenger, model_name: str, role: str) -> NicMetrics:
+    """Expose the messenger's per-NIC counts on a node's /metrics (``registry``)."""
+    c = NicMetrics(messenger, model_name, role)
+    registry.register(c)
+    return c
+
+
 # ---- the asyncio side: events and connections ----------------------------------------------------
 
 def new_node_id(cfg: MessengerConfig) -> int:

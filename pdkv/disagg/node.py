@@ -16,7 +16,7 @@ from pdkv import auth
 from pdkv.disagg.decode import DecodeCoordinator
 from pdkv.disagg.metrics import DisaggMetrics
 from pdkv.disagg.prefill import PrefillCoordinator
-from pdkv.messenger import EventPump, new_node_id, open_messenger
+from pdkv.messenger import EventPump, new_node_id, open_messenger, register_nic_metrics
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class DecodeNode(_Node):
         """``commands``: the server front-end's engine loop queue (EngineLoop.put)."""
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
+        register_nic_metrics(metrics.registry, m, metrics._model_name, "decode")  # per NIC (verbs)
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
         self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
                                                  self.keep_hidden, secret=self.secret)
@@ -121,6 +122,7 @@ class PrefillNode(_Node):
     async def start(self, metrics, loop, commands=None) -> None:
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
+        register_nic_metrics(metrics.registry, m, metrics._model_name, "prefill")  # per NIC (verbs)
         self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
                                                   engine_stats=metrics.set_engine_stats, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)

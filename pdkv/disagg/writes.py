@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv.shard import ShardPlan
+from pdkv.shard import ShardPlan, pick_nic
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
 
     For each (prefill rank p, decode rank d) pair of the request's replica assignment
     (``plan.active_pairs(seed)``), each of the pair's segments is one batch: every page of the
-    chunk, from region ``lkeys[p]`` (this node's rank p) to region ``rkeys[d]`` (the decode
+    chunk, from region ``lkeys[p]`` (this node's rank p; a tuple: its key on each of its NICs, one
+    picked per request by ``pick_nic(seed, p, ...)``) to region ``rkeys[d]`` (the decode
     node's rank d). Every rank's page p of layer l sits at the same offset of its own region
     (all ranks have the same pages and shapes), so ``src``/``dst`` describe every region.
     src_pages, dst_pages: int64 [n] page ids on each side. Returns (batches queued, writes)."""
@@ -109,6 +110,8 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
         for pair in pairs:
             lkey, rkey = lkeys[pair.prefill_rank], rkeys[pair.decode_rank]
+            if not isinstance(lkey, int):  # the rank's key on each of its NICs: the seed picks one
+                lkey = lkey[pick_nic(seed, pair.prefill_rank, len(lkey))]
             for seg in pair.segments:
                 try:
                     messenger.queue_pages(watch, target, conn, lkey, rkey, src_pages, dst_pages,

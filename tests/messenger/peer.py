@@ -174,6 +174,16 @@ class Agent:
                                     facts=HostFacts((facts[0], facts[1]), facts[2], facts[3]))
         return [reg.key, reg.method.name]
 
+    def nic_metrics(self) -> str:
+        """The /metrics text a node exposes for this messenger's NICs (pdkv.messenger.NicMetrics)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from pdkv.messenger import register_nic_metrics
+
+        reg = CollectorRegistry()
+        register_nic_metrics(reg, self.m, "test-model", "prefill")
+        return generate_latest(reg).decode()
+
     def device_counters(self, names: list) -> dict:
         """The loopback device's own per-device counts, [tx writes, tx bytes, rx writes, rx bytes]
         by device name (pdkv_loopback_counters: the port counters of a NIC, kept by the device)."""

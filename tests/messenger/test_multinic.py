@@ -117,6 +117,11 @@ def test_tp8_to_tp8_each_rank_leaves_through_its_own_nic(spawn, connect):
     assert b.device_counts(2) == want  # the device's rx writes
     nbytes = 2 * sum(s.length for s in plan.segments(0, 0))
     assert a.device_counts(1) == {n: nbytes for n in nics} == b.device_counts(3)
+    # the node's /metrics says the same, per NIC
+    text = a.p.nic_metrics()
+    for n in nics:
+        assert f'pdkv_nic_writes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(want[n])}' in text
+        assert f'pdkv_nic_write_bytes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(nbytes)}' in text
 
 
 def test_tp8_to_tp1_replicated_spreads_over_every_nic(spawn, connect):
@@ -168,3 +173,31 @@ def test_a_write_to_a_nic_without_a_queue_pair_is_refused_naming_it(spawn, conne
         a.m("write", ca, lkey, 0, rkey | (1 << 48), 0, 64, tag=2)
     with pytest.raises(Exception, match="NIC 2 does not exist"):
         a.m("nic_key", lkey, 2)
+
+
+def test_queue_chunk_sends_each_request_through_the_nic_its_seed_picks():
+    """A rank near several NICs (aws-p5: 4 per GPU) offers a key on each; the prefill write path
+    (pdkv.disagg.writes.queue_chunk) sends each request's pages from the seeded source rank
+    through the seeded one of that rank's NICs."""
+    from pdkv.disagg.writes import Geometry, queue_chunk
+
+    class Recorder:  # stand-in messenger: records which local key each queued batch names
+        def __init__(self):
+            self.lkeys = []
+
+        def queue_pages(self, watch, target, conn, lkey, rkey, *args, **kwargs):
+            self.lkeys.append(lkey)
+
+    geo = KVGeometry(num_kv_heads=1, head_dim=8, page_size=4, dtype="float32", replicated=True, kv_parts=1)
+    plan = plan_transfers(2, 1, geo)
+    g = Geometry(1, 128, 512)
+    lkeys = [(10, 11, 12, 13), (20, 21, 22, 23)]  # rank p's key on each of its 4 NICs
+    used = Counter()
+    for i in range(400):
+        seed, rec = request_seed(f"m{i}"), Recorder()
+        queue_chunk(rec, watch=0, base=0, layerwise=True, conn=0, lkeys=lkeys, rkeys=[99], src=g, dst=g, plan=plan,
+                    seed=seed, src_pages=np.array([0]), dst_pages=np.array([1]), imm=1, tag=1)
+        p = plan.active_pairs(seed)[0].prefill_rank
+        assert rec.lkeys == [lkeys[p][pick_nic(seed, p, 4)]]
+        used[rec.lkeys[0]] += 1
+    assert set(used) == {10, 11, 12, 13, 20, 21, 22, 23} and min(used.values()) > 25  # ~50 each
