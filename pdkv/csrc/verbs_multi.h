@@ -14,9 +14,11 @@
  * The layer above decides the NICs: each rank's pages leave through the NIC nearest its GPU
  * (pdkv/messenger.py, pdkv/topo) by naming that NIC's key.
  *
- * Call order: verbs_multi.c (function table, create, poll, stats) -> verbs_multi_conn.c
- * (connections, routing of writes) -> verbs_multi_mr.c (regions, grants, keys) -> verbs.c (the
- * single-NIC transport of each device). Only compiled with libibverbs (PDKV_HAVE_VERBS). */
+ * Call order: verbs_multi.c (function table, create, poll, stats) -> verbs.c (creates the
+ * single-NIC transport of each device; afterwards they are driven through their function
+ * tables) and verbs_multi_conn.c (connections, routing of writes) -> verbs_multi_mr.c (regions,
+ * grants, keys) -> verbs_mr.c (a NIC's in-flight count at dereg). Only compiled with libibverbs
+ * (PDKV_HAVE_VERBS). */
 #ifndef PDKV_VERBS_MULTI_H
 #define PDKV_VERBS_MULTI_H
 
