@@ -627,7 +627,8 @@ cdef class Messenger:
         """Poller counters: polls, posted_batches, last_post_poll, writes_posted, writes_done,
         imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
         before landing), refused_conns (incoming connections closed before they were accepted),
-        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads)."""
+        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads);
+        verbs: nics, what each NIC carried (nic_stats())."""
         cdef pdkv_core_stats s
         cdef pdkv_transport_counters tc
         self._check()
@@ -637,6 +638,8 @@ cdef class Messenger:
             self.t.ops.counters(self.t, &tc)
         out = dict(s)
         out.update(tc)
+        if self.t.ops.nic_stats != NULL:
+            out["nics"] = self.nic_stats()
         return out
 
     def polls(self):

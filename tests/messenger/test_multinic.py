@@ -111,6 +111,7 @@ def test_tp8_to_tp8_each_rank_leaves_through_its_own_nic(spawn, connect):
     want = {nics[r]: per_rank[r] for r in range(8)}
     assert len(set(want.values())) == 1 and want["mlx5_0"] >= 2
     assert a.nic_counts("writes_done") == want
+    assert {s["name"]: s["writes"] for s in a.p.m("stats")["nics"]} == want  # also in stats()
     assert {n: c for n, c in a.device_counts(0).items()} == want  # the device's tx writes
     # ... and landed on the decode node through decode rank r's NIC (pairs (r, r))
     assert b.nic_counts("imms") == want
