@@ -63,7 +63,8 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
         t = topo.discover(sysfs_root)
         every = topo.placement(t, None, names)  # no GPU: every NIC with an ACTIVE port
         chosen = [topo.placement(t, g, names) if g else None for g in gpus]
-        rank_names = [p.nics if p else [every.nics[r % len(every.nics)]] for r, p in enumerate(chosen)]
+        spread = _spread(len(every.nics), num_ranks)
+        rank_names = [p.nics if p else [every.nics[i] for i in spread[r]] for r, p in enumerate(chosen)]
         nics = _unique(n for rn in rank_names for n in rn)
         per_rank = [tuple(nics.index(n) for n in rn) for rn in rank_names]
         first = chosen[0] or every
@@ -74,13 +75,19 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
                                                      for r, rn in enumerate(rank_names))
     else:
         nics = names
-        per_rank = [(r % len(nics),) for r in range(num_ranks)]
+        per_rank = _spread(len(nics), num_ranks)
         cpus, reason = _cpus_near(nics, gpus[0], sysfs_root)
-        reason = "explicit NIC list" + reason + (f"; ranks spread over it in order" if num_ranks > 1 else "")
+        reason = "explicit NIC list" + reason + f"; ranks -> NICs: {_spread(len(nics), num_ranks)}"
     usable = sorted(set(cpus) & os.sched_getaffinity(0))
     if cpus and not usable:
         reason += "; none of those CPUs is available to this process: poller not pinned"
     return MessengerPlacement("verbs", tuple(nics), tuple(usable), reason, tuple(per_rank))
+
+
+def _spread(num_nics: int, num_ranks: int) -> list[tuple[int, ...]]:
+    """NICs without a GPU to go by, dealt to ranks in turn: rank r gets NICs r, r + tp, ... (each
+    NIC used by one rank when there are at least as many NICs as ranks), else NIC r mod n."""
+    return [tuple(range(r, num_nics, num_ranks)) or (r % num_nics,) for r in range(num_ranks)]
 
 
 def _cpus_near(nics: list[str], gpu: str | None, sysfs_root: str) -> tuple[list[int], str]:

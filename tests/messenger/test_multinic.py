@@ -49,6 +49,11 @@ def test_the_dgx_topology_gives_each_rank_its_own_nic():
     explicit = plan_placement(MessengerConfig(transport="verbs", nics=("auto",), rank_nics=("mlx5_9", "mlx5_9")),
                               sysfs_root=DGX, gpu_bus_ids=[g.bus_id for g in topo.discover(DGX).gpus][:2])
     assert explicit.nics == ("mlx5_9",) and explicit.rank_nics == ((0,), (0,))  # the config wins
+    # no GPU to go by: the NICs are dealt to the ranks in turn, every NIC used
+    listed = MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1", "mlx5_2"))
+    assert plan_placement(listed, sysfs_root=DGX).rank_nics == ((0, 1, 2),)
+    assert plan_placement(listed, sysfs_root=DGX, num_ranks=2).rank_nics == ((0, 2), (1,))
+    assert plan_placement(listed, sysfs_root=DGX, num_ranks=4).rank_nics == ((0,), (1,), (2,), (0,))
 
 
 class Node:
