@@ -7,10 +7,15 @@ cdef extern from "transport.h" nogil:
     enum:
         PDKV_INFO_MAX
         PDKV_REASON_MAX
+        PDKV_REG_DMABUF
+        PDKV_REG_PEERMEM
 
     ctypedef struct pdkv_transport_counters:
         uint64_t refused_writes, refused_conns, pending_conns, rx_threads
 
+    ctypedef struct pdkv_nic_stats:
+        char name[64]
+        uint64_t writes, bytes, writes_done, bytes_done, errors, imms, imm_bytes
     ctypedef struct pdkv_transport_ops:
         const char *name
         int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
@@ -26,6 +31,10 @@ cdef extern from "transport.h" nogil:
         int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len) noexcept nogil
         int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
         const char *(*last_error)(pdkv_transport *t) noexcept nogil
+        int (*nic_key)(pdkv_transport *t, uint64_t key, uint32_t nic, uint64_t *key_out) noexcept nogil
+        int (*nic_stats)(pdkv_transport *t, pdkv_nic_stats *out, int max) noexcept nogil
+        int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                          uint64_t *key_out, uint32_t *method_out) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops
@@ -45,6 +54,7 @@ cdef extern from "transport.h" nogil:
         int gid_index
         uint32_t qps_per_peer
         int isolate_peers
+        uint32_t remote_nics
 
     pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                           const pdkv_verbs_opts *verbs, char *err, size_t errlen)
@@ -158,6 +168,7 @@ cdef class Messenger:
     cdef pdkv_transport *t
     cdef readonly str transport
     cdef readonly uint64_t node_id
+    cdef public tuple rank_nics  # verbs: per TP rank, NIC indices (pdkv/messenger.py); () otherwise
     cdef dict _pinned       # key -> the Python object whose memory is registered
     cdef dict _watched      # watch id -> the object holding the counter
     cdef int _busy          # calls now running without the GIL (close() waits for them)

@@ -36,6 +36,7 @@ class Messenger:
                  max_per_source: int = 0,
                  nics: Sequence[str] = (), port_num: int = 1,
                  gid_index: int = -1, qps_per_peer: int = 1, isolate_peers: bool = False,
+                 remote_nics: int = 0,
                  spin_us: int = 50, yield_us: int = 200,
                  sleep_us: int = 20, cpus: Sequence[int] | None = None) -> None: ...
     def close(self) -> None: ...
@@ -67,6 +68,14 @@ class Messenger:
     def grant_range(self, key: int, peer: int, offset: int, length: int) -> int: ...
     def revoke_range(self, key: int, peer: int, offset: int, length: int) -> None: ...  # exactly as granted
     def deregister(self, key: int) -> None: ...
+    # verbs over several NICs (csrc/verbs_multi.h): a region is registered on every NIC; its key
+    # on NIC n (index into nics) makes a write leave (local key) or land (remote key) through n
+    def nic_key(self, key: int, nic: int) -> int: ...
+    # verbs, GPUDirect RDMA: the dma-buf fd first, then the device pointer (nvidia-peermem)
+    def register_device(self, fd: int, offset: int, length: int, addr: int = 0) -> tuple[int, str]: ...
+    def nic_stats(self) -> list[dict[str, Any]]: ...  # per NIC: name, writes, bytes, writes_done,
+    # bytes_done, errors, imms, imm_bytes ([] on tcp/fake)
+    rank_nics: tuple[tuple[int, ...], ...]  # per TP rank: its NIC indices (pdkv/messenger.py)
     # connections
     # token: 16..32 bytes from the authenticated control session, the same at both ends (tcp
     # checks it in each incoming stream's first frame; never sent in info; verbs/fake ignore it).

@@ -90,11 +90,12 @@ cdef class Messenger:
         self._watched = {}
         self._busy = 0
         self._closing = 0
+        self.rank_nics = ()
 
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 bint isolate_peers=False, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+                 bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -125,6 +126,9 @@ cdef class Messenger:
         verbs.gid_index = gid_index
         verbs.qps_per_peer = qps_per_peer
         verbs.isolate_peers = isolate_peers
+        if not 0 <= remote_nics <= 16:
+            raise InvalidRequestError(_errno.EINVAL, f"remote_nics must be 0..16, got {remote_nics}")
+        verbs.remote_nics = remote_nics
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -243,6 +247,34 @@ cdef class Messenger:
             _raise(rc, msg, "register")
         return key
 
+    def register_device(self, int fd, uint64_t offset, uint64_t length, uint64_t addr=0):
+        """verbs: register device (GPU) memory for GPUDirect RDMA -> (key, "dmabuf" | "peermem").
+
+        First the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1: skip; the fd is not taken:
+        the transport keeps its own dup), then the device pointer `addr` (ibv_reg_mr through
+        nvidia-peermem; 0: skip). TransportUnavailableError naming both attempts when neither
+        works. pdkv.gpu.gpudirect.register_on_messenger obtains the fd from the CUDA driver."""
+        cdef uint64_t key = 0
+        cdef uint32_t method = 0
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        if self.t.ops.reg_device == NULL:
+            raise InvalidRequestError(_errno.EOPNOTSUPP, f"the {self.transport} transport cannot register "
+                                      "device memory (GPUDirect RDMA is verbs only; tcp stages through host memory)")
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.reg_device(self.t, fd, offset, length, <void *>addr, &key, &method)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            if rc == -_errno.EOPNOTSUPP:
+                raise TransportUnavailableError(-rc, f"register_device: {msg.decode('utf-8', 'replace')}")
+            _raise(rc, msg, "register_device")
+        return key, "dmabuf" if method == PDKV_REG_DMABUF else "peermem"
+
     def grant(self, uint64_t key, uint64_t peer):
         """Allow node `peer` to write anywhere in region `key` -> the key that peer must name
         in its writes (tcp/fake: `key`; verbs with isolate_peers: a key of the region's
@@ -254,6 +286,40 @@ cdef class Messenger:
         rc = self.t.ops.grant(self.t, key, peer, &out)
         if rc < 0:
             _raise(rc, self.t.ops.last_error(self.t), "grant")
+        return out
+
+    def nic_key(self, uint64_t key, uint32_t nic):
+        """verbs: the key of region `key` on NIC number `nic` (an index into the transport's NIC
+        list). A write leaves through the NIC of its local key and lands through the NIC of its
+        remote key; grant() on a NIC's key registers the grant on that NIC. tcp/fake have one
+        path: `key` itself for nic 0, InvalidRequestError for any other."""
+        cdef int rc
+        cdef uint64_t out = 0
+        self._check()
+        if self.t.ops.nic_key == NULL:
+            if nic:
+                raise InvalidRequestError(_errno.EINVAL, f"the {self.transport} transport has one path, no NIC {nic}")
+            return key
+        rc = self.t.ops.nic_key(self.t, key, nic, &out)
+        if rc < 0:
+            _raise(rc, self.t.ops.last_error(self.t), "nic_key")
+        return out
+
+    def nic_stats(self):
+        """Per NIC (verbs; [] on tcp/fake): dicts of name, writes, bytes (posted through it),
+        writes_done, bytes_done, errors, imms, imm_bytes (writes with an immediate that landed
+        through it), in the order of the transport's NIC list."""
+        cdef pdkv_nic_stats s[16]
+        cdef int n, i
+        self._check()
+        if self.t.ops.nic_stats == NULL:
+            return []
+        n = self.t.ops.nic_stats(self.t, s, 16)
+        out = []
+        for i in range(min(n, 16)):
+            out.append(dict(name=s[i].name.decode("utf-8", "replace"), writes=s[i].writes, bytes=s[i].bytes,
+                            writes_done=s[i].writes_done, bytes_done=s[i].bytes_done, errors=s[i].errors,
+                            imms=s[i].imms, imm_bytes=s[i].imm_bytes))
         return out
 
     def revoke(self, uint64_t key, uint64_t peer):
@@ -317,7 +383,7 @@ cdef class Messenger:
         unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
         open the connection. Both ends must pass the same token (or neither). verbs/fake: not
         needed (the queue pairs are bound by the info exchange itself) and ignored."""
-        cdef char info[512]
+        cdef char *info
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
@@ -329,6 +395,9 @@ cdef class Messenger:
             tok = token
             tok_len = len(token)
         self._check()
+        info = <char *>malloc(PDKV_INFO_MAX)  # verbs: one blob per (local NIC, remote NIC) pair
+        if info == NULL:
+            raise MemoryError()
         self._enter()
         try:
             with nogil:
@@ -342,9 +411,12 @@ cdef class Messenger:
                     msg = self.t.ops.last_error(self.t)
         finally:
             self._busy -= 1
-        if rc < 0:
-            _raise(rc, msg, "prepare")
-        return conn, info[:n]
+        try:
+            if rc < 0:
+                _raise(rc, msg, "prepare")
+            return conn, info[:n]
+        finally:
+            free(info)
 
     def complete(self, uint32_t conn, bytes info):
         """Finish connection `conn` with the peer's info (from its prepare())."""
@@ -555,7 +627,8 @@ cdef class Messenger:
         """Poller counters: polls, posted_batches, last_post_poll, writes_posted, writes_done,
         imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
         before landing), refused_conns (incoming connections closed before they were accepted),
-        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads)."""
+        pending_conns (incoming connections not yet authenticated), rx_threads (receive threads);
+        verbs: nics, what each NIC carried (nic_stats())."""
         cdef pdkv_core_stats s
         cdef pdkv_transport_counters tc
         self._check()
@@ -565,6 +638,8 @@ cdef class Messenger:
             self.t.ops.counters(self.t, &tc)
         out = dict(s)
         out.update(tc)
+        if self.t.ops.nic_stats != NULL:
+            out["nics"] = self.nic_stats()
         return out
 
     def polls(self):

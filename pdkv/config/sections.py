@@ -78,6 +78,10 @@ class MessengerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     nics: tuple[str, ...] = ("auto",)
+    # verbs, one NIC name per TP rank (rank r's pages leave through rank_nics[r]); empty: the NIC
+    # nearest each rank's GPU (pdkv.topo), or the ranks spread over `nics` without GPUs
+    rank_nics: tuple[str, ...] = ()
+    remote_nics: int = 0  # verbs: peer NICs to prepare queue pairs toward (0: as many as ours)
     num_streams: int = 2
     spin_us: int = 50
     node_id: int = 0  # 0: a random id per process (each node of a cluster needs a distinct one)

@@ -68,6 +68,13 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024", sv.max_body_bytes)
     one_of("messenger.transport", ms.transport, TRANSPORTS)
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
+    need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
+         "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
+    need(not ms.rank_nics or "auto" in ms.nics or set(ms.rank_nics) <= set(ms.nics), "messenger.rank_nics",
+         f"names from messenger.nics ({', '.join(ms.nics)})", list(ms.rank_nics))
+    need(not ms.rank_nics or len(ms.rank_nics) == pc.tp, "messenger.rank_nics",
+         f"one name per TP rank: {pc.tp} (parallel.tp)", list(ms.rank_nics))
+    need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
     need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
     need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)

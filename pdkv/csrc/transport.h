@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define PDKV_INFO_MAX 512    /* largest connection-info blob */
+#define PDKV_INFO_MAX 65536  /* largest connection-info blob (verbs: one per NIC pair) */
 #define PDKV_REASON_MAX 160  /* longest error reason in a completion */
 
 enum pdkv_cq_kind {
@@ -57,6 +57,17 @@ typedef struct pdkv_write {
 } pdkv_write;
 
 typedef struct pdkv_transport pdkv_transport;
+
+enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2 }; /* reg_device's way */
+
+/* What one NIC carried (verbs over several NICs; stats() and /metrics). */
+typedef struct pdkv_nic_stats {
+    char name[64];
+    uint64_t writes, bytes;           /* writes accepted for posting through this NIC */
+    uint64_t writes_done, bytes_done; /* ... completed locally */
+    uint64_t errors;                  /* ... failed */
+    uint64_t imms, imm_bytes;         /* remote writes carrying an immediate that landed on it */
+} pdkv_nic_stats;
 
 typedef struct pdkv_transport_counters {
     uint64_t refused_writes; /* remote writes refused before landing (key, grant, range, bounds) */
@@ -112,6 +123,19 @@ typedef struct pdkv_transport_ops {
     void (*counters)(pdkv_transport *t, struct pdkv_transport_counters *out);
     /* Stop every thread, close every fd, free everything. Safe with writes in flight. */
     void (*destroy)(pdkv_transport *t);
+
+    /* Optional (NULL on tcp/fake: one path). verbs over several NICs: the key of the region of
+     * `key` on NIC `nic` (an index into the transport's NIC list). A write leaves through the NIC
+     * of its local key and arrives through the NIC of its remote key. */
+    int (*nic_key)(pdkv_transport *t, uint64_t key, uint32_t nic, uint64_t *key_out);
+    /* Optional: fill up to max per-NIC counts; returns the number of NICs. */
+    int (*nic_stats)(pdkv_transport *t, pdkv_nic_stats *out, int max);
+    /* Optional (verbs): register device (GPU) memory for GPUDirect RDMA: first as the dma-buf
+     * `fd` at `offset` (fd < 0: skip), then as the device pointer `addr` (peer memory, NULL:
+     * skip). *method_out: PDKV_REG_DMABUF or PDKV_REG_PEERMEM. The fd is not taken (the transport
+     * keeps a dup). -EOPNOTSUPP with both attempts named when neither works. */
+    int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                      uint64_t *key_out, uint32_t *method_out);
 } pdkv_transport_ops;
 
 struct pdkv_transport {
@@ -137,10 +161,15 @@ typedef struct pdkv_verbs_opts {
     int gid_index;           /* -1: pick a RoCE v2 / IB GID automatically */
     uint32_t qps_per_peer;
     int isolate_peers;       /* a protection domain per peer: grants enforced by the NIC */
+    uint32_t remote_nics;    /* several NICs: queue-pair pairs toward this many peer NICs (0: as
+                              * many as we have) */
 } pdkv_verbs_opts;
-/* Defined only when built with libibverbs (PDKV_HAVE_VERBS). */
+/* Defined only when built with libibverbs (PDKV_HAVE_VERBS). One NIC (nics[0], nics[1] == NULL). */
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
                                   size_t errlen);
+/* One transport over every NIC of opts->nics (1..16), see verbs_multi.h: what "verbs" makes. */
+pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
+                                        size_t errlen);
 
 /* By name ("tcp", "verbs", "fake"), so callers need no #ifdefs (transports.c): the options of the
  * other transports are ignored. NULL with a reason in err for an unknown or unavailable name. */

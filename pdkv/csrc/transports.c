@@ -24,7 +24,7 @@ pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const 
                 snprintf(err, errlen, "verbs NIC 'auto' must be resolved to device names before the transport is created");
                 return NULL;
             }
-        return pdkv_verbs_create(node_id, verbs, err, errlen);
+        return pdkv_verbs_multi_create(node_id, verbs, err, errlen);
 #else
         (void)verbs;
         snprintf(err, errlen, "transport 'verbs' is not available: pdkv was built without libibverbs headers "

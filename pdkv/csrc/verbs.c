@@ -35,7 +35,7 @@
  */
 #ifdef PDKV_HAVE_VERBS
 #define _GNU_SOURCE
-#include "verbs_internal.h"
+#include "verbs_multi.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -59,7 +59,7 @@ static int vb_poll(pdkv_transport *base, pdkv_completion *out, int max)
         t->cq_head = (t->cq_head + 1) % t->cq_cap;
         t->cq_count--;
     }
-    if (!t->cq_count) { /* readable exactly while something is queued */
+    if (!t->cq_count && !t->efd_shared) { /* readable exactly while something is queued */
         uint64_t v;
         if (read(t->efd, &v, sizeof v) < 0) {
             /* EAGAIN: already drained */
@@ -97,10 +97,17 @@ static const pdkv_transport_ops vb_ops = {
     .last_error = vb_last_error,
     .counters = vb_counters,
     .destroy = vb_destroy,
+    .reg_device = vb_reg_device,
 };
 
 pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,
                                   size_t errlen)
+{
+    return vb_create_shared(node_id, o, -1, err, errlen);
+}
+
+pdkv_transport *vb_create_shared(uint64_t node_id, const pdkv_verbs_opts *o, int shared_efd,
+                                 char *err, size_t errlen)
 {
     vb_transport *t = calloc(1, sizeof *t);
     if (!t) {
@@ -110,6 +117,8 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
     t->base.ops = &vb_ops;
     t->base.node_id = node_id;
     t->efd = t->wake_fd = -1;
+    if (shared_efd >= 0)
+        t->efd = shared_efd, t->efd_shared = 1;
     vb_clear_error(); /* a reason left by an earlier call on this thread is not ours */
     t->port_num = o && o->port_num ? o->port_num : 1;
     t->qps_per_peer = o && o->qps_per_peer ? o->qps_per_peer : 1;
@@ -129,7 +138,8 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *o, ch
         vb_fail(t, "verbs: page size %llu is not a power of two up to 64 KiB (keys keep 16 bits of page offset)",
                 (unsigned long long)t->page_size);
     else if (n != 1)
-        vb_fail(t, "verbs: exactly one NIC name is supported per transport, got %d", n);
+        vb_fail(t, "verbs: a single-NIC transport takes exactly one NIC name, got %d (several: "
+                   "pdkv_verbs_multi_create)", n);
     else if (!strcmp(o->nics[0], "auto") || !o->nics[0][0])
         vb_fail(t, "verbs: NIC '%s' must be resolved to a device name before the transport "
                    "is created", o->nics[0]);
@@ -160,8 +170,11 @@ static void vb_destroy(pdkv_transport *base)
         if (t->domains[i].used)
             vb_domain_free(t, &t->domains[i]); /* grants and local MRs, SRQ, PD */
     for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
-        if (t->regions[i].mr)
+        if (t->regions[i].mr) {
             ibv_dereg_mr(t->regions[i].mr);
+            if (t->regions[i].dmabuf)
+                close(t->regions[i].dmabuf_fd);
+        }
     pthread_mutex_unlock(&t->mu);
     if (t->srq)
         ibv_destroy_srq(t->srq);
@@ -173,7 +186,7 @@ static void vb_destroy(pdkv_transport *base)
         ibv_dealloc_pd(t->pd);
     if (t->ctx)
         ibv_close_device(t->ctx);
-    if (t->efd >= 0)
+    if (t->efd >= 0 && !t->efd_shared)
         close(t->efd);
     if (t->wake_fd >= 0)
         close(t->wake_fd);

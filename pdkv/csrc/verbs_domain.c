@@ -25,7 +25,7 @@ int vb_domain_add_region(vb_transport *t, vb_domain *d, uint32_t i)
 {
     vb_region *r = &t->regions[i];
     /* local only: a peer can never write through it, it is the source of our writes */
-    d->lmr[i] = ibv_reg_mr_iova(d->pd, r->addr, r->len, r->pgoff, IBV_ACCESS_LOCAL_WRITE);
+    d->lmr[i] = vb_mr_reg(d->pd, r, 0, r->len, IBV_ACCESS_LOCAL_WRITE);
     if (!d->lmr[i]) {
         vb_fail(t, "verbs: cannot register region %u in the protection domain of peer %llu: %s", i,
                 (unsigned long long)d->peer, strerror(errno ? errno : ENOMEM));

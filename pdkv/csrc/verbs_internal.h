@@ -33,6 +33,12 @@ typedef struct vb_region {
     uint8_t *addr;
     uint64_t key, len, pgoff; /* key 0: free slot */
     uint32_t inflight; /* local writes from this region not yet completed */
+    /* GPU memory registered through a dma-buf (verbs_gpudirect.c): every MR of the region (its
+     * own, per-peer local MRs, grants) is an ibv_reg_dmabuf_mr of this fd (our dup, closed at
+     * dereg) at dmabuf_off + the MR's offset; addr is then the device pointer (never touched) */
+    int dmabuf;
+    int dmabuf_fd;
+    uint64_t dmabuf_off;
 } vb_region;
 
 /* A registration of (part of) a region that one peer may write: the grant itself (the NIC
@@ -115,6 +121,8 @@ typedef struct vb_transport {
     pdkv_completion *cq_ring; /* completions waiting for poll() */
     uint32_t cq_head, cq_count, cq_cap;
     int efd, wake_fd;
+    int efd_shared;       /* efd belongs to a multi-NIC transport (verbs_multi.h): poll() never
+                           * resets it (the core's poller does, before it polls every NIC) */
     pthread_t thread;
     int thread_started, stop;
     int cq_dead;          /* ibv_poll_cq failed or IBV_EVENT_CQ_ERR: every connection is failed */
@@ -150,8 +158,19 @@ void vb_domain_drop_region(vb_transport *t, uint32_t region); /* every grant and
 void vb_domain_free(vb_transport *t, vb_domain *d);
 uint32_t vb_lkey(vb_transport *t, const vb_conn *c, const vb_region *r); /* for c's QPs */
 
+/* verbs_memreg.c (leaf): an MR over [off, off+len) of region r in pd, iova pgoff + off: a
+ * dma-buf registration for dma-buf regions, ibv_reg_mr_iova otherwise (NULL + errno) */
+struct ibv_mr *vb_mr_reg(struct ibv_pd *pd, const vb_region *r, uint64_t off, uint64_t len, int access);
+
+/* verbs_gpudirect.c: device memory (GPUDirect RDMA), see transport.h reg_device */
+int vb_reg_device(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                  uint64_t *key_out, uint32_t *method_out);
+
 /* verbs_mr.c: regions and grants */
 int vb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+/* a slot for region `proto` whose own MR is `mr` (registered by the caller in t->pd, iova
+ * proto->pgoff): added to every peer domain, *key_out set; on failure mr is deregistered */
+int vb_add_region(vb_transport *t, struct ibv_mr *mr, const vb_region *proto, uint64_t *key_out);
 int vb_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
 int vb_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
 int vb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,

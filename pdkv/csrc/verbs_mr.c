@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 vb_region *vb_find_region(vb_transport *t, uint64_t key)
 {
@@ -51,6 +52,12 @@ int vb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
                                  ? " (locked-memory limit: raise `ulimit -l` or grant CAP_IPC_LOCK)" : "");
         return -e;
     }
+    vb_region proto = {.addr = addr, .len = len, .pgoff = pgoff};
+    return vb_add_region(t, mr, &proto, key_out);
+}
+
+int vb_add_region(vb_transport *t, struct ibv_mr *mr, const vb_region *proto, uint64_t *key_out)
+{
     pthread_mutex_lock(&t->mu);
     uint32_t i = 0;
     while (i < t->num_regions && t->regions[i].key)
@@ -64,8 +71,10 @@ int vb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
     if (i == t->num_regions)
         t->num_regions++;
     vb_region *r = &t->regions[i];
-    *r = (vb_region){.mr = mr, .addr = addr, .len = len, .pgoff = pgoff,
-                     .key = VB_KEY(i, pgoff, t->isolate ? 0 : mr->rkey)};
+    *r = *proto;
+    r->mr = mr;
+    r->inflight = 0;
+    r->key = VB_KEY(i, r->pgoff, t->isolate ? 0 : mr->rkey);
     int rc = 0;
     for (uint32_t k = 0; t->isolate && !rc && k < VB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
@@ -73,8 +82,7 @@ int vb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
     if (rc) {
         vb_domain_drop_region(t, i);
         ibv_dereg_mr(mr);
-        r->key = 0;
-        r->mr = NULL;
+        memset(r, 0, sizeof *r);
     } else {
         *key_out = r->key;
     }
@@ -117,8 +125,7 @@ static int add_grant(vb_transport *t, vb_region *r, uint64_t peer, int whole, ui
         d->grants_cap = cap;
     }
     errno = 0;
-    struct ibv_mr *mr = ibv_reg_mr_iova(d->pd, r->addr + off, len, r->pgoff + off,
-                                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    struct ibv_mr *mr = vb_mr_reg(d->pd, r, off, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!mr) {
         int e = errno ? errno : ENOMEM;
         vb_fail(t, "verbs: cannot register the grant of [%llu, +%llu) for peer %llu: %s",
@@ -252,8 +259,9 @@ int vb_dereg(pdkv_transport *base, uint64_t key)
             vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(errno));
             rc = -EIO;
         }
-        r->mr = NULL;
-        r->key = 0;
+        if (r->dmabuf)
+            close(r->dmabuf_fd);
+        memset(r, 0, sizeof *r);
     }
     pthread_mutex_unlock(&t->mu);
     return rc;

@@ -238,7 +238,8 @@ static void *progress_main(void *arg)
 
 int vb_start_progress(vb_transport *t)
 {
-    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!t->efd_shared)
+        t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (t->efd < 0 || t->wake_fd < 0 || vb_set_nonblock(t->channel->fd) ||
         vb_set_nonblock(t->ctx->async_fd)) {

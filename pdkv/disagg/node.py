@@ -16,7 +16,7 @@ from pdkv import auth
 from pdkv.disagg.decode import DecodeCoordinator
 from pdkv.disagg.metrics import DisaggMetrics
 from pdkv.disagg.prefill import PrefillCoordinator
-from pdkv.messenger import EventPump, new_node_id, open_messenger
+from pdkv.messenger import EventPump, new_node_id, open_messenger, register_nic_metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class _Node:
         if self.messenger_factory is not None:
             self.messenger = self.messenger_factory(self.cfg, self.node_id)
         else:
-            self.messenger = open_messenger(self.cfg.messenger, self.node_id)
+            # every TP rank's pages leave through its own NIC (verbs): the placement needs the ranks
+            self.messenger = open_messenger(self.cfg.messenger, self.node_id, num_ranks=self.cfg.parallel.tp)
         return self.messenger
 
     def _close(self) -> None:
@@ -81,6 +82,7 @@ class DecodeNode(_Node):
         """``commands``: the server front-end's engine loop queue (EngineLoop.put)."""
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
+        register_nic_metrics(metrics.registry, m, metrics._model_name, "decode")  # per NIC (verbs)
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
         self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
                                                  self.keep_hidden, secret=self.secret)
@@ -126,6 +128,7 @@ class PrefillNode(_Node):
     async def start(self, metrics, loop, commands=None) -> None:
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
+        register_nic_metrics(metrics.registry, m, metrics._model_name, "prefill")  # per NIC (verbs)
         self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
                                                   engine_stats=metrics.set_engine_stats, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)

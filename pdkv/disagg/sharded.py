@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pdkv.control import HandshakeRefused
 from pdkv.disagg.writes import Geometry
+from pdkv.messenger import rank_key, rank_keys
 from pdkv.shard import ShardPlan, ShardPlanError, ShardSpec, plan_specs
 from pdkv.tp import kv_regions, shard_spec
 
@@ -28,7 +29,13 @@ class NodeKV:
         self.spec: ShardSpec = shard_spec(engine)
         # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
         self.geometry = Geometry.of(self.regions[0].cache)
-        self.keys = [messenger.register_address(r.address, r.nbytes) for r in self.regions]
+        # rank r's key names the NIC that carries rank r's pages (verbs over several NICs; the
+        # region itself is registered on every NIC): the decode node's keys pick where pages land
+        regs = [messenger.register_address(r.address, r.nbytes) for r in self.regions]
+        self.keys = [rank_key(messenger, k, rank) for rank, k in enumerate(regs)]
+        # as a source (prefill): a rank near several NICs offers a key on each, and each request's
+        # writes from that rank leave through the one its seed picks (pdkv.shard.pick_nic)
+        self.src_keys = [rank_keys(messenger, k, rank) for rank, k in enumerate(regs)]
 
 
 def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdkv.disagg.range_keys import RangeKeys
-from pdkv.shard import ShardPlan
+from pdkv.shard import ShardPlan, pick_nic
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
 
     For each (prefill rank p, decode rank d) pair of the request's replica assignment
     (``plan.active_pairs(seed)``), each of the pair's segments is one batch per destination key:
-    the chunk's pages from region ``lkeys[p]`` (this node's rank p) to the decode node's rank d,
+    the chunk's pages from region ``lkeys[p]`` (this node's rank p; a tuple: its key on each of
+    its NICs, one picked per request by ``pick_nic(seed, p, ...)``) to the decode node's rank d,
     under the key ``rkeys`` gives each page (see _dst_groups). Every rank's page p of layer l sits
     at the same offset of its own region (all ranks have the same pages and shapes), so
     ``src``/``dst`` describe every region. src_pages, dst_pages: int64 [n] page ids on each side.
@@ -132,6 +133,8 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
         for pair in pairs:
             lkey = lkeys[pair.prefill_rank]
+            if not isinstance(lkey, int):  # the rank's key on each of its NICs: the seed picks one
+                lkey = lkey[pick_nic(seed, pair.prefill_rank, len(lkey))]
             for rkey, pos in _dst_groups(rkeys, split, pair.decode_rank, layer):
                 sp, dp = (src_pages, dst_pages) if pos is None else (src_pages[pos], dst_pages[pos])
                 for seg in pair.segments:

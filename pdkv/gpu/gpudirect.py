@@ -17,8 +17,12 @@ raising on failure) and returns a :class:`GpuRegistration`; when neither works i
 (:func:`host_gpudirect_facts` reads that from /sys and /proc). The dma-buf fd is closed after
 registration: the memory region holds its own reference to the dma-buf.
 
-Wiring (issue 13): the verbs transport calls ``register_device_memory`` for each rank's cuMem
-range (rank 0 maps them all), and ``pdkv.config`` can refuse verbs with GPU memory up front when
+:func:`register_on_messenger` is the same through the messenger's C entry point
+(``Messenger.register_device``: csrc/verbs_gpudirect.c tries ``ibv_reg_dmabuf_mr`` then
+``ibv_reg_mr`` on every NIC, and keeps a dup of the fd for the registrations grants need later).
+
+Wiring (issue 13): the roles call ``register_on_messenger`` for each rank's cuMem range (rank 0
+maps them all), and ``pdkv.config`` can refuse verbs with GPU memory up front when
 ``gpudirect_possible(host_gpudirect_facts())`` says neither way can work on this host.
 """
 
@@ -160,6 +164,35 @@ def register_device_memory(ptr: int, nbytes: int, device: int, *, reg_dmabuf: Ca
         f"cannot register {nbytes} bytes of cuda:{device} memory at {ptr:#x} with the NIC (GPUDirect "
         f"RDMA): {'; '.join(attempts)}. This host lacks: {'; '.join(lacks)}. Use a transport that "
         "stages through host memory (tcp) or fix one of these")
+
+
+def register_on_messenger(messenger, ptr: int, nbytes: int, device: int, *,
+                          get_dmabuf_fd: Callable[[int, int, int], int] = dmabuf_fd_for_range,
+                          facts: HostFacts | None = None) -> GpuRegistration:
+    """Register GPU memory with a verbs messenger's NICs through its C entry point
+    (``Messenger.register_device``, csrc/verbs_gpudirect.c): the CUDA driver's dma-buf fd for the
+    range (``ibv_reg_dmabuf_mr``), then the device pointer (``ibv_reg_mr``, nvidia-peermem), on
+    every NIC of the transport. GPUDirectUnavailable naming both attempts (the export's failure,
+    the C attempts' errno) and what this host lacks when neither works. The fd is closed here:
+    the transport keeps its own dup for the registrations it makes later (grants, peer PDs)."""
+    facts = facts if facts is not None else host_gpudirect_facts()
+    fd, export = -1, ""
+    try:
+        fd = get_dmabuf_fd(ptr, nbytes, device)
+    except (CudaError, GPUUnavailable, AttributeError, OSError, ValueError) as e:
+        export = f"dma-buf: cuMemGetHandleForAddressRange(DMA_BUF_FD) failed: {e}; "
+    try:
+        key, how = messenger.register_device(fd, 0, nbytes, ptr)
+    except OSError as e:
+        lacks = facts.lacks() or ["nothing known: check `dmesg` for the NIC driver's messages"]
+        raise GPUDirectUnavailable(
+            f"cannot register {nbytes} bytes of cuda:{device} memory at {ptr:#x} with the NIC (GPUDirect "
+            f"RDMA): {export}{e.strerror or e}. This host lacks: {'; '.join(lacks)}. Use a transport that "
+            "stages through host memory (tcp) or fix one of these") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return GpuRegistration(Method.DMABUF if how == "dmabuf" else Method.PEERMEM, key, ptr, nbytes)
 
 
 def _read(path: Path) -> str | None:

@@ -12,7 +12,7 @@ of a source replica set per destination replica set. ``plan``: segments, counts,
 No tensors, no I/O: both nodes compute the same plan from the handshake's ShardSpecs.
 """
 
-from pdkv.shard.assign import assign_sources, request_seed, splitmix64
+from pdkv.shard.assign import assign_sources, pick_nic, request_seed, splitmix64
 from pdkv.shard.plan import PairPlan, Segment, ShardPlan, check_compatible, plan_specs, plan_transfers
 from pdkv.shard.spec import DTYPE_SIZES, LAYOUTS, KVGeometry, ShardPlanError, ShardSpec
 
@@ -27,6 +27,7 @@ __all__ = [
     "ShardSpec",
     "assign_sources",
     "check_compatible",
+    "pick_nic",
     "plan_specs",
     "plan_transfers",
     "request_seed",

@@ -55,3 +55,12 @@ def assign_sources(num_src_sets: int, num_dst_sets: int, seed: int) -> tuple[int
         )
     offset = splitmix64(seed) % num_src_sets
     return tuple((offset + j) % num_src_sets for j in range(num_dst_sets))
+
+
+def pick_nic(seed: int, rank: int, num_nics: int) -> int:
+    """Which of source rank ``rank``'s ``num_nics`` NICs carries the request with ``seed``
+    (a rank near several NICs spreads its requests over them; one NIC: always 0)."""
+    check_seed(seed)
+    if num_nics < 1 or rank < 0:
+        raise ShardPlanError(f"need a rank >= 0 and at least one NIC, got rank {rank}, {num_nics} NICs")
+    return splitmix64(seed ^ splitmix64(rank + 1)) % num_nics

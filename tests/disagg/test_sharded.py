@@ -316,3 +316,39 @@ def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loop
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_each_rank_uses_its_own_nic_between_tp2_nodes_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
+    """P2 -> D2 with two loopback NICs per node (messenger.nics explicit: rank r -> NIC r): the
+    answers equal the colocated ones and each node's /metrics shows both NICs carried the KV
+    (rank 0's pages through lo_a, rank 1's through lo_b, on both sides)."""
+    want = _reference(tiny_model_dir)
+    env = {"LD_LIBRARY_PATH": loopback_verbs_dir, "PDKV_LOOPBACK_NICS": "lo_a,lo_b"}
+
+    def proc(name, role, **kw):
+        d = node_dict(tiny_model_dir, role, port=free_port(), transport="verbs", nics=["lo_a", "lo_b"], **kw)
+        d["parallel"] = {"tp": 2, "timeout_s": 30.0}
+        return NodeProc(tmp_path, name, d, env)
+
+    cport = free_port()
+    procs = [proc("p2", "prefill", control_port=cport)]
+    try:
+        procs.append(proc("d2", "decode", peers=[f"127.0.0.1:{cport}"]))
+        for p in procs:
+            p.wait_healthy(120)
+        pre, dec = procs
+        wait_for(lambda: all(peer["connected"] for peer in dec.health()["prefill_peers"]), 30, "prefill connected")
+        assert [_complete(dec.url, p) for p in PROMPTS[:2]] == want[:2], dec.log_path
+
+        def nic_counts(node, name):
+            with urllib.request.urlopen(node.url + "/metrics", timeout=10) as r:
+                lines = [line for line in r.read().decode().splitlines() if line.startswith(f"pdkv_nic_{name}_total{{")]
+            return {line.split('nic="')[1].split('"')[0]: float(line.split()[-1]) for line in lines}
+
+        sent, landed = nic_counts(pre, "writes"), nic_counts(dec, "landed_writes")
+        assert set(sent) == set(landed) == {"lo_a", "lo_b"} and min(sent.values()) > 0, (sent, landed)
+        # split heads, TP2 -> TP2: pair (r, r) only, so what left NIC r landed on NIC r
+        assert sent == landed, (sent, landed)
+    finally:
+        for p in reversed(procs):
+            p.stop()

@@ -43,6 +43,8 @@ class Agent:
 
     def region(self, name: str) -> np.ndarray:
         raw = self.bufs[name]
+        if name in getattr(self, "memfds", {}):
+            return raw
         return raw[GUARD:len(raw) - GUARD]
 
     def register(self, name: str) -> int:
@@ -140,6 +142,60 @@ class Agent:
                 break
             select.select([self.m.fileno()], [], [], min(left, 0.2))
         out, self.events = self.events, []
+        return out
+
+    # -- a memfd standing in for a GPU's dma-buf (the loopback device mmaps it, lv_internal.h) --
+    def memfd(self, name: str, size: int, seed: int | None = None) -> int:
+        import mmap
+
+        fd = os.memfd_create(f"pdkv-test-{name}")
+        os.ftruncate(fd, size)
+        view = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        if seed is not None:
+            view[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        self.bufs[name] = view  # no guards: the fd's pages are the whole region
+        self.memfds = {**getattr(self, "memfds", {}), name: fd}
+        return fd
+
+    def register_device(self, name: str, addr: str = "none") -> list:
+        """Messenger.register_device on memfd `name`; addr: none (dma-buf only), host (our own
+        mapping: a pointer the kernel can resolve, as nvidia-peermem does for device memory),
+        unmapped (a pointer nobody can resolve)."""
+        fd, view = self.memfds[name], self.bufs[name]
+        ptr = {"none": 0, "host": view.ctypes.data, "unmapped": 0x7e0000000000}[addr]
+        return list(self.m.register_device(fd, 0, len(view), ptr))
+
+    def gpudirect_register(self, name: str, ptr: int, facts: list) -> list:
+        """pdkv.gpu.gpudirect.register_on_messenger with memfd `name` as the exported dma-buf."""
+        from pdkv.gpu.gpudirect import HostFacts, register_on_messenger
+
+        fd = self.memfds[name]
+        reg = register_on_messenger(self.m, ptr, len(self.bufs[name]), 0, get_dmabuf_fd=lambda *a: os.dup(fd),
+                                    facts=HostFacts((facts[0], facts[1]), facts[2], facts[3]))
+        return [reg.key, reg.method.name]
+
+    def nic_metrics(self) -> str:
+        """The /metrics text a node exposes for this messenger's NICs (pdkv.messenger.NicMetrics)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from pdkv.messenger import register_nic_metrics
+
+        reg = CollectorRegistry()
+        register_nic_metrics(reg, self.m, "test-model", "prefill")
+        return generate_latest(reg).decode()
+
+    def device_counters(self, names: list) -> dict:
+        """The loopback device's own per-device counts, [tx writes, tx bytes, rx writes, rx bytes]
+        by device name (pdkv_loopback_counters: the port counters of a NIC, kept by the device)."""
+        import ctypes
+
+        lib = ctypes.CDLL("libibverbs.so.1")  # the loopback device this process loaded
+        out = {}
+        for name in names:
+            buf = (ctypes.c_uint64 * 4)()
+            if lib.pdkv_loopback_counters(name.encode(), buf) != 0:
+                raise KeyError(f"no loopback device {name!r}")
+            out[name] = list(buf)
         return out
 
     def resources(self) -> dict:

@@ -24,6 +24,14 @@ def test_the_parser_sees_the_real_functions_and_calls():
     g = call_graph(CSRC)
     assert "tcp_conn.c" in g["tcp.c"] and "tcp_net.c" in g["tcp_accept.c"]  # calls and vtable references
     assert "verbs_conn.c" in g["verbs.c"] and "batch.c" in g["poller.c"]
+    # several NICs: the multi-NIC transport sits above the single-NIC one, under transports.c
+    assert "verbs_multi.c" in g["transports.c"] and "verbs.c" in g["verbs_multi.c"]
+    assert {"verbs_multi_conn.c", "verbs_multi_mr.c"} <= g["verbs_multi.c"] and "verbs_mr.c" in g["verbs_multi_mr.c"]
+    # GPUDirect: device memory registered above the region table; every MR of a region (own,
+    # per-peer, grants) through the leaf that knows dma-buf regions
+    assert "verbs_gpudirect.c" in g["verbs.c"] and "verbs_mr.c" in g["verbs_gpudirect.c"]
+    assert all("verbs_memreg.c" in g[f] for f in ("verbs_gpudirect.c", "verbs_mr.c", "verbs_domain.c"))
+    assert g["verbs_memreg.c"] == set()
     assert "transports.c" not in set().union(*g.values())  # the entry point nobody calls back
 
 
@@ -36,7 +44,8 @@ def test_no_cycle_between_c_files():
 
 @pytest.mark.parametrize("leaf, top, name", [("tcp_net.c", "tcp.c", "pdkv_tcp_create"),
                                               ("events.c", "core.c", "pdkv_core_destroy"),
-                                              ("verbs_report.c", "verbs.c", "pdkv_verbs_create")])
+                                              ("verbs_report.c", "verbs.c", "pdkv_verbs_create"),
+                                              ("verbs.c", "verbs_multi.c", "pdkv_verbs_multi_create")])
 def test_a_back_call_from_a_leaf_is_a_cycle(tmp_path, leaf, top, name):
     # the check must fail when a leaf calls back into its transport's main file
     for p in CSRC.glob("*.c"):

@@ -28,11 +28,11 @@ def test_auto_follows_the_gpu_and_pins_to_cpus_that_exist_here():
     assert "same PCIe switch" in p.reason
 
 
-def test_auto_with_several_nearby_nics_uses_one_and_says_so():
+def test_auto_with_several_nearby_nics_uses_them_all():
     p = plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), "0000:4b:00.0",
                        str(FIXTURES / "aws-p5"))
-    assert p.nics == ("rdmap71s0",)
-    assert "rdmap72s0" in p.reason
+    assert p.nics[:2] == ("rdmap71s0", "rdmap72s0") and len(p.nics) > 2
+    assert p.rank_nics == (tuple(range(len(p.nics))),)  # one rank, every NIC of its PCIe switch
 
 
 def test_explicit_list_wins_over_topology():

@@ -26,6 +26,17 @@
  *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
  *                        unsignaled WR then gets no completion at all).
  *
+ * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
+ *   the device (what the port counters of a NIC tell; test-only export).
+ *
+ * dma-buf (test stand-in): ibv_reg_dmabuf_mr mmaps the fd (MAP_SHARED) and registers that
+ *   mapping, so an ordinary fd that can be mmapped (a memfd) stands in for a GPU's dma-buf: a
+ *   write lands in the fd's pages, which the test reads through its own mapping. An fd that
+ *   cannot be mapped fails as a dma-buf a NIC cannot import does (errno from mmap).
+ *   PDKV_LOOPBACK_FAULTS=no_dmabuf makes every ibv_reg_dmabuf_mr fail with EOPNOTSUPP and
+ *   no_peermem makes ibv_reg_mr on an address outside this process's mappings fail with EFAULT
+ *   (what a kernel without a peer-memory client says for a device pointer).
+ *
  * Known differences from hardware: a stopped target process stops acking (a real NIC acks for
  * a stopped process); CQs grow instead of overrunning; one port per device.
  */
@@ -38,7 +49,7 @@
 #include <stdint.h>
 
 #define LV_MAGIC 0x4c564231u /* "LVB1" */
-#define LV_MAX_DEVICES 4
+#define LV_MAX_DEVICES 16
 #define LV_RNR_WAIT_MS 2000 /* how long a target waits for a posted receive (rnr_retry=7) */
 
 extern pthread_mutex_t g_mu;
@@ -58,6 +69,8 @@ struct lv_mr {
     uint64_t iova;
     int access;
     int busy; /* payload copies in progress */
+    void *map;      /* ibv_reg_dmabuf_mr: the provider's own mapping of the fd, unmapped at dereg */
+    size_t map_len;
     struct lv_mr *next;
 };
 
@@ -125,6 +138,12 @@ struct lv_ack { uint64_t seq; uint32_t status, pad; };
 /* fault hooks (lv_objects.c): the value of `name` in PDKV_LOOPBACK_FAULTS, 1 for a bare flag,
  * 0 if absent */
 long lv_fault(const char *name);
+
+/* Per-device traffic, counted by the device itself (a NIC's port counters): writes this
+ * process's QPs of the device sent, and writes that landed through its responder QPs. Read by
+ * tests with pdkv_loopback_counters() (ctypes, in the process that loaded the device).
+ * Called with g_mu held. */
+void lv_count(struct ibv_device *dev, int rx, uint64_t bytes);
 
 /* objects (lv_objects.c) */
 struct lv_mr *lv_find_mr_rkey(uint32_t rkey);

@@ -8,11 +8,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #undef ibv_query_port
 #undef ibv_reg_mr
 #undef ibv_reg_mr_iova
+#undef ibv_reg_dmabuf_mr
 #undef ibv_get_device_list
 
 pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -20,6 +22,7 @@ pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 
 static struct ibv_device g_devices[LV_MAX_DEVICES];
 static int g_num_devices = -1;
+static uint64_t g_counts[LV_MAX_DEVICES][4]; /* tx writes, tx bytes, rx writes, rx bytes */
 static struct lv_mr *g_mrs;
 static uint32_t g_next_key = 0x1000;
 static uint32_t g_next_handle = 1;
@@ -60,6 +63,30 @@ static void init_devices(void)
         snprintf(d->name, sizeof d->name, "%s", tok);
         snprintf(d->dev_name, sizeof d->dev_name, "uverbs%d", g_num_devices - 1);
     }
+}
+
+void lv_count(struct ibv_device *dev, int rx, uint64_t bytes)
+{
+    long i = dev - g_devices;
+    if (i >= 0 && i < LV_MAX_DEVICES) {
+        g_counts[i][rx ? 2 : 0]++;
+        g_counts[i][rx ? 3 : 1] += bytes;
+    }
+}
+
+/* Test-only export (not a libibverbs symbol): 0 and the four counts, -1 for an unknown name. */
+int pdkv_loopback_counters(const char *name, uint64_t out[4])
+{
+    pthread_mutex_lock(&g_mu);
+    init_devices();
+    int rc = -1;
+    for (int i = 0; i < g_num_devices; i++)
+        if (!strcmp(g_devices[i].name, name)) {
+            memcpy(out, g_counts[i], sizeof g_counts[i]);
+            rc = 0;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 struct ibv_device **ibv_get_device_list(int *num)
@@ -219,6 +246,46 @@ struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint6
     return &m->mr;
 }
 
+/* Test stand-in for a GPU dma-buf: the fd's pages, mapped by the provider (lv_internal.h). */
+struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length, uint64_t iova,
+                                 int fd, int access)
+{
+    if (lv_fault("no_dmabuf")) {
+        errno = EOPNOTSUPP;
+        return NULL;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t base = offset & ~(uint64_t)(page - 1), skip = offset - base;
+    if (!length) {
+        errno = EINVAL;
+        return NULL;
+    }
+    void *map = mmap(NULL, length + skip, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)base);
+    if (map == MAP_FAILED)
+        return NULL; /* errno from mmap: EBADF, ENODEV (not mappable), EACCES ... */
+    struct ibv_mr *mr = ibv_reg_mr_iova2(pd, (char *)map + skip, length, iova, (unsigned)access);
+    if (!mr) {
+        int e = errno;
+        munmap(map, length + skip);
+        errno = e;
+        return NULL;
+    }
+    struct lv_mr *m = (struct lv_mr *)mr;
+    m->map = map;
+    m->map_len = length + skip;
+    return mr;
+}
+
+/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
+static int unmapped(const void *addr, size_t len)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
+    unsigned char v;
+    (void)len;
+    return mincore((void *)a, (size_t)page, &v) != 0; /* ENOMEM: not mapped here */
+}
+
 struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 {
     return ibv_reg_mr_iova2(pd, addr, len, (uintptr_t)addr, (unsigned)access);
@@ -226,6 +293,10 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 
 struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
 {
+    if (lv_fault("no_peermem") && unmapped(addr, len)) {
+        errno = EFAULT;
+        return NULL;
+    }
     return ibv_reg_mr_iova2(pd, addr, len, iova, (unsigned)access);
 }
 
@@ -242,6 +313,8 @@ int ibv_dereg_mr(struct ibv_mr *mr)
             break;
         }
     pthread_mutex_unlock(&g_mu);
+    if (m->map)
+        munmap(m->map, m->map_len);
     free(m);
     return 0;
 }

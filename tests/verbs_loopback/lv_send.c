@@ -131,6 +131,12 @@ static void *tx_main(void *arg)
             shutdown(q->sock, SHUT_RDWR); /* the ack reader sees EOF and fails what is left */
         }
         pthread_mutex_lock(&g_mu);
+        if (!skip && !broken) {
+            uint64_t len = 0;
+            for (int i = 0; i < j->wr.num_sge; i++)
+                len += j->sg[i].length;
+            lv_count(q->qp.context->device, 0, len);
+        }
         for (int i = 0; i < j->wr.num_sge; i++)
             j->mrs[i]->busy--;
         pthread_cond_broadcast(&g_cond);

@@ -192,6 +192,9 @@ static void *rx_main(void *arg)
             }
         }
         pthread_mutex_lock(&g_mu);
+        struct lv_qp *landed = !rc && !st ? lv_find_qp(h.dst_qpn) : NULL; /* q may be gone */
+        if (landed)
+            lv_count(landed->qp.context->device, 1, f.len);
         if (m)
             m->busy--;
         pthread_cond_broadcast(&g_cond);

@@ -1,0 +1,209 @@
+"""Every NIC in use: one verbs transport over several devices (pdkv/csrc/verbs_multi.h).
+
+Two nodes shaped like the DGX-H100 fixture (tests/topo/fixtures/dgx-h100: 8 GPUs, each with a
+ConnectX-7 under its PCIe switch) run as child processes on the loopback verbs device with the
+8 compute NICs the topology gives the 8 GPUs. Each rank's region key names the NIC its GPU is
+nearest to (pdkv.messenger.plan_placement + rank_key); the writes are the shard plan's
+(pdkv.shard) page segments, posted through the real transport and the real device. What each
+NIC carried is read twice: from the messenger's per-NIC stats and from the device's own
+counters (pdkv_loopback_counters: the port counters, kept by the loopback device), on the
+sending and on the receiving node.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdkv.config import MessengerConfig
+from pdkv.messenger import plan_placement
+from pdkv.shard import KVGeometry, pick_nic, plan_transfers, request_seed
+from pdkv import topo
+
+DGX = str(Path(__file__).resolve().parents[1] / "topo" / "fixtures" / "dgx-h100")
+PAGES = 4  # pages per rank region (one layer)
+
+
+@pytest.fixture
+def transport():
+    from pdkv._messenger import HAVE_VERBS
+
+    if not HAVE_VERBS:
+        pytest.skip("pdkv built without libibverbs")
+    return "verbs"
+
+
+def dgx_placement(tp: int):
+    gpus = [g.bus_id for g in topo.discover(DGX).gpus][:tp]
+    return plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), sysfs_root=DGX, gpu_bus_ids=gpus)
+
+
+def test_the_dgx_topology_gives_each_rank_its_own_nic():
+    p = dgx_placement(8)
+    assert p.nics == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9")
+    assert p.rank_nics == tuple((r,) for r in range(8))  # the storage NICs (4, 5, 10, 11) carry no KV
+    one = dgx_placement(1)
+    assert one.nics == ("mlx5_0",) and one.rank_nics == ((0,),)
+    explicit = plan_placement(MessengerConfig(transport="verbs", nics=("auto",), rank_nics=("mlx5_9", "mlx5_9")),
+                              sysfs_root=DGX, gpu_bus_ids=[g.bus_id for g in topo.discover(DGX).gpus][:2])
+    assert explicit.nics == ("mlx5_9",) and explicit.rank_nics == ((0,), (0,))  # the config wins
+    # no GPU to go by: the NICs are dealt to the ranks in turn, every NIC used
+    listed = MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1", "mlx5_2"))
+    assert plan_placement(listed, sysfs_root=DGX).rank_nics == ((0, 1, 2),)
+    assert plan_placement(listed, sysfs_root=DGX, num_ranks=2).rank_nics == ((0, 2), (1,))
+    assert plan_placement(listed, sysfs_root=DGX, num_ranks=4).rank_nics == ((0,), (1,), (2,), (0,))
+
+
+class Node:
+    """A child-process messenger with one region per TP rank, each keyed on the rank's NIC."""
+
+    def __init__(self, spawn, node_id, placement, tp, page_nbytes, seed=None):
+        env = {"PDKV_LOOPBACK_NICS": ",".join(placement.nics)}
+        self.p = spawn(node_id, env_extra=env, nics=list(placement.nics), isolate_peers=True)
+        self.nics, self.tp = placement.nics, tp
+        self.rank_nics = placement.rank_nics
+        self.keys = []
+        for r in range(tp):
+            self.p.alloc(f"kv{r}", PAGES * page_nbytes, seed=None if seed is None else seed + r)
+            key = self.p.register(f"kv{r}")
+            self.keys.append(self.p.m("nic_key", key, self.rank_nics[r][0]))
+
+    def nic_counts(self, field):
+        return {s["name"]: s[field] for s in self.p.m("nic_stats")}
+
+    def device_counts(self, index):
+        return {n: c[index] for n, c in self.p.device_counters(list(self.nics)).items()}
+
+
+def _transfer(spawn, connect, plan, src_tp, dst_tp, seeds):
+    g = plan.geometry
+    page_nbytes = g.num_kv_heads * g.head_dim * g.page_size * 4 * g.kv_parts
+    a = Node(spawn, 1, dgx_placement(src_tp), src_tp, page_nbytes, seed=100)
+    b = Node(spawn, 2, dgx_placement(dst_tp), dst_tp, page_nbytes)
+    rkeys = [b.p.m("grant", k, 1) for k in b.keys]  # in A's protection domain on rank d's NIC
+    ca, _ = connect(a.p, b.p)
+    want = {d: np.zeros(PAGES * page_nbytes, np.uint8) for d in range(dst_tp)}
+    src = {p: np.frombuffer(a.p.read(f"kv{p}"), np.uint8) for p in range(src_tp)}
+    per_rank = Counter()
+    tag = 0
+    for req, seed in enumerate(seeds):
+        page = req % PAGES  # request req owns page `page` on both sides (a fresh page per request)
+        for pair in plan.active_pairs(seed):
+            for seg in pair.segments:
+                tag += 1
+                a.p.m("write_pages", ca, a.keys[pair.prefill_rank], rkeys[pair.decode_rank], [page], [page],
+                      seg_len=seg.length, src_page_stride=page_nbytes, dst_page_stride=page_nbytes,
+                      src_off=seg.src_offset, dst_off=seg.dst_offset, imm=7, tag=tag)
+                s, d = page * page_nbytes + seg.src_offset, page * page_nbytes + seg.dst_offset
+                want[pair.decode_rank][d:d + seg.length] = src[pair.prefill_rank][s:s + seg.length]
+                per_rank[pair.prefill_rank] += 1
+    done = [e for e in a.p.wait("batch_done", count=tag, timeout=30) if e[0] == "batch_done"]
+    assert len(done) == tag and all(e[6] == 0 for e in done), done[:3]
+    b.p.wait_stat("imms", tag)
+    for d in range(dst_tp):  # byte-exact, every rank
+        assert b.p.read(f"kv{d}") == want[d].tobytes(), f"decode rank {d}"
+    return a, b, per_rank
+
+
+def test_tp8_to_tp8_each_rank_leaves_through_its_own_nic(spawn, connect):
+    geo = KVGeometry(num_kv_heads=8, head_dim=8, page_size=4, dtype="float32")
+    plan = plan_transfers(8, 8, geo)
+    a, b, per_rank = _transfer(spawn, connect, plan, 8, 8, [request_seed(f"r{i}") for i in range(2)])
+    nics = a.nics
+    # rank r's writes (its one head's K and V, for 2 requests) left through NIC r and nothing else
+    want = {nics[r]: per_rank[r] for r in range(8)}
+    assert len(set(want.values())) == 1 and want["mlx5_0"] >= 2
+    assert a.nic_counts("writes_done") == want
+    assert {s["name"]: s["writes"] for s in a.p.m("stats")["nics"]} == want  # also in stats()
+    assert {n: c for n, c in a.device_counts(0).items()} == want  # the device's tx writes
+    # ... and landed on the decode node through decode rank r's NIC (pairs (r, r))
+    assert b.nic_counts("imms") == want
+    assert b.device_counts(2) == want  # the device's rx writes
+    nbytes = 2 * sum(s.length for s in plan.segments(0, 0))
+    assert a.device_counts(1) == {n: nbytes for n in nics} == b.device_counts(3)
+    # the node's /metrics says the same, per NIC
+    text = a.p.nic_metrics()
+    for n in nics:
+        assert f'pdkv_nic_writes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(want[n])}' in text
+        assert f'pdkv_nic_write_bytes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(nbytes)}' in text
+
+
+def test_tp8_to_tp1_replicated_spreads_over_every_nic(spawn, connect):
+    # MLA-like: one latent "head" replicated on every prefill rank, 8 replica sets to choose from
+    geo = KVGeometry(num_kv_heads=1, head_dim=64, page_size=4, dtype="float32", replicated=True, kv_parts=1)
+    plan = plan_transfers(8, 1, geo)
+    seeds = [request_seed(f"req-{i}") for i in range(48)]
+    a, b, per_rank = _transfer(spawn, connect, plan, 8, 1, seeds)
+    tx = a.device_counts(0)
+    assert sum(tx.values()) == 48 and set(tx) == set(a.nics)
+    # every NIC carried some of the load; the choice is the seeded one, so it is exactly this:
+    chosen = Counter(a.nics[a.rank_nics[plan.active_pairs(s)[0].prefill_rank][0]] for s in seeds)
+    assert tx == dict(chosen) and min(tx.values()) >= 1, tx
+    assert a.nic_counts("writes_done") == tx
+    assert max(tx.values()) <= 12  # 48 over 8 NICs: no NIC takes a quarter
+    # the one decode rank is nearest mlx5_0: everything landed there
+    assert b.nic_counts("imms") == {"mlx5_0": 48} and b.device_counts(2) == {"mlx5_0": 48}
+
+
+def test_pick_nic_spreads_a_ranks_requests_over_its_nics():
+    picks = Counter(pick_nic(request_seed(f"q{i}"), 3, 4) for i in range(4000))
+    assert set(picks) == {0, 1, 2, 3} and min(picks.values()) > 900  # about 1000 each
+    assert pick_nic(request_seed("q1"), 3, 1) == 0
+    assert pick_nic(5, 3, 4) == pick_nic(5, 3, 4) and len({pick_nic(5, r, 4) for r in range(8)}) > 1
+
+
+def test_a_write_to_a_nic_without_a_queue_pair_is_refused_naming_it(spawn, connect):
+    one = dgx_placement(1)
+    two = plan_placement(MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1")), sysfs_root=DGX, num_ranks=2)
+    env = {"PDKV_LOOPBACK_NICS": "mlx5_0,mlx5_1"}
+    a = spawn(1, env_extra=env, nics=list(two.nics), remote_nics=1)  # pairs toward 1 peer NIC only
+    b = spawn(2, env_extra=env, nics=list(one.nics), remote_nics=2)
+    ca, ia = a.m("prepare", 2)
+    cb, ib = b.m("prepare", 1)
+    a.m("complete", ca, ib)
+    b.m("complete", cb, ia)
+    b2 = spawn(3, env_extra=env, nics=list(two.nics))  # two NICs: more than A prepared pairs toward
+    c2, _ = a.m("prepare", 3)
+    _, i3 = b2.m("prepare", 1)
+    with pytest.raises(Exception, match="has 2 NICs and prepared .* set messenger remote_nics"):
+        a.m("complete", c2, i3)  # unequal hosts need the larger count on both
+    a.alloc("src", 4096, seed=1)
+    b.alloc("dst", 4096)
+    lkey = a.m("nic_key", a.register("src"), 1)
+    rkey = b.register("dst")
+    a.m("write", ca, lkey, 0, rkey, 0, 64, tag=1)  # NIC 1 -> the peer's only NIC: fine
+    assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
+    with pytest.raises(Exception, match="no queue pair from NIC mlx5_1 to remote NIC 1"):
+        a.m("write", ca, lkey, 0, rkey | (1 << 48), 0, 64, tag=2)
+    with pytest.raises(Exception, match="NIC 2 does not exist"):
+        a.m("nic_key", lkey, 2)
+
+
+def test_queue_chunk_sends_each_request_through_the_nic_its_seed_picks():
+    """A rank near several NICs (aws-p5: 4 per GPU) offers a key on each; the prefill write path
+    (pdkv.disagg.writes.queue_chunk) sends each request's pages from the seeded source rank
+    through the seeded one of that rank's NICs."""
+    from pdkv.disagg.writes import Geometry, queue_chunk
+
+    class Recorder:  # stand-in messenger: records which local key each queued batch names
+        def __init__(self):
+            self.lkeys = []
+
+        def queue_pages(self, watch, target, conn, lkey, rkey, *args, **kwargs):
+            self.lkeys.append(lkey)
+
+    geo = KVGeometry(num_kv_heads=1, head_dim=8, page_size=4, dtype="float32", replicated=True, kv_parts=1)
+    plan = plan_transfers(2, 1, geo)
+    g = Geometry(1, 128, 512)
+    lkeys = [(10, 11, 12, 13), (20, 21, 22, 23)]  # rank p's key on each of its 4 NICs
+    used = Counter()
+    for i in range(400):
+        seed, rec = request_seed(f"m{i}"), Recorder()
+        queue_chunk(rec, watch=0, base=0, layerwise=True, conn=0, lkeys=lkeys, rkeys=[99], src=g, dst=g, plan=plan,
+                    seed=seed, src_pages=np.array([0]), dst_pages=np.array([1]), imm=1, tag=1)
+        p = plan.active_pairs(seed)[0].prefill_rank
+        assert rec.lkeys == [lkeys[p][pick_nic(seed, p, 4)]]
+        used[rec.lkeys[0]] += 1
+    assert set(used) == {10, 11, 12, 13, 20, 21, 22, 23} and min(used.values()) > 25  # ~50 each
