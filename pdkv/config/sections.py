@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 ROLES = ("colocated", "prefill", "decode")
 TRANSPORTS = ("tcp", "verbs")
+STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
@@ -89,6 +90,13 @@ class MessengerConfig:
     max_control_conns: int = 64  # prefill: control connections held at once (handshaking or live)
     max_control_per_source: int = 16  # prefill: ... of them from one source address
     max_setups: int = 4  # data-path set-ups (Messenger.complete) running at once, each in a thread
+    # Staging KV pages through host memory (pdkv/disagg/staged.py): "auto" stages GPU KV where the
+    # NIC cannot reach it (tcp; verbs without GPUDirect), host KV goes direct; "cpu" forces the
+    # same pipeline on host KV through the CPU copy engine (tests, benchmarks); "off" never stages.
+    staging: str = "auto"  # auto | off | cpu
+    staging_mib: float = 64.0  # the staging ring (pinned on a GPU host), per node
+    staging_slot_kib: int = 1024  # prefill: one copy job's slot (a layer's pages are cut to fit)
+    staging_max_pending: int = 64  # prefill: copies waiting for a free slot; beyond, the request fails
 
 
 @dataclass(frozen=True)

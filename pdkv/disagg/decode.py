@@ -25,6 +25,7 @@ only through ``commands`` (the engine loop's queue: RemoteKVReady, FailRequest, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import itertools
 import logging
@@ -40,6 +41,8 @@ from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
+from pdkv.disagg.staged import decode_ring_shape, make_copy_engine, make_ring, region_buffers, staging_mode
+from pdkv.disagg.staged_decode import Landing, LandingGrants
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
 from pdkv.shard import request_seed
@@ -70,6 +73,16 @@ class Slot:
     timer: asyncio.TimerHandle | None = None
     grantee: int = 0  # the prefill node's id the ranges were granted to
     grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
+    kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
+
+
+@dataclass(frozen=True)
+class CopyIn:
+    """Staged (pdkv/disagg/staged_decode.py): once the grants are gone, copy the landing slots
+    into the KV pages; RemoteKVReady follows the copy, not the count."""
+
+    rid: str
+    pages: tuple
 
 
 class DecodeCoordinator:
@@ -79,15 +92,25 @@ class DecodeCoordinator:
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
         self.mcfg = cfg.messenger
-        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
+        self.landing: Landing | None = None
+        if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
+            self.landing = self.kv = self._landing(NodeKV(engine, messenger, register=False))
+        else:
+            self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
         num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
         hidden = int(engine.loaded.arch.hidden_size)
         self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows)
-        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
-                                    narrow=messenger.transport != "verbs")
+        if self.landing is not None:
+            self.grants = LandingGrants(messenger, self.landing, self.hidden_key, self.hidden_nbytes,
+                                        narrow=messenger.transport != "verbs")
+        else:
+            self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key,
+                                        self.hidden_nbytes, narrow=messenger.transport != "verbs")
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -105,14 +128,26 @@ class DecodeCoordinator:
         self.connector = DecodeConnector(self, self.rows)
         engine.set_connector(self.connector)
 
+    def _landing(self, kv: NodeKV) -> Landing:
+        g = kv.geometry
+        num_slots, slot_nbytes = decode_ring_shape(self.cfg, g.page_nbytes, g.num_layers, len(kv.regions))
+        ring = make_ring(num_slots, slot_nbytes, self.mode)
+        copy = make_copy_engine(self.mode, ring, region_buffers(kv.regions), 0)
+        log.info("decode: KV lands in %d staging slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+        return Landing(copy, self.m, kv)
+
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
+        if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
+            self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
 
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()
+        if self.landing is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.landing.copy.close)
 
     @property
     def peers(self) -> list[Peer]:
@@ -131,8 +166,11 @@ class DecodeCoordinator:
     def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int) -> None:
         """The engine admitted ``rid`` with ``pages`` and hidden-state row ``row`` (the connector)."""
         live = self.links.live()
+        dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if not live:
             self.rows.give_back(row)
+            if self.landing is not None:
+                self.landing.release(rid)
             self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
                                            "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
@@ -141,10 +179,12 @@ class DecodeCoordinator:
         self._rr += 1
         grantee = peer.channel.peer.node_id
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted = self.grants.grant(grantee, pages, row)
+            granted = self.grants.grant(grantee, dst, row)
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self.rows.give_back(row)
+            if self.landing is not None:
+                self.landing.release(rid)
             self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
             return
@@ -155,12 +195,13 @@ class DecodeCoordinator:
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
         slot.grantee, slot.grants = grantee, tuple(granted)
+        slot.kv_pages = tuple(pages)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "pages": pages, "imm": imm,
+        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "pages": dst, "imm": imm,
                           "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
                           "seed": seed})
 
@@ -199,8 +240,23 @@ class DecodeCoordinator:
             self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
-        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke)
-        self._free(slot, release=False, then=RemoteKVReady(slot.rid))
+        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke;
+        # staged: after the landing slots were copied into the pages, which starts after the revoke)
+        then = RemoteKVReady(slot.rid) if self.landing is None else CopyIn(slot.rid, slot.kv_pages)
+        self._free(slot, release=False, then=then)
+
+    def _copied_in(self, rid: str, error: str) -> None:
+        """Staged: every landing slot of ``rid`` was copied into its pages, or a copy failed or
+        was cancelled (event loop). No copy can touch the pages any more."""
+        if rid in self._aborted:  # the client left meanwhile: the engine quarantined the pages
+            self._aborted.discard(rid)
+            self.commands(ReleasePages(rid))
+        elif error:
+            self.metrics.failed("staging_copy")
+            self.commands(FailRequest(rid, f"copying the KV from staging into its pages failed: {error}"))
+            self.commands(ReleasePages(rid))  # the copy ended: nothing writes them any more
+        else:
+            self.commands(RemoteKVReady(rid))
 
     def _exposed(self, rid: str, landed: float | None = None, t_end: float | None = None) -> None:
         landed = landed if landed is not None else self._landed_at.pop(rid, None)
@@ -216,7 +272,10 @@ class DecodeCoordinator:
     def client_aborted(self, rid: str) -> None:
         """The engine quarantined rid's pages because its client left."""
         slot = self.by_rid.get(rid)
-        if slot is None:  # it had landed: nothing is in flight
+        if slot is None and self.landing is not None and self.landing.copying(rid):
+            self._aborted.add(rid)  # its landing slots are being copied into the pages: wait for that
+            self.landing.cancel(rid)
+        elif slot is None:  # it had landed: nothing is in flight
             self.commands(ReleasePages(rid))
         elif slot.state == SlotState.SENT:
             self.metrics.failed("cancelled")
@@ -324,5 +383,10 @@ class DecodeCoordinator:
         slot.grants = ()
         # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
         self.rows.give_back(slot.hidden_row)
+        if self.landing is not None and slot.state is not SlotState.LANDED:
+            self.landing.release(slot.rid)  # no write can land: the landing slots go back uncopied
         for c in cmds:
-            self.commands(c)
+            if isinstance(c, CopyIn):
+                self.landing.copy_in(c.rid, c.pages, lambda rid, err: self.post(self._copied_in, rid, err))
+            else:
+                self.commands(c)

@@ -34,6 +34,13 @@ class DecodeConnector(KVConnector):
         if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
                                    "prefill peers; retry shortly)", status=503, retry_after=2)
+        landing = self.coordinator.landing
+        if landing is not None:  # staged: every page needs a landing slot at once
+            need = -(-req.num_prompt_tokens // self.coordinator.engine.kv.page_size)
+            if need > landing.num_slots:
+                raise AdmissionRefused(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
+                                       f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
+                                       status=400)
         return Admission(num_external_tokens=req.num_prompt_tokens - 1)
 
     def admit(self, req) -> bool:
@@ -41,6 +48,10 @@ class DecodeConnector(KVConnector):
             return True
         row = self.rows.take()
         if row is None:
+            return False
+        landing = self.coordinator.landing
+        if landing is not None and not landing.reserve(req.request_id, len(req.pages)):
+            self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
             return False
         self._remote.add(req.request_id)
         c = self.coordinator

@@ -32,9 +32,12 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
+from pdkv.disagg.staged import make_copy_engine, make_ring, prefill_ring_shape, region_buffers, staging_mode
+from pdkv.disagg.staged_prefill import StagedSender
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages
+from pdkv.gpu.staging import CopyStatus
 from pdkv.shard import ShardPlan, request_seed
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,9 @@ class PrefillCoordinator(LoopEvents):
 
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
+        # every rank's KV region, registered (one per rank) unless the pages go through the ring
+        self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
         hidden = int(engine.loaded.arch.hidden_size)
         self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden, engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes
@@ -76,8 +81,10 @@ class PrefillCoordinator(LoopEvents):
         self.watch = messenger.watch_address(self.counter.host_address)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
+        self.staged = self._staged_sender() if self.mode.staged else None
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
+                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
+                                          staged=self.staged)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
         self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
@@ -93,6 +100,28 @@ class PrefillCoordinator(LoopEvents):
         self._setups = ThreadPoolExecutor(self.mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
         self._setups_busy = 0
         self._rlog = RateLimitedLog(log)
+
+    def _staged_sender(self) -> StagedSender:
+        """The staging ring (registered once), its copy engine over every rank's KV buffer, and
+        the sender that posts each layer's writes from it (pdkv/disagg/staged_prefill.py)."""
+        num_slots, slot_nbytes = prefill_ring_shape(self.cfg, self.kv.geometry.page_nbytes, len(self.kv.regions))
+        ring = make_ring(num_slots, slot_nbytes, self.mode)
+        self.ring_key = self.m.register_address(ring.address, ring.nbytes)
+        copy = make_copy_engine(self.mode, ring, region_buffers(self.kv.regions), self.mcfg.staging_max_pending)
+        log.info("prefill: KV staged through %d slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+        return StagedSender(copy, self.ring_key, self.m, self.jobs, self.kv.geometry, self.watch, self._post,
+                            self._copy_ended)
+
+    def _copy_ended(self, job: Job, status, error: str) -> None:
+        """One staging copy of ``job`` ended (event loop). A copy cancelled because the job was
+        cancelled is no error; any other copy that moved nothing fails the request."""
+        if status is CopyStatus.CANCELLED and (job.end is JobEnd.CANCELLED or job.link.dead):
+            error = ""
+        elif status is not CopyStatus.DONE and not error:
+            error = f"staging copy {status.value}"
+        done = self.jobs.copy_ended(job, error)
+        if done is not None:
+            self._finished(done)
 
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
@@ -111,6 +140,8 @@ class PrefillCoordinator(LoopEvents):
             self._peer_dead(link, "prefill node shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
         self.engine.set_connector(None)
+        if self.staged is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)
         self._setups.shutdown(wait=False, cancel_futures=True)
 
     def is_alive(self) -> bool:
@@ -267,11 +298,14 @@ class PrefillCoordinator(LoopEvents):
             if ev.kind == "error":  # e.g. a decode node that left; its control channel says so too
                 log.info("prefill: messenger event from peer %#x: %s", ev.peer, ev.reason)
             return
-        job = self.jobs.batch_done(ev.tag, ev.count, ev.num_errors, ev.status, ev.bytes, ev.reason)
+        tag = ev.tag if self.staged is None else self.staged.batch_done(ev.tag)  # a slot's batch: its job's tag
+        job = self.jobs.batch_done(tag, ev.count, ev.num_errors, ev.status, ev.bytes, ev.reason)
         if job is not None:
             self._finished(job)
 
     def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
+        if self.staged is not None and end is not JobEnd.PREFILLED:
+            self.staged.copy.cancel(key)  # its queued copies end at once (a copy in flight, when it ends)
         job = self.jobs.engine_done(key, end, reason, t_end)
         if job is not None:
             self._finished(job)

@@ -23,12 +23,14 @@ from pdkv.tp import kv_regions, shard_spec
 class NodeKV:
     """This node's KV memory as the messenger sees it: every rank's region, registered."""
 
-    def __init__(self, engine, messenger):
+    def __init__(self, engine, messenger, register: bool = True):
+        """``register``: False when the pages travel through a staging ring (pdkv/disagg/staged.py):
+        then no write may name the KV memory itself (``keys`` is empty)."""
         self.regions = kv_regions(engine)
         self.spec: ShardSpec = shard_spec(engine)
         # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
         self.geometry = Geometry.of(self.regions[0].cache)
-        self.keys = [messenger.register_address(r.address, r.nbytes) for r in self.regions]
+        self.keys = [messenger.register_address(r.address, r.nbytes) for r in self.regions] if register else []
 
 
 def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:

@@ -33,14 +33,16 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, ring: StagingRing, device_buffer, max_pending: int = 64, stream=None):
         from pdkv.gpu.guard import require_torch_cuda
 
-        if device_buffer.device.type != "cuda":
-            raise ValueError(f"CudaCopyEngine: the device buffer is on {device_buffer.device}, not a GPU "
-                             "(use CpuCopyEngine, or make_copy_engine)")
-        torch = require_torch_cuda("CudaCopyEngine", device_buffer.device.index or 0)
+        buffers = list(device_buffer) if isinstance(device_buffer, (list, tuple)) else [device_buffer]
+        for b in buffers:
+            if b.device.type != "cuda":
+                raise ValueError(f"CudaCopyEngine: the device buffer is on {b.device}, not a GPU "
+                                 "(use CpuCopyEngine, or make_copy_engine)")
+        torch = require_torch_cuda("CudaCopyEngine", buffers[0].device.index or 0)
         if not ring.buffer.is_pinned():
             raise ValueError("CudaCopyEngine: the staging ring must be pinned host memory "
                              "(StagingRing(..., pin=True)); pageable copies serialise with the host")
-        self.device = device_buffer.device
+        self.device = buffers[0].device
         self._torch = torch
         self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
         super().__init__(ring, device_buffer, max_pending)
@@ -52,7 +54,7 @@ class CudaCopyEngine(CopyEngine):
             if job.after is not None:
                 self.stream.wait_event(job.after)  # the layer's KV writes come first
             for at, s in coalesce(job.spans):
-                dev = self.device_buffer[s.offset: s.offset + s.nbytes]
+                dev = self.device_buffers[s.buffer][s.offset: s.offset + s.nbytes]
                 host = staged[at: at + s.nbytes]
                 if job.direction is Direction.DEVICE_TO_HOST:
                     host.copy_(dev, non_blocking=True)
