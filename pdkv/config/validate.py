@@ -110,8 +110,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     one_of("messenger.staging", ms.staging, STAGING_MODES)
     need(ms.staging_mib > 0, "messenger.staging_mib", "a positive size in MiB", ms.staging_mib)
     need(ms.staging_slot_kib > 0, "messenger.staging_slot_kib", "a positive size in KiB", ms.staging_slot_kib)
-    need(ms.staging_slot_kib * 1024 <= ms.staging_mib * (1 << 20), "messenger.staging_slot_kib",
-         f"at most messenger.staging_mib ({ms.staging_mib:g} MiB)", ms.staging_slot_kib)
+    need(cfg.role != "prefill" or ms.staging_slot_kib * 1024 <= ms.staging_mib * (1 << 20),
+         "messenger.staging_slot_kib", f"at most messenger.staging_mib ({ms.staging_mib:g} MiB)", ms.staging_slot_kib)
     need(ms.staging_max_pending >= 0, "messenger.staging_max_pending", "zero or a positive integer",
          ms.staging_max_pending)
     if cfg.role in ("prefill", "decode") and m.device != "cpu":
