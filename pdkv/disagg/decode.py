@@ -125,7 +125,7 @@ class DecodeCoordinator:
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
-        self.connector = DecodeConnector(self, self.rows)
+        self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size)
         engine.set_connector(self.connector)
 
     def _landing(self, kv: NodeKV) -> Landing:

@@ -23,9 +23,11 @@ from pdkv.errors import AdmissionRefused
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, coordinator, rows: HiddenRows):
-        """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to."""
+    def __init__(self, coordinator, rows: HiddenRows, landing=None, page_size: int = 0):
+        """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to;
+        ``landing``: its pdkv.disagg.staged_decode.Landing when the KV is staged (None: direct)."""
         self.coordinator, self.rows = coordinator, rows
+        self.landing, self.page_size = landing, page_size
         self._remote: set[str] = set()  # admitted with remote KV, not finished
 
     def admission(self, req) -> Admission:
@@ -34,9 +36,9 @@ class DecodeConnector(KVConnector):
         if not self.coordinator.can_route():  # a racy read is fine: a dead peer fails the request
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
                                    "prefill peers; retry shortly)", status=503, retry_after=2)
-        landing = self.coordinator.landing
+        landing = self.landing
         if landing is not None:  # staged: every page needs a landing slot at once
-            need = -(-req.num_prompt_tokens // self.coordinator.engine.kv.page_size)
+            need = -(-req.num_prompt_tokens // self.page_size)
             if need > landing.num_slots:
                 raise AdmissionRefused(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
                                        f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
@@ -49,7 +51,7 @@ class DecodeConnector(KVConnector):
         row = self.rows.take()
         if row is None:
             return False
-        landing = self.coordinator.landing
+        landing = self.landing
         if landing is not None and not landing.reserve(req.request_id, len(req.pages)):
             self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
             return False
