@@ -205,3 +205,20 @@ def test_a_client_that_leaves_mid_copy_frees_everything(tiny_model_dir, side):
     finally:
         go.set()
         c.stop()
+
+
+def test_a_prompt_larger_than_the_landing_ring_is_refused_clearly(tiny_model_dir):
+    """4 landing slots (one 4-token page of both layers each): a 21-token prompt can never fit,
+    so it is refused at once (400, naming the setting) instead of waiting forever; a short one is served."""
+    c, pc, pcopy, dcopy = _staged_cluster(tiny_model_dir, decode={"messenger__staging_mib": 8 / 1024})
+    try:
+        name = c.model_name()
+        status, body = post_completion(c.url, {"model": name, "prompt": PROMPTS[3], "max_tokens": 2})
+        assert status == 400, body
+        msg = body["error"]["message"]
+        assert "needs 6 staging slots" in msg and "ring has 4" in msg and "messenger.staging_mib" in msg, msg
+        status, body = post_completion(c.url, {"model": name, "prompt": PROMPTS[1], "max_tokens": 2})
+        assert status == 200, body
+    finally:
+        c.stop()
+    _assert_idle(c, pc, pcopy, dcopy)
