@@ -30,7 +30,16 @@ class NodeKV:
         self.spec: ShardSpec = shard_spec(engine)
         # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
         self.geometry = Geometry.of(self.regions[0].cache)
-        self.keys = [messenger.register_address(r.address, r.nbytes) for r in self.regions] if register else []
+        self.keys = [_register(messenger, r) for r in self.regions] if register else []
+
+
+def _register(messenger, region) -> int:
+    """Host memory as it is; GPU memory (pdkv.disagg.staged.StagingMode.GPUDIRECT) through the
+    messenger's GPUDirect registration (dma-buf, else nvidia-peermem: pdkv.gpu.gpudirect)."""
+    if str(region.device).startswith("cuda"):
+        index = int(str(region.device).split(":", 1)[1]) if ":" in str(region.device) else 0
+        return messenger.register_device(region.address, region.nbytes, index)
+    return messenger.register_address(region.address, region.nbytes)
 
 
 def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:
