@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-RING = 16 << 20  # each side's staging ring
-SLOT = 1 << 20  # one job: SLOT // size pages
+RING = 64 << 20  # each side's staging ring (the roles' default messenger.staging_mib)
+SLOT = 1 << 20  # one job (the prefill role's default messenger.staging_slot_kib): SLOT // size pages
 
 
 def _device(name: str) -> str:
@@ -32,30 +32,30 @@ def _device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _engine(device: str, nbytes: int, max_pending: int):
+def _engine(device: str, nbytes: int, max_pending: int, slot: int):
     import torch
 
     from pdkv.gpu.copy_engine import make_copy_engine
     from pdkv.gpu.staging import StagingRing
 
-    ring = StagingRing(RING // SLOT, SLOT, pin=device.startswith("cuda"))
+    ring = StagingRing(max(16, RING // slot), slot, pin=device.startswith("cuda"))
     dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     return make_copy_engine(ring, dev, max_pending), dev
 
 
-def _jobs(size: int, n: int, region: int) -> list[np.ndarray]:
+def _jobs(size: int, n: int, region: int, slot: int) -> list[np.ndarray]:
     """The page numbers (into the device buffer, wrapping) of each job."""
-    per = max(1, SLOT // size)
+    per = max(1, slot // size)
     pages = np.arange(n, dtype=np.int64) % (region // size)
     return [pages[i:i + per] for i in range(0, n, per)]
 
 
-def _receiver(conn, transport: str, kwargs: dict, device: str, region: int) -> None:
+def _receiver(conn, transport: str, kwargs: dict, device: str, region: int, slot: int) -> None:
     from pdkv._messenger import Messenger
     from pdkv.gpu.staging import Span
 
     m = Messenger(transport, 2, **kwargs)
-    copy, _ = _engine(device, region, 0)
+    copy, _ = _engine(device, region, 0, slot)
     ring = copy.ring
     key = m.register_address(ring.address, ring.nbytes)
     m.grant(key, 1)
@@ -65,11 +65,11 @@ def _receiver(conn, transport: str, kwargs: dict, device: str, region: int) -> N
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         imm0, size, n = msg
-        jobs = _jobs(size, n, region)
+        jobs = _jobs(size, n, region, slot)
         done = queue.SimpleQueue()
         slots = {}
         for j in range(min(len(jobs), ring.num_slots)):  # the first R landing zones
-            slots[j] = copy.reserve(f"j{j}", SLOT)
+            slots[j] = copy.reserve(f"j{j}", slot)
             m.expect(imm0 + j, len(jobs[j]))
         conn.send(("expecting", {j: s.offset for j, s in slots.items()}))
         ended = 0
@@ -90,7 +90,7 @@ def _receiver(conn, transport: str, kwargs: dict, device: str, region: int) -> N
                 ended += 1
                 nxt = j + ring.num_slots  # a landing zone is free again: the next job may use it
                 if nxt < len(jobs):
-                    slots[nxt] = copy.reserve(f"j{nxt}", SLOT)
+                    slots[nxt] = copy.reserve(f"j{nxt}", slot)
                     m.expect(imm0 + nxt, len(jobs[nxt]))
                     conn.send(("zone", nxt, slots[nxt].offset))
         conn.send(("done", ended))
@@ -106,12 +106,13 @@ def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict,
     from pdkv.gpu.staging import Span
 
     device = _device(device)
+    slot = max(SLOT, max(sizes))  # a page never spans slots (the roles refuse such a config)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, transport, kwargs, device, region), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, transport, kwargs, device, region, slot), daemon=True)
     proc.start()
     m = Messenger(transport, 1, **kwargs)
-    copy, dev = _engine(device, region, 1 << 20)
+    copy, dev = _engine(device, region, 1 << 20, slot)
     import torch
 
     dev.copy_(torch.randint(0, 255, (region,), dtype=torch.uint8))
@@ -124,7 +125,7 @@ def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict,
     out, imm0 = {}, 1
     for size in sizes:
         n = num_writes(size, seconds)
-        jobs = _jobs(size, n, region)
+        jobs = _jobs(size, n, region, slot)
         parent.send((imm0, size, n))
         what, zones = parent.recv()  # job -> the landing zone (offset in the receiver's ring) it writes to
         assert what == "expecting"
@@ -148,8 +149,8 @@ def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict,
                 k = len(jobs[posted])
                 m.write_pages(c, ring_key, rkey, np.arange(k, dtype=np.int64), np.arange(k, dtype=np.int64),
                               seg_len=size, src_page_stride=size, dst_page_stride=size, src_off=r.slot.offset,
-                              dst_off=zones.pop(posted), imm=imm0 + posted, tag=posted + 1)
-                held[posted + 1] = r.slot
+                              dst_off=zones.pop(posted), imm=imm0 + posted, tag=imm0 + posted)
+                held[imm0 + posted] = r.slot
                 posted += 1
             for ev in m.drain():
                 if ev.kind == "batch_done":
@@ -165,9 +166,11 @@ def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict,
             if result is None:
                 select.select([m.fileno(), parent], [], [], 0.0005)
         dt = time.perf_counter() - t0
-        for ev in m.drain():
-            if ev.kind == "batch_done" and ev.tag in held:
-                copy.release(held.pop(ev.tag))
+        while held:  # every write completed locally before the next size reuses the ring
+            select.select([m.fileno()], [], [], 0.01)
+            for ev in m.drain():
+                if ev.kind == "batch_done":
+                    copy.release(held.pop(ev.tag))
         out[size] = (n * size / dt / 1e9, n / dt)
         imm0 += len(jobs)
     parent.send(None)
