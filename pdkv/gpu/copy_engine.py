@@ -37,15 +37,14 @@ CANCELLED and frees its slot. A CANCELLED H2D copy may have written some of the 
 them. READY slots and reserved landing zones are not touched: a posted or incoming write may
 still use them, so the caller releases them once the peer has quiesced.
 
-**Wiring (issue 13, not done here).** Prefill: in the runner's layer hook (after the counter
-bump) record a CUDA event and ``copy_out`` the layer's pages of every request in the step (cut
-by ``split_spans``), ``tag=(request, layer)``; in ``on_done`` queue that slot's writes with the
-messenger from the ring's region (registered once) with a counter target already reached, and
-``release`` the slot from the batch-done completion of those writes; FAILED/CANCELLED fail the
-request like a transfer failure. Decode: ``reserve`` a landing zone per request before sending
-PREFILL (None: keep it waiting), hand its offset to the prefill side in place of the KV page
-offsets, and when the request's write count completes ``copy_in`` to its pages; declare it
-complete in ``on_done``.
+**Wiring** (pdkv/disagg/staged_prefill.py, staged_decode.py; docs/GPU.md). Prefill: in the
+runner's layer hook (after the counter bump) a CUDA event, and ``copy_out`` of the layer's pages of
+every request in the step, cut to fit a slot; ``on_done`` queues the slot's writes with a counter
+target already reached and the slot is released by the last of their batch completions;
+FAILED/CANCELLED fail the request like a transfer failure. Decode: ``reserve`` a slot per page
+before PREFILL (None: the request waits), PREFILL carries the slots, and when the request's count
+completes (grants revoked) ``copy_in`` each slot into its pages; the request is complete in the
+last ``on_done``.
 
 Implementations: ``CpuCopyEngine`` (pdkv.gpu.cpu_copy_engine: copies on a worker thread, with a
 fault-injection hook for delays and failures) and ``CudaCopyEngine`` (pdkv.gpu.cuda_copy_engine:
