@@ -7,6 +7,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from _cluster import make_engine, node_config
 from _procs import NodeProc, free_port, node_dict
 from pdkv.engine import SamplingParams
@@ -15,17 +17,23 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(3, 3 + n)) for n in (2, 9, 23, 37)]
 
 
-def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
+def _with(d: dict, staging: str) -> dict:
+    d["messenger"]["staging"] = staging
+    return d
+
+
+@pytest.mark.parametrize("staging", ["auto", "cpu"])  # cpu: through both nodes' staging rings
+def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir, staging):
     ref = make_engine(node_config(tiny_model_dir, "colocated"))
     want = [o.output_token_ids for o in ref.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0,
                                                                               ignore_eos=True))]
     env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
     cport = free_port()
-    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
-                                                  transport="verbs", nics=["lo_verbs0"], chunk=8), env)
-    dec = NodeProc(tmp_path, "decode", node_dict(tiny_model_dir, "decode", port=free_port(),
-                                                 peers=[f"127.0.0.1:{cport}"], transport="verbs",
-                                                 nics=["lo_verbs0"]), env)
+    pre = NodeProc(tmp_path, "prefill", _with(node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
+                                                        transport="verbs", nics=["lo_verbs0"], chunk=8), staging), env)
+    dec = NodeProc(tmp_path, "decode", _with(node_dict(tiny_model_dir, "decode", port=free_port(),
+                                                       peers=[f"127.0.0.1:{cport}"], transport="verbs",
+                                                       nics=["lo_verbs0"]), staging), env)
     try:
         pre.wait_healthy()
         dec.wait_healthy()
