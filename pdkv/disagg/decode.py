@@ -134,6 +134,7 @@ class DecodeCoordinator:
         ring = make_ring(num_slots, slot_nbytes, self.mode)
         copy = make_copy_engine(self.mode, ring, region_buffers(kv.regions), 0)
         log.info("decode: KV lands in %d staging slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+        self.metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
         return Landing(copy, self.m, kv)
 
     async def start(self) -> None:

@@ -41,7 +41,13 @@ class DisaggMetrics:
                                                            "queue + compute + transfer, as seen by decode).")
         self.pages_pinned = g("pdkv_kv_pages_pinned_remote", "Pages reserved for remote writes or held "
                                                             "until a peer quiesced.")
-        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error"):
+        # staged nodes only (pdkv/disagg/staged.py): the ring's slots in use, and (prefill) the
+        # copies waiting for a free slot -- the backpressure, visible
+        self.staging_slots = g("pdkv_kv_staging_slots_in_use", "Staging ring slots held (copying, waiting "
+                                                               "for their writes, or reserved as landing zones).")
+        self.staging_waiting = g("pdkv_kv_staging_copies_waiting", "Prefill: staging copies waiting for a "
+                                                                   "free ring slot.")
+        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error", "staging_copy"):
             self.failures.labels(*self._lab, reason)
 
     def failed(self, reason: str) -> None:

@@ -109,6 +109,9 @@ class PrefillCoordinator(LoopEvents):
         self.ring_key = self.m.register_address(ring.address, ring.nbytes)
         copy = make_copy_engine(self.mode, ring, region_buffers(self.kv.regions), self.mcfg.staging_max_pending)
         log.info("prefill: KV staged through %d slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+        if self.metrics is not None:
+            self.metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
+            self.metrics.staging_waiting.set_function(lambda: copy.num_pending)
         return StagedSender(copy, self.ring_key, self.m, self.jobs, self.kv.geometry, self.watch, self._post,
                             self._copy_ended)
 

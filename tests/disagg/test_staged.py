@@ -15,6 +15,7 @@ import random
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -54,6 +55,10 @@ def _assert_idle(c, pc, pcopy, dcopy):
     assert pcopy.ring.num_free == pcopy.ring.num_slots and dcopy.ring.num_free == dcopy.ring.num_slots
     assert pc.staged.num_slots_in_use() == 0 and c.coordinator.landing.num_reserved() == 0
     assert not c.coordinator.slots and not pc.jobs.jobs
+    for url in (c.prefill.url, c.url):  # the gauges say the same
+        text = urllib.request.urlopen(url + "/metrics").read().decode()
+        values = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("pdkv_kv_staging_")]
+        assert values and all(v == 0 for v in values), values
 
 
 @pytest.mark.parametrize("chunk,layerwise,delays", [(4, True, False), (64, False, False), (4, True, True)])
@@ -93,9 +98,9 @@ def test_staged_tokens_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, 
         assert st["writes_posted"] == st["writes_done"] == pages * L + len(PROMPTS)
         # every page went through a staging slot: the KV memory itself was never registered
         assert pc.kv.keys == [] and c.coordinator.landing.kv.keys == []
+        _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
-    _assert_idle(c, pc, pcopy, dcopy)
 
 
 def test_full_rings_apply_backpressure_and_everything_completes(tiny_model_dir):
@@ -120,9 +125,9 @@ def test_full_rings_apply_backpressure_and_everything_completes(tiny_model_dir):
         assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
         assert most["pending"] > 0, most  # the ring was full: copies waited for a slot
         assert most["landing"] <= 12, most
+        _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
-    _assert_idle(c, pc, pcopy, dcopy)
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -153,9 +158,9 @@ def test_a_failed_copy_fails_that_request_clearly_and_leaks_nothing(tiny_model_d
         want_tokens, _ = _colocated(tiny_model_dir)
         results = _all_requests(c)
         assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
+        _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
-    _assert_idle(c, pc, pcopy, dcopy)
 
 
 def _leave_when(url, body, event: threading.Event) -> None:
@@ -219,6 +224,6 @@ def test_a_prompt_larger_than_the_landing_ring_is_refused_clearly(tiny_model_dir
         assert "needs 6 staging slots" in msg and "ring has 4" in msg and "messenger.staging_mib" in msg, msg
         status, body = post_completion(c.url, {"model": name, "prompt": PROMPTS[1], "max_tokens": 2})
         assert status == 200, body
+        _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
-    _assert_idle(c, pc, pcopy, dcopy)
