@@ -120,11 +120,19 @@ def test_full_rings_apply_backpressure_and_everything_completes(tiny_model_dir):
         most["landing"] = max(most["landing"], c.coordinator.landing.num_reserved())
         time.sleep(0.002)
     pcopy._inject = slow
+    landing, waited = c.coordinator.landing, []
+    reserve = landing.reserve
+
+    def counting_reserve(rid, n):  # engine thread: a False is a request kept waiting for landing slots
+        ok = reserve(rid, n)
+        waited.extend([] if ok else [rid])
+        return ok
+    landing.reserve = counting_reserve
     try:
         results = _all_requests(c)
         assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
-        assert most["pending"] > 0, most  # the ring was full: copies waited for a slot
-        assert most["landing"] <= 12, most
+        assert most["pending"] > 0, most  # the prefill ring was full: copies waited for a slot
+        assert waited and most["landing"] <= 12, (waited, most)  # decode: requests waited for landing slots
         _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
