@@ -41,8 +41,8 @@ from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
-from pdkv.disagg.staged import decode_ring_shape, make_copy_engine, make_ring, region_buffers, staging_mode
-from pdkv.disagg.staged_decode import Landing, LandingGrants
+from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_landing
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
 from pdkv.shard import request_seed
@@ -76,15 +76,6 @@ class Slot:
     kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
 
 
-@dataclass(frozen=True)
-class CopyIn:
-    """Staged (pdkv/disagg/staged_decode.py): once the grants are gone, copy the landing slots
-    into the KV pages; RemoteKVReady follows the copy, not the count."""
-
-    rid: str
-    pages: tuple
-
-
 class DecodeCoordinator:
     def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True,
                  secret: bytes | None = None):
@@ -95,7 +86,8 @@ class DecodeCoordinator:
         self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
         self.landing: Landing | None = None
         if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
-            self.landing = self.kv = self._landing(NodeKV(engine, messenger, register=False))
+            self.landing = self.kv = build_landing(cfg, self.mode, messenger, NodeKV(engine, messenger, register=False),
+                                                   metrics)
         else:
             self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
         self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
@@ -127,15 +119,6 @@ class DecodeCoordinator:
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
         self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size)
         engine.set_connector(self.connector)
-
-    def _landing(self, kv: NodeKV) -> Landing:
-        g = kv.geometry
-        num_slots, slot_nbytes = decode_ring_shape(self.cfg, g.page_nbytes, g.num_layers, len(kv.regions))
-        ring = make_ring(num_slots, slot_nbytes, self.mode)
-        copy = make_copy_engine(self.mode, ring, region_buffers(kv.regions), 0)
-        log.info("decode: KV lands in %d staging slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
-        self.metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
-        return Landing(copy, self.m, kv)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -32,8 +32,8 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
-from pdkv.disagg.staged import make_copy_engine, make_ring, prefill_ring_shape, region_buffers, staging_mode
-from pdkv.disagg.staged_prefill import StagedSender
+from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.staged_prefill import build_sender
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages
@@ -81,7 +81,8 @@ class PrefillCoordinator(LoopEvents):
         self.watch = messenger.watch_address(self.counter.host_address)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
-        self.staged = self._staged_sender() if self.mode.staged else None
+        self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
+                                    self._copy_ended, metrics) if self.mode.staged else None)
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
                                           self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
                                           staged=self.staged)
@@ -100,20 +101,6 @@ class PrefillCoordinator(LoopEvents):
         self._setups = ThreadPoolExecutor(self.mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
         self._setups_busy = 0
         self._rlog = RateLimitedLog(log)
-
-    def _staged_sender(self) -> StagedSender:
-        """The staging ring (registered once), its copy engine over every rank's KV buffer, and
-        the sender that posts each layer's writes from it (pdkv/disagg/staged_prefill.py)."""
-        num_slots, slot_nbytes = prefill_ring_shape(self.cfg, self.kv.geometry.page_nbytes, len(self.kv.regions))
-        ring = make_ring(num_slots, slot_nbytes, self.mode)
-        self.ring_key = self.m.register_address(ring.address, ring.nbytes)
-        copy = make_copy_engine(self.mode, ring, region_buffers(self.kv.regions), self.mcfg.staging_max_pending)
-        log.info("prefill: KV staged through %d slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
-        if self.metrics is not None:
-            self.metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
-            self.metrics.staging_waiting.set_function(lambda: copy.num_pending)
-        return StagedSender(copy, self.ring_key, self.m, self.jobs, self.kv.geometry, self.watch, self._post,
-                            self._copy_ended)
 
     def _copy_ended(self, job: Job, status, error: str) -> None:
         """One staging copy of ``job`` ended (event loop). A copy cancelled because the job was

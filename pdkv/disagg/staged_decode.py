@@ -23,11 +23,37 @@ pages are released only after ``on_done``: never while a copy may still write th
 
 from __future__ import annotations
 
+import logging
 import threading
+from dataclasses import dataclass
 
 from pdkv.disagg.grants import Range, RequestGrants, page_runs
+from pdkv.disagg.staged import decode_ring_shape, make_copy_engine, make_ring, region_buffers
 from pdkv.disagg.writes import Geometry
 from pdkv.gpu.staging import CopyStatus, Span
+
+log = logging.getLogger("pdkv.disagg.decode")
+
+
+@dataclass(frozen=True)
+class CopyIn:
+    """The decode coordinator's command once a landed request's grants are gone: copy its landing
+    slots into its KV ``pages``; RemoteKVReady follows the copy, not the count."""
+
+    rid: str
+    pages: tuple
+
+
+def build_landing(cfg, mode, messenger, kv, metrics) -> "Landing":
+    """The decode node's ring (one slot per page of every layer and rank), its copy engine over
+    every rank's KV buffer, registered per rank (``kv``: the node's unregistered NodeKV)."""
+    g = kv.geometry
+    num_slots, slot_nbytes = decode_ring_shape(cfg, g.page_nbytes, g.num_layers, len(kv.regions))
+    ring = make_ring(num_slots, slot_nbytes, mode)
+    copy = make_copy_engine(mode, ring, region_buffers(kv.regions), 0)
+    log.info("decode: KV lands in %d staging slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+    metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
+    return Landing(copy, messenger, kv)
 
 
 class Landing:

@@ -27,14 +27,31 @@ tag by ``batch_done``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdkv.disagg.staged import make_copy_engine, make_ring, prefill_ring_shape, region_buffers
 from pdkv.gpu.staging import CopyStatus, Span
 
+log = logging.getLogger("pdkv.disagg.prefill")
 TAG_BASE = 1 << 62  # slot tags; job tags count up from 1 and never get here
+
+
+def build_sender(cfg, mode, messenger, kv, jobs, watch: int, post, copy_ended, metrics=None) -> "StagedSender":
+    """The prefill node's ring (registered once), its copy engine over every rank's KV buffer
+    (``kv``: the node's unregistered NodeKV), and the sender that writes from it."""
+    num_slots, slot_nbytes = prefill_ring_shape(cfg, kv.geometry.page_nbytes, len(kv.regions))
+    ring = make_ring(num_slots, slot_nbytes, mode)
+    ring_key = messenger.register_address(ring.address, ring.nbytes)
+    copy = make_copy_engine(mode, ring, region_buffers(kv.regions), cfg.messenger.staging_max_pending)
+    log.info("prefill: KV staged through %d slot(s) of %d KiB (%s)", num_slots, slot_nbytes >> 10, copy.name)
+    if metrics is not None:
+        metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
+        metrics.staging_waiting.set_function(lambda: copy.num_pending)
+    return StagedSender(copy, ring_key, messenger, jobs, kv.geometry, watch, post, copy_ended)
 
 
 @dataclass(frozen=True)
