@@ -226,7 +226,10 @@ class DecodeCoordinator:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
         # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke;
         # staged: after the landing slots were copied into the pages, which starts after the revoke)
-        then = RemoteKVReady(slot.rid) if self.landing is None else CopyIn(slot.rid, slot.kv_pages)
+        then = RemoteKVReady(slot.rid)
+        if self.landing is not None:
+            self.landing.mark_landed(slot.rid)  # a client leaving from now on waits for the copy-in
+            then = CopyIn(slot.rid, slot.kv_pages)
         self._free(slot, release=False, then=then)
 
     def _copied_in(self, rid: str, error: str) -> None:
@@ -257,7 +260,7 @@ class DecodeCoordinator:
         """The engine quarantined rid's pages because its client left."""
         slot = self.by_rid.get(rid)
         if slot is None and self.landing is not None and self.landing.copying(rid):
-            self._aborted.add(rid)  # its landing slots are being copied into the pages: wait for that
+            self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
             self.landing.cancel(rid)
         elif slot is None:  # it had landed: nothing is in flight
             self.commands(ReleasePages(rid))
@@ -370,7 +373,11 @@ class DecodeCoordinator:
         if self.landing is not None and slot.state is not SlotState.LANDED:
             self.landing.release(slot.rid)  # no write can land: the landing slots go back uncopied
         for c in cmds:
-            if isinstance(c, CopyIn):
+            if isinstance(c, CopyIn) and c.rid in self._aborted:  # the client left before the copy began
+                self._aborted.discard(c.rid)
+                self.landing.release(c.rid)
+                self.commands(ReleasePages(c.rid))
+            elif isinstance(c, CopyIn):
                 self.landing.copy_in(c.rid, c.pages, lambda rid, err: self.post(self._copied_in, rid, err))
             else:
                 self.commands(c)

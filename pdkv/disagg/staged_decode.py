@@ -79,6 +79,7 @@ class Landing:
         self._lock = threading.Lock()
         self._held: dict[str, list] = {}  # rid -> its StagingSlots, reserved, not yet copying
         self._copying: dict[str, list] = {}  # rid -> [copies left, first error, on_done]
+        self._landed: set[str] = set()  # every write landed, copy-in not started yet (grants being revoked)
 
     def hello_extra(self) -> dict:
         """The HELLO ``extra`` fields the prefill node's write arithmetic reads."""
@@ -105,21 +106,29 @@ class Landing:
         with self._lock:
             return [s.index for s in self._held[rid]]
 
+    def mark_landed(self, rid: str) -> None:
+        """Every write landed; the copy-in follows once the grants are revoked. From now on the
+        request counts as copying: a client that leaves must wait for the copy (or its skipping)."""
+        with self._lock:
+            self._landed.add(rid)
+
     def release(self, rid: str) -> None:
         """Give back a request's slots that were never copied (no write of it can land any more)."""
         with self._lock:
+            self._landed.discard(rid)
             slots = self._held.pop(rid, ())
         for s in slots:
             self.copy.release(s)
 
     def copying(self, rid: str) -> bool:
         with self._lock:
-            return rid in self._copying
+            return rid in self._copying or rid in self._landed
 
     def copy_in(self, rid: str, pages, on_done) -> None:
         """Copy each slot into the request's KV pages (page i <- slot i); ``on_done(rid, error)``
         once every copy ended ('' when all were DONE), on the copy engine's notifier thread."""
         with self._lock:
+            self._landed.discard(rid)
             slots = self._held.pop(rid)
             self._copying[rid] = [len(slots), "", on_done]
         for slot, page in zip(slots, pages):

@@ -235,3 +235,36 @@ def test_a_prompt_larger_than_the_landing_ring_is_refused_clearly(tiny_model_dir
         _assert_idle(c, pc, pcopy, dcopy)
     finally:
         c.stop()
+
+
+def test_a_client_that_leaves_after_landing_before_the_copy_in_frees_everything(tiny_model_dir):
+    """Every write landed, but a grant is still being revoked (FAULT INJECTION: revoke reports the
+    ranges busy until released) when the client leaves: the copy-in must then never start, and
+    the pages stay quarantined until the revoke is done."""
+    c, pc, pcopy, dcopy = _staged_cluster(tiny_model_dir)
+    grants, held, go, copies = c.coordinator.grants, threading.Event(), threading.Event(), []
+    revoke = grants.revoke
+
+    def busy_revoke(peer, ranges):  # event loop: the grants of a landed request cannot go yet
+        if not go.is_set():
+            held.set()
+            return list(ranges)
+        return revoke(peer, ranges)
+    grants.revoke = busy_revoke
+    dcopy._inject = lambda result, i: copies.append(result.request_id)
+    try:
+        name = c.model_name()
+        leaver = threading.Thread(target=_leave_when, args=(c.url, {"model": name, "prompt": list(range(40, 70)),
+                                                                    "max_tokens": 4}, held))
+        leaver.start()
+        assert held.wait(10)
+        leaver.join(5)
+        wait_for(lambda: c.coordinator._aborted, 10, "the client's abort seen by the coordinator")  # noqa: SLF001
+        assert c.decode_engine.num_held_pages > 0  # quarantined: the revoke (then the copy-in) is pending
+        go.set()
+        _assert_idle(c, pc, pcopy, dcopy)
+        assert copies == []  # nobody was left to copy the KV for
+        assert not c.coordinator._aborted  # noqa: SLF001
+    finally:
+        go.set()
+        c.stop()
