@@ -117,6 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pdkv: {cfg.source}: {e}", file=sys.stderr)
         return 1
+    if cfg.role in ("prefill", "decode"):
+        from pdkv.config import ConfigError
+        from pdkv.disagg.staged import staging_mode
+
+        try:  # before the weights load: a KV placement this host cannot move is refused by name
+            staging_mode(cfg)
+        except ConfigError as e:
+            print(f"pdkv: config error: {e}", file=sys.stderr)
+            return 2
     try:
         engine = load_engine(cfg)
     except (PdkvError, OSError) as e:

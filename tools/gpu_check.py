@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One-shot check of pdkv's GPU paths on a machine with an NVIDIA GPU (docs/GPU.md).
 
-    python3 tools/gpu_check.py [--json gpu_check.json] [--only NAME ...] [--budget 450]
+    python3 tools/gpu_check.py [--json gpu_check.json] [--only NAME ...] [--budget 450] [--dry-run]
 
 From the repository root, no install or build step. Prints the environment, one line per check
 as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary with one
@@ -68,9 +68,12 @@ CHECKS = [
     Check("counter-graph-torch", dev.check_counter_graph_torch),
     Check("copy-engine", dev.check_copy_engine),
     Check("decode-roofline", models.check_decode_roofline),
+    # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
+    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"}), isolate=300.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # last: its first JIT build is slow
-    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"})),
 ]
+# What --dry-run runs on a machine without a GPU: the same code on the CPU stand-ins.
+DRY_RUN = ("disagg-gpu",)
 
 
 def run_one(check: Check) -> Result:
@@ -156,12 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks (guard always runs)")
     ap.add_argument("--budget", type=float, default=450.0, help="skip checks that would start after this many seconds")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one isolated check, for _isolated
+    ap.add_argument("--dry-run", action="store_true",
+                    help=f"no GPU needed: run {', '.join(DRY_RUN)} on the CPU stand-ins (host KV, CPU copy engine)")
     args = ap.parse_args(argv)
     names = {c.name for c in CHECKS}
     for n in (args.only or []) + ([args.child] if args.child else []):
         if n not in names:
             ap.error(f"unknown check {n!r} (checks: {', '.join(c.name for c in CHECKS)})")
     started = time.time()
+    if args.dry_run:  # the child processes (--child) inherit the device through the environment
+        os.environ["PDKV_GPU_CHECK_DEVICE"] = "cpu"
     if args.child:
         checks, env, no_gpu = [c for c in CHECKS if c.name == args.child], {}, None
         checks = [Check(c.name, c.fn, c.needs) for c in checks]  # the child runs it in-process
@@ -171,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in env.items():
             print(f"{k}: {v}")
         no_gpu = dev.no_gpu_reason()
-        if no_gpu is not None:
+        if args.dry_run:
+            checks, no_gpu = [c for c in checks if c.name in DRY_RUN], None
+            print(f"dry run: {', '.join(DRY_RUN)} on the CPU stand-ins")
+        elif no_gpu is not None:
             print(f"no GPU: {no_gpu}; every check is skipped")
     results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem)
     if not args.child:

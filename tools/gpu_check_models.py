@@ -223,19 +223,8 @@ def _skip_without_toolchain(error: Exception) -> None:
 
 
 def check_disagg_gpu(timeout: float = 240.0) -> tuple[str, dict]:
-    from pdkv.config import ConfigError, load_config
+    """A prefill and a decode process sharing the GPU, tcp + staging, tokens equal colocated
+    (tools/gpu_check_disagg.py; ``--dry-run`` runs the same flow on the CPU copy engine)."""
+    import gpu_check_disagg  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
 
-    try:
-        for role in ("prefill", "decode"):
-            load_config(REPO / "configs" / f"{role}.yaml", ["model.device=cuda", "model.dtype=bfloat16"],
-                        check_paths=False)
-    except ConfigError as e:
-        raise SkipCheck(f"the roles do not take KV on the GPU yet (issue 13's wiring): {e}") from None
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/disagg/test_equality.py"]
-    env = dict(os.environ, PDKV_TEST_DEVICE="cuda", PYTHONPATH=str(REPO))
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]
-    assert out.returncode == 0, f"{' '.join(cmd)} failed: {(out.stdout + out.stderr)[-2000:]}"
-    return f"tests/disagg/test_equality.py with KV on cuda: {tail[0]}", {"seconds": time.monotonic() - t0,
-                                                                         "result": tail[0]}
+    return gpu_check_disagg.run_disagg(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"), timeout)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 ROLES = ("colocated", "prefill", "decode")
 TRANSPORTS = ("tcp", "verbs")
+STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
@@ -109,6 +110,13 @@ class MessengerConfig:
     # at PREFILL, deregistered when the request's slot ends). Beyond: the request is refused (503).
     max_grants_per_request: int = 16384
     max_grants_per_peer: int = 65536
+    # Staging KV pages through host memory (pdkv/disagg/staged.py): "auto" stages GPU KV where the
+    # NIC cannot reach it (tcp; verbs without GPUDirect), host KV goes direct; "cpu" forces the
+    # same pipeline on host KV through the CPU copy engine (tests, benchmarks); "off" never stages.
+    staging: str = "auto"  # auto | off | cpu
+    staging_mib: float = 64.0  # the staging ring (pinned on a GPU host), per node
+    staging_slot_kib: int = 1024  # prefill: one copy job's slot (a layer's pages are cut to fit)
+    staging_max_pending: int = 64  # prefill: copies waiting for a free slot; beyond, the request fails
     tls: TLSConfig = field(default_factory=TLSConfig)  # empty: control connections in clear
 
 

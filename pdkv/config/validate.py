@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_SPEC_TOKENS, ROLES,
-                                  SPEC_METHODS, TRANSPORTS, Config, ConfigError)
+                                  SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 
 def _cpus_ok(text: str) -> bool:
@@ -135,11 +135,22 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
                  "a local Hugging Face model folder that exists", sp.draft_model.path)
         need(cfg.role == "colocated", "speculative.method",
              "null for disaggregated roles (speculative decoding is colocated only for now)", sp.method)
-    if cfg.role in ("prefill", "decode"):
-        # NOTE: the transports read and write KV pages as host memory; GPU KV caches need GPUDirect
-        # RDMA registration (cuMem export to the NIC), which the disaggregated roles do not do yet.
-        need(m.device == "cpu", "model.device", f"cpu for role {cfg.role} (disaggregated serving moves KV "
-             f"pages from host memory; GPU KV caches are not supported by the messenger yet)", m.device)
+    one_of("messenger.staging", ms.staging, STAGING_MODES)
+    need(ms.staging_mib > 0, "messenger.staging_mib", "a positive size in MiB", ms.staging_mib)
+    need(ms.staging_slot_kib > 0, "messenger.staging_slot_kib", "a positive size in KiB", ms.staging_slot_kib)
+    need(cfg.role != "prefill" or ms.staging_slot_kib * 1024 <= ms.staging_mib * (1 << 20),
+         "messenger.staging_slot_kib", f"at most messenger.staging_mib ({ms.staging_mib:g} MiB)", ms.staging_slot_kib)
+    need(ms.staging_max_pending >= 0, "messenger.staging_max_pending", "zero or a positive integer",
+         ms.staging_max_pending)
+    if cfg.role in ("prefill", "decode") and m.device != "cpu":
+        # NOTE: the transports move host memory; GPU KV goes through the staging ring (or, on
+        # verbs, GPUDirect). What the host can do is checked when the node starts
+        # (pdkv.disagg.staged.staging_mode), not here: validation imports no GPU module.
+        need(ms.staging != "cpu", "messenger.staging", "auto or off with model.device cuda ('cpu' runs "
+             "the staging pipeline on host KV through the CPU copy engine)", ms.staging)
+        need(not (ms.staging == "off" and ms.transport == "tcp"), "messenger.staging",
+             "auto with model.device cuda and messenger.transport tcp (tcp sends and receives host memory: "
+             "GPU KV must be staged through pinned host memory)", ms.staging)
     if cfg.role == "decode":
         need(bool(ms.prefill_peers), "messenger.prefill_peers",
              "at least one host:port for role decode (the prefill nodes to use)", list(ms.prefill_peers))

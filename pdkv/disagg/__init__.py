@@ -12,6 +12,9 @@ coordinators that drive the messenger and the control channel.
     choice.py             PrefillChooser: prefill here or remotely, and on which prefill node
     decode_connector.py   DecodeConnector: where to prefill (admission), hidden-state rows
     decode.py             DecodeCoordinator: prefill peers, slots (immediates), counts, quarantine
+    staged.py             which way KV travels (direct, staged, GPUDirect), the staging rings' shapes
+    staged_prefill.py     StagedSender: a layer's pages -> copy engine -> ring slot -> writes
+    staged_decode.py      Landing: writes land in ring slots, copied into the KV pages before ready
     node.py               PrefillNode / DecodeNode, build_node(cfg, engine): what the server is handed
     launcher.py           `pdkv up`: a local prefill + decode cluster as subprocesses
     metrics.py            transfer metrics of both roles

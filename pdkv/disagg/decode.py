@@ -26,6 +26,7 @@ only through ``commands`` (the engine loop's queue: RemoteKVReady, FailRequest, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import itertools
 import logging
@@ -41,6 +42,8 @@ from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
+from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_landing
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
 from pdkv.shard import request_seed
@@ -72,6 +75,7 @@ class Slot:
     skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
     grantee: int = 0  # the prefill node's id the ranges were granted to
     grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
+    kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
 
 
 class DecodeCoordinator:
@@ -81,14 +85,24 @@ class DecodeCoordinator:
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
         self.mcfg = cfg.messenger
-        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
+        self.landing: Landing | None = None
+        if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
+            self.landing = self.kv = build_landing(cfg, self.mode, messenger, NodeKV(engine, messenger, register=False),
+                                                   metrics)
+        else:
+            self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
         num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
         hidden = int(engine.loaded.arch.hidden_size)
         self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
         self.hidden_nbytes = hidden * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
-        self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes)
+        if self.landing is not None:
+            self.grants = LandingGrants(messenger, self.landing, self.hidden_key, self.hidden_nbytes)
+        else:
+            self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes)
         self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
@@ -104,17 +118,21 @@ class DecodeCoordinator:
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
-        self.connector = DecodeConnector(self, self.rows)
+        self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size)
         engine.set_connector(self.connector)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
+        if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
+            self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
 
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()
+        if self.landing is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.landing.copy.close)
 
     @property
     def peers(self) -> list[Peer]:
@@ -135,18 +153,22 @@ class DecodeCoordinator:
         """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
         ``peer`` for it (the connector; a peer that died since is replaced by another). This node
         holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
-        are the pages for the rest, the only ones the prefill node is granted and writes."""
+        are the pages for the rest, the only ones the prefill node is granted and writes (staged:
+        it writes the landing slots reserved for them instead)."""
+        dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if peer is None or peer.dead or peer.channel is None:
             if peer is not None:
                 self.chooser.unreserve(peer, len(tokens))
             peer = self.chooser.pick(tokens)
         if peer is None:
             self.rows.give_back(row)
+            if self.landing is not None:
+                self.landing.release(rid)
             self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
                                            "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
-        need = self.grants.count(pages)
+        need = self.grants.count(dst)
         if need > self.mcfg.max_grants_per_request:
             self.chooser.unreserve(peer, len(tokens))
             self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
@@ -162,11 +184,13 @@ class DecodeCoordinator:
         grantee = peer.channel.peer.node_id
         t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted = self.grants.grant(grantee, pages, row)
+            granted = self.grants.grant(grantee, dst, row)
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self.chooser.unreserve(peer, len(tokens))
             self.rows.give_back(row)
+            if self.landing is not None:
+                self.landing.release(rid)
             self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
             return
@@ -181,15 +205,16 @@ class DecodeCoordinator:
         slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
         slot.grantee, slot.grants = grantee, tuple(granted)
         slot.skip = cached // self.engine.kv.page_size
+        slot.kv_pages = tuple(pages)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self.chooser.sent(peer, len(tokens))
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": pages,
+        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(pages, granted)})
+                          "seed": seed, **self.grants.fields(dst, granted)})
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
@@ -201,6 +226,8 @@ class DecodeCoordinator:
         self._rlog.warning("grant_limit", "decode: refusing %s: %s", rid, reason)  # may repeat under load
         self.metrics.failed("grant_limit")
         self.rows.give_back(row)
+        if self.landing is not None:
+            self.landing.release(rid)
         self.commands(FailRequest(rid, reason, 503, retry_after))
         self.commands(ReleasePages(rid))
 
@@ -240,8 +267,26 @@ class DecodeCoordinator:
             self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
-        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke)
-        self._free(slot, release=False, then=RemoteKVReady(slot.rid))
+        # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke;
+        # staged: after the landing slots were copied into the pages, which starts after the revoke)
+        then = RemoteKVReady(slot.rid)
+        if self.landing is not None:
+            self.landing.mark_landed(slot.rid)  # a client leaving from now on waits for the copy-in
+            then = CopyIn(slot.rid, slot.kv_pages)
+        self._free(slot, release=False, then=then)
+
+    def _copied_in(self, rid: str, error: str) -> None:
+        """Staged: every landing slot of ``rid`` was copied into its pages, or a copy failed or
+        was cancelled (event loop). No copy can touch the pages any more."""
+        if rid in self._aborted:  # the client left meanwhile: the engine quarantined the pages
+            self._aborted.discard(rid)
+            self.commands(ReleasePages(rid))
+        elif error:
+            self.metrics.failed("staging_copy")
+            self.commands(FailRequest(rid, f"copying the KV from staging into its pages failed: {error}"))
+            self.commands(ReleasePages(rid))  # the copy ended: nothing writes them any more
+        else:
+            self.commands(RemoteKVReady(rid))
 
     def _exposed(self, rid: str, landed: float | None = None, t_end: float | None = None) -> None:
         landed = landed if landed is not None else self._landed_at.pop(rid, None)
@@ -257,7 +302,10 @@ class DecodeCoordinator:
     def client_aborted(self, rid: str) -> None:
         """The engine quarantined rid's pages because its client left."""
         slot = self.by_rid.get(rid)
-        if slot is None:  # it had landed: nothing is in flight
+        if slot is None and self.landing is not None and self.landing.copying(rid):
+            self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
+            self.landing.cancel(rid)
+        elif slot is None:  # it had landed: nothing is in flight
             self.commands(ReleasePages(rid))
         elif slot.state == SlotState.SENT:
             self.metrics.failed("cancelled")
@@ -372,5 +420,14 @@ class DecodeCoordinator:
         slot.grants = ()
         # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
         self.rows.give_back(slot.hidden_row)
+        if self.landing is not None and slot.state is not SlotState.LANDED:
+            self.landing.release(slot.rid)  # no write can land: the landing slots go back uncopied
         for c in cmds:
-            self.commands(c)
+            if isinstance(c, CopyIn) and c.rid in self._aborted:  # the client left before the copy began
+                self._aborted.discard(c.rid)
+                self.landing.release(c.rid)
+                self.commands(ReleasePages(c.rid))
+            elif isinstance(c, CopyIn):
+                self.landing.copy_in(c.rid, c.pages, lambda rid, err: self.post(self._copied_in, rid, err))
+            else:
+                self.commands(c)

@@ -31,10 +31,11 @@ from pdkv.errors import AdmissionRefused
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, coordinator, rows: HiddenRows):
-        """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to."""
+    def __init__(self, coordinator, rows: HiddenRows, landing=None, page_size: int = 0):
+        """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to;
+        ``landing``: its pdkv.disagg.staged_decode.Landing when the KV is staged (None: direct)."""
         self.coordinator, self.rows = coordinator, rows
-        self.page_size = coordinator.engine.kv.page_size
+        self.landing, self.page_size = landing, page_size or coordinator.engine.kv.page_size
         self._remote: set[str] = set()  # admitted with remote KV, not finished
         # NOTE: the engine calls admit right after admission for the same request, on this thread
         # (a failed reservation in between calls admission again): one decision in flight at a time
@@ -59,6 +60,13 @@ class DecodeConnector(KVConnector):
                                    status=503, retry_after=2)
         if where is not Where.REMOTE:
             return LOCAL  # prefilled here, chunked like colocated
+        landing = self.landing
+        if landing is not None:  # staged: every page sent needs a landing slot at once
+            need = -(-req.num_prompt_tokens // self.page_size) - cached // self.page_size
+            if need > landing.num_slots:
+                raise AdmissionRefused(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
+                                       f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
+                                       status=400)
         return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=True)
 
     def admit(self, req) -> bool:
@@ -71,16 +79,23 @@ class DecodeConnector(KVConnector):
         row = self.rows.take()
         if row is None:
             return False
+        cached = req.num_cached_tokens  # what the engine took from the cache: only the pages after it come
+        sent = list(req.pages[cached // self.page_size:])
+        landing = self.landing
+        if landing is not None and not landing.reserve(req.request_id, len(sent)):
+            self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
+            return False
         tokens = list(req.prompt_token_ids[:-1])
         peer = c.chooser.pick(tokens)
         if peer is None:  # every prefill node died since admission: decide again next time
             self.rows.give_back(row)
+            if landing is not None:
+                landing.release(req.request_id)
             return False
         c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
-        cached = req.num_cached_tokens  # what the engine took from the cache: only the pages after it come
-        c.post(c.send_prefill, req.request_id, tokens, list(req.pages[cached // self.page_size:]), row, peer, cached)
+        c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached)
         return True
 
     def finished(self, req) -> None:

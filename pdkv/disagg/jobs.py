@@ -145,6 +145,15 @@ class JobTable:
             job.num_bytes += nbytes
         return job if self._maybe_finish(job) else None
 
+    def copy_ended(self, job: Job, error: str = "") -> Job | None:
+        """One staging copy of ``job`` ended (pdkv/disagg/staged_prefill.py; its writes, if any,
+        were counted first); ``error``: why it moved nothing. Returns the job if that finished it."""
+        with self.lock:
+            job.outstanding -= 1
+        if error:
+            job.write_failed(error)
+        return job if job.key in self.jobs and self._maybe_finish(job) else None
+
     def engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> Job | None:
         """The engine is done with the job (the first report counts); returns it if finished now."""
         job = self.jobs.get(key)

@@ -54,7 +54,14 @@ class DisaggMetrics:
                                           "of pages plus the hidden row (verbs: MRs registered).")
         self.grant_time = h("pdkv_kv_grant_seconds", "Decode: granting one request's ranges (verbs: "
                                                      "registering its MRs).")
-        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error", "grant_limit"):
+        # staged nodes only (pdkv/disagg/staged.py): the ring's slots in use, and (prefill) the
+        # copies waiting for a free slot -- the backpressure, visible
+        self.staging_slots = g("pdkv_kv_staging_slots_in_use", "Staging ring slots held (copying, waiting "
+                                                               "for their writes, or reserved as landing zones).")
+        self.staging_waiting = g("pdkv_kv_staging_copies_waiting", "Prefill: staging copies waiting for a "
+                                                                   "free ring slot.")
+        for reason in ("timeout", "peer_dead", "prefill_failed", "cancelled", "write_error", "grant_limit",
+                       "staging_copy"):
             self.failures.labels(*self._lab, reason)
         self.decisions = Counter("pdkv_disagg_prefill_decisions", "Decode: where each prompt was prefilled "
                                  "(remote, or here: local_short, local_saturated, local_no_peer; "

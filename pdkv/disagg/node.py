@@ -22,7 +22,17 @@ log = logging.getLogger(__name__)
 
 
 def kv_buffer_factory(device: str):
-    """For LLMEngine(kv_buffer=...): the whole KV cache as one uint8 buffer."""
+    """For LLMEngine(kv_buffer=...): the whole KV cache as one uint8 buffer. On a GPU it is a
+    cuMem allocation (pdkv/gpu/cumem.py), as every rank's is under tensor parallelism, so it
+    can be exported (and registered for GPUDirect) the same way; the tensor keeps it mapped."""
+    if str(device).startswith("cuda"):
+        def cumem(nbytes: int):
+            from pdkv.gpu.cumem import CuMemAllocation  # noqa: PLC0415 - GPU only
+
+            index = int(str(device).split(":", 1)[1]) if ":" in str(device) else 0
+            flat = CuMemAllocation.allocate(nbytes, index).tensor()  # [nbytes] uint8 on cuda:index
+            return flat.zero_()
+        return cumem
     return lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 

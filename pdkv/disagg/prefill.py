@@ -34,9 +34,12 @@ from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.range_keys import RangeKeys
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
+from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.staged_prefill import build_sender
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
+from pdkv.gpu.staging import CopyStatus
 from pdkv.shard import ShardPlan, request_seed
 from pdkv.tls import server_context, start_server
 
@@ -70,7 +73,9 @@ class PrefillCoordinator(LoopEvents):
 
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
+        # every rank's KV region, registered (one per rank) unless the pages go through the ring
+        self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
         hidden = int(engine.loaded.arch.hidden_size)
         self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden, engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes
@@ -80,8 +85,11 @@ class PrefillCoordinator(LoopEvents):
         self.watch = messenger.watch_address(self.counter.host_address)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
+        self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
+                                    self._copy_ended, metrics) if self.mode.staged else None)
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
+                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
+                                          staged=self.staged)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
         # the engine's last stats (engine thread after each step), for the load report; before its
@@ -104,6 +112,17 @@ class PrefillCoordinator(LoopEvents):
         self._setups_busy = 0
         self._rlog = RateLimitedLog(log)
 
+    def _copy_ended(self, job: Job, status, error: str) -> None:
+        """One staging copy of ``job`` ended (event loop). A copy cancelled because the job was
+        cancelled is no error; any other copy that moved nothing fails the request."""
+        if status is CopyStatus.CANCELLED and (job.end is JobEnd.CANCELLED or job.link.dead):
+            error = ""
+        elif status is not CopyStatus.DONE and not error:
+            error = f"staging copy {status.value}"
+        done = self.jobs.copy_ended(job, error)
+        if done is not None:
+            self._finished(done)
+
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
         """Start the engine thread and the control listener; returns the control port."""
@@ -122,6 +141,8 @@ class PrefillCoordinator(LoopEvents):
             self._peer_dead(link, "prefill node shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
         self.engine.set_connector(None)
+        if self.staged is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)
         self._setups.shutdown(wait=False, cancel_futures=True)
 
     def is_alive(self) -> bool:
@@ -286,11 +307,14 @@ class PrefillCoordinator(LoopEvents):
             if ev.kind == "error":  # e.g. a decode node that left; its control channel says so too
                 log.info("prefill: messenger event from peer %#x: %s", ev.peer, ev.reason)
             return
-        job = self.jobs.batch_done(ev.tag, ev.count, ev.num_errors, ev.status, ev.bytes, ev.reason)
+        tag = ev.tag if self.staged is None else self.staged.batch_done(ev.tag)  # a slot's batch: its job's tag
+        job = self.jobs.batch_done(tag, ev.count, ev.num_errors, ev.status, ev.bytes, ev.reason)
         if job is not None:
             self._finished(job)
 
     def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
+        if self.staged is not None and end is not JobEnd.PREFILLED:
+            self.staged.copy.cancel(key)  # its queued copies end at once (a copy in flight, when it ends)
         job = self.jobs.engine_done(key, end, reason, t_end)
         if job is not None:
             self._finished(job)

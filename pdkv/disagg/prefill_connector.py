@@ -27,17 +27,21 @@ PREFILL_ONLY = Admission(prefill_only=True, reuse_cached=True)
 
 class PrefillConnector(KVConnector):
     def __init__(self, jobs: JobTable, messenger, kv, counter, watch: int, staging: StagingRows,
-                 staging_key: int, layerwise: bool, page_size: int, metrics=None):
+                 staging_key: int, layerwise: bool, page_size: int, metrics=None, staged=None):
         """``kv``: the node's pdkv.disagg.sharded.NodeKV; ``counter``/``watch``: the layer
-        counter and its messenger watch (pdkv.gpu.layer_counter)."""
+        counter and its messenger watch (pdkv.gpu.layer_counter); ``staged``: a
+        pdkv.disagg.staged_prefill.StagedSender when the pages go through the staging ring."""
         self.jobs, self.m, self.kv, self.counter, self.watch = jobs, messenger, kv, counter, watch
         self.staging, self.staging_key = staging, staging_key
         self.layerwise, self.page_size, self.metrics = layerwise, page_size, metrics
+        self.staged = staged
         self.src = kv.geometry
         self._issued = 0  # bumps issued so far (on a GPU the host value may lag behind them)
         self._step_end = 0
         self.t_forward_end: float | None = None  # time.time() when the last forward returned
-        self.after_layer = self._bump
+        self.after_layer = self._bump if staged is None or not layerwise else self._bump_and_stage
+        # GPU: the copy of layer l waits on an event recorded on the compute stream after its o_proj
+        self._cuda = getattr(counter, "device", "cpu").startswith("cuda")
 
     def admission(self, req) -> Admission:
         return PREFILL_ONLY
@@ -52,6 +56,22 @@ class PrefillConnector(KVConnector):
     def _bump(self, layer: int | None = None) -> None:
         self._issued += 1
         self.counter.bump()
+
+    def _bump_and_stage(self, layer: int) -> None:
+        """Staged, layer-wise: the counter bump, then layer ``layer``'s pages to the copy engine."""
+        self._bump(layer)
+        self.staged.layer_done(layer, self._event())
+
+    def _event(self):
+        """GPU: an event on the current (compute) stream, after everything issued so far (the
+        layer's KV writes and its bump); the copy stream waits on it. CPU: None (done already)."""
+        if not self._cuda:
+            return None
+        import torch  # noqa: PLC0415
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
     def before_forward(self, batch: ForwardBatch) -> None:
         """Queue each prefill chunk's complete pages on the layer counter."""
@@ -78,9 +98,14 @@ class PrefillConnector(KVConnector):
         def skip_of(rid):  # the pages the decode node holds already (PREFILL's cached)
             return self.jobs.get(rid).skip
 
+        if self.staged is not None:
+            self.staged.clear()
         for chunk in plan_batch(batch, self.page_size, dst_of, skip_of):
             job = self.jobs.get(chunk.request_id)
             link = job.link
+            if self.staged is not None:  # copied out layer by layer; the writes leave from the ring
+                self.staged.plan(job, chunk)
+                continue
             rkeys = link.kv_rkeys if job.dst_keys is None else job.dst_keys  # per-range keys (grants.py)
             n = count_batches(link.plan, job.seed, self.src.num_layers, rkeys, chunk.dst_pages)
             self.jobs.queued(job, n)
@@ -106,9 +131,17 @@ class PrefillConnector(KVConnector):
             # this step still post (and complete) instead of waiting forever.
             while self._issued < self._step_end:
                 self._bump()
+            if self.staged is not None:
+                self.staged.clear()  # layers not reached are not copied (the engine fails the request)
             return
         if not self.layerwise:
             self._bump()  # the forward pass is over: release the after-forward batches
+            if self.staged is not None:  # after-forward, staged: every layer is copied now
+                after = self._event()
+                for layer in range(self.src.num_layers):
+                    self.staged.layer_done(layer, after)
+        if self.staged is not None:
+            self.staged.clear()
         for e in batch.entries:
             if not e.prefill_only or not e.is_last_chunk:
                 continue

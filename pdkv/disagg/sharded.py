@@ -24,18 +24,32 @@ from pdkv.tp import kv_regions, shard_spec
 class NodeKV:
     """This node's KV memory as the messenger sees it: every rank's region, registered."""
 
-    def __init__(self, engine, messenger):
+    def __init__(self, engine, messenger, register: bool = True):
+        """``register``: False when the pages travel through a staging ring (pdkv/disagg/staged.py):
+        then no write may name the KV memory itself (``keys`` is empty)."""
         self.regions = kv_regions(engine)
         self.spec: ShardSpec = shard_spec(engine)
         # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
         self.geometry = Geometry.of(self.regions[0].cache)
         # rank r's key names the NIC that carries rank r's pages (verbs over several NICs; the
-        # region itself is registered on every NIC): the decode node's keys pick where pages land
-        regs = [messenger.register_address(r.address, r.nbytes) for r in self.regions]
+        # region itself is registered on every NIC): the decode node's keys pick where pages land.
+        # Staged (register False): no write may name the KV memory itself, no keys.
+        regs = [_register(messenger, r) for r in self.regions] if register else []
         self.keys = [rank_key(messenger, k, rank) for rank, k in enumerate(regs)]
         # as a source (prefill): a rank near several NICs offers a key on each, and each request's
         # writes from that rank leave through the one its seed picks (pdkv.shard.pick_nic)
         self.src_keys = [rank_keys(messenger, k, rank) for rank, k in enumerate(regs)]
+
+
+def _register(messenger, region) -> int:
+    """Host memory as it is; GPU memory (pdkv.disagg.staged.StagingMode.GPUDIRECT) through the
+    messenger's GPUDirect registration (dma-buf, else nvidia-peermem: pdkv.gpu.gpudirect)."""
+    if str(region.device).startswith("cuda"):
+        from pdkv.gpu.gpudirect import register_on_messenger  # noqa: PLC0415 - GPU hosts only
+
+        index = int(str(region.device).split(":", 1)[1]) if ":" in str(region.device) else 0
+        return register_on_messenger(messenger, region.address, region.nbytes, index).key
+    return messenger.register_address(region.address, region.nbytes)
 
 
 def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:

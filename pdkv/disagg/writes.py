@@ -99,13 +99,13 @@ class QueueError(RuntimeError):
         self.num_batches = num_batches
 
 
-def _dst_split(rkeys, dst_pages: np.ndarray):
+def dst_split(rkeys, dst_pages: np.ndarray):
     """``rkeys`` is one region key per decode rank, or the request's RangeKeys (one key per
     granted range, pdkv/disagg/range_keys.py): then the chunk's pages split by run (once)."""
     return rkeys.split(dst_pages) if isinstance(rkeys, RangeKeys) else None
 
 
-def _dst_groups(rkeys, split, rank: int, layer: int):
+def dst_groups(rkeys, split, rank: int, layer: int):
     """(key, positions or None for all) of the writes to decode rank ``rank``'s ``layer``: one
     batch per key."""
     return [(rkeys[rank], None)] if split is None else rkeys.groups(split, rank, layer)
@@ -120,14 +120,14 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
     (``plan.active_pairs(seed)``), each of the pair's segments is one batch per destination key:
     the chunk's pages from region ``lkeys[p]`` (this node's rank p; a tuple: its key on each of
     its NICs, one picked per request by ``pick_nic(seed, p, ...)``) to the decode node's rank d,
-    under the key ``rkeys`` gives each page (see _dst_groups). Every rank's page p of layer l sits
+    under the key ``rkeys`` gives each page (see dst_groups). Every rank's page p of layer l sits
     at the same offset of its own region (all ranks have the same pages and shapes), so
     ``src``/``dst`` describe every region. src_pages, dst_pages: int64 [n] page ids on each side.
     Returns (batches queued, writes); count_batches says beforehand how many batches."""
     if len(src_pages) == 0:
         return 0, 0
     pairs = plan.active_pairs(seed)
-    split = _dst_split(rkeys, dst_pages)
+    split = dst_split(rkeys, dst_pages)
     num_batches = num_writes = 0
     for layer in range(src.num_layers):
         target = base + layer + 1 if layerwise else base + src.num_layers + 1
@@ -135,7 +135,7 @@ def queue_chunk(messenger, *, watch: int, base: int, layerwise: bool, conn: int,
             lkey = lkeys[pair.prefill_rank]
             if not isinstance(lkey, int):  # the rank's key on each of its NICs: the seed picks one
                 lkey = lkey[pick_nic(seed, pair.prefill_rank, len(lkey))]
-            for rkey, pos in _dst_groups(rkeys, split, pair.decode_rank, layer):
+            for rkey, pos in dst_groups(rkeys, split, pair.decode_rank, layer):
                 sp, dp = (src_pages, dst_pages) if pos is None else (src_pages[pos], dst_pages[pos])
                 for seg in pair.segments:
                     try:

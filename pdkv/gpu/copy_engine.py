@@ -37,15 +37,14 @@ CANCELLED and frees its slot. A CANCELLED H2D copy may have written some of the 
 them. READY slots and reserved landing zones are not touched: a posted or incoming write may
 still use them, so the caller releases them once the peer has quiesced.
 
-**Wiring (issue 13, not done here).** Prefill: in the runner's layer hook (after the counter
-bump) record a CUDA event and ``copy_out`` the layer's pages of every request in the step (cut
-by ``split_spans``), ``tag=(request, layer)``; in ``on_done`` queue that slot's writes with the
-messenger from the ring's region (registered once) with a counter target already reached, and
-``release`` the slot from the batch-done completion of those writes; FAILED/CANCELLED fail the
-request like a transfer failure. Decode: ``reserve`` a landing zone per request before sending
-PREFILL (None: keep it waiting), hand its offset to the prefill side in place of the KV page
-offsets, and when the request's write count completes ``copy_in`` to its pages; declare it
-complete in ``on_done``.
+**Wiring** (pdkv/disagg/staged_prefill.py, staged_decode.py; docs/GPU.md). Prefill: in the
+runner's layer hook (after the counter bump) a CUDA event, and ``copy_out`` of the layer's pages of
+every request in the step, cut to fit a slot; ``on_done`` queues the slot's writes with a counter
+target already reached and the slot is released by the last of their batch completions;
+FAILED/CANCELLED fail the request like a transfer failure. Decode: ``reserve`` a slot per page
+before PREFILL (None: the request waits), PREFILL carries the slots, and when the request's count
+completes (grants revoked) ``copy_in`` each slot into its pages; the request is complete in the
+last ``on_done``.
 
 Implementations: ``CpuCopyEngine`` (pdkv.gpu.cpu_copy_engine: copies on a worker thread, with a
 fault-injection hook for delays and failures) and ``CudaCopyEngine`` (pdkv.gpu.cuda_copy_engine:
@@ -94,11 +93,17 @@ class CopyEngine:
     def __init__(self, ring: StagingRing, device_buffer, max_pending: int = 64):
         if max_pending < 0:
             raise ValueError(f"{type(self).__name__}: max_pending must be >= 0, got {max_pending}")
-        if device_buffer.dim() != 1 or device_buffer.element_size() != 1:
-            raise ValueError(f"{type(self).__name__}: device_buffer must be a flat uint8 tensor (the KV "
-                             f"buffer as bytes), got {device_buffer.dtype} {tuple(device_buffer.shape)}")
-        self.ring, self.device_buffer, self.max_pending = ring, device_buffer, max_pending
-        self._device_nbytes = device_buffer.numel()
+        # one tensor, or one per tensor-parallel rank (a Span's ``buffer`` says which)
+        buffers = list(device_buffer) if isinstance(device_buffer, (list, tuple)) else [device_buffer]
+        for b in buffers:
+            if b.dim() != 1 or b.element_size() != 1:
+                raise ValueError(f"{type(self).__name__}: device_buffer must be a flat uint8 tensor (the KV "
+                                 f"buffer as bytes), got {b.dtype} {tuple(b.shape)}")
+        if not buffers:
+            raise ValueError(f"{type(self).__name__}: device_buffer is an empty list")
+        self.ring, self.max_pending = ring, max_pending
+        self.device_buffers, self.device_buffer = buffers, buffers[0]
+        self._device_nbytes = [b.numel() for b in buffers]
         self._lock = threading.Lock()
         self._pending: deque[_Job] = deque()  # D2H jobs waiting for a slot (FIFO)
         self._jobs: dict[str, set[_Job]] = {}  # request -> its jobs that have not ended
@@ -217,9 +222,13 @@ class CopyEngine:
                              f"a job needs 1.. spans within one staging slot ({self.ring.slot_nbytes} bytes; "
                              "cut larger transfers with split_spans)")
         for s in spans:
-            if s.nbytes < 1 or s.offset < 0 or s.offset + s.nbytes > self._device_nbytes:
+            if not 0 <= s.buffer < len(self._device_nbytes):
+                raise ValueError(f"{direction.value} copy for {request_id!r}: {s} names device buffer "
+                                 f"{s.buffer}; this engine has {len(self._device_nbytes)}")
+            size = self._device_nbytes[s.buffer]
+            if s.nbytes < 1 or s.offset < 0 or s.offset + s.nbytes > size:
                 raise ValueError(f"{direction.value} copy for {request_id!r}: {s} is outside the device "
-                                 f"buffer of {self._device_nbytes} bytes")
+                                 f"buffer of {size} bytes")
         return _Job(next(self._ids), request_id, direction, spans, nbytes, on_done, after, tag)
 
     def _check_open(self) -> None:
@@ -307,8 +316,10 @@ class CopyEngine:
 
 
 def make_copy_engine(ring: StagingRing, device_buffer, max_pending: int = 64) -> CopyEngine:
-    """The engine for ``device_buffer``'s device: CUDA copies for GPU memory, else CPU copies."""
-    if device_buffer.device.type == "cuda":
+    """The engine for ``device_buffer``'s device (a tensor, or a list of them, one per rank): CUDA
+    copies for GPU memory, else CPU copies."""
+    first = device_buffer[0] if isinstance(device_buffer, (list, tuple)) else device_buffer
+    if first.device.type == "cuda":
         from pdkv.gpu.cuda_copy_engine import CudaCopyEngine
 
         return CudaCopyEngine(ring, device_buffer, max_pending)

@@ -42,7 +42,7 @@ class CpuCopyEngine(CopyEngine):
                                         job.nbytes, tag=job.tag), i)
             if job.cancelled:
                 return  # stopped between spans; _waiter reports CANCELLED
-            dev = self.device_buffer[s.offset: s.offset + s.nbytes]
+            dev = self.device_buffers[s.buffer][s.offset: s.offset + s.nbytes]
             if job.direction is Direction.DEVICE_TO_HOST:
                 staged[at: at + s.nbytes].copy_(dev)
             else:

@@ -33,34 +33,52 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, ring: StagingRing, device_buffer, max_pending: int = 64, stream=None):
         from pdkv.gpu.guard import require_torch_cuda
 
-        if device_buffer.device.type != "cuda":
-            raise ValueError(f"CudaCopyEngine: the device buffer is on {device_buffer.device}, not a GPU "
-                             "(use CpuCopyEngine, or make_copy_engine)")
-        torch = require_torch_cuda("CudaCopyEngine", device_buffer.device.index or 0)
+        buffers = list(device_buffer) if isinstance(device_buffer, (list, tuple)) else [device_buffer]
+        for b in buffers:
+            if b.device.type != "cuda":
+                raise ValueError(f"CudaCopyEngine: the device buffer is on {b.device}, not a GPU "
+                                 "(use CpuCopyEngine, or make_copy_engine)")
+        torch = require_torch_cuda("CudaCopyEngine", buffers[0].device.index or 0)
         if not ring.buffer.is_pinned():
             raise ValueError("CudaCopyEngine: the staging ring must be pinned host memory "
                              "(StagingRing(..., pin=True)); pageable copies serialise with the host")
-        self.device = device_buffer.device
+        self.device = buffers[0].device
         self._torch = torch
-        self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
+        # one copy stream per GPU that holds a buffer (tensor parallelism: each rank's cuMem lives
+        # on its own GPU; a copy must run on a stream of the device that owns the memory, or it
+        # would not be ordered by this stream's events)
+        self.streams = {}
+        for b in buffers:
+            if b.device not in self.streams:
+                self.streams[b.device] = (stream if stream is not None and b.device == self.device
+                                          else torch.cuda.Stream(device=b.device))
+        self.stream = self.streams[self.device]
         super().__init__(ring, device_buffer, max_pending)
 
     def _launch(self, job: _Job) -> object:
         torch = self._torch
         staged = self.ring.view(job.slot)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if job.after is not None:
-                self.stream.wait_event(job.after)  # the layer's KV writes come first
-            for at, s in coalesce(job.spans):
-                dev = self.device_buffer[s.offset: s.offset + s.nbytes]
-                host = staged[at: at + s.nbytes]
-                if job.direction is Direction.DEVICE_TO_HOST:
-                    host.copy_(dev, non_blocking=True)
-                else:
-                    dev.copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        by_device: dict = {}
+        for at, s in coalesce(job.spans):
+            by_device.setdefault(self.device_buffers[s.buffer].device, []).append((at, s))
+        done = []
+        for device, runs in by_device.items():
+            stream = self.streams[device]
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                if job.after is not None:
+                    stream.wait_event(job.after)  # the layer's KV writes come first (any device's event)
+                for at, s in runs:
+                    dev = self.device_buffers[s.buffer][s.offset: s.offset + s.nbytes]
+                    host = staged[at: at + s.nbytes]
+                    if job.direction is Direction.DEVICE_TO_HOST:
+                        host.copy_(dev, non_blocking=True)
+                    else:
+                        dev.copy_(host, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                done.append(ev)
         return done
 
     def _wait(self, job: _Job, done) -> None:
-        done.synchronize()  # raises on a sticky CUDA error: that job is FAILED
+        for ev in done:
+            ev.synchronize()  # raises on a sticky CUDA error: that job is FAILED

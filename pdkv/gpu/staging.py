@@ -30,6 +30,7 @@ from dataclasses import dataclass
 class Span:
     offset: int  # bytes from the start of the device (KV) buffer
     nbytes: int
+    buffer: int = 0  # which of the copy engine's device buffers (tensor parallelism: the rank)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,9 @@ def coalesce(spans) -> list[tuple[int, Span]]:
     for at, s in zip(packed_offsets(spans), spans):
         if runs:
             prev_at, prev = runs[-1]
-            if prev.offset + prev.nbytes == s.offset and prev_at + prev.nbytes == at:
-                runs[-1] = (prev_at, Span(prev.offset, prev.nbytes + s.nbytes))
+            if (prev.buffer == s.buffer and prev.offset + prev.nbytes == s.offset
+                    and prev_at + prev.nbytes == at):
+                runs[-1] = (prev_at, Span(prev.offset, prev.nbytes + s.nbytes, s.buffer))
                 continue
         runs.append((at, s))
     return runs

@@ -42,6 +42,19 @@ def test_decode_role_without_prefill_peers_is_refused_clearly(capsys):
         in capsys.readouterr().err
 
 
+def test_gpu_kv_for_a_role_on_a_host_without_cuda_is_refused_before_loading(capsys):
+    import pytest
+
+    from pdkv.gpu import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("this host has a GPU")
+    assert main(["serve", "-c", "configs/prefill.yaml", "--set", "model.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "configs/prefill.yaml: role prefill with model.device cuda: CUDA is not available here" in err, err
+    assert "loading" not in err  # refused before any weight was read
+
+
 def test_unknown_command_is_an_argparse_error():
     r = run_pdkv("frobnicate")
     assert r.returncode == 2 and "invalid choice: 'frobnicate'" in r.stderr

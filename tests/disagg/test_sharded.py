@@ -43,14 +43,15 @@ class Nodes:
     """P1, P2 (prefill TP1/TP2), D1 (TP1 <- P2), D2 (TP2 <- P1, P2), D3 (TP1 <- P2) and D4
     (TP2 <- P1) with prefix caching on both sides; ServerThreads on loopback."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, staging: str = "auto"):
         from pdkv.disagg.node import DecodeNode, PrefillNode
         from server.runner import ServerThread
 
         self.threads, self.engines, self.model_dir = [], [], model_dir
 
         def start(role, tp, node_cls, **over):
-            cfg = node_config(model_dir, role, parallel__tp=tp, parallel__timeout_s=30.0, **over)
+            cfg = node_config(model_dir, role, parallel__tp=tp, parallel__timeout_s=30.0,
+                              messenger__staging=staging, **over)
             eng = _engine(cfg)
             self.engines.append(eng)
             t = ServerThread(cfg, eng, node_cls(cfg, eng)).start()
@@ -109,20 +110,24 @@ def _run_twice(url: str) -> list[list[int]]:
     return got[0]
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["kv2-sharded", "kv1-replicated"])
+@pytest.fixture(scope="module", params=[(2, "auto"), (1, "auto"), (2, "cpu")],
+                ids=["kv2-sharded", "kv1-replicated", "kv2-sharded-staged"])
 def nodes(request, tmp_path_factory, tiny_model_dir):
     """kv2: 2 KV heads, split one per rank at TP2. kv1: 1 KV head, on both ranks at TP2 (two
-    replica sets per TP2 node)."""
-    if request.param == 2:
+    replica sets per TP2 node). staged: every rank's pages through the staging rings (CPU copy
+    engine over every rank's shared KV memory; pdkv/disagg/staged.py)."""
+    kv_heads, staging = request.param
+    if kv_heads == 2:
         model_dir = tiny_model_dir
     else:
         from pdkv.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny_kv1"), num_kv_heads=1, seed=3)
-    n = Nodes(model_dir)
+    n = Nodes(model_dir, staging)
     n.want = _reference(model_dir)
     n.want_kv = colocated_kv(model_dir, PROMPTS)
-    n.num_kv_heads = request.param
+    n.num_kv_heads = kv_heads
+    n.staged = staging == "cpu"
     yield n
     n.close()
 
@@ -133,7 +138,8 @@ def test_greedy_tokens_equal_colocated_tp1(nodes, decode):
     node = getattr(nodes, decode)
     c = node.app[NODE].coordinator
     assert c.kv.spec.tp == (1 if decode == "d1" else 2)
-    assert len(c.kv.keys) == c.kv.spec.tp  # every rank's region is registered
+    assert len(c.kv.keys) == c.kv.spec.tp  # every rank's region is registered (staged: its landing block)
+    assert (c.landing is not None) == nodes.staged
     from pdkv.tp import kv_regions
 
     regions = kv_regions(c.engine)

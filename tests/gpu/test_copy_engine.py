@@ -364,6 +364,7 @@ def test_the_cuda_engine_orders_after_the_event_coalesces_and_waits_per_job():
     engine = CudaCopyEngine.__new__(CudaCopyEngine)  # skip the GPU checks of __init__
     engine._torch, engine.stream, engine.device = fake, fake.stream, "cuda:0"
     buf = torch.randint(0, 256, (NUM_PAGES * PAGE,), dtype=torch.uint8)
+    engine.streams = {buf.device: fake.stream}  # one copy stream per device that holds a buffer
     CopyEngine.__init__(engine, StagingRing(2, 4 * PAGE), buf)
     got = Results(engine, release=True)
     after = object()  # the compute stream's event
