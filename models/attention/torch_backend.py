@@ -47,27 +47,21 @@ class TorchAttentionMeta:
     decode_tokens: int  # their query rows: the first decode_tokens of the step
     decode_q: int  # query rows per sequence in the batched path (the longest; others padded)
     decode_pages: torch.Tensor | None  # [B * max_pages] long: the padded page table, flattened
-    decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out), [1, Q, kv_len]
-    # when B == 1; None: one row of one sequence
-    decode_kv_len: int  # kv length when B == Q == 1 (no mask needed, keys are sliced)
+    decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out); None when B == 1
+    decode_masked: bool  # B == 1 and its rows need a mask (Q > 1, or keys beyond the window)
+    decode_kv_len: int  # kv length when B == 1 (keys are sliced)
     pad_rows: torch.Tensor | None  # [B * Q] long: query row for each padded slot; None: no padding
     unpad_rows: torch.Tensor | None  # [decode_tokens] long: padded slot of each query row
     prefills: list[_Prefill]
-    decode_bias: torch.Tensor | None = None  # B == 1: decode_blocked as SDPA's additive mask, built once
-
-    def bias(self, dtype) -> torch.Tensor:
-        """[Q, kv_len] 0 / -inf in ``dtype``, made on the first layer and reused by the others (SDPA
-        converts a boolean mask into this on every call)."""
-        if self.decode_bias is None or self.decode_bias.dtype != dtype:
-            blocked = self.decode_blocked[0]
-            self.decode_bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(
-                blocked, float("-inf"))
-        return self.decode_bias
 
 
 @register("torch")
 class TorchAttentionBackend(AttentionBackend):
     supports_latent = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tails: dict[tuple, torch.Tensor] = {}  # see _tail_bias
 
     def plan(self, batch: AttentionBatch) -> TorchAttentionMeta:
         P, dev, W = self.kv.page_size, self.kv.device, self.sliding_window
@@ -80,12 +74,15 @@ class TorchAttentionBackend(AttentionBackend):
         Q = max(q_lens[:nd], default=0)
         decode_pages = blocked = pad_rows = unpad_rows = None
         decode_kv_len = kv_lens[0] if nd else 0
+        masked = False
         if nd:
             max_pages = max(len(p) for p in batch.page_ids[:nd])
             decode_pages = table[:nd, :max_pages].reshape(-1)  # [B * max_pages], row-major
             needs_window = W is not None and max(kv_lens[:nd]) > W
-            if nd > 1 or Q > 1 or needs_window:  # one sequence: its keys are sliced to kv_len
-                blocked = self._blocked(q_lens[:nd], kv_lens[:nd], Q, max_pages * P if nd > 1 else kv_lens[0], dev)
+            if nd > 1:
+                blocked = self._blocked(q_lens[:nd], kv_lens[:nd], Q, max_pages * P, dev)
+            else:  # one sequence: its keys are sliced to kv_len, the mask is a cached view (_tail_bias)
+                masked = Q > 1 or needs_window
             if any(n != Q for n in q_lens[:nd]):
                 pad, unpad, row = [], [], 0
                 for b, n in enumerate(q_lens[:nd]):
@@ -108,7 +105,25 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMeta(
             write_pages=write_pages, write_offsets=write_offsets, num_decodes=nd,
             decode_tokens=sum(q_lens[:nd]), decode_q=Q, decode_pages=decode_pages, decode_blocked=blocked,
-            decode_kv_len=decode_kv_len, pad_rows=pad_rows, unpad_rows=unpad_rows, prefills=prefills)
+            decode_masked=masked, decode_kv_len=decode_kv_len, pad_rows=pad_rows, unpad_rows=unpad_rows, prefills=prefills)
+
+    def _tail_bias(self, Q: int, L: int, dtype, device) -> torch.Tensor:
+        """[Q, L] SDPA additive mask (0 / -inf) of one sequence's last Q rows over its L keys:
+        row r sees keys up to L - Q + r (inside the window). The pattern only depends on the
+        distance from the end, so it is a column view of a cached, right-aligned [Q, width]
+        buffer: a step builds no mask (SDPA would convert a boolean one in every layer)."""
+        key = (Q, dtype, str(device))
+        buf = self._tails.get(key)
+        if buf is None or buf.shape[1] < L:
+            width = max(L, 256, 2 * buf.shape[1] if buf is not None else 0)
+            last = torch.arange(width - Q, width, device=device)[:, None]  # [Q, 1] position of each row
+            k = torch.arange(width, device=device)[None, :]
+            blocked = k > last
+            if self.sliding_window is not None:
+                blocked |= k <= last - self.sliding_window
+            buf = torch.zeros(Q, width, dtype=dtype, device=device).masked_fill_(blocked, float("-inf"))
+            self._tails[key] = buf
+        return buf[:, buf.shape[1] - L:]
 
     def _blocked(self, q_lens, kv_lens, Q, L, dev) -> torch.Tensor:
         """[B, Q, L] bool, True where query row r of sequence b must not see key j: row r sits at
@@ -216,11 +231,12 @@ class TorchAttentionBackend(AttentionBackend):
         parts = g.shape[0]
         if B == 1:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
             keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])
-            if meta.decode_blocked is None:  # one row: the G heads of a KV head along the query axis
+            if not meta.decode_masked:  # one row: the G heads of a KV head along the query axis
                 o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)
                 return o.reshape(1, Hkv * G * Dv)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                               attn_mask=meta.bias(q.dtype), scale=self.scale, enable_gqa=True)
+                                               attn_mask=self._tail_bias(Q, meta.decode_kv_len, q.dtype, q.device),
+                                               scale=self.scale, enable_gqa=True)
             return o[0].transpose(0, 1).reshape(Q, Hkv * G * Dv)
         if meta.pad_rows is not None:  # sequences with fewer rows than Q: pad to [B * Q]
             q = q.index_select(0, meta.pad_rows)

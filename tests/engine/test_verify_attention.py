@@ -119,3 +119,21 @@ def test_latent_cache_verification_reads_the_latent_as_key_and_value():
 def fresh_is_none(backend, meta) -> bool:
     """MLA attends decompressed only when every sequence's keys are its new tokens."""
     return backend.fresh_prefill_spans(meta) is None
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_one_sequence_mask_stays_right_aligned_as_its_cached_buffer_grows(window):
+    """The batch-1 mask is a view of a cached right-aligned buffer (256 keys wide at first): a
+    sequence longer than it regrows the buffer, and a shorter one after that still gets its own
+    causal limits."""
+    torch.manual_seed(4)
+    kv = KVCache(1, 160, P, HKV, D, torch.float32, "HND", "cpu")
+    backend = TorchAttentionBackend(kv, HQ, HKV, D, D ** -0.5, sliding_window=window)
+    free = list(range(159, -1, -1))
+    for kv_len in (18, 300, 21):
+        pages = [[free.pop() for _ in range(-(-kv_len // P))]]
+        hist = [(torch.randn(kv_len - 4, HKV, D), torch.randn(kv_len - 4, HKV, D))]
+        out, q, keys, values, _ = _step(backend, [4], [kv_len], pages, hist)
+        torch.testing.assert_close(out.double(), _reference(q, keys[0], values[0], kv_len, 4, window),
+                                   atol=1e-5, rtol=1e-5)
+        free.extend(pages[0])
