@@ -32,9 +32,9 @@ class _Prefill:
 
 # A sequence with at most this many new tokens over keys already cached attends in the batched
 # ("decode") path. A verification step (k + 1 tokens) took the per-sequence SDPA path with a
-# boolean mask before, which PyTorch converts to a float mask in every layer; with the mask built
-# once per step and the K/V gathered once for all rows, 5 positions cost about one decode's
-# attention (issue 16). Longer chunks keep SDPA's fused kernel (issue 20): a [q_len, L] score
+# boolean mask built in ``plan`` before, which PyTorch converts to a float mask in every layer;
+# now one sequence's mask is a view of a cached buffer (``_tail_bias``) and several sequences'
+# K/V are gathered once for all their rows (issue 16). Longer chunks keep SDPA's fused kernel (issue 20): a [q_len, L] score
 # matrix per head is what that kernel avoids materializing.
 MULTI_QUERY_MAX = 16
 
@@ -110,20 +110,22 @@ class TorchAttentionBackend(AttentionBackend):
     def _tail_bias(self, Q: int, L: int, dtype, device) -> torch.Tensor:
         """[Q, L] SDPA additive mask (0 / -inf) of one sequence's last Q rows over its L keys:
         row r sees keys up to L - Q + r (inside the window). The pattern only depends on the
-        distance from the end, so it is a column view of a cached, right-aligned [Q, width]
-        buffer: a step builds no mask (SDPA would convert a boolean one in every layer)."""
-        key = (Q, dtype, str(device))
+        distance from the end, so it is a view of one cached, right-aligned buffer of
+        MULTI_QUERY_MAX rows (its last Q rows, last L columns): a step builds no mask, where SDPA
+        would convert a boolean one in every layer. The buffer grows by doubling to the longest
+        sequence seen (MULTI_QUERY_MAX x 4 bytes per key in float32)."""
+        M, key = MULTI_QUERY_MAX, (dtype, str(device))
         buf = self._tails.get(key)
         if buf is None or buf.shape[1] < L:
             width = max(L, 256, 2 * buf.shape[1] if buf is not None else 0)
-            last = torch.arange(width - Q, width, device=device)[:, None]  # [Q, 1] position of each row
+            last = torch.arange(width - M, width, device=device)[:, None]  # [M, 1] position of each row
             k = torch.arange(width, device=device)[None, :]
             blocked = k > last
             if self.sliding_window is not None:
                 blocked |= k <= last - self.sliding_window
-            buf = torch.zeros(Q, width, dtype=dtype, device=device).masked_fill_(blocked, float("-inf"))
+            buf = torch.zeros(M, width, dtype=dtype, device=device).masked_fill_(blocked, float("-inf"))
             self._tails[key] = buf
-        return buf[:, buf.shape[1] - L:]
+        return buf[M - Q:, buf.shape[1] - L:]
 
     def _blocked(self, q_lens, kv_lens, Q, L, dev) -> torch.Tensor:
         """[B, Q, L] bool, True where query row r of sequence b must not see key j: row r sits at

@@ -130,10 +130,10 @@ def test_one_sequence_mask_stays_right_aligned_as_its_cached_buffer_grows(window
     kv = KVCache(1, 160, P, HKV, D, torch.float32, "HND", "cpu")
     backend = TorchAttentionBackend(kv, HQ, HKV, D, D ** -0.5, sliding_window=window)
     free = list(range(159, -1, -1))
-    for kv_len in (18, 300, 21):
+    for kv_len, n in ((18, 4), (300, 2), (21, 5)):  # one buffer serves every row count
         pages = [[free.pop() for _ in range(-(-kv_len // P))]]
-        hist = [(torch.randn(kv_len - 4, HKV, D), torch.randn(kv_len - 4, HKV, D))]
-        out, q, keys, values, _ = _step(backend, [4], [kv_len], pages, hist)
-        torch.testing.assert_close(out.double(), _reference(q, keys[0], values[0], kv_len, 4, window),
+        hist = [(torch.randn(kv_len - n, HKV, D), torch.randn(kv_len - n, HKV, D))]
+        out, q, keys, values, _ = _step(backend, [n], [kv_len], pages, hist)
+        torch.testing.assert_close(out.double(), _reference(q, keys[0], values[0], kv_len, n, window),
                                    atol=1e-5, rtol=1e-5)
         free.extend(pages[0])
