@@ -133,9 +133,9 @@ class AsyncEngine(LoopEvents):
                 if t.first_token is None:
                     self.metrics.time_to_first_token.observe(now - t.arrival)
                     t.first_token = now
+                    self.metrics.tokens_delivered(None, n)
                 else:
-                    for _ in range(n):
-                        self.metrics.inter_token_latency.observe((now - t.last_token) / n)
+                    self.metrics.tokens_delivered(now - t.last_token, n)
                 t.last_token = now
                 self.metrics.generation_tokens.inc(n)
             if out.finished:

@@ -40,7 +40,8 @@ class ServerMetrics:
         self.time_to_first_token = hist("pdkv_time_to_first_token_seconds",
                                         "Arrival of a request to its first generated token.", _TTFT_BUCKETS)
         self.inter_token_latency = hist("pdkv_inter_token_latency_seconds",
-                                        "Time between two consecutive generated tokens of one request.",
+                                        "Time between two consecutive generated tokens of one request "
+                                        "(tokens delivered together: the delta's gap, then 0 each).",
                                         _ITL_BUCKETS)
         self.queue_wait = hist("pdkv_request_queue_time_seconds",
                                "Arrival of a request to the first engine step that schedules it.", _TTFT_BUCKETS)
@@ -75,6 +76,29 @@ class ServerMetrics:
         self._model_name = model_name
         for reason in ("stop", "length", "abort", "error"):  # visible at 0 before the first one
             self._finished.labels(model_name, reason)
+
+    def tokens_delivered(self, gap: float | None, n: int) -> None:
+        """ITL accounting of one delta of ``n`` tokens that arrived ``gap`` seconds after the
+        request's previous token (None: the delta that carries the first token, whose wait is
+        TTFT). Per token: every token after a request's first contributes one gap, the delta's
+        first its whole gap and the others 0 (they arrived with it), so count = tokens - 1 per
+        request and sum = first-to-last-token time, with or without speculative decoding, and a
+        stalled step shows as one long gap, not smeared over the tokens it carried. This is the
+        A/B harness's client-side definition (pdkv/bench/ab/metrics.py ``itl_gaps``), so its
+        exact-count agreement holds when chunks carry several tokens.
+
+        vLLM differs: ``vllm:inter_token_latency_seconds`` gets one observation per engine step
+        that gave the request tokens (vllm/v1/metrics/stats.py ``IterationStats
+        .update_from_output``: the whole gap since the last step, however many tokens), and its
+        per-token view is the per-request ``vllm:request_time_per_output_token_seconds``
+        (decode time / (tokens - 1)). Without speculation (one token per step after the first)
+        the two count alike."""
+        if n <= 0:
+            return
+        if gap is not None:
+            self.inter_token_latency.observe(gap)
+        for _ in range(n - 1):
+            self.inter_token_latency.observe(0.0)
 
     def request_finished(self, reason: str | None) -> None:
         self._finished.labels(self._model_name, reason or "unknown").inc()

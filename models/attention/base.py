@@ -2,8 +2,9 @@
 
 A step's tokens are flattened: sequence ``i`` owns query tokens ``qo_indptr[i]:qo_indptr[i+1]``.
 Its keys after this step are its first ``kv_lens[i]`` tokens, held in pages ``page_ids[i]``.
-The runner puts sequences with one query token (decodes, and 1-token prefill chunks) first, so a
-backend can run them as one batch.
+The runner orders sequences by their number of query tokens: decodes (and 1-token prefill chunks)
+first, then short continuations (speculative verifications), then longer chunks, so a backend
+can run the leading ones as one batch.
 """
 
 from __future__ import annotations
@@ -31,14 +32,22 @@ def page_table(page_ids: list[list[int]], device) -> torch.Tensor:
     return torch.tensor([p + [0] * (width - len(p)) for p in page_ids], dtype=torch.long, device=device)
 
 
+# Steps with at most this many new tokens get their write slots from a Python loop: a dozen
+# small tensor ops cost more than the loop there (a verification step's k + 1 tokens).
+_LOOP_SLOTS = 64
+
+
 def write_slots(batch: AttentionBatch, table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each new token's K/V goes: (page [T], slot in page [T]), built without a Python
-    loop over tokens. table: page_table(batch.page_ids)."""
+    """Where each new token's K/V goes: (page [T], slot in page [T]); for many tokens built
+    without a Python loop over them. table: page_table(batch.page_ids)."""
     dev = table.device
-    if batch.num_decodes == len(batch.q_lens):  # decodes only: one slot per sequence, no tensor math
-        last = [n - 1 for n in batch.kv_lens]
-        return (torch.tensor([p[i // page_size] for p, i in zip(batch.page_ids, last)], device=dev),
-                torch.tensor([i % page_size for i in last], device=dev))
+    if batch.num_tokens <= _LOOP_SLOTS:
+        pages, slots = [], []
+        for q_len, kv_len, ids in zip(batch.q_lens, batch.kv_lens, batch.page_ids):
+            for i in range(kv_len - q_len, kv_len):
+                pages.append(ids[i // page_size])
+                slots.append(i % page_size)
+        return torch.tensor(pages, dtype=torch.long, device=dev), torch.tensor(slots, dtype=torch.long, device=dev)
     q_lens = torch.tensor(batch.q_lens, device=dev)
     starts = torch.tensor(batch.kv_lens, device=dev) - q_lens  # first new position per sequence
     seq = torch.repeat_interleave(torch.arange(len(batch.q_lens), device=dev), q_lens)  # [T]

@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: runs on the CPU and on a GPU.
 
-Decodes (one query token) run as one batch: their pages are gathered through a padded page
-table into [B, kv_heads, L, head_dim] and attended with one SDPA call under a length mask.
-Prefill chunks run per sequence, each as one 4-D SDPA call with ``enable_gqa`` (the fused
-kernel). Grouped-query attention never repeats K/V: decodes lay the ``group`` query heads that
+Decodes (one query token) and short continuations (a speculative verification's k + 1 tokens,
+a short chunk over cached keys) run as one batch: their pages are gathered once through a padded
+page table into [kv_heads, B, L, head_dim] and every query row attends under its own length
+(causal within the sequence's new tokens), with batched matmuls. Longer prefill chunks run per
+sequence, each as one 4-D SDPA call with ``enable_gqa`` (the fused kernel). Grouped-query attention never repeats K/V: decodes lay the ``group`` query heads that
 share a KV head along the query axis of their batched matmuls; SDPA does the same inside.
 A latent cache (MLA) is the same computation with one KV head and the values a slice of the
 keys (``_kv``): the latent is read once per step for every query head.
@@ -29,14 +30,28 @@ class _Prefill:
     mask: torch.Tensor | None  # [q_len, kv_len] bool (True: attend), or None: plain causal (q_len == kv_len)
 
 
+# A sequence with at most this many new tokens over keys already cached attends in the batched
+# ("decode") path. A verification step (k + 1 tokens) took the per-sequence SDPA path with a
+# boolean mask built in ``plan`` before, which PyTorch converts to a float mask in every layer;
+# now one sequence's mask is a view of a cached buffer (``_tail_bias``) and several sequences'
+# K/V are gathered once for all their rows (issue 16). Longer chunks keep SDPA's fused kernel (issue 20): a [q_len, L] score
+# matrix per head is what that kernel avoids materializing.
+MULTI_QUERY_MAX = 16
+
+
 @dataclass
 class TorchAttentionMeta:
     write_pages: torch.Tensor  # [T] long: page of each new token
     write_offsets: torch.Tensor  # [T] long: slot within that page
-    num_decodes: int
+    num_decodes: int  # sequences in the batched path (decodes and short continuations, first)
+    decode_tokens: int  # their query rows: the first decode_tokens of the step
+    decode_q: int  # query rows per sequence in the batched path (the longest; others padded)
     decode_pages: torch.Tensor | None  # [B * max_pages] long: the padded page table, flattened
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_pages * P] bool, None when B == 1
-    decode_kv_len: int  # kv length when B == 1 (no mask needed, keys are sliced)
+    decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out); None when B == 1
+    decode_masked: bool  # B == 1 and its rows need a mask (Q > 1, or keys beyond the window)
+    decode_kv_len: int  # kv length when B == 1 (keys are sliced)
+    pad_rows: torch.Tensor | None  # [B * Q] long: query row for each padded slot; None: no padding
+    unpad_rows: torch.Tensor | None  # [decode_tokens] long: padded slot of each query row
     prefills: list[_Prefill]
 
 
@@ -44,26 +59,39 @@ class TorchAttentionMeta:
 class TorchAttentionBackend(AttentionBackend):
     supports_latent = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tails: dict[tuple, torch.Tensor] = {}  # see _tail_bias
+
     def plan(self, batch: AttentionBatch) -> TorchAttentionMeta:
         P, dev, W = self.kv.page_size, self.kv.device, self.sliding_window
         table = page_table(batch.page_ids, dev)
         write_pages, write_offsets = write_slots(batch, table, P)
-        nd = batch.num_decodes
-        decode_pages = decode_mask = None
-        decode_kv_len = batch.kv_lens[0] if nd else 0
+        q_lens, kv_lens = batch.q_lens, batch.kv_lens
+        nd = 0  # the leading sequences that attend batched (the runner puts short ones first)
+        while nd < len(q_lens) and (q_lens[nd] == 1 or (q_lens[nd] <= MULTI_QUERY_MAX and kv_lens[nd] > q_lens[nd])):
+            nd += 1
+        Q = max(q_lens[:nd], default=0)
+        decode_pages = blocked = pad_rows = unpad_rows = None
+        decode_kv_len = kv_lens[0] if nd else 0
+        masked = False
         if nd:
             max_pages = max(len(p) for p in batch.page_ids[:nd])
             decode_pages = table[:nd, :max_pages].reshape(-1)  # [B * max_pages], row-major
-            needs_window = W is not None and max(batch.kv_lens[:nd]) > W
-            if nd > 1 or needs_window:
-                kv_lens = torch.tensor(batch.kv_lens[:nd], device=dev)
-                key = torch.arange(max_pages * P, device=dev)
-                mask = key[None, :] < kv_lens[:, None]
-                if needs_window:
-                    mask &= key[None, :] > (kv_lens[:, None] - 1 - W)
-                decode_mask = mask[:, None, None, :]
-        prefills, start = [], nd
-        for q_len, kv_len, pages in zip(batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_ids[nd:]):
+            needs_window = W is not None and max(kv_lens[:nd]) > W
+            if nd > 1:
+                blocked = self._blocked(q_lens[:nd], kv_lens[:nd], Q, max_pages * P, dev)
+            else:  # one sequence: its keys are sliced to kv_len, the mask is a cached view (_tail_bias)
+                masked = Q > 1 or needs_window
+            if any(n != Q for n in q_lens[:nd]):
+                pad, unpad, row = [], [], 0
+                for b, n in enumerate(q_lens[:nd]):
+                    pad.extend(row + min(r, n - 1) for r in range(Q))  # pads repeat the last row
+                    unpad.extend(range(b * Q, b * Q + n))
+                    row += n
+                pad_rows, unpad_rows = torch.tensor(pad, device=dev), torch.tensor(unpad, device=dev)
+        prefills, start = [], sum(q_lens[:nd])
+        for q_len, kv_len, pages in zip(q_lens[nd:], kv_lens[nd:], batch.page_ids[nd:]):
             mask = None
             if q_len != kv_len or (W is not None and kv_len > W):
                 q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)[:, None]
@@ -75,15 +103,47 @@ class TorchAttentionBackend(AttentionBackend):
                                      kv_len, mask))
             start += q_len
         return TorchAttentionMeta(
-            write_pages=write_pages, write_offsets=write_offsets,
-            num_decodes=nd, decode_pages=decode_pages, decode_mask=decode_mask,
-            decode_kv_len=decode_kv_len, prefills=prefills)
+            write_pages=write_pages, write_offsets=write_offsets, num_decodes=nd,
+            decode_tokens=sum(q_lens[:nd]), decode_q=Q, decode_pages=decode_pages, decode_blocked=blocked,
+            decode_masked=masked, decode_kv_len=decode_kv_len, pad_rows=pad_rows, unpad_rows=unpad_rows, prefills=prefills)
+
+    def _tail_bias(self, Q: int, L: int, dtype, device) -> torch.Tensor:
+        """[Q, L] SDPA additive mask (0 / -inf) of one sequence's last Q rows over its L keys:
+        row r sees keys up to L - Q + r (inside the window). The pattern only depends on the
+        distance from the end, so it is a view of one cached, right-aligned buffer of
+        MULTI_QUERY_MAX rows (its last Q rows, last L columns): a step builds no mask, where SDPA
+        would convert a boolean one in every layer. The buffer grows by doubling to the longest
+        sequence seen (MULTI_QUERY_MAX x 4 bytes per key in float32)."""
+        M, key = MULTI_QUERY_MAX, (dtype, str(device))
+        buf = self._tails.get(key)
+        if buf is None or buf.shape[1] < L:
+            width = max(L, 256, 2 * buf.shape[1] if buf is not None else 0)
+            last = torch.arange(width - M, width, device=device)[:, None]  # [M, 1] position of each row
+            k = torch.arange(width, device=device)[None, :]
+            blocked = k > last
+            if self.sliding_window is not None:
+                blocked |= k <= last - self.sliding_window
+            buf = torch.zeros(M, width, dtype=dtype, device=device).masked_fill_(blocked, float("-inf"))
+            self._tails[key] = buf
+        return buf[M - Q:, buf.shape[1] - L:]
+
+    def _blocked(self, q_lens, kv_lens, Q, L, dev) -> torch.Tensor:
+        """[B, Q, L] bool, True where query row r of sequence b must not see key j: row r sits at
+        position kv_len - q_len + r and sees keys up to it (inside the window); padding rows
+        (r >= q_len) repeat the last row, so no row is fully masked."""
+        last = torch.tensor([[n - q + min(r, q - 1) for r in range(Q)] for q, n in zip(q_lens, kv_lens)],
+                            device=dev)  # [B, Q] position of each row
+        key = torch.arange(L, device=dev)
+        blocked = key > last[..., None]
+        if self.sliding_window is not None:
+            blocked |= key <= last[..., None] - self.sliding_window
+        return blocked
 
     def fresh_prefill_spans(self, meta: TorchAttentionMeta) -> list[tuple[int, int]] | None:
         """[(start, end)] of every sequence when the step is only first prefill chunks (each
         sequence's keys are exactly its new tokens), else None. MLA attends such a step
         decompressed (models/mla.py) after ``write``."""
-        if meta.num_decodes or any(p.kv_len != p.end - p.start for p in meta.prefills):
+        if meta.num_decodes or any(p.kv_len != p.end - p.start for p in meta.prefills):  # batched rows have cached keys
             return None
         return [(p.start, p.end) for p in meta.prefills]
 
@@ -111,7 +171,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode(cache, q, meta, hnd)
         out = torch.empty(T, Hkv * G * Dv, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(cache, q[:meta.num_decodes], meta, hnd)
+            out[:meta.decode_tokens] = self._decode(cache, q[:meta.decode_tokens], meta, hnd)
         for p in meta.prefills:
             out[p.start:p.end] = self._prefill(cache, q, k, v, p, hnd)
         return out
@@ -167,19 +227,30 @@ class TorchAttentionBackend(AttentionBackend):
         return keys[:, :kv_len], values[:, :kv_len]
 
     def _decode(self, cache, q, meta, hnd):
-        """q: [B, Hq, D] one token per sequence → [B, Hq * Dv]."""
-        B, Hkv, G, D, Dv = q.shape[0], self.num_kv_heads, self.group, self.head_dim, self.value_dim
+        """q: [decode_tokens, Hq, D], each sequence's rows in order → [decode_tokens, Hq * Dv]."""
+        B, Q, Hkv, G, D, Dv = meta.num_decodes, meta.decode_q, self.num_kv_heads, self.group, self.head_dim, self.value_dim
         g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [parts, Hkv, B*maxp, P, D]
         parts = g.shape[0]
-        if meta.decode_mask is None:  # one sequence: slice its keys, no mask
+        if B == 1:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
             keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])
-            o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)
-            return o.reshape(1, Hkv * G * Dv)
-        # Many sequences: batched matmuls in the gathered [Hkv, B, L, D] order (no transpose copy
-        # of K/V); on the CPU this beats SDPA's masked path by ~30% at batch 32.
+            if not meta.decode_masked:  # one row: the G heads of a KV head along the query axis
+                o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)
+                return o.reshape(1, Hkv * G * Dv)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                               attn_mask=self._tail_bias(Q, meta.decode_kv_len, q.dtype, q.device),
+                                               scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(Q, Hkv * G * Dv)
+        if meta.pad_rows is not None:  # sequences with fewer rows than Q: pad to [B * Q]
+            q = q.index_select(0, meta.pad_rows)
+        # Batched matmuls in the gathered [Hkv, B, L, D] order (no transpose copy of K/V); the
+        # Q rows of a sequence and the G query heads of a KV head share one matmul row block
+        # ([Hkv, B, Q * G, D]), so K/V is read once per sequence. On the CPU this beats SDPA's
+        # masked path by ~30% at batch 32.
         keys, values = self._kv(g.view(parts, Hkv, B, -1, D))
-        qh = q.view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
-        scores.masked_fill_(~meta.decode_mask.view(1, B, 1, -1), float("-inf"))
-        o = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [Hkv, B, G, Dv]
-        return o.transpose(0, 1).reshape(B, Hkv * G * Dv)
+        qh = q.view(B, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, Q * G, D)
+        scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, Q * G, L]
+        L = scores.shape[-1]
+        scores.view(Hkv, B, Q, G, L).masked_fill_(meta.decode_blocked.view(1, B, Q, 1, L), float("-inf"))
+        o = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [Hkv, B, Q * G, Dv]
+        o = o.view(Hkv, B, Q, G, Dv).permute(1, 2, 0, 3, 4).reshape(B * Q, Hkv * G * Dv)
+        return o if meta.unpad_rows is None else o.index_select(0, meta.unpad_rows)

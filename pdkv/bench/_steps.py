@@ -6,8 +6,10 @@ named part; ``take()`` returns and resets the totals after a step. On the CPU ev
 synchronous, so a wall-clock interval around a call is that call's compute time.
 
 Parts (ms per step), each measured, not apportioned:
-  attn.decode   decode rows attending over their cached KV (the torch backend's ``_decode``)
-  attn.cached   a later chunk reading its earlier chunks' KV from the pages (``_gather``)
+  attn.decode   rows of the batched path attending over their cached KV (the torch backend's
+                ``_decode``): decodes, verifications, and later chunks of at most
+                models.attention.torch_backend.MULTI_QUERY_MAX tokens
+  attn.cached   a longer later chunk reading its earlier chunks' KV from the pages (``_gather``)
   attn.chunk    a chunk's attention kernel over [cached | new] keys (``_prefill`` minus the read)
   kv.write      the step's new K/V into their pages
   dense         q/k/v and o projections, rope (attention block minus the backend)

@@ -11,7 +11,9 @@ Decode tok/s = B * (new_tokens - 1) / time of the steps after every request's fi
 
 Verification cost: the model runner alone, at one request with a 128-token context, timing
 ``--iters`` steps that feed 1 token (a decode) and 1 + k tokens (a verification, k drafts
-scored), interleaved; medians compared.
+scored), interleaved; medians compared, in ``--verify-rounds`` rounds (the median round ratio is
+reported). With ``--threads 1`` it also prints the ratio of the steps' thread CPU time, which
+leaves out the time other processes held the core (a shared machine's noise).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,8 +47,27 @@ def _decode_time(engine, prompts, new_tokens):
     return time.perf_counter() - t, [outs[f"s{i}"] for i in range(len(prompts))]
 
 
-def verify_cost(engine, k: int, iters: int, context: int = 128) -> tuple[float, float]:
-    """Median seconds of a 1-token decode step and of a (1 + k)-token verification step."""
+@dataclass(frozen=True)
+class VerifyCost:
+    """Seconds per step, medians over the interleaved iterations: wall clock, and the calling
+    thread's CPU time (``time.thread_time``; with one torch thread all of a step's work runs on
+    it, so this excludes the time other processes held the core: steadier on a shared machine)."""
+    decode_s: float
+    verify_s: float
+    decode_cpu_s: float
+    verify_cpu_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.verify_s / self.decode_s
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.verify_cpu_s / self.decode_cpu_s
+
+
+def verify_cost(engine, k: int, iters: int, context: int = 128) -> VerifyCost:
+    """A 1-token decode step against a (1 + k)-token verification step of one request."""
     from pdkv.engine import SamplingParams
     from pdkv.engine.connector import KVConnector
     from pdkv.engine.request import Request, RequestStatus
@@ -58,19 +80,22 @@ def verify_cost(engine, k: int, iters: int, context: int = 128) -> tuple[float, 
     verify = runner.verify
     runner.verify = lambda logits, r, drafts: engine.spec.verifier.greedy(logits, drafts)
     runner.execute([ScheduledSeq(req, req.prompt_token_ids, 0, True)], conn)  # the context's KV
-    one, many = [], []
+    times = {"one": ([], []), "many": ([], [])}
     drafts = list(range(10, 10 + k))
     try:
-        for _ in range(iters):
-            for seqs, times in (([ScheduledSeq(req, [5], context, True)], one),
-                                ([ScheduledSeq(req, [5] + drafts, context, True, k)], many)):
-                t = time.perf_counter()
+        for i in range(iters + 5):  # the first 5 warm up
+            for seqs, name in (([ScheduledSeq(req, [5], context, True)], "one"),
+                               ([ScheduledSeq(req, [5] + drafts, context, True, k)], "many")):
+                t, c = time.perf_counter(), time.thread_time()
                 runner.execute(seqs, conn)
-                times.append(time.perf_counter() - t)
+                if i >= 5:
+                    times[name][0].append(time.perf_counter() - t)
+                    times[name][1].append(time.thread_time() - c)
     finally:
         runner.verify = verify
         engine.allocator.free(req.pages)
-    return statistics.median(one), statistics.median(many)
+    med = statistics.median
+    return VerifyCost(med(times["one"][0]), med(times["many"][0]), med(times["one"][1]), med(times["many"][1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=96, help="m: greedy output tokens put in the prompt")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="runs per engine and batch; best kept")
-    ap.add_argument("--iters", type=int, default=30, help="steps timed for the verification cost")
+    ap.add_argument("--iters", type=int, default=30, help="steps timed for the verification cost, per round")
+    ap.add_argument("--verify-rounds", type=int, default=3,
+                    help="rounds of the verification cost; each prints its ratio, the median is reported")
+    ap.add_argument("--verify-only", action="store_true", help="measure the verification cost only")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="bench-results/spec.json")
     a = ap.parse_args(argv)
@@ -132,11 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {a.model}, {a.threads} threads, method {a.method} k={a.num_tokens} "
           f"{('draft ' + a.draft) if a.method == 'draft' else ''}, "
           f"load average {os.getloadavg()[0]:.1f}")
-    t_one, t_many = verify_cost(spec, a.num_tokens, a.iters)
+    rounds = []
+    for r in range(a.verify_rounds):
+        c = verify_cost(spec, a.num_tokens, a.iters)
+        rounds.append(c)
+        cpu = f", thread CPU time {c.cpu_ratio:.2f}x" if a.threads == 1 else ""
+        print(f"  round {r + 1}: decode step {c.decode_s * 1e3:.2f} ms, verification of {a.num_tokens + 1} "
+              f"positions {c.verify_s * 1e3:.2f} ms -> {c.ratio:.2f}x{cpu}", flush=True)
+    ratio = statistics.median(c.ratio for c in rounds)
+    cpu_ratio = statistics.median(c.cpu_ratio for c in rounds)
+    t_one, t_many = statistics.median(c.decode_s for c in rounds), statistics.median(c.verify_s for c in rounds)
     print(f"batch 1: decode step {t_one * 1e3:.2f} ms, verification of {a.num_tokens + 1} positions "
-          f"{t_many * 1e3:.2f} ms -> {t_many / t_one:.2f}x (target <= 1.3x)", flush=True)
+          f"{t_many * 1e3:.2f} ms -> {ratio:.2f}x, median of {len(rounds)} same-run rounds (target <= 1.3x)"
+          + (f"; thread CPU time {cpu_ratio:.2f}x" if a.threads == 1 else ""), flush=True)
     results = []
-    for b in sizes:
+    for b in ([] if a.verify_only else sizes):
         bases = [torch.randint(0, V, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         greedy = SamplingParams(max_tokens=a.prefix_tokens + a.new_tokens, temperature=0, ignore_eos=True)
         outs = [o.output_token_ids for o in plain.generate(bases, greedy)]
@@ -162,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{' '.join(f'{x:.2f}' for x in row['acceptance_rate_per_pos'])}", flush=True)
     report = {"bench": "spec", "model": a.model, "method": a.method, "draft": draft.path or None, "num_tokens": a.num_tokens,
               "threads": a.threads, "load_average_1m": os.getloadavg()[0],
-              "verify_cost": {"decode_ms": t_one * 1e3, "verify_ms": t_many * 1e3, "ratio": t_many / t_one},
+              "verify_cost": {"decode_ms": t_one * 1e3, "verify_ms": t_many * 1e3, "ratio": ratio,
+                              "cpu_ratio": cpu_ratio if a.threads == 1 else None,
+                              "round_ratios": [c.ratio for c in rounds]},
               "results": results}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """The model runner: scheduled sequences in, sampled token ids out. The only engine part that
 builds tensors.
 
-Sequences with one new token (decodes, 1-token chunks) go first so the attention backend can run
-them as one batch; logits are computed only for rows that sample.
+Sequences go in order of their new tokens: decodes (and 1-token chunks) first, then short
+continuations (speculative verifications), so the attention backend can run the leading ones as
+one batch; logits are computed only for rows that sample.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from pdkv.engine.threads import ThreadTuner
 # measurements found the other cores busy (ThreadTuner.choose_large; issue 20: on the busy 2-core
 # box a 132-token mixed step took 7x longer on 2 threads than on 1).
 SMALL_STEP_TOKENS = 4
+# Steps up to this many tokens (a verification of k + 1 drafts at batch 1, a few decodes beside
+# one) are memory-bound as well: they take the small steps' verdict (ThreadTuner.best) without
+# being probed or recorded. Before, a 5-row verification counted as large and ran on every
+# thread while the decodes beside it had measured one thread faster.
+MEMORY_BOUND_TOKENS = 16
 
 
 class ModelRunner:
@@ -50,7 +56,7 @@ class ModelRunner:
         layer and after it; returns {request_id: new tokens} for the sequences whose ``sample``
         is set: one sampled token, or for a sequence with drafts what ``self.verify`` kept of
         them plus the target's next token (speculative decoding, pdkv/engine/spec)."""
-        seqs = sorted(seqs, key=lambda s: len(s.token_ids) != 1)  # stable: decodes first
+        seqs = sorted(seqs, key=lambda s: len(s.token_ids))  # stable: decodes first, then verifications
         num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
         ids, positions, q_lens, kv_lens, sample_rows, sampled, entries = [], [], [], [], [], [], []
         for s in seqs:
@@ -65,7 +71,12 @@ class ModelRunner:
                 sampled.append(s)
         tuned = self.device.type == "cpu" and len(ids) <= SMALL_STEP_TOKENS
         if self.device.type == "cpu":
-            threads = self.tuner.choose() if tuned else self.tuner.choose_large()
+            if tuned:
+                threads = self.tuner.choose()
+            elif len(ids) <= MEMORY_BOUND_TOKENS:
+                threads = self.tuner.best()
+            else:
+                threads = self.tuner.choose_large()
             self._set_threads(threads)
             t0 = time.perf_counter()
         batch = AttentionBatch(q_lens, kv_lens, [s.request.pages for s in seqs], num_decodes)

@@ -61,6 +61,14 @@ class ThreadTuner:
         else:
             self.avg[threads] = old + self.alpha * (seconds - old)
 
+    def best(self) -> int:
+        """The faster thread count on the small steps so far, without probing and not to be
+        recorded: for steps a little larger than the tuned ones (a speculative verification's
+        k + 1 rows), which are memory-bound too but cost more than a decode, so their times
+        would bias the decode averages. Nothing measured yet: every thread."""
+        measured = [n for n in self.candidates if n in self.avg]
+        return min(measured, key=self.avg.__getitem__) if measured else self.candidates[-1]
+
     def choose_large(self) -> int:
         """The thread count for a compute-bound step: every thread, unless the small steps
         measured every thread more than ``contended_ratio`` x slower than one."""

@@ -23,14 +23,16 @@ def test_run_one_records_every_token_and_times_the_parts_that_ran(tiny_model_dir
                         arrival_gap_s=0.0)
     streams = [[5, 6, 7], [8, 9, 10, 11]]
     prompts = [list(range(3, 83)), list(range(90, 170))]  # 80 tokens each
-    runs = {c: run_one(engine, clock, c, c + 4, prompts, streams, a) for c in (80, 32)}
+    # chunks of 40: the later chunk is longer than the torch backend's batched path takes
+    # (MULTI_QUERY_MAX), so it reads its cached pages in the per-chunk path timed as attn.cached
+    runs = {c: run_one(engine, clock, c, c + 4, prompts, streams, a) for c in (80, 40)}
 
-    assert runs[80]["outputs"] == runs[32]["outputs"]  # chunking never changes tokens
+    assert runs[80]["outputs"] == runs[40]["outputs"]  # chunking never changes tokens
     for chunk, r in runs.items():
         assert len(r["itl"]) == len(streams) * (a.stream_tokens - 1)
         assert len(r["ttft"]) == len(prompts) and min(r["ttft"]) > 0
         prefill = [s for s in r["steps"] if s["prefill_tokens"]]
-        assert len(prefill) == len(prompts) * -(-80 // chunk)  # 1 step per prompt whole, 3 chunked
+        assert len(prefill) == len(prompts) * -(-80 // chunk)  # 1 step per prompt whole, 2 chunked
         for s in r["steps"]:
             assert set(s["parts"]) == set(PARTS) and s["parts"]["book"] >= 0
             assert sum(s["parts"].values()) == pytest.approx(s["ms"])

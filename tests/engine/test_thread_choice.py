@@ -76,3 +76,35 @@ def test_a_mixed_step_runs_on_one_thread_when_decodes_measured_busy_cores(tiny_m
     finally:
         engine.connector.after_layer = None
         torch.set_num_threads(before)
+
+
+def test_a_verification_step_follows_the_decodes_verdict_without_being_recorded(tiny_model_dir):
+    """Issue 16: a 5-row verification (k = 4 drafts) is memory-bound like a decode: it runs on
+    the thread count the decode steps measured faster, and its (longer) time does not enter
+    their averages. Before, it counted as a large step and ran on every thread unless every
+    thread had measured 1.5x slower than one (2 threads 1.2x slower here: one thread now)."""
+    from pdkv.engine import LLMEngine
+    from pdkv.engine.connector import KVConnector
+    from pdkv.engine.request import Request, RequestStatus
+    from pdkv.engine.scheduler import ScheduledSeq
+
+    engine = LLMEngine(ModelConfig(path=str(tiny_model_dir)), KVCacheConfig(page_size=16, num_pages=16),
+                       SchedulerConfig(max_num_batched_tokens=64, chunk_size=32), num_threads=2)
+    runner, conn = engine.runner, KVConnector()
+    req = Request("v", list(range(3, 19)), SamplingParams(temperature=0), None)
+    req.pages, req.status = engine.allocator.allocate(2), RequestStatus.RUNNING
+    runner.verify = lambda logits, r, drafts: [int(logits[0].argmax())]  # keeps no draft
+    seen = []
+    conn.after_layer = lambda layer: seen.append(torch.get_num_threads())
+    before = torch.get_num_threads()
+    try:
+        runner.execute([ScheduledSeq(req, req.prompt_token_ids, 0, True)], conn)
+        for avg, want in (({1: 0.010, 2: 0.012}, 1), ({1: 0.010, 2: 0.006}, 2)):
+            runner.tuner.avg = dict(avg)
+            seen.clear()
+            runner.execute([ScheduledSeq(req, [5, 6, 7, 8, 9], 16, True, 4)], conn)
+            assert seen and set(seen) == {want}, (avg, seen)
+            assert runner.tuner.avg == avg  # not recorded
+    finally:
+        torch.set_num_threads(before)
+        engine.allocator.free(req.pages)

@@ -18,6 +18,9 @@ def test_stream_and_metrics_with_ngram(api, spec_served, reference_engine):
     from pdkv.engine import SamplingParams
 
     s = spec_served
+    s.wait_idle()
+    itl = "pdkv_inter_token_latency_seconds"
+    itl_before = (api.metric(s.url, itl + "_count"), api.metric(s.url, itl + "_bucket", le="0.001"))
     prompt = "Hello"
     body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     chunks = api.stream(s.url, "/v1/completions", body)
@@ -25,8 +28,12 @@ def test_stream_and_metrics_with_ngram(api, spec_served, reference_engine):
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
     assert ids == want.output_token_ids
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want.text
-    assert max(len(c["choices"][0].get("token_ids") or []) for c in chunks[:-1]) >= 2
+    sizes = [len(c["choices"][0].get("token_ids") or []) for c in chunks[:-1]]
+    assert max(sizes) >= 2
     s.wait_idle()
+    # Per-token ITL: 59 gaps for 60 tokens; each multi-token chunk's tokens after its first are 0 gaps.
+    assert api.metric(s.url, itl + "_count") - itl_before[0] == 60 - 1
+    assert api.metric(s.url, itl + "_bucket", le="0.001") - itl_before[1] >= sum(n - 1 for n in sizes if n)
     drafts = api.metric(s.url, "pdkv_spec_decode_num_draft_tokens_total")
     accepted = api.metric(s.url, "pdkv_spec_decode_num_accepted_tokens_total")
     steps = api.metric(s.url, "pdkv_spec_decode_num_drafts_total")
@@ -67,3 +74,27 @@ def test_client_disconnect_mid_speculation_frees_every_page(api, spec_served):
     assert held[0] > 0
     s.wait_idle()  # every page back, no unfinished request
     assert api.metric(s.url, "pdkv_spec_decode_num_drafts_total") > 0
+
+
+def test_itl_counts_every_token_of_a_delta_and_the_gap_once():
+    """The ITL histogram's accounting of multi-token deltas (server/metrics.py
+    ``tokens_delivered``): the first delta's extra tokens are 0 gaps, a later delta of m tokens
+    after a gap g is g once and m - 1 zeros (smearing g / m over m tokens, as before, hid a
+    stalled step: here a 0.2 s gap would have shown as four 0.05 s ones)."""
+    from server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+
+    def sample(suffix, **labels):
+        return m.registry.get_sample_value("pdkv_inter_token_latency_seconds" + suffix,
+                                           {"model_name": "m", **labels})
+
+    m.tokens_delivered(None, 3)  # the first delta: TTFT's, plus two tokens that came with it
+    assert (sample("_count"), sample("_sum")) == (2, 0.0)
+    m.tokens_delivered(0.2, 4)  # a verification step that kept 3 drafts + the target's token
+    m.tokens_delivered(0.01, 1)
+    assert sample("_count") == 7 and abs(sample("_sum") - 0.21) < 1e-12
+    assert sample("_bucket", le="0.001") == 5  # 2 + 3 zeros
+    assert sample("_bucket", le="0.1") == 6 and sample("_bucket", le="0.2") == 7
+    m.tokens_delivered(0.5, 0)  # an empty delta (a finish without tokens) counts nothing
+    assert sample("_count") == 7
