@@ -9,6 +9,14 @@ from typing import Any
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_TOKENS, ROLES, SPEC_METHODS, TRANSPORTS,
                                   Config, ConfigError)
 
+# Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
+# a prefill node never samples, so it takes only methods whose proposer needs prefill-side work.
+ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": ("ngram",), "prefill": ()}
+_ROLE_SPEC_WHY = {"colocated": "",
+                  "decode": "the prefill node does not yet hand off the state mtp and draft need",
+                  "prefill": "the prefill node never samples: ngram needs nothing from it, and mtp / draft are not "
+                             "handed off yet"}
+
 
 def _cpus_ok(text: str) -> bool:
     from pdkv.cpus import parse_cpu_list
@@ -105,8 +113,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         if sp.draft_model.path and check_paths:
             need(Path(sp.draft_model.path).is_dir(), "speculative.draft_model.path",
                  "a local Hugging Face model folder that exists", sp.draft_model.path)
-        need(cfg.role == "colocated", "speculative.method",
-             "null for disaggregated roles (speculative decoding is colocated only for now)", sp.method)
+        allowed = ROLE_SPEC_METHODS.get(cfg.role, ())
+        need(sp.method in allowed, "speculative.method",
+             f"one of {', '.join(allowed)} or null for role {cfg.role} ({_ROLE_SPEC_WHY[cfg.role]})" if allowed
+             else f"null for role {cfg.role} ({_ROLE_SPEC_WHY.get(cfg.role, '')})", sp.method)
     if cfg.role in ("prefill", "decode"):
         # NOTE: the transports read and write KV pages as host memory; GPU KV caches need GPUDirect
         # RDMA registration (cuMem export to the NIC), which the disaggregated roles do not do yet.

@@ -188,6 +188,8 @@ class LLMEngine:
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise InvalidRequest(f"request {request_id!r} is {req.status.value}, not waiting for remote KV")
         self.scheduler.remote_ready(req)
+        if self.spec is not None:  # the first decode step verifies drafts already
+            self.spec.draft([req])
 
     def in_transfer(self, request_id: str) -> bool:
         """Whether a transfer may still touch the request's pages (remote KV still arriving, or a
