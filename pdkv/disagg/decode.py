@@ -107,7 +107,7 @@ class DecodeCoordinator:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
+        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative)
         await self.links.start(self.hello)
 
     async def stop(self) -> None:

@@ -98,7 +98,7 @@ class PrefillCoordinator(LoopEvents):
     async def start(self) -> int:
         """Start the engine thread and the control listener; returns the control port."""
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport)
+        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative)
         self.engine_loop.start()
         self._server = await asyncio.start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port)
         self.port = self._server.sockets[0].getsockname()[1]

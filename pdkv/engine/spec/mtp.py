@@ -29,6 +29,9 @@ from pdkv.engine.request import Request
 from pdkv.kv import KVCache, PageAllocator
 
 
+NUM_MTP_LAYERS = 1  # drafts chain the checkpoint's first MTP layer (SGLang's and vLLM's default)
+
+
 class MTPModule(nn.Module):
     def __init__(self, cfg, dtype):
         super().__init__()
@@ -102,7 +105,7 @@ class MTPProposer:
                               f"has num_nextn_predict_layers={arch.num_nextn_predict_layers}")
         mc = parts.model_config
         module = load_mtp(Path(path), arch, parts.loaded.dtype, torch.device(mc.device))
-        kv = KVCache(1, parts.kv.num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
+        kv = KVCache(NUM_MTP_LAYERS, parts.kv.num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
                      parts.loaded.dtype, parts.kv.layout, torch.device(mc.device))
         backend = get_backend(mc.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                     arch.head_dim ** -0.5, arch.sliding_window)
