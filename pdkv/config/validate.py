@@ -11,11 +11,11 @@ from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
 # a prefill node never samples, so it takes only methods whose proposer needs prefill-side work.
-ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": ("ngram",), "prefill": ()}
-_ROLE_SPEC_WHY = {"colocated": "",
-                  "decode": "the prefill node does not yet hand off the state mtp and draft need",
-                  "prefill": "the prefill node never samples: ngram needs nothing from it, and mtp / draft are not "
-                             "handed off yet"}
+# (mtp / draft: the prefill node also runs the MTP layer / prefills the draft model over the
+# prompt and streams their KV, pdkv/disagg/spec_handoff.py)
+ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": SPEC_METHODS, "prefill": ("draft", "mtp")}
+_ROLE_SPEC_WHY = {"colocated": "", "decode": "",
+                  "prefill": "the prefill node never samples; ngram needs nothing from it"}
 
 
 def _cpus_ok(text: str) -> bool:

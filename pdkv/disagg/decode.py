@@ -40,6 +40,7 @@ from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
+from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
 from pdkv.shard import request_seed
@@ -81,18 +82,28 @@ class DecodeCoordinator:
         self.mcfg = cfg.messenger
         self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
         num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
-        hidden = int(engine.loaded.arch.hidden_size)
-        self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
-        self.hidden_nbytes = hidden * self.hidden.element_size()
+        # what the prefill node prepares for this node's proposer (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        self.hidden_size = hidden = int(engine.loaded.arch.hidden_size)
+        # [slots, hidden_size x parts]: h_{n-2}, and o_{n-2} of the MTP layer with its hand-off
+        self.hidden = torch.zeros(num_rows, hidden * row_parts(self.handoff), dtype=engine.loaded.dtype)
+        self.hidden_nbytes = self.hidden.shape[1] * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows)
+        narrow = messenger.transport != "verbs"
         self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes,
-                                    narrow=messenger.transport != "verbs")
+                                    narrow=narrow)
+        self.spec = self.spec_grants = None
+        proposer = handoff_proposer(engine, self.handoff)
+        if proposer is not None:
+            self.spec = DecodeHandoff(proposer, messenger)
+            self.spec_grants = RequestGrants(messenger, [self.spec.key], self.spec.geometry, self.hidden_key,
+                                             self.hidden_nbytes, narrow=narrow)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
-                                  secret)
+                                  secret, spec_key=self.spec.key if self.spec is not None else None)
         self._rr = 0
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
@@ -102,7 +113,7 @@ class DecodeCoordinator:
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
-        self.connector = DecodeConnector(self, self.rows)
+        self.connector = DecodeConnector(self, self.rows, self.spec)
         engine.set_connector(self.connector)
 
     async def start(self) -> None:
@@ -128,8 +139,10 @@ class DecodeCoordinator:
             pass
 
     # ---- requests (loop thread) ------------------------------------------------------------
-    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int) -> None:
-        """The engine admitted ``rid`` with ``pages`` and hidden-state row ``row`` (the connector)."""
+    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, spec: dict | None = None) -> None:
+        """The engine admitted ``rid`` with ``pages`` and hidden-state row ``row`` (the connector);
+        ``spec``: PREFILL's speculative hand-off fields (spec_pages, next_token), or None."""
+        spec = spec or {}
         live = self.links.live()
         if not live:
             self.rows.give_back(row)
@@ -142,6 +155,12 @@ class DecodeCoordinator:
         grantee = peer.channel.peer.node_id
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
             granted = self.grants.grant(grantee, pages, row)
+            if "spec_pages" in spec:
+                try:
+                    granted += self.spec_grants.grant(grantee, spec["spec_pages"], None)
+                except BaseException:
+                    self.grants.revoke(grantee, granted)
+                    raise
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self.rows.give_back(row)
@@ -150,10 +169,14 @@ class DecodeCoordinator:
             return
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
-        slot = Slot(imm, rid, peer, len(pages), row,
-                    expected_writes(plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
+        num_layers = self.engine.kv.num_layers
+        slot = Slot(imm, rid, peer, len(pages), row, expected_writes(plan, len(pages), num_layers), time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
-        slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
+        slot.nbytes = len(pages) * seg_bytes * num_layers + self.hidden_nbytes
+        if "spec_pages" in spec:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
+            writes, nbytes = self.spec.expected_writes(len(spec["spec_pages"]), seed)
+            slot.expected += writes
+            slot.nbytes += nbytes
         slot.grantee, slot.grants = grantee, tuple(granted)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
@@ -162,7 +185,7 @@ class DecodeCoordinator:
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "pages": pages, "imm": imm,
                           "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed})
+                          "seed": seed, **spec})
 
     def _send(self, peer: Peer, msg: dict) -> None:
         async def send():
@@ -196,9 +219,12 @@ class DecodeCoordinator:
         self.metrics.kv_bytes.inc(slot.nbytes)
         self._exposed(slot.rid, landed=time.time())
         if self.keep_hidden:  # the last few, for tests and debugging (bounded)
-            self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
+            self.hidden_states[slot.rid] = self.hidden[slot.hidden_row, :self.hidden_size].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
+        if self.spec is not None:  # NOTE: a copy: the row goes to another request once the grants are gone
+            tail = self.hidden[slot.hidden_row, self.hidden_size:]
+            self.spec.landed(slot.rid, tail.clone() if tail.numel() else None)
         # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke)
         self._free(slot, release=False, then=RemoteKVReady(slot.rid))
 

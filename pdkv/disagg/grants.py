@@ -46,8 +46,10 @@ class RequestGrants:
         self.m, self.kv_keys, self.g = messenger, list(kv_keys), geometry
         self.hidden_key, self.hidden_nbytes, self.narrow = hidden_key, hidden_nbytes, narrow
 
-    def ranges(self, pages, hidden_row: int) -> list[Range]:
-        out = [Range(self.hidden_key, hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
+    def ranges(self, pages, hidden_row: int | None) -> list[Range]:
+        """``hidden_row`` None: the pages only (a region without a hidden-state row)."""
+        out = [] if hidden_row is None else [Range(self.hidden_key, hidden_row * self.hidden_nbytes,
+                                                   self.hidden_nbytes)]
         for key in self.kv_keys:
             for layer in range(self.g.num_layers):
                 base = layer * self.g.layer_nbytes
@@ -55,7 +57,7 @@ class RequestGrants:
                         for first, count in page_runs(pages)]
         return out
 
-    def grant(self, peer: int, pages, hidden_row: int) -> list[Range]:
+    def grant(self, peer: int, pages, hidden_row: int | None) -> list[Range]:
         """Grant ``peer`` the request's ranges (none when not narrow); on an error the ones
         already granted are revoked and the error raised."""
         if not self.narrow:

@@ -71,6 +71,10 @@ class Job:
     t_first: float | None = None  # first chunk queued (time.perf_counter)
     t_end: float | None = None  # end of its last forward pass (time.time, for DONE_AT)
     staging: int | None = None  # its hidden-state staging row, reserved at admission
+    # the speculative hand-off (pdkv/disagg/spec_handoff.py): the decode node's proposer pages,
+    # one per page, and for mtp the held-back last prompt token; None without it
+    next_token: int | None = None
+    spec_pages: np.ndarray | None = None
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

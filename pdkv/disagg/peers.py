@@ -37,11 +37,14 @@ class Peer:
 
 
 class PrefillPeers:
-    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None):
+    def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None,
+                 spec_key: int | None = None):
         """``mcfg``: the messenger config section (prefill_peers, timeouts); ``kv``: the node's
         NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's;
-        ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None."""
+        ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None;
+        ``spec_key``: the proposer cache's region with a speculative hand-off (pdkv/disagg/spec_handoff.py)."""
         self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
+        self.spec_key = spec_key
         self.secret = secret
         # NOTE: Messenger.complete() may block for seconds (a data address that never answers):
         # it runs here, never on the event loop, one thread per peer at most
@@ -76,13 +79,14 @@ class PrefillPeers:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
-            keys, hidden_key = self.kv.keys, self.hidden_key
+            keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key
             if self.m.transport == "verbs":  # whole-region grants in the peer's own protection domain
                 keys = [self.m.grant(k, ch.peer.node_id) for k in keys]
                 hidden_key = self.m.grant(self.hidden_key, ch.peer.node_id)
+                spec_key = self.m.grant(spec_key, ch.peer.node_id) if spec_key is not None else None
             # else: nothing yet; each PREFILL grants its own pages (pdkv/disagg/grants.py)
             await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
-                           "hidden_key": hidden_key})
+                           "hidden_key": hidden_key, **({"spec_key": spec_key} if spec_key is not None else {})})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
             if msg["type"] == P.REFUSE:
                 raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")

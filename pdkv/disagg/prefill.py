@@ -32,6 +32,8 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
+from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
+from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields, parse_fields as parse_spec_fields
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages
@@ -55,6 +57,10 @@ class Link:
     plan: ShardPlan  # this node's ShardSpec -> the decode node's (agreed in the handshake)
     jobs: dict = field(default_factory=dict)  # req id -> Job
     dead: bool = False
+    # the speculative hand-off: the decode node's proposer cache region, its layout and pages
+    spec_rkey: int = 0
+    spec_dst: Geometry | None = None
+    spec_num_pages: int = 0
 
 
 class PrefillCoordinator(LoopEvents):
@@ -68,7 +74,9 @@ class PrefillCoordinator(LoopEvents):
         self.mcfg = cfg.messenger
         self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
         hidden = int(engine.loaded.arch.hidden_size)
-        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden, engine.loaded.dtype)
+        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes
         buf = self.staging.buffer
         self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
@@ -76,8 +84,12 @@ class PrefillCoordinator(LoopEvents):
         self.watch = messenger.watch_address(self.counter.host_address)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
+        proposer = handoff_proposer(engine, self.handoff)
+        self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
+            if proposer is not None else None
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics)
+                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
+                                          spec=self.spec)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
         self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
@@ -156,6 +168,7 @@ class PrefillCoordinator(LoopEvents):
             if msg["type"] != P.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
             rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
+            spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.spec is not None else None
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
             try:
                 await self._complete(conn, info_in)
@@ -175,6 +188,8 @@ class PrefillCoordinator(LoopEvents):
             return
         link = Link(ch, conn, rkeys, hidden_key,
                     Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
+        if self.spec is not None:  # the handshake made sure the peer expects the hand-off
+            link.spec_rkey, link.spec_dst, link.spec_num_pages = spec_fields
         self.links.append(link)
         log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
                  source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
@@ -222,8 +237,17 @@ class PrefillCoordinator(LoopEvents):
                               "reason": f"malformed PREFILL: {e}", "posted": 0})
             return
         tokens, pages, imm, hidden_off, seed = fields
+        spec = None
+        if self.spec is not None:
+            try:
+                spec = parse_spec_fields(msg, self.handoff, len(pages), link.spec_num_pages)
+            except ValueError as e:
+                self._send(link, {"type": P.FAIL, "req": req, "reason": f"malformed PREFILL: {e}", "posted": 0})
+                return
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
                   next(self._tags), time.perf_counter(), seed)
+        if spec is not None:
+            job.next_token, job.spec_pages = spec
         try:
             self.jobs.add(job)
         except DuplicateJob as e:

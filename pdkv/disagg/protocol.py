@@ -6,11 +6,13 @@ proposer), which both sides compare field by field.
 
 Messages (msgpack maps over pdkv.control, after HELLO):
 
-  decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
-                     kv_keys: one region key per decode rank (kv_key = kv_keys[0])
+  decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key[, spec_key]}  data-path set-up
+                     (prepare/complete); kv_keys: one region key per decode rank (kv_key =
+                     kv_keys[0]); spec_key: the proposer cache with a speculative hand-off
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
-  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed}
-                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req))
+  decode -> prefill  PREFILL{req, tokens, pages, imm, hidden_off, expected, seed[, spec_pages, next_token]}
+                     seed: the request's replica-assignment seed (pdkv.shard.request_seed(req));
+                     spec_pages / next_token: the speculative hand-off (pdkv/disagg/spec_handoff.py)
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)
@@ -140,6 +142,12 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
     from pdkv.tp import shard_spec  # noqa: PLC0415
 
     kv = engine.kv
+    handoff = spec_handoff(speculative, engine)
+    spec_extra = {}
+    if handoff:  # the byte layout of the proposer cache the hand-off writes
+        from pdkv.disagg.spec_handoff import handoff_proposer, spec_wire  # noqa: PLC0415
+
+        spec_extra["spec_kv"] = spec_wire(handoff_proposer(engine, handoff))
     return Hello(node_id=node_id, role=role,
                  model_fingerprint=model_fingerprint(engine.config, checkpoint_shapes(engine)),
                  dtype=dtype_name(engine), kv_layout=kv.layout, page_size=kv.page_size,
@@ -147,5 +155,5 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),
-                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire()},
-                 speculative=spec_handoff(speculative, engine))
+                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra},
+                 speculative=handoff)

@@ -218,6 +218,7 @@ class LLMEngine:
     def release(self, request_id: str) -> int:
         """Frees the pages held for ``request_id`` (quarantined or prefilled); returns how many.
         NOTE: call it only when no write to or from those pages can still be in flight."""
+        self.connector.released(request_id)
         entry = self._held.pop(request_id, None)
         if entry is None:
             return 0

@@ -218,7 +218,7 @@ def test_unknown_method_fails_at_start(tiny_model_dir):
 
 
 def test_config_refuses_speculation_on_disaggregated_roles_and_bad_draft_settings(tmp_path):
-    with pytest.raises(ConfigError, match="speculative.method must be null for role prefill"):
+    with pytest.raises(ConfigError, match="speculative.method must be one of draft, mtp or null for role prefill"):
         config_from_dict({"role": "prefill", "speculative": {"method": "ngram"}})
     with pytest.raises(ConfigError, match="speculative.draft_model.path must be a local Hugging Face model folder"):
         config_from_dict({"speculative": {"method": "draft"}})
