@@ -30,12 +30,14 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                  progress: Callable[[int, int], None] | None = None, kv_buffer=None,
-                 num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None):
+                 num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None,
+                 spec_drafts: bool = True):
         """Loads the model and wires the parts (pdkv/engine/factory.py: ``kv_buffer``,
         ``num_threads``, ``parallel`` are explained there); ``build_engine(cfg)`` is the usual way.
-        ``speculative``: speculative decoding (pdkv/engine/spec); None: off."""
+        ``speculative``: speculative decoding (pdkv/engine/spec); None: off. ``spec_drafts``:
+        False on a prefill node (its proposer only computes what it hands off)."""
         p = build_parts(model, kv_cache, scheduler, progress, kv_buffer, num_threads, parallel)
-        self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator)  # None: off
+        self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator, spec_drafts)  # None: off
         if self.spec is not None:
             p.runner.verify = self.spec.verify
         self.model_config, self.kv_config, self.scheduler_config = model, kv_cache, scheduler
@@ -55,6 +57,7 @@ class LLMEngine:
     def from_config(cls, cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:
         kw.setdefault("parallel", cfg.parallel)
         kw.setdefault("speculative", cfg.speculative)
+        kw.setdefault("spec_drafts", cfg.role != "prefill")
         return cls(cfg.model, cfg.kv_cache, cfg.scheduler, progress, **kw)
 
     def set_connector(self, connector: KVConnector | None) -> None:

@@ -135,3 +135,21 @@ def test_draft_pages_wait_for_the_writes_after_a_failed_transfer(tiny_model_dir,
         assert not spec._reserved and not spec._landed
     finally:
         c.stop()
+
+
+def test_tp2_prefill_to_tp1_decode_self_draft(tiny_model_dir, plain):
+    """Prefill TP2 (its rank 0 prefills the draft model alone) -> decode TP1: greedy equality
+    and every verification step emits k + 1 tokens from the first one on."""
+    from _tp_pair import TP2ToTP1
+
+    pair = TP2ToTP1(tiny_model_dir, _over(tiny_model_dir), _over(tiny_model_dir))
+    try:
+        n, prompts = 3 * (K + 1), _prompts()
+        want = [o.output_token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=n, temperature=0,
+                                                                                   ignore_eos=True))]
+        assert _batch(pair, prompts, n) == want
+        st = pair.decode_engine.spec.stats
+        assert st.num_drafts == 3 * len(prompts) and st.accepted_length_counts[K + 1] == st.num_drafts
+        _idle(pair)
+    finally:
+        pair.stop()

@@ -79,8 +79,14 @@ def _colocated_state(mtp_dir, q):
 
 
 def test_first_drafts_kv_and_row_equal_colocated(cluster, mtp_dir):
+    _check_first_drafts(cluster, mtp_dir)
+
+
+def _check_first_drafts(c, mtp_dir):
+    """Per prompt: the decode node's first drafts, and the MTP KV and o_{n-2} that landed, equal
+    a colocated engine's; the greedy output equals plain decoding's."""
     plain = make_engine(node_config(mtp_dir, "colocated", kv_cache__num_pages=256))
-    c, coord = cluster, cluster.coordinator
+    coord = c.coordinator
     landed, real = {}, coord.spec.landed
 
     def on_landed(rid, o):  # event loop, every write of rid has landed; before the engine hears it
@@ -149,3 +155,15 @@ def test_mtp_pages_wait_for_the_writes_after_a_failed_transfer(mtp_dir):
         assert not mtp._reserved and not mtp._landed
     finally:
         c.stop()
+
+
+def test_tp2_prefill_to_tp1_decode_first_drafts_equal_colocated(mtp_dir):
+    """Prefill TP2 (rank 0 runs the MTP layer alone over the sharded target's hidden states) ->
+    decode TP1: the same first drafts, MTP KV and row as a colocated engine, greedy equality."""
+    from _tp_pair import TP2ToTP1
+
+    pair = TP2ToTP1(mtp_dir, MTP, MTP)
+    try:
+        _check_first_drafts(pair, mtp_dir)
+    finally:
+        pair.stop()

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from _cluster import Cluster, make_engine, node_config, post_completion, wait_for
-from pdkv.engine import LLMEngine, SamplingParams
-from server.app import NODE
+from pdkv.engine import SamplingParams
 
 K = 4
 NGRAM = {"speculative__method": "ngram", "speculative__num_tokens": K}
@@ -224,27 +223,14 @@ def test_abort_mid_verification_and_client_gone_free_every_page(cluster, looping
 
 
 def test_tp2_prefill_to_tp1_decode_equals_colocated(tiny_model_dir, plain, looping):
-    from pdkv.disagg.node import DecodeNode, PrefillNode
-    from server.runner import ServerThread
+    from _tp_pair import TP2ToTP1
 
-    pcfg = node_config(tiny_model_dir, "prefill", parallel__tp=2, parallel__timeout_s=30.0, **KV)
-    peng = LLMEngine.from_config(pcfg, num_threads=1)  # pdkv.tp makes every rank's KV memory
-    p = ServerThread(pcfg, peng, PrefillNode(pcfg, peng)).start()
-    d = None
+    pair = TP2ToTP1(tiny_model_dir, KV, {**KV, **NGRAM})
     try:
-        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{p.app[NODE].control_port}"],
-                           **KV, **NGRAM)
-        deng = make_engine(dcfg)
-        d = ServerThread(dcfg, deng, DecodeNode(dcfg, deng)).start()
-        assert [(q.plan.prefill.tp, q.plan.decode.tp) for q in d.app[NODE].coordinator.peers] == [(2, 1)]
         prompts = _prompts()[1:] + [looping[0]]
         want = [o.output_token_ids for o in plain.generate(prompts, _greedy(16))]
-        assert _batch(d.url, prompts, 16) == want
-        assert deng.spec.stats.num_accepted_tokens > 10
-        wait_for(lambda: all(e.allocator.num_free == e.allocator.num_total for e in (peng, deng)), 10,
-                 "every page back on both nodes")
+        assert _batch(pair.url, prompts, 16) == want
+        assert pair.decode_engine.spec.stats.num_accepted_tokens > 10
+        wait_for(pair.pools_full, 10, "every page back on both nodes")
     finally:
-        if d is not None:
-            d.stop()
-        p.stop()
-        peng.close()
+        pair.stop()

@@ -78,14 +78,18 @@ def check_config(sc: SpeculativeConfig) -> None:
                           f"got {sc.ngram_min!r}")
 
 
-def build_spec_decoder(sc: SpeculativeConfig | None, parts, generator: torch.Generator) -> SpecDecoder | None:
+def build_spec_decoder(sc: SpeculativeConfig | None, parts, generator: torch.Generator,
+                       drafts: bool = True) -> SpecDecoder | None:
     """The engine's SpecDecoder for ``sc`` (None or method None: speculative decoding off).
-    ``parts``: the engine's pdkv.engine.factory.EngineParts (the target, its tokenizer, device)."""
+    ``parts``: the engine's pdkv.engine.factory.EngineParts (the target, its tokenizer, device);
+    ``drafts``: False on a prefill node, whose proposer only prefills what it hands off
+    (pdkv/disagg/spec_handoff.py): it runs on rank 0 alone, so tensor parallelism is fine."""
     if sc is None or sc.method is None:
         return None
     check_config(sc)
-    if parts.tp is not None:
-        raise ConfigError("speculative.method is not supported with parallel.tp > 1 yet")
+    if parts.tp is not None and (drafts or sc.method == "ngram"):
+        raise ConfigError("speculative.method is not supported with parallel.tp > 1 yet (except on a "
+                          "prefill node handing off mtp or draft)")
     if sc.method == "ngram":
         from pdkv.engine.spec.ngram import NgramProposer  # noqa: PLC0415
 

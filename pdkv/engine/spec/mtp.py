@@ -102,7 +102,9 @@ class MTPProposer:
     def build(cls, sc: SpeculativeConfig, parts) -> MTPProposer:
         from models.attention import get_backend  # noqa: PLC0415
 
-        arch, path = parts.loaded.arch, parts.loaded.path
+        # the whole model's shapes: with tensor parallelism (a prefill node's hand-off) rank 0
+        # runs the one MTP layer alone, unsharded
+        arch, path = parts.loaded.full_arch or parts.loaded.arch, parts.loaded.path
         if arch.num_nextn_predict_layers < 1:
             raise ConfigError(f"speculative.method mtp needs a checkpoint with MTP layers: {path}/config.json "
                               f"has num_nextn_predict_layers={arch.num_nextn_predict_layers}")
