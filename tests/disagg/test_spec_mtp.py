@@ -6,14 +6,12 @@ that fail or leave mid-transfer go back only once no write can land, and then al
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from _cluster import Cluster, make_engine, node_config, post_completion, read_kv, wait_for
 from pdkv.engine import LLMEngine, SamplingParams
-from server.app import NODE
 
 K = 3
 MTP = {"speculative__method": "mtp", "speculative__num_tokens": K, "kv_cache__num_pages": 256}
