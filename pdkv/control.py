@@ -14,7 +14,8 @@ handshake must finish within its timeout. With a cluster secret every later fram
 
 Handshake: each side then sends HELLO and reads the peer's. When the two disagree on anything
 that must match (model fingerprint, dtype, KV layout, page size, parallel plan, protocol
-version) each side sends REFUSE naming every difference, and both raise ``HandshakeRefused``.
+version, the speculative hand-off field by field) each side sends REFUSE naming every
+difference, and both raise ``HandshakeRefused``.
 
 Liveness: each side sends HEARTBEAT every ``interval`` seconds (plus whatever the role's
 ``payload()`` adds, e.g. a prefill node's load; the receiver hands it to ``on_heartbeat``); a peer
@@ -105,6 +106,9 @@ class Hello:
     # registered regions (key, length, page geometry), and anything else the role adds.
     transport: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    # What the prefill node prepares for the decode node's speculative proposer (method, draft
+    # model, MTP layers: pdkv/disagg/protocol.py spec_handoff); must match key by key. {}: nothing.
+    speculative: dict = field(default_factory=dict)
 
     def differences(self, other: "Hello") -> list[str]:
         out = []
@@ -112,9 +116,19 @@ class Hello:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 out.append(f"{name}: this {self.role} node has {mine!r}, the {other.role} node has {theirs!r}")
+        out += self._spec_differences(other)
         if self.transport.get("name") != other.transport.get("name"):
             out.append(f"transport: {self.transport.get('name')!r} vs {other.transport.get('name')!r}")
         return out
+
+    def _spec_differences(self, other: "Hello") -> list[str]:
+        """Each speculative field that differs, named (``speculative.method: ...``)."""
+        mine, theirs = self.speculative, other.speculative
+        if not isinstance(theirs, dict):
+            return [f"speculative: the {other.role} node sent {theirs!r}"[:200] + " (not a map)"]
+        keys = list(mine) + [k for k in theirs if k not in mine]
+        return [f"speculative.{k}: this {self.role} node has {mine.get(k)!r}, the {other.role} node has "
+                f"{theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
 
     @classmethod
     def from_dict(cls, d: dict) -> "Hello":

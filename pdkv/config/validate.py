@@ -9,6 +9,15 @@ from typing import Any
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
+# Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
+# a prefill node never samples, so it takes only methods whose proposer needs prefill-side work.
+# (mtp / draft: the prefill node also runs the MTP layer / prefills the draft model over the
+# prompt and streams their KV, pdkv/disagg/spec_handoff.py)
+ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": SPEC_METHODS, "prefill": ("draft", "mtp")}
+HANDOFF_METHODS = ("draft", "mtp")  # the prefill node computes the proposer's KV (pdkv/disagg/spec_handoff.py)
+_ROLE_SPEC_WHY = {"colocated": "", "decode": "",
+                  "prefill": "the prefill node never samples; ngram needs nothing from it"}
+
 
 def _cpus_ok(text: str) -> bool:
     from pdkv.cpus import parse_cpu_list
@@ -133,8 +142,21 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         if sp.draft_model.path and check_paths:
             need(Path(sp.draft_model.path).is_dir(), "speculative.draft_model.path",
                  "a local Hugging Face model folder that exists", sp.draft_model.path)
-        need(cfg.role == "colocated", "speculative.method",
-             "null for disaggregated roles (speculative decoding is colocated only for now)", sp.method)
+        allowed = ROLE_SPEC_METHODS.get(cfg.role, ())
+        need(sp.method in allowed, "speculative.method",
+             f"one of {', '.join(allowed)} or null for role {cfg.role} ({_ROLE_SPEC_WHY[cfg.role]})" if allowed
+             else f"null for role {cfg.role} ({_ROLE_SPEC_WHY.get(cfg.role, '')})", sp.method)
+        if cfg.role in ("prefill", "decode") and sp.method in HANDOFF_METHODS:
+            # NOTE: the proposer's KV is written straight into the decode node's proposer cache,
+            # under the cache's region key: tcp only (verbs grants per-request ranges of the
+            # target's KV only) and unstaged (the staging rings carry the target's pages only)
+            need(ms.transport == "tcp", "messenger.transport",
+                 f"tcp with speculative.method {sp.method} on role {cfg.role} (the proposer's KV hand-off "
+                 "is not granted on verbs yet)", ms.transport)
+            need(ms.staging != "cpu" and m.device == "cpu", "messenger.staging",
+                 f"auto or off, with model.device cpu, for speculative.method {sp.method} on role {cfg.role} "
+                 "(the proposer's KV hand-off does not go through the staging rings)",
+                 f"{ms.staging} (model.device {m.device})")
     one_of("messenger.staging", ms.staging, STAGING_MODES)
     need(ms.staging_mib > 0, "messenger.staging_mib", "a positive size in MiB", ms.staging_mib)
     need(ms.staging_slot_kib > 0, "messenger.staging_slot_kib", "a positive size in KiB", ms.staging_slot_kib)

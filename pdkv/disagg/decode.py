@@ -44,6 +44,7 @@ from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_landing
+from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
 from pdkv.shard import request_seed
@@ -94,9 +95,12 @@ class DecodeCoordinator:
             self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
         self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
         num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
-        hidden = int(engine.loaded.arch.hidden_size)
-        self.hidden = torch.zeros(num_rows, hidden, dtype=engine.loaded.dtype)  # [slots, hidden_size]
-        self.hidden_nbytes = hidden * self.hidden.element_size()
+        # what the prefill node prepares for this node's proposer (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        self.hidden_size = hidden = int(engine.loaded.arch.hidden_size)
+        # [slots, hidden_size x parts]: h_{n-2}, and o_{n-2} of the MTP layer with its hand-off
+        self.hidden = torch.zeros(num_rows, hidden * row_parts(self.handoff), dtype=engine.loaded.dtype)
+        self.hidden_nbytes = self.hidden.shape[1] * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
         if self.landing is not None:
@@ -104,11 +108,18 @@ class DecodeCoordinator:
         else:
             self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes)
         self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
+        self.spec = self.spec_grants = None
+        proposer = handoff_proposer(engine, self.handoff)
+        if proposer is not None:
+            self.spec = DecodeHandoff(proposer, messenger)
+            self.spec_grants = RequestGrants(messenger, [self.spec.key], self.spec.geometry, self.hidden_key,
+                                             self.hidden_nbytes)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
-                                  secret, cfg.disagg, engine.kv.page_size)
+                                  secret, cfg.disagg, engine.kv.page_size,
+                                  spec_key=self.spec.key if self.spec is not None else None)
         self.chooser = self.links.chooser
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
@@ -118,12 +129,12 @@ class DecodeCoordinator:
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
-        self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size)
+        self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size, self.spec)
         engine.set_connector(self.connector)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport)
+        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative)
         if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
@@ -149,12 +160,14 @@ class DecodeCoordinator:
 
     # ---- requests (loop thread) ------------------------------------------------------------
     def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, peer: Peer | None,
-                     cached: int = 0) -> None:
+                     cached: int = 0, spec: dict | None = None) -> None:
         """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
         ``peer`` for it (the connector; a peer that died since is replaced by another). This node
         holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
         are the pages for the rest, the only ones the prefill node is granted and writes (staged:
-        it writes the landing slots reserved for them instead)."""
+        it writes the landing slots reserved for them instead); ``spec``: PREFILL's speculative
+        hand-off fields (spec_pages, next_token), or None."""
+        spec = spec or {}
         dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if peer is None or peer.dead or peer.channel is None:
             if peer is not None:
@@ -185,6 +198,13 @@ class DecodeCoordinator:
         t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
             granted = self.grants.grant(grantee, dst, row)
+            spec_granted = []
+            if "spec_pages" in spec:
+                try:
+                    spec_granted = self.spec_grants.grant(grantee, spec["spec_pages"], None)
+                except BaseException:
+                    self.grants.revoke(grantee, granted)
+                    raise
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self.chooser.unreserve(peer, len(tokens))
@@ -194,16 +214,20 @@ class DecodeCoordinator:
             self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
             return
-        self.held[grantee] = self.held.get(grantee, 0) + len(granted)
+        self.held[grantee] = self.held.get(grantee, 0) + len(granted) + len(spec_granted)
         self.metrics.grant_time.observe(time.perf_counter() - t0)
-        self.metrics.grants.inc(len(granted))
+        self.metrics.grants.inc(len(granted) + len(spec_granted))
         imm = next(self._imms) & 0xFFFFFFFF
         plan, seed = peer.plan, request_seed(rid)
-        slot = Slot(imm, rid, peer, len(pages), row,
-                    expected_writes(plan, len(pages), self.engine.kv.num_layers), time.perf_counter())
+        num_layers = self.engine.kv.num_layers
+        slot = Slot(imm, rid, peer, len(pages), row, expected_writes(plan, len(pages), num_layers), time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
-        slot.nbytes = len(pages) * seg_bytes * self.engine.kv.num_layers + self.hidden_nbytes
-        slot.grantee, slot.grants = grantee, tuple(granted)
+        slot.nbytes = len(pages) * seg_bytes * num_layers + self.hidden_nbytes
+        if "spec_pages" in spec:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
+            writes, nbytes = self.spec.expected_writes(len(spec["spec_pages"]), seed)
+            slot.expected += writes
+            slot.nbytes += nbytes
+        slot.grantee, slot.grants = grantee, tuple(granted) + tuple(spec_granted)
         slot.skip = cached // self.engine.kv.page_size
         slot.kv_pages = tuple(pages)
         self.slots[imm] = slot
@@ -214,7 +238,7 @@ class DecodeCoordinator:
         self.chooser.sent(peer, len(tokens))
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(dst, granted)})
+                          "seed": seed, **self.grants.fields(dst, granted), **spec})
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
@@ -264,9 +288,12 @@ class DecodeCoordinator:
         self.metrics.transferred(slot.num_pages, slot.skip, slot.expected)
         self._exposed(slot.rid, landed=time.time())
         if self.keep_hidden:  # the last few, for tests and debugging (bounded)
-            self.hidden_states[slot.rid] = self.hidden[slot.hidden_row].clone()
+            self.hidden_states[slot.rid] = self.hidden[slot.hidden_row, :self.hidden_size].clone()
             while len(self.hidden_states) > 256:
                 self.hidden_states.pop(next(iter(self.hidden_states)))
+        if self.spec is not None:  # NOTE: a copy: the row goes to another request once the grants are gone
+            tail = self.hidden[slot.hidden_row, self.hidden_size:]
+            self.spec.landed(slot.rid, tail.clone() if tail.numel() else None)
         # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke;
         # staged: after the landing slots were copied into the pages, which starts after the revoke)
         then = RemoteKVReady(slot.rid)

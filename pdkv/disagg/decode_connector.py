@@ -9,12 +9,15 @@
   ``disagg.local_fallback`` false no prefill node is a 503). Remote: the engine takes the cached
   pages, reserves pinned pages for the rest and parks the request in WAITING_FOR_REMOTE_KV;
 - ``admit``: counts the decision; for remote KV reserves the request's hidden-state slot row
-  (none free: the request waits) and the prefill node the chooser picks (none live any more:
+  and, with a speculative hand-off, its proposer's pages (none free: the request waits; with a
+  hand-off nothing is reused from this node's cache: the proposer's cache holds no prefix) and the prefill node the chooser picks (none live any more:
   the request waits too, and its next admission decides again), then asks the coordinator (on
   the event loop) to send PREFILL with the cached count and the ids of the pages after it (only
   those are granted and written);
 - ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
-  the transfer and releases the (quarantined) pages once no write can land.
+  the transfer and releases the (quarantined) pages once no write can land;
+- ``released``: those pages were freed: the request's proposer pages go back too, only now (a late
+  write could land in them until then; pdkv/disagg/spec_handoff.py).
 
 The forward-pass points are not used: once the KV landed the request decodes like any other.
 """
@@ -31,10 +34,11 @@ from pdkv.errors import AdmissionRefused
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, coordinator, rows: HiddenRows, landing=None, page_size: int = 0):
+    def __init__(self, coordinator, rows: HiddenRows, landing=None, page_size: int = 0, spec=None):
         """``coordinator``: the pdkv.disagg.decode.DecodeCoordinator (event loop) it posts to;
-        ``landing``: its pdkv.disagg.staged_decode.Landing when the KV is staged (None: direct)."""
-        self.coordinator, self.rows = coordinator, rows
+        ``landing``: its pdkv.disagg.staged_decode.Landing when the KV is staged (None: direct);
+        ``spec``: the speculative hand-off's pdkv.disagg.spec_handoff.DecodeHandoff (None: none)."""
+        self.coordinator, self.rows, self.spec = coordinator, rows, spec
         self.landing, self.page_size = landing, page_size or coordinator.engine.kv.page_size
         self._remote: set[str] = set()  # admitted with remote KV, not finished
         # NOTE: the engine calls admit right after admission for the same request, on this thread
@@ -46,7 +50,7 @@ class DecodeConnector(KVConnector):
         if req.num_prompt_tokens <= 1:
             self._decided = (rid, Where.LOCAL_SHORT)
             return LOCAL  # a one-token prompt has no KV to compute before its decode
-        cached = req.num_cached_tokens  # whole pages, at most n - 1 tokens
+        cached = self._cached(req)  # whole pages, at most n - 1 tokens
         if cached >= req.num_prompt_tokens - 1:  # every page before the last token is here
             self._decided = (rid, Where.LOCAL_SHORT)
             self.coordinator.metrics.transferred(0, cached // self.page_size, 0)
@@ -67,7 +71,12 @@ class DecodeConnector(KVConnector):
                 raise AdmissionRefused(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
                                        f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
                                        status=400)
-        return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=True)
+        return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=self.spec is None)
+
+    def _cached(self, req) -> int:
+        """The leading tokens this node's cache gives the request: none with a speculative
+        hand-off (the prefill node streams the proposer's KV for every position it computes)."""
+        return 0 if self.spec is not None else req.num_cached_tokens
 
     def admit(self, req) -> bool:
         c = self.coordinator
@@ -79,30 +88,45 @@ class DecodeConnector(KVConnector):
         row = self.rows.take()
         if row is None:
             return False
-        cached = req.num_cached_tokens  # what the engine took from the cache: only the pages after it come
+        cached = self._cached(req)  # what the engine took from the cache: only the pages after it come
         sent = list(req.pages[cached // self.page_size:])
         landing = self.landing
         if landing is not None and not landing.reserve(req.request_id, len(sent)):
             self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
             return False
+        spec = None
+        if self.spec is not None:  # the proposer's pages for the KV the prefill node streams into them
+            spec_pages = self.spec.reserve(req.request_id, req.num_external_tokens)
+            if spec_pages is None:
+                self.rows.give_back(row)
+                return False
+            spec = {"spec_pages": list(spec_pages), "next_token": req.prompt_token_ids[-1]}
         tokens = list(req.prompt_token_ids[:-1])
         peer = c.chooser.pick(tokens)
         if peer is None:  # every prefill node died since admission: decide again next time
             self.rows.give_back(row)
             if landing is not None:
                 landing.release(req.request_id)
+            if self.spec is not None:
+                self.spec.release(req.request_id)  # nothing was sent: no write can land
             return False
         c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
-        c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached)
+        c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached, spec)
         return True
 
     def finished(self, req) -> None:
         if req.request_id not in self._remote:
             return
         self._remote.discard(req.request_id)
+        if self.spec is not None:
+            self.spec.finished(req.request_id)
         if req.status == RequestStatus.ABORTED and req.finish_reason == "abort":
             # NOTE: a write may still land in its pages (the engine quarantined them if so):
             # the coordinator cancels the transfer and releases them once none can.
             self.coordinator.post(self.coordinator.client_aborted, req.request_id)
+
+    def released(self, request_id: str) -> None:
+        if self.spec is not None:  # no write of it can land any more
+            self.spec.release(request_id)

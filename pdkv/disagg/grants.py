@@ -53,10 +53,12 @@ class RequestGrants:
         """How many ranges (verbs: MRs) a request with ``pages`` is granted."""
         return 1 + len(self.kv_keys) * self.g.num_layers * len(page_runs(pages))
 
-    def ranges(self, pages, hidden_row: int) -> list[Range]:
-        """The hidden row, then per rank (kv_keys order), per layer, per run: the order ``fields``
-        and pdkv/disagg/range_keys.py rely on."""
-        out = [Range(self.hidden_key, hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
+    def ranges(self, pages, hidden_row: int | None) -> list[Range]:
+        """The hidden row (``hidden_row`` None: none, a region without one), then per rank
+        (kv_keys order), per layer, per run: the order ``fields`` and pdkv/disagg/range_keys.py
+        rely on."""
+        out = [] if hidden_row is None else [Range(self.hidden_key, hidden_row * self.hidden_nbytes,
+                                                   self.hidden_nbytes)]
         runs = page_runs(pages)
         for key in self.kv_keys:
             for layer in range(self.g.num_layers):
@@ -65,7 +67,7 @@ class RequestGrants:
                         for first, count in runs]
         return out
 
-    def grant(self, peer: int, pages, hidden_row: int) -> list[Range]:
+    def grant(self, peer: int, pages, hidden_row: int | None) -> list[Range]:
         """Grant ``peer`` the request's ranges, each with the key it must write with; on an
         error the ones already granted are revoked and the error raised."""
         done: list[Range] = []

@@ -78,6 +78,10 @@ class Job:
     skip: int = 0  # leading prompt pages the decode node holds already (PREFILL cached / page size)
     num_pages_sent: int = 0  # prompt pages whose writes were queued (each once, every layer and rank)
     dst_keys: object = None  # pdkv.disagg.range_keys.RangeKeys: its write keys (None: the link's keys)
+    # the speculative hand-off (pdkv/disagg/spec_handoff.py): the decode node's proposer pages,
+    # one per page, and for mtp the held-back last prompt token; None without it
+    next_token: int | None = None
+    spec_pages: np.ndarray | None = None
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

@@ -45,14 +45,16 @@ class Peer:
 
 class PrefillPeers:
     def __init__(self, mcfg, messenger, kv, hidden_key: int, on_message, on_dead, secret: bytes | None = None,
-                 dcfg=None, page_size: int = 16):
+                 dcfg=None, page_size: int = 16, spec_key: int | None = None):
         """``mcfg``: the messenger config section (prefill_peers, timeouts); ``kv``: the node's
         NodeKV; ``on_message(peer, msg)`` / ``on_dead(peer, reason)``: the coordinator's;
         ``secret``: the cluster secret each prefill peer must prove (pdkv/auth.py), or None;
-        ``dcfg``: the ``disagg`` config section (the chooser's policy; None: the defaults)."""
+        ``dcfg``: the ``disagg`` config section (the chooser's policy; None: the defaults);
+        ``spec_key``: the proposer cache's region with a speculative hand-off (pdkv/disagg/spec_handoff.py)."""
         from pdkv.config import DisaggConfig  # noqa: PLC0415
 
         self.mcfg, self.m, self.kv, self.hidden_key = mcfg, messenger, kv, hidden_key
+        self.spec_key = spec_key
         self.secret = secret
         self.tls = client_context(mcfg.tls)  # messenger.tls, or None (ConfigError names the field)
         # NOTE: Messenger.complete() may block for seconds (a data address that never answers):
@@ -93,9 +95,9 @@ class PrefillPeers:
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
-            keys, hidden_key = self.kv.keys, self.hidden_key
+            keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key
             await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
-                           "hidden_key": hidden_key})
+                           "hidden_key": hidden_key, **({"spec_key": spec_key} if spec_key is not None else {})})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
             if msg["type"] == P.REFUSE:
                 raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")

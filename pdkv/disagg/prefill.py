@@ -36,6 +36,8 @@ from pdkv.disagg.range_keys import RangeKeys
 from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_prefill import build_sender
+from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
+from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields, parse_fields as parse_spec_fields
 from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
@@ -62,6 +64,10 @@ class Link:
     jobs: dict = field(default_factory=dict)  # req id -> Job
     dead: bool = False
     num_prefills: int = 0  # PREFILLs received on this channel (the load report's ``seen``)
+    # the speculative hand-off: the decode node's proposer cache region, its layout and pages
+    spec_rkey: int = 0
+    spec_dst: Geometry | None = None
+    spec_num_pages: int = 0
 
 
 class PrefillCoordinator(LoopEvents):
@@ -77,7 +83,9 @@ class PrefillCoordinator(LoopEvents):
         # every rank's KV region, registered (one per rank) unless the pages go through the ring
         self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
         hidden = int(engine.loaded.arch.hidden_size)
-        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden, engine.loaded.dtype)
+        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes
         buf = self.staging.buffer
         self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
@@ -87,9 +95,12 @@ class PrefillCoordinator(LoopEvents):
         self._tags = itertools.count(1)
         self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
                                     self._copy_ended, metrics) if self.mode.staged else None)
+        proposer = handoff_proposer(engine, self.handoff)
+        self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
+            if proposer is not None else None
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
                                           self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
-                                          staged=self.staged)
+                                          staged=self.staged, spec=self.spec)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
         # the engine's last stats (engine thread after each step), for the load report; before its
@@ -127,7 +138,7 @@ class PrefillCoordinator(LoopEvents):
     async def start(self) -> int:
         """Start the engine thread and the control listener; returns the control port."""
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport)
+        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative)
         self.engine_loop.start()
         self._server = await start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port,
                                           upgrade_later=self.tls is not None)
@@ -188,6 +199,7 @@ class PrefillCoordinator(LoopEvents):
             if msg["type"] != P.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
             rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
+            spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.spec is not None else None
             conn, info = self.m.prepare(ch.peer.node_id, ch.token)
             try:
                 await self._complete(conn, info_in)
@@ -207,6 +219,8 @@ class PrefillCoordinator(LoopEvents):
             return
         link = Link(ch, conn, rkeys, hidden_key,
                     Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
+        if self.spec is not None:  # the handshake made sure the peer expects the hand-off
+            link.spec_rkey, link.spec_dst, link.spec_num_pages = spec_fields
         self.links.append(link)
         log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
                  source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
@@ -261,9 +275,18 @@ class PrefillCoordinator(LoopEvents):
                               "reason": f"malformed PREFILL: {e}", "posted": 0})
             return
         tokens, pages, imm, hidden_off, seed, cached = fields
+        spec = None
+        if self.spec is not None:
+            try:
+                spec = parse_spec_fields(msg, self.handoff, len(pages), link.spec_num_pages)
+            except ValueError as e:
+                self._send(link, {"type": P.FAIL, "req": req, "reason": f"malformed PREFILL: {e}", "posted": 0})
+                return
         job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
                   next(self._tags), time.perf_counter(), seed, skip=cached // self.engine.kv.page_size,
                   dst_keys=dst_keys)
+        if spec is not None:
+            job.next_token, job.spec_pages = spec
         try:
             self.jobs.add(job)
         except DuplicateJob as e:

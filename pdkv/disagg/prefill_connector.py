@@ -8,8 +8,9 @@
 - ``before_forward``: each chunk's complete pages (writes.plan_batch), queued layer by layer on
   the layer counter; the C poller posts layer l once the counter passed it;
 - ``after_layer``: bumps the layer counter (after each layer's o_proj);
-- ``after_forward``: stamps the end of the forward (DONE_AT's t_end) and sends each finished
-  prompt's last hidden-state row to its decode slot.
+- ``after_forward``: stamps the end of the forward (DONE_AT's t_end), runs the speculative
+  hand-off over the chunks (pdkv/disagg/spec_handoff.py) and sends each finished prompt's last
+  hidden-state row (with o_{n-2} for mtp) to its decode slot.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from pdkv.disagg.writes import QueueError, count_batches, plan_batch, queue_chun
 from pdkv.engine.connector import Admission, ForwardBatch, KVConnector
 
 PREFILL_ONLY = Admission(prefill_only=True, reuse_cached=True)
+PREFILL_ONLY_NO_REUSE = Admission(prefill_only=True)
 
 
 class PrefillConnector(KVConnector):
     def __init__(self, jobs: JobTable, messenger, kv, counter, watch: int, staging: StagingRows,
-                 staging_key: int, layerwise: bool, page_size: int, metrics=None, staged=None):
+                 staging_key: int, layerwise: bool, page_size: int, metrics=None, staged=None, spec=None):
         """``kv``: the node's pdkv.disagg.sharded.NodeKV; ``counter``/``watch``: the layer
         counter and its messenger watch (pdkv.gpu.layer_counter); ``staged``: a
-        pdkv.disagg.staged_prefill.StagedSender when the pages go through the staging ring."""
+        pdkv.disagg.staged_prefill.StagedSender when the pages go through the staging ring;
+        ``spec``: the speculative hand-off's pdkv.disagg.spec_handoff.PrefillHandoff (None: no
+        hand-off; the config keeps the two apart)."""
+        self.spec = spec
         self.jobs, self.m, self.kv, self.counter, self.watch = jobs, messenger, kv, counter, watch
         self.staging, self.staging_key = staging, staging_key
         self.layerwise, self.page_size, self.metrics = layerwise, page_size, metrics
@@ -44,7 +49,9 @@ class PrefillConnector(KVConnector):
         self._cuda = getattr(counter, "device", "cpu").startswith("cuda")
 
     def admission(self, req) -> Admission:
-        return PREFILL_ONLY
+        # NOTE: with a speculative hand-off the proposer's KV is computed over every position the
+        # prefill node computes: a prefix served from this node's cache would have none
+        return PREFILL_ONLY if self.spec is None else PREFILL_ONLY_NO_REUSE
 
     def admit(self, req) -> bool:
         job = self.jobs.get(req.request_id)
@@ -142,13 +149,19 @@ class PrefillConnector(KVConnector):
                     self.staged.layer_done(layer, after)
         if self.staged is not None:
             self.staged.clear()
+        # the proposer (MTP layer, draft model) over the chunks, its pages queued like more
+        # layers; for mtp o_{n-2} of each last chunk
+        mtp_last = self.spec.after_forward(batch, hidden, self.jobs, self._issued) if self.spec is not None else {}
+        H = hidden.shape[-1]
         for e in batch.entries:
             if not e.prefill_only or not e.is_last_chunk:
                 continue
             job = self.jobs.get(e.request_id)
             if job is None or job.link.dead or job.staging is None:
                 continue
-            self.staging.buffer[job.staging].copy_(hidden[e.row + e.num_tokens - 1])
+            self.staging.buffer[job.staging, :H].copy_(hidden[e.row + e.num_tokens - 1])
+            if e.request_id in mtp_last:  # the row is [h_{n-2} ; o_{n-2}] with the MTP hand-off
+                self.staging.buffer[job.staging, H:].copy_(mtp_last[e.request_id])
             nbytes = self.staging.row_nbytes
             self.jobs.queued(job, 1)
             hidden_rkey = job.link.hidden_rkey if job.dst_keys is None else job.dst_keys.hidden

@@ -1,12 +1,17 @@
 """The disaggregation control messages and the handshake each node offers.
 
+HELLO (pdkv.control.Hello, from make_hello) carries, besides model / dtype / layout / page size,
+the speculative hand-off (spec_handoff: what the prefill node prepares for the decode node's
+proposer), which both sides compare field by field.
+
 Messages (msgpack maps over pdkv.control, after HELLO):
 
-  decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key}  data-path set-up (prepare/complete);
-                     kv_keys: one region key per decode rank (kv_key = kv_keys[0])
+  decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key[, spec_key]}  data-path set-up
+                     (prepare/complete); kv_keys: one region key per decode rank (kv_key =
+                     kv_keys[0]); spec_key: the proposer cache with a speculative hand-off
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
   decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
-                             runs, kv_rkeys, hidden_rkey}
+                             runs, kv_rkeys, hidden_rkey[, spec_pages, next_token]}
                      tokens: the prompt minus its last token (the decode node computes that one);
                      cached: how many leading tokens the decode node's prefix cache already holds
                      (whole pages, < len(tokens), default 0): the prefill node writes only the
@@ -16,7 +21,9 @@ Messages (msgpack maps over pdkv.control, after HELLO):
                      seed: the request's replica-assignment seed (pdkv.shard.request_seed(req));
                      runs/kv_rkeys/hidden_rkey: the keys of the ranges granted for it, one per
                      (decode rank, layer, run of pages) (pdkv/disagg/grants.py, range_keys.py);
-                     without them the writes name CONNECT's region keys
+                     without them the writes name CONNECT's region keys;
+                     spec_pages / next_token: the speculative hand-off (pdkv/disagg/spec_handoff.py;
+                     with it, cached is 0: the proposer's cache holds no prefix)
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)
@@ -101,26 +108,69 @@ PARALLEL = {"kv_transfer": "pdkv.shard/1"}
 def checkpoint_shapes(engine) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor's full shape (safetensors headers only), whatever this node's TP
     degree: rank 0's parameters are its slice, so they cannot identify the model across TP."""
+    return folder_shapes(Path(engine.loaded.path))
+
+
+def folder_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's full shape in the checkpoint folder ``path`` (safetensors headers only)."""
     from safetensors import safe_open  # noqa: PLC0415
 
     from models.loader import weight_files  # noqa: PLC0415
 
     shapes = {}
-    for f in weight_files(Path(engine.loaded.path)):
+    for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
                 shapes[name] = tuple(st.get_slice(name).get_shape())
     return shapes
 
 
-def make_hello(engine, node_id: int, role: str, transport: str) -> Hello:
+# Speculative methods whose proposer needs prefill-side work (its KV streamed with the target's):
+# ngram needs nothing from the prefill node, so it is no part of the hand-off.
+HANDOFF_METHODS = ("mtp", "draft")
+
+
+def spec_handoff(sc, engine) -> dict:
+    """What the prefill node prepares for the decode node's proposer, as both sides must agree
+    on it (Hello.speculative, compared field by field): {} for none (no speculation, or ngram).
+    ``sc``: the node's pdkv.config.SpeculativeConfig (None: off)."""
+    if sc is None or sc.method not in HANDOFF_METHODS:
+        return {}
+    out = {"method": sc.method, "num_tokens": int(sc.num_tokens)}
+    if sc.method == "mtp":
+        from pdkv.engine.spec.mtp import NUM_MTP_LAYERS  # noqa: PLC0415
+
+        # the checkpoint's MTP weights are in the target's fingerprint already; this is how many
+        # of its MTP layers' KV the hand-off carries
+        out["mtp_layers"] = min(NUM_MTP_LAYERS, int(engine.loaded.arch.num_nextn_predict_layers))
+    else:
+        out["draft_model"] = draft_fingerprint(Path(sc.draft_model.path))
+    return out
+
+
+def draft_fingerprint(path: Path) -> str:
+    """The draft model's identity across nodes (its config and every tensor's shape), as the
+    target's model_fingerprint; the folder's path may differ between the nodes."""
+    from models.loader import read_json  # noqa: PLC0415
+
+    return model_fingerprint(read_json(path / "config.json"), folder_shapes(path))
+
+
+def make_hello(engine, node_id: int, role: str, transport: str, speculative=None) -> Hello:
     """What this node tells its peer. Model, dtype, layout and page size must match
-    (pdkv.control refuses naming every difference); ``extra`` carries this side's KV byte
+    (pdkv.control refuses naming every difference), and so must the speculative hand-off
+    (``speculative``: this node's SpeculativeConfig, see spec_handoff); ``extra`` carries this side's KV byte
     layout, which may differ (each side sizes its own pool), and its ShardSpec (``shard``: the
     TP degree; the two sides' specs make the link's plan, pdkv/disagg/sharded.py)."""
     from pdkv.tp import shard_spec  # noqa: PLC0415
 
     kv = engine.kv
+    handoff = spec_handoff(speculative, engine)
+    spec_extra = {}
+    if handoff:  # the byte layout of the proposer cache the hand-off writes
+        from pdkv.disagg.spec_handoff import handoff_proposer, spec_wire  # noqa: PLC0415
+
+        spec_extra["spec_kv"] = spec_wire(handoff_proposer(engine, handoff))
     return Hello(node_id=node_id, role=role,
                  model_fingerprint=model_fingerprint(engine.config, checkpoint_shapes(engine)),
                  dtype=dtype_name(engine), kv_layout=kv.layout, page_size=kv.page_size,
@@ -128,4 +178,5 @@ def make_hello(engine, node_id: int, role: str, transport: str) -> Hello:
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),
-                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire()})
+                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra},
+                 speculative=handoff)

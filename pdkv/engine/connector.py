@@ -13,6 +13,8 @@ request::
     after_layer(layer)              after each layer's attention output projection (o_proj)
     after_forward(batch, hidden)    the final hidden states [num_tokens, hidden_size]
     finished(req)                   the request left the engine (finished, failed or aborted)
+    released(request_id)            its held pages were freed (LLMEngine.release): no transfer
+                                    can touch the request any more
 
 Colocated serving uses ``KVConnector`` itself: every point is a no-op and ``after_layer`` is
 None, so the model makes no per-layer call at all. Disaggregated serving has two
@@ -142,3 +144,8 @@ class KVConnector:
         """``req`` left the engine: ``req.status`` (FINISHED / ABORTED) and ``req.finish_reason``
         say how. Its pages are freed or, when a transfer may still touch them, held until
         ``LLMEngine.release``."""
+
+    def released(self, request_id: str) -> None:
+        """The pages held for ``request_id`` were freed (``LLMEngine.release``): no write to or
+        from them can be in flight. What the connector reserved that a transfer could also touch
+        (e.g. a proposer's pages a remote prefill writes) may go back now, and not before."""

@@ -30,12 +30,14 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                  progress: Callable[[int, int], None] | None = None, kv_buffer=None,
-                 num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None):
+                 num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None,
+                 spec_drafts: bool = True):
         """Loads the model and wires the parts (pdkv/engine/factory.py: ``kv_buffer``,
         ``num_threads``, ``parallel`` are explained there); ``build_engine(cfg)`` is the usual way.
-        ``speculative``: speculative decoding (pdkv/engine/spec); None: off."""
+        ``speculative``: speculative decoding (pdkv/engine/spec); None: off. ``spec_drafts``:
+        False on a prefill node (its proposer only computes what it hands off)."""
         p = build_parts(model, kv_cache, scheduler, progress, kv_buffer, num_threads, parallel)
-        self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator)  # None: off
+        self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator, spec_drafts)  # None: off
         if self.spec is not None:
             p.runner.verify = self.spec.verify
         self.model_config, self.kv_config, self.scheduler_config = model, kv_cache, scheduler
@@ -55,6 +57,7 @@ class LLMEngine:
     def from_config(cls, cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:
         kw.setdefault("parallel", cfg.parallel)
         kw.setdefault("speculative", cfg.speculative)
+        kw.setdefault("spec_drafts", cfg.role != "prefill")
         return cls(cfg.model, cfg.kv_cache, cfg.scheduler, progress, **kw)
 
     def set_connector(self, connector: KVConnector | None) -> None:
@@ -188,6 +191,8 @@ class LLMEngine:
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise InvalidRequest(f"request {request_id!r} is {req.status.value}, not waiting for remote KV")
         self.scheduler.remote_ready(req)
+        if self.spec is not None:  # the first decode step verifies drafts already
+            self.spec.draft([req])
 
     def in_transfer(self, request_id: str) -> bool:
         """Whether a transfer may still touch the request's pages (remote KV still arriving, or a
@@ -216,6 +221,7 @@ class LLMEngine:
     def release(self, request_id: str) -> int:
         """Frees the pages held for ``request_id`` (quarantined or prefilled); returns how many.
         NOTE: call it only when no write to or from those pages can still be in flight."""
+        self.connector.released(request_id)
         entry = self._held.pop(request_id, None)
         if entry is None:
             return 0

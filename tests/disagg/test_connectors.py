@@ -64,7 +64,7 @@ def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
     assert conn.admission(a).num_external_tokens == 8
     a.num_external_tokens, a.pages = 8, [3, 4]
     assert conn.admit(a) is True
-    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, coord.peer, 0))]
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, coord.peer, 0, None))]
     b.num_external_tokens = 8
     assert conn.admit(b) is False  # the only row is taken: b waits
     conn.rows.give_back(0)
@@ -111,7 +111,7 @@ def test_decode_connector_asks_only_for_what_its_prefix_cache_lacks():
     assert plan.num_external_tokens == 6 and plan.reuse_cached is True
     a.num_external_tokens, a.pages = 6, [9, 3, 4]  # the cached page first, then the two to fill
     assert conn.admit(a) is True
-    assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, coord.peer, 4))]
+    assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, coord.peer, 4, None))]
     coord.routable = False
     whole = _req("whole", 9)
     whole.num_cached_tokens = 8  # every page before the last token

@@ -217,8 +217,23 @@ def test_unknown_method_fails_at_start(tiny_model_dir):
         config_from_dict({"speculative": {"method": "eagle"}})
 
 
+def test_config_refuses_a_speculative_handoff_over_verbs_or_staging(tiny_model_dir):
+    """The prefill node writes an mtp/draft proposer's KV under its cache's region key: tcp only,
+    never through the staging rings; ngram needs no hand-off and runs on any transport."""
+    mtp = {"method": "mtp"}
+    for role in ("prefill", "decode"):
+        with pytest.raises(ConfigError, match=r"messenger.transport must be tcp with speculative.method mtp"):
+            config_from_dict({"role": role, "speculative": mtp, "messenger": {"transport": "verbs", "nics": ["x"],
+                                                                             "prefill_peers": ["127.0.0.1:1"]}})
+        with pytest.raises(ConfigError, match=r"messenger.staging must be auto or off, with model.device cpu"):
+            config_from_dict({"role": role, "speculative": mtp, "messenger": {"staging": "cpu",
+                                                                             "prefill_peers": ["127.0.0.1:1"]}})
+    config_from_dict({"role": "decode", "speculative": {"method": "ngram"},
+                      "messenger": {"transport": "verbs", "nics": ["x"], "prefill_peers": ["127.0.0.1:1"]}})
+
+
 def test_config_refuses_speculation_on_disaggregated_roles_and_bad_draft_settings(tmp_path):
-    with pytest.raises(ConfigError, match="speculative.method must be null for disaggregated roles"):
+    with pytest.raises(ConfigError, match="speculative.method must be one of draft, mtp or null for role prefill"):
         config_from_dict({"role": "prefill", "speculative": {"method": "ngram"}})
     with pytest.raises(ConfigError, match="speculative.draft_model.path must be a local Hugging Face model folder"):
         config_from_dict({"speculative": {"method": "draft"}})

@@ -11,6 +11,11 @@ from pdkv.engine.spec.stats import SpecStats
 from pdkv.engine.spec.verify import Verifier
 
 
+# A request is drafted for while it decodes; WAITING covers a disaggregated request whose
+# prompt KV has landed (pdkv.engine.scheduler.remote_ready) and whose first decode step is next.
+_DRAFTABLE = (RequestStatus.RUNNING, RequestStatus.WAITING)
+
+
 class SpecDecoder:
     def __init__(self, proposer, num_tokens: int, generator: torch.Generator, max_model_len: int,
                  verifier: Verifier | None = None):
@@ -20,8 +25,9 @@ class SpecDecoder:
 
     def num_drafts_for(self, req: Request) -> int:
         """Drafts ``req`` may take now: none unless it is decoding (only its last token is not
-        in the cache); never so many that an all-accepted run passes max_tokens or the context."""
-        if req.status != RequestStatus.RUNNING or req.prefill_only or req.num_computed_tokens != req.num_tokens - 1:
+        in the cache: running, or waiting right after its remote KV landed); never so many that
+        an all-accepted run passes max_tokens or the context."""
+        if req.status not in _DRAFTABLE or req.prefill_only or req.num_computed_tokens != req.num_tokens - 1:
             return 0
         left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         return max(0, min(self.k, left - 1))
@@ -32,9 +38,16 @@ class SpecDecoder:
         read the target's hidden states (mtp), after the step's tokens were appended."""
         if last_forward is not None and hasattr(self.proposer, "observe"):
             self.proposer.observe(*last_forward)
-        want = [self.num_drafts_for(r) for r in running]
-        asked = [(r, n) for r, n in zip(running, want) if n > 0]
-        for r in running:
+        self.draft(running)
+
+    def draft(self, requests: list[Request]) -> None:
+        """Sets ``spec_token_ids`` of each of ``requests`` from the proposer's state as it is
+        (no forward pass is observed). The engine calls it for a request whose remote KV just
+        landed (disaggregated decode): its first decode step, the held-back last prompt token,
+        then verifies drafts already."""
+        want = [self.num_drafts_for(r) for r in requests]
+        asked = [(r, n) for r, n in zip(requests, want) if n > 0]
+        for r in requests:
             r.spec_token_ids = []
         if not asked:
             return
@@ -65,14 +78,18 @@ def check_config(sc: SpeculativeConfig) -> None:
                           f"got {sc.ngram_min!r}")
 
 
-def build_spec_decoder(sc: SpeculativeConfig | None, parts, generator: torch.Generator) -> SpecDecoder | None:
+def build_spec_decoder(sc: SpeculativeConfig | None, parts, generator: torch.Generator,
+                       drafts: bool = True) -> SpecDecoder | None:
     """The engine's SpecDecoder for ``sc`` (None or method None: speculative decoding off).
-    ``parts``: the engine's pdkv.engine.factory.EngineParts (the target, its tokenizer, device)."""
+    ``parts``: the engine's pdkv.engine.factory.EngineParts (the target, its tokenizer, device);
+    ``drafts``: False on a prefill node, whose proposer only prefills what it hands off
+    (pdkv/disagg/spec_handoff.py): it runs on rank 0 alone, so tensor parallelism is fine."""
     if sc is None or sc.method is None:
         return None
     check_config(sc)
-    if parts.tp is not None:
-        raise ConfigError("speculative.method is not supported with parallel.tp > 1 yet")
+    if parts.tp is not None and (drafts or sc.method == "ngram"):
+        raise ConfigError("speculative.method is not supported with parallel.tp > 1 yet (except on a "
+                          "prefill node handing off mtp or draft)")
     if sc.method == "ngram":
         from pdkv.engine.spec.ngram import NgramProposer  # noqa: PLC0415
 

@@ -47,6 +47,9 @@ class DraftProposer:
         self.model, self.backend, self.kv, self.device = model, backend, kv, torch.device(device)
         self.allocator = PageAllocator(kv.num_pages)
         self.states: dict[str, _DraftState] = {}
+        # Disaggregated decode (pdkv/disagg/spec_handoff.py): handoff(req) -> (pages, num_tokens,
+        # None) | None, the draft KV of req's first num_tokens prompt tokens, prefilled remotely
+        self.handoff = None
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> DraftProposer:
@@ -64,8 +67,12 @@ class DraftProposer:
         check_same_vocabulary(parts.loaded.path, parts.tokenizer, parts.loaded.arch.vocab_size,
                               Path(path), Tokenizer(path, arch.eos_token_id), arch.vocab_size)
         num_pages = sc.draft_model.num_pages or parts.kv.num_pages
+        # NOTE: over one buffer, so a disaggregated node registers the whole cache as one region
+        # (pdkv/disagg/spec_handoff.py streams it like the target's)
+        page_nbytes = 2 * arch.num_kv_heads * parts.kv.page_size * arch.head_dim * loaded.dtype.itemsize
+        buf = torch.zeros(arch.num_layers * num_pages * page_nbytes, dtype=torch.uint8, device=mc.device)
         kv = KVCache(arch.num_layers, num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
-                     loaded.dtype, parts.kv.layout, torch.device(mc.device))
+                     loaded.dtype, parts.kv.layout, torch.device(mc.device), buffer=buf)
         backend = get_backend(mc.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                     arch.head_dim ** -0.5, arch.sliding_window)
         return cls(loaded.model, backend, kv, mc.device)
@@ -93,8 +100,9 @@ class DraftProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         feed: list[tuple[int, list[int]]] = []  # (index into requests, tokens to feed)
         for i, req in enumerate(requests):
-            st = self.states.setdefault(req.request_id, _DraftState())
             ctx = req.prompt_token_ids + req.output_token_ids
+            st = self.states.get(req.request_id) or self._adopt(req, ctx) \
+                or self.states.setdefault(req.request_id, _DraftState())
             common = 0
             limit = min(len(st.tokens), len(ctx) - 1)  # the last token is always fed: its logits draft
             while common < limit and st.tokens[common] == ctx[common]:
@@ -114,8 +122,29 @@ class DraftProposer:
             feed = still
         return drafts
 
+    def _adopt(self, req: Request, ctx: list[int]) -> _DraftState | None:
+        """The draft KV a prefill node computed for ``req``'s prompt, if any."""
+        got = self.handoff(req) if self.handoff is not None else None
+        if got is None:
+            return None
+        pages, num_tokens, _ = got
+        st = self.states[req.request_id] = _DraftState(list(ctx[:num_tokens]), list(pages))
+        return st
+
+    @torch.inference_mode()
+    def run_over(self, items) -> None:
+        """items: (page ids, first position, token ids [n]): the draft model's KV for those
+        positions goes into the given pages of this cache (a prefill node's hand-off: its draft
+        pages are the request's own target page ids). Earlier positions' KV must be there."""
+        self._hidden([(_DraftState([-1] * start, list(p)), list(toks)) for p, start, toks in items])
+
     def _forward(self, items: list[tuple[_DraftState, list[int]]]) -> list[int]:
         """Feeds each state its tokens in one forward pass; returns each one's greedy next token."""
+        hidden, rows = self._hidden(items)
+        return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
+
+    def _hidden(self, items: list[tuple[_DraftState, list[int]]]):
+        """Feeds each state its tokens in one forward pass: (hidden [T, H], each one's last row)."""
         from models.attention import AttentionBatch  # noqa: PLC0415
 
         order = sorted(range(len(items)), key=lambda j: len(items[j][1]) != 1)  # decodes first
@@ -134,8 +163,7 @@ class DraftProposer:
         meta = self.backend.plan(batch)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                             self.backend, meta)
-        rows = torch.tensor([last[j] for j in range(len(items))], device=self.device)
-        return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
+        return hidden, torch.tensor([last[j] for j in range(len(items))], device=self.device)
 
     def finished(self, req: Request) -> None:
         st = self.states.pop(req.request_id, None)

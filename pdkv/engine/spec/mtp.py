@@ -29,6 +29,9 @@ from pdkv.engine.request import Request
 from pdkv.kv import KVCache, PageAllocator
 
 
+NUM_MTP_LAYERS = 1  # drafts chain the checkpoint's first MTP layer (SGLang's and vLLM's default)
+
+
 class MTPModule(nn.Module):
     def __init__(self, cfg, dtype):
         super().__init__()
@@ -91,18 +94,23 @@ class MTPProposer:
         self.device = torch.device(device)
         self.allocator = PageAllocator(kv.num_pages)
         self.states: dict[str, _MTPState] = {}
+        # Disaggregated decode (pdkv/disagg/spec_handoff.py): handoff(req) -> (pages, n - 1, o [H])
+        # | None, the MTP KV of req's prompt positions 0..n-2 and o_{n-2}, computed by the prefill node
+        self.handoff = None
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> MTPProposer:
         from models.attention import get_backend  # noqa: PLC0415
 
-        arch, path = parts.loaded.arch, parts.loaded.path
+        # the whole model's shapes: with tensor parallelism (a prefill node's hand-off) rank 0
+        # runs the one MTP layer alone, unsharded
+        arch, path = parts.loaded.full_arch or parts.loaded.arch, parts.loaded.path
         if arch.num_nextn_predict_layers < 1:
             raise ConfigError(f"speculative.method mtp needs a checkpoint with MTP layers: {path}/config.json "
                               f"has num_nextn_predict_layers={arch.num_nextn_predict_layers}")
         mc = parts.model_config
         module = load_mtp(Path(path), arch, parts.loaded.dtype, torch.device(mc.device))
-        kv = KVCache(1, parts.kv.num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
+        kv = KVCache(NUM_MTP_LAYERS, parts.kv.num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
                      parts.loaded.dtype, parts.kv.layout, torch.device(mc.device))
         backend = get_backend(mc.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                     arch.head_dim ** -0.5, arch.sliding_window)
@@ -115,6 +123,23 @@ class MTPProposer:
                 return False
             st.pages.extend(self.allocator.allocate(need))
         return True
+
+    def run_over(self, items) -> list[torch.Tensor]:
+        """items: (page ids, first position, token ids [n], h [n, H]) → each one's o [n, H]; the
+        module's KV for those positions goes into the given pages of this cache (a prefill node's
+        hand-off: its MTP pages are the request's own target page ids)."""
+        return self._run([(_MTPState(pages=list(p)), start, toks, h) for p, start, toks, h in items])
+
+    def _adopt(self, req: Request) -> _MTPState | None:
+        """The state the prefill node computed for ``req`` (positions 0..n-2 and o_{n-2}), if any."""
+        got = self.handoff(req) if self.handoff is not None else None
+        if got is None:
+            return None
+        pages, num_valid, last = got
+        st = self.states[req.request_id] = _MTPState(num_valid, list(pages), last.to(self.device).reshape(1, -1))
+        if not self._grow(st, st.num_valid + self.k):
+            st.last = None  # no room for the drafts' KV now: no drafts until observe finds some
+        return st
 
     def _run(self, items) -> list[torch.Tensor]:
         """items: (state, first position, token ids [n], h [n, H]) → each one's o rows [n, H]."""
@@ -166,7 +191,7 @@ class MTPProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         live = []
         for i, req in enumerate(requests):
-            st = self.states.get(req.request_id)
+            st = self.states.get(req.request_id) or self._adopt(req)
             if st is None or st.last is None or st.num_valid != req.num_computed_tokens:
                 continue
             drafts[i].append(self._draft(st.last)[0])
