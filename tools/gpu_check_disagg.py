@@ -91,6 +91,7 @@ def run_disagg(device: str = "cuda", timeout: float = 240.0) -> tuple[str, dict]
             "messenger": {"transport": "tcp", "staging": "auto" if device.startswith("cuda") else "cpu",
                           "staging_mib": 4.0, "staging_slot_kib": 64, "layerwise": True},
             "prefill": {"server": {"port": metrics_port}},
+            "decode": {"disagg": {"local_prefill_max_tokens": 0}},  # every prompt crosses the pair
         }
         path = tmp / "cluster.yaml"
         path.write_text(yaml.safe_dump(cluster, sort_keys=False))

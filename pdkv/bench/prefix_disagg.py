@@ -78,7 +78,11 @@ def replay_disagg(model: str, window, speedup: float, page_size: int, num_pages:
         return config_from_dict({"role": role, "model": {"path": str(model), "max_model_len": max_model_len},
                                  "kv_cache": {"page_size": page_size, "num_pages": num_pages,
                                               "prefix_caching": caching},
-                                 "server": {"port": 0}, "messenger": {"transfer_timeout_s": 600.0, **messenger}})
+                                 "server": {"port": 0}, "messenger": {"transfer_timeout_s": 600.0, **messenger},
+                                 # every prompt crosses the pair (no conditional disaggregation): what
+                                 # is measured is what the caches save on the transfer
+                                 "disagg": {"local_prefill_max_tokens": 0, "max_prefill_queue_tokens": None,
+                                            "local_fallback": False}})
     fed = {"prefill": 0, "decode": 0}
     pc = cfg("prefill")
     pe = LLMEngine.from_config(pc, kv_buffer=kv_buffer_factory("cpu"), num_threads=threads)

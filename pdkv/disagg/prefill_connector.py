@@ -112,6 +112,7 @@ class PrefillConnector(KVConnector):
             link = job.link
             if self.staged is not None:  # copied out layer by layer; the writes leave from the ring
                 self.staged.plan(job, chunk)
+                job.num_pages_sent += len(chunk.src_pages)  # a failed copy fails the whole job
                 continue
             rkeys = link.kv_rkeys if job.dst_keys is None else job.dst_keys  # per-range keys (grants.py)
             n = count_batches(link.plan, job.seed, self.src.num_layers, rkeys, chunk.dst_pages)
