@@ -150,6 +150,9 @@ def test_one_source_cannot_take_every_handshake_slot(spawn):
         ca, ia = a.m("prepare", 2, TOKEN)
         a.m("complete", ca, ib)  # accepted although 127.0.0.2 keeps its two sockets waiting
         b.m("complete", cb, ia)
+        deadline = time.monotonic() + 10  # the receive thread starts once the accepted stream's token is read
+        while b.m("stats")["rx_threads"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert b.m("stats")["rx_threads"] == 1
     finally:
         for s in socks:
