@@ -47,6 +47,7 @@ from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_land
 from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
+from pdkv.messenger import rank_keys
 from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,10 @@ class DecodeCoordinator:
         if self.landing is not None:
             self.grants = LandingGrants(messenger, self.landing, self.hidden_key, self.hidden_nbytes)
         else:
-            self.grants = RequestGrants(messenger, self.kv.keys, self.kv.geometry, self.hidden_key, self.hidden_nbytes)
+            # each rank's key on each of its NICs: a request's ranges are granted on the NIC its
+            # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)
+            self.grants = RequestGrants(messenger, self.kv.nic_keys, self.kv.geometry,
+                                        rank_keys(messenger, self.hidden_key, 0), self.hidden_nbytes)
         self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
         self.spec = self.spec_grants = None
         proposer = handoff_proposer(engine, self.handoff)
@@ -195,13 +199,14 @@ class DecodeCoordinator:
                                   f"(messenger.max_grants_per_peer {self.mcfg.max_grants_per_peer}); retry shortly", 2)
                 return
         grantee = peer.channel.peer.node_id
+        plan, seed = peer.plan, request_seed(rid)
         t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted = self.grants.grant(grantee, dst, row)
+            granted = self.grants.grant(grantee, dst, row, seed)
             spec_granted = []
             if "spec_pages" in spec:
                 try:
-                    spec_granted = self.spec_grants.grant(grantee, spec["spec_pages"], None)
+                    spec_granted = self.spec_grants.grant(grantee, spec["spec_pages"], None, seed)
                 except BaseException:
                     self.grants.revoke(grantee, granted)
                     raise
@@ -218,7 +223,6 @@ class DecodeCoordinator:
         self.metrics.grant_time.observe(time.perf_counter() - t0)
         self.metrics.grants.inc(len(granted) + len(spec_granted))
         imm = next(self._imms) & 0xFFFFFFFF
-        plan, seed = peer.plan, request_seed(rid)
         num_layers = self.engine.kv.num_layers
         slot = Slot(imm, rid, peer, len(pages), row, expected_writes(plan, len(pages), num_layers), time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)

@@ -16,6 +16,13 @@ protection unit. PREFILL carries them (``fields``) and the prefill node's planne
 write, the key of the range it falls in (pdkv/disagg/range_keys.py). Registration is the cost:
 ``count`` MRs per request, bounded per request and per peer (messenger.max_grants_per_request,
 max_grants_per_peer; decode.py refuses beyond them, naming the limit).
+
+Where a request lands (verbs over several NICs): a verbs key names a region AND a NIC, and
+grant_range makes the range's MR on the NIC its key names, so the write key it returns lands the
+peer's writes through that NIC. A decode rank near several NICs gives its region's key on each
+(``kv_keys[r]`` a tuple, pdkv.messenger.rank_keys): each request's ranges of rank r are granted
+on the one ``pdkv.shard.pick_nic(seed, r, n)`` picks (the hidden row on rank 0's), so a TP1
+decode node spreads its landings over its NICs. One NIC (an int key), tcp: unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdkv._messenger import RegionBusyError
+from pdkv.shard import pick_nic
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,16 @@ def page_runs(pages) -> list[tuple[int, int]]:
     return runs
 
 
+def on_nic(keys, seed: int, rank: int) -> int:
+    """``keys``: one key, or a tuple of the same region's key on each NIC: the one the request's
+    seed picks for ``rank``."""
+    return keys if isinstance(keys, int) else keys[pick_nic(seed, rank, len(keys))]
+
+
 class RequestGrants:
-    def __init__(self, messenger, kv_keys: list[int], geometry, hidden_key: int, hidden_nbytes: int):
+    def __init__(self, messenger, kv_keys: list, geometry, hidden_key, hidden_nbytes: int):
+        """``kv_keys``: per rank its region's key (int) or its key on each of its NICs (tuple);
+        ``hidden_key`` likewise, on rank 0's NICs."""
         self.m, self.kv_keys, self.g = messenger, list(kv_keys), geometry
         self.hidden_key, self.hidden_nbytes = hidden_key, hidden_nbytes
 
@@ -53,26 +69,28 @@ class RequestGrants:
         """How many ranges (verbs: MRs) a request with ``pages`` is granted."""
         return 1 + len(self.kv_keys) * self.g.num_layers * len(page_runs(pages))
 
-    def ranges(self, pages, hidden_row: int | None) -> list[Range]:
+    def ranges(self, pages, hidden_row: int | None, seed: int = 0) -> list[Range]:
         """The hidden row (``hidden_row`` None: none, a region without one), then per rank
         (kv_keys order), per layer, per run: the order ``fields`` and pdkv/disagg/range_keys.py
-        rely on."""
-        out = [] if hidden_row is None else [Range(self.hidden_key, hidden_row * self.hidden_nbytes,
-                                                   self.hidden_nbytes)]
+        rely on. Each rank's ranges on the NIC ``seed`` picks for it (see on_nic)."""
+        out = [] if hidden_row is None else [Range(on_nic(self.hidden_key, seed, 0),
+                                                   hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
         runs = page_runs(pages)
-        for key in self.kv_keys:
+        for rank, keys in enumerate(self.kv_keys):
+            key = on_nic(keys, seed, rank)
             for layer in range(self.g.num_layers):
                 base = layer * self.g.layer_nbytes
                 out += [Range(key, base + first * self.g.page_nbytes, count * self.g.page_nbytes)
                         for first, count in runs]
         return out
 
-    def grant(self, peer: int, pages, hidden_row: int | None) -> list[Range]:
-        """Grant ``peer`` the request's ranges, each with the key it must write with; on an
-        error the ones already granted are revoked and the error raised."""
+    def grant(self, peer: int, pages, hidden_row: int | None, seed: int = 0) -> list[Range]:
+        """Grant ``peer`` the request's ranges, each with the key it must write with (on the NIC
+        ``seed``, the request's seed, picks per rank); on an error the ones already granted are
+        revoked and the error raised."""
         done: list[Range] = []
         try:
-            for r in self.ranges(pages, hidden_row):
+            for r in self.ranges(pages, hidden_row, seed):
                 wkey = self.m.grant_range(r.key, peer, r.offset, r.length)
                 done.append(Range(r.key, r.offset, r.length, wkey))
         except BaseException:

@@ -119,7 +119,7 @@ class PrefillConnector(KVConnector):
             self.jobs.queued(job, n)
             try:
                 _, writes = queue_chunk(self.m, watch=self.watch, base=base, layerwise=self.layerwise,
-                                        conn=link.conn, lkeys=self.kv.src_keys, rkeys=rkeys,
+                                        conn=link.conn, lkeys=self.kv.nic_keys, rkeys=rkeys,
                                         src=self.src, dst=link.dst, plan=link.plan, seed=job.seed,
                                         src_pages=chunk.src_pages, dst_pages=chunk.dst_pages, imm=job.imm,
                                         tag=job.tag)

@@ -36,9 +36,11 @@ class NodeKV:
         # Staged (register False): no write may name the KV memory itself, no keys.
         regs = [_register(messenger, r) for r in self.regions] if register else []
         self.keys = [rank_key(messenger, k, rank) for rank, k in enumerate(regs)]
-        # as a source (prefill): a rank near several NICs offers a key on each, and each request's
-        # writes from that rank leave through the one its seed picks (pdkv.shard.pick_nic)
-        self.src_keys = [rank_keys(messenger, k, rank) for rank, k in enumerate(regs)]
+        # a rank near several NICs has a key on each (an int when one), and the request's seed
+        # picks one per request (pdkv.shard.pick_nic): as a source (prefill) the NIC its writes
+        # leave through; as a destination (decode) the NIC its ranges are granted on, so the
+        # request lands there (pdkv/disagg/grants.py)
+        self.nic_keys = [rank_keys(messenger, k, rank) for rank, k in enumerate(regs)]
 
 
 def _register(messenger, region) -> int:

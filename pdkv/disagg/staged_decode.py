@@ -177,7 +177,8 @@ class LandingGrants(RequestGrants):
     def count(self, pages) -> int:
         return 1 + len(self.kv_keys) * len(page_runs(pages))
 
-    def ranges(self, pages, hidden_row: int) -> list[Range]:
+    def ranges(self, pages, hidden_row: int, seed: int = 0) -> list[Range]:
+        # NOTE: seed unused: the staging slots are registered once, their keys on one NIC each
         out = [Range(self.hidden_key, hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
         slot, block = self.landing.geometry.page_nbytes, self.landing.rank_nbytes
         runs = page_runs(pages)
