@@ -7,6 +7,9 @@ name the key of the range it falls in — a write under another range's key (or 
 was revoked) is refused by the NIC and breaks the connection. ``split`` / ``groups`` split a
 chunk's destination pages by key, so each page batch (pdkv/disagg/writes.py) uses one key.
 
+The speculative hand-off's proposer pages are granted the same way (one rank, the proposer's
+layers, no hidden row) and come as ``spec_runs``/``spec_rkeys`` (pdkv/disagg/spec_handoff.py).
+
 A PREFILL whose keys do not cover its pages is refused (ValueError naming what is missing),
 never half-written.
 """
