@@ -238,10 +238,11 @@ class DecodeCoordinator:
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self.chooser.sent(peer, len(tokens))
+        # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
+        spec_keys = self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {}
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(dst, granted), **spec,
-                          **(self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {})})
+                          "seed": seed, **self.grants.fields(dst, granted), **spec, **spec_keys})
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""

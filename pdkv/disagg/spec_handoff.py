@@ -15,9 +15,9 @@ proposer cache (page ids = the request's target page ids: nothing to allocate) a
 chunk's complete pages into the pages the decode node's ``admit`` reserved in its proposer's
 cache (PREFILL ``spec_pages``, one per target page), each under the write key of the range it
 was granted in (PREFILL ``spec_runs``/``spec_rkeys``, parsed by pdkv/disagg/range_keys.py: on
-verbs every range is an MR of its own, on tcp the keys equal CONNECT's ``spec_key``). Both sides count, from the shard plans of
-the target and of the proposer's cache (tensor parallelism is not supported with speculation:
-1:1),
+verbs every range is an MR of its own, on tcp the keys equal CONNECT's ``spec_key``). Both
+sides count, from the shard plans of the target and of the proposer's cache (tensor
+parallelism is not supported with speculation: 1:1),
 
     expected = target writes per page x num_pages x num_layers
                + proposer writes per page x num_pages x proposer layers + 1 (the row)
