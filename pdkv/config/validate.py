@@ -147,12 +147,9 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
              f"one of {', '.join(allowed)} or null for role {cfg.role} ({_ROLE_SPEC_WHY[cfg.role]})" if allowed
              else f"null for role {cfg.role} ({_ROLE_SPEC_WHY.get(cfg.role, '')})", sp.method)
         if cfg.role in ("prefill", "decode") and sp.method in HANDOFF_METHODS:
-            # NOTE: the proposer's KV is written straight into the decode node's proposer cache,
-            # under the cache's region key: tcp only (verbs grants per-request ranges of the
-            # target's KV only) and unstaged (the staging rings carry the target's pages only)
-            need(ms.transport == "tcp", "messenger.transport",
-                 f"tcp with speculative.method {sp.method} on role {cfg.role} (the proposer's KV hand-off "
-                 "is not granted on verbs yet)", ms.transport)
+            # NOTE: the proposer's KV is written straight into the decode node's proposer cache
+            # (granted per request like the target's pages, on tcp and verbs): unstaged only,
+            # the staging rings carry the target's pages only
             need(ms.staging != "cpu" and m.device == "cpu", "messenger.staging",
                  f"auto or off, with model.device cpu, for speculative.method {sp.method} on role {cfg.role} "
                  "(the proposer's KV hand-off does not go through the staging rings)",

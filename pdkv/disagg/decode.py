@@ -186,6 +186,8 @@ class DecodeCoordinator:
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
         need = self.grants.count(dst)
+        if "spec_pages" in spec:  # the proposer's ranges count too (no hidden row of their own)
+            need += self.spec_grants.count(spec["spec_pages"]) - 1
         if need > self.mcfg.max_grants_per_request:
             self.chooser.unreserve(peer, len(tokens))
             self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
@@ -240,9 +242,11 @@ class DecodeCoordinator:
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self.chooser.sent(peer, len(tokens))
+        # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
+        spec_keys = self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {}
         self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
                           "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(dst, granted), **spec})
+                          "seed": seed, **self.grants.fields(dst, granted), **spec, **spec_keys})
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""

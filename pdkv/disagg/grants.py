@@ -105,6 +105,13 @@ class RequestGrants:
         return {"runs": [list(r) for r in page_runs(pages)], "kv_rkeys": [r.wkey for r in granted[1:]],
                 "hidden_rkey": granted[0].wkey}
 
+    @staticmethod
+    def proposer_fields(pages, granted: list[Range]) -> dict:
+        """PREFILL's grant fields of the speculative hand-off's proposer pages (granted without a
+        hidden row, one rank): ``spec_runs`` and ``spec_rkeys`` per (layer, run), the order
+        pdkv/disagg/range_keys.py parses."""
+        return {"spec_runs": [list(r) for r in page_runs(pages)], "spec_rkeys": [r.wkey for r in granted]}
+
     def revoke(self, peer: int, ranges: list[Range]) -> list[Range]:
         """Revoke ``ranges``; returns those still busy (a write the grant allowed is landing
         right now: retry them shortly, and keep the pages until they are gone). On verbs the

@@ -82,6 +82,7 @@ class Job:
     # one per page, and for mtp the held-back last prompt token; None without it
     next_token: int | None = None
     spec_pages: np.ndarray | None = None
+    spec_keys: object = None  # RangeKeys of the proposer pages' ranges (None: the link's spec_rkey)
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1

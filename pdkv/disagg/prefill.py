@@ -279,6 +279,9 @@ class PrefillCoordinator(LoopEvents):
         if self.spec is not None:
             try:
                 spec = parse_spec_fields(msg, self.handoff, len(pages), link.spec_num_pages)
+                # the proposer ranges' write keys (verbs: one MR each; tcp: the region's key)
+                spec_keys = RangeKeys.parse(msg, spec[1], 1, link.spec_dst.num_layers, runs_field="spec_runs",
+                                            keys_field="spec_rkeys", hidden_field=None)
             except ValueError as e:
                 self._send(link, {"type": P.FAIL, "req": req, "reason": f"malformed PREFILL: {e}", "posted": 0})
                 return
@@ -287,6 +290,7 @@ class PrefillCoordinator(LoopEvents):
                   dst_keys=dst_keys)
         if spec is not None:
             job.next_token, job.spec_pages = spec
+            job.spec_keys = spec_keys
         try:
             self.jobs.add(job)
         except DuplicateJob as e:

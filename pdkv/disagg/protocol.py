@@ -11,7 +11,7 @@ Messages (msgpack maps over pdkv.control, after HELLO):
                      kv_keys[0]); spec_key: the proposer cache with a speculative hand-off
   prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
   decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
-                             runs, kv_rkeys, hidden_rkey[, spec_pages, next_token]}
+                             runs, kv_rkeys, hidden_rkey[, spec_pages, next_token, spec_runs, spec_rkeys]}
                      tokens: the prompt minus its last token (the decode node computes that one);
                      cached: how many leading tokens the decode node's prefix cache already holds
                      (whole pages, < len(tokens), default 0): the prefill node writes only the
@@ -23,7 +23,9 @@ Messages (msgpack maps over pdkv.control, after HELLO):
                      (decode rank, layer, run of pages) (pdkv/disagg/grants.py, range_keys.py);
                      without them the writes name CONNECT's region keys;
                      spec_pages / next_token: the speculative hand-off (pdkv/disagg/spec_handoff.py;
-                     with it, cached is 0: the proposer's cache holds no prefix)
+                     with it, cached is 0: the proposer's cache holds no prefix); spec_runs /
+                     spec_rkeys: the proposer ranges' write keys, one per (proposer layer, run of
+                     spec_pages); without them the proposer writes name CONNECT's spec_key
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)

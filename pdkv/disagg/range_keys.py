@@ -7,6 +7,9 @@ name the key of the range it falls in — a write under another range's key (or 
 was revoked) is refused by the NIC and breaks the connection. ``split`` / ``groups`` split a
 chunk's destination pages by key, so each page batch (pdkv/disagg/writes.py) uses one key.
 
+The speculative hand-off's proposer pages are granted the same way (one rank, the proposer's
+layers, no hidden row) and come as ``spec_runs``/``spec_rkeys`` (pdkv/disagg/spec_handoff.py).
+
 A PREFILL whose keys do not cover its pages is refused (ValueError naming what is missing),
 never half-written.
 """
@@ -27,30 +30,36 @@ class RangeKeys:
     uniform: bool  # every run of a (rank, layer) has the same key (tcp): one batch per layer
 
     @classmethod
-    def parse(cls, msg: dict, pages: np.ndarray, ranks: int, layers: int) -> "RangeKeys | None":
+    def parse(cls, msg: dict, pages: np.ndarray, ranks: int, layers: int, *, runs_field: str = "runs",
+              keys_field: str = "kv_rkeys", hidden_field: str | None = "hidden_rkey") -> "RangeKeys | None":
         """PREFILL's ``runs``/``kv_rkeys``/``hidden_rkey`` (None when it carries none: the link's
-        region keys are used), checked against its ``pages``."""
-        if "kv_rkeys" not in msg:
+        region keys are used), checked against its ``pages``. The speculative hand-off's proposer
+        pages come as ``spec_runs``/``spec_rkeys`` with no hidden row (``hidden_field`` None)."""
+        if keys_field not in msg:
             return None
-        runs, flat, hidden = msg.get("runs"), msg.get("kv_rkeys"), msg.get("hidden_rkey")
+        runs, flat = msg.get(runs_field), msg.get(keys_field)
+        hidden = msg.get(hidden_field) if hidden_field is not None else 0
         if (not isinstance(runs, list) or not runs or not all(
                 isinstance(r, list) and len(r) == 2 and all(_uint(x, 2**31) for x in r) and r[1] > 0 for r in runs)):
-            raise ValueError("runs must be a non-empty list of [first page, count] pairs")
+            raise ValueError(f"{runs_field} must be a non-empty list of [first page, count] pairs")
         if len(runs) > len(pages):  # bounded by the request's pages, so by the pool: not by the sender
-            raise ValueError(f"runs: {len(runs)} runs for {len(pages)} pages")
+            raise ValueError(f"{runs_field}: {len(runs)} runs for {len(pages)} pages")
         firsts = np.asarray([r[0] for r in runs], dtype=np.int64)
         counts = np.asarray([r[1] for r in runs], dtype=np.int64)
         if np.any(firsts[1:] < firsts[:-1] + counts[:-1]):
-            raise ValueError("runs must be ascending and disjoint")
+            raise ValueError(f"{runs_field} must be ascending and disjoint")
         want = ranks * layers * len(runs)
         if not isinstance(flat, list) or len(flat) != want or not all(_uint(k, 2**64) for k in flat):
-            raise ValueError(f"kv_rkeys must be {want} keys ({ranks} decode rank(s) x {layers} layer(s) x "
+            raise ValueError(f"{keys_field} must be {want} keys ({ranks} decode rank(s) x {layers} layer(s) x "
                              f"{len(runs)} run(s)), got {len(flat) if isinstance(flat, list) else flat!r}"[:200])
         if not _uint(hidden, 2**64):
-            raise ValueError(f"hidden_rkey must be a non-negative integer, got {hidden!r}"[:200])
+            raise ValueError(f"{hidden_field} must be a non-negative integer, got {hidden!r}"[:200])
         keys = np.asarray(flat, dtype=np.uint64).reshape(ranks, layers, len(runs))
         out = cls(firsts, counts, keys.tolist(), hidden, bool((keys == keys[:, :, :1]).all()))
-        out.runs_of(pages)  # every page is in a granted run
+        try:
+            out.runs_of(pages)  # every page is in a granted run
+        except ValueError as e:
+            raise ValueError(f"{runs_field}: {e}") from None
         return out
 
     def runs_of(self, dst_pages: np.ndarray) -> np.ndarray:

@@ -13,9 +13,11 @@ layers of the target's, inside the same immediate count.
 After each chunk's forward pass the prefill node runs the proposer over the chunk into its own
 proposer cache (page ids = the request's target page ids: nothing to allocate) and queues the
 chunk's complete pages into the pages the decode node's ``admit`` reserved in its proposer's
-cache (PREFILL ``spec_pages``, one per target page). Both sides count, from the shard plans of
-the target and of the proposer's cache (tensor parallelism is not supported with speculation:
-1:1),
+cache (PREFILL ``spec_pages``, one per target page), each under the write key of the range it
+was granted in (PREFILL ``spec_runs``/``spec_rkeys``, parsed by pdkv/disagg/range_keys.py: on
+verbs every range is an MR of its own, on tcp the keys equal CONNECT's ``spec_key``). Both
+sides count, from the shard plans of the target and of the proposer's cache (tensor
+parallelism is not supported with speculation: 1:1),
 
     expected = target writes per page x num_pages x num_layers
                + proposer writes per page x num_pages x proposer layers + 1 (the row)
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from pdkv.config import ConfigError
-from pdkv.disagg.writes import Geometry, QueueError, batches_per_layer, plan_batch, queue_chunk
+from pdkv.disagg.writes import Geometry, QueueError, count_batches, plan_batch, queue_chunk
 from pdkv.shard import ShardPlan, ShardSpec, plan_specs
 
 
@@ -152,12 +154,14 @@ class PrefillHandoff:
         for chunk in plan_batch(batch, self.page_size, dst_of):
             job = jobs.get(chunk.request_id)
             link = job.link
-            n = src.num_layers * batches_per_layer(self.plan, job.seed)
+            # per-range keys on verbs (each range its own MR, pdkv/disagg/range_keys.py); tcp: uniform
+            rkeys = [link.spec_rkey] if job.spec_keys is None else job.spec_keys
+            n = count_batches(self.plan, job.seed, src.num_layers, rkeys, chunk.dst_pages)
             jobs.queued(job, n)
             try:
                 # after-forward mode with the target already reached: every layer posts at once
                 _, writes = queue_chunk(self.m, watch=self.watch, base=issued - src.num_layers - 1, layerwise=False,
-                                        conn=link.conn, lkeys=[self.key], rkeys=[link.spec_rkey], src=src,
+                                        conn=link.conn, lkeys=[self.key], rkeys=rkeys, src=src,
                                         dst=link.spec_dst, plan=self.plan, seed=job.seed, src_pages=chunk.src_pages,
                                         dst_pages=chunk.dst_pages, imm=job.imm, tag=job.tag)
             except QueueError as e:

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class NodeProc:
-    def __init__(self, tmp: Path, name: str, cfg: dict, env_extra: dict | None = None):
+    def __init__(self, tmp: Path, name: str, cfg: dict, env_extra: dict | None = None, script=None):
+        """``script``: (path, *args) of a test-side script run with the config's path first,
+        instead of ``pdkv serve``."""
         self.port = cfg["server"]["port"]
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp / f"{name}.yaml"
@@ -30,8 +32,9 @@ class NodeProc:
         env.pop("LD_LIBRARY_PATH", None)
         env.update(env_extra or {})
         self.log = open(tmp / f"{name}.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdkv", "serve", "-c", str(path), "--log-level",
-                                      "warning"], cwd=str(ROOT), env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        argv = ([sys.executable, "-m", "pdkv", "serve", "-c", str(path), "--log-level", "warning"] if script is None
+                else [sys.executable, str(script[0]), str(path), *map(str, script[1:])])
+        self.proc = subprocess.Popen(argv, cwd=str(ROOT), env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.log_path = tmp / f"{name}.log"
 
     def wait_healthy(self, timeout: float = 60.0) -> dict:

@@ -217,17 +217,20 @@ def test_unknown_method_fails_at_start(tiny_model_dir):
         config_from_dict({"speculative": {"method": "eagle"}})
 
 
-def test_config_refuses_a_speculative_handoff_over_verbs_or_staging(tiny_model_dir):
-    """The prefill node writes an mtp/draft proposer's KV under its cache's region key: tcp only,
+def test_config_refuses_a_speculative_handoff_through_staging_but_not_over_verbs(tiny_model_dir):
+    """The prefill node writes an mtp/draft proposer's KV straight into the decode node's
+    proposer cache, granted per request on tcp and verbs alike (pdkv/disagg/spec_handoff.py):
     never through the staging rings; ngram needs no hand-off and runs on any transport."""
     mtp = {"method": "mtp"}
     for role in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match=r"messenger.transport must be tcp with speculative.method mtp"):
-            config_from_dict({"role": role, "speculative": mtp, "messenger": {"transport": "verbs", "nics": ["x"],
-                                                                             "prefill_peers": ["127.0.0.1:1"]}})
         with pytest.raises(ConfigError, match=r"messenger.staging must be auto or off, with model.device cpu"):
             config_from_dict({"role": role, "speculative": mtp, "messenger": {"staging": "cpu",
                                                                              "prefill_peers": ["127.0.0.1:1"]}})
+        for method in ("mtp", "draft"):
+            sp = {"method": method, **({"draft_model": {"path": str(tiny_model_dir)}} if method == "draft" else {})}
+            cfg = config_from_dict({"role": role, "speculative": sp, "messenger": {
+                "transport": "verbs", "nics": ["x"], "prefill_peers": ["127.0.0.1:1"]}})
+            assert cfg.messenger.transport == "verbs" and cfg.speculative.method == method
     config_from_dict({"role": "decode", "speculative": {"method": "ngram"},
                       "messenger": {"transport": "verbs", "nics": ["x"], "prefill_peers": ["127.0.0.1:1"]}})
 

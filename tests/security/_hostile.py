@@ -31,6 +31,11 @@ class HostileDecode:
         self.m = Messenger("tcp", node_id, host="127.0.0.1")
         self.kv_key = self.m.register(self.buf)
         self.hidden_key = self.m.register(self.hidden)
+        self.spec_key = None  # a speculative hand-off's proposer cache (its HELLO layout is the prefill node's)
+        spec_kv = prefill_coordinator.hello.extra.get("spec_kv")
+        if spec_kv is not None:
+            self.spec_buf = bytearray(spec_kv["num_layers"] * spec_kv["layer_nbytes"])
+            self.spec_key = self.m.register(self.spec_buf)
         self.ch: ControlChannel | None = None
 
     def hello(self):
@@ -44,9 +49,13 @@ class HostileDecode:
         grant_to = ch.peer.node_id
         self.m.grant(self.kv_key, grant_to)
         self.m.grant(self.hidden_key, grant_to)
+        spec = {}
+        if self.spec_key is not None:
+            self.m.grant(self.spec_key, grant_to)
+            spec = {"spec_key": self.spec_key}
         conn, real = self.m.prepare(grant_to, ch.token if token is None else token)
         await ch.send({"type": P.CONNECT, "info": info or real, "kv_key": self.kv_key, "kv_keys": [self.kv_key],
-                       "hidden_key": self.hidden_key})
+                       "hidden_key": self.hidden_key, **spec})
         if info is not None:
             self.ch = ch
             return ch

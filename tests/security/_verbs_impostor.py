@@ -17,6 +17,12 @@ the data path down and redials):
   3. region — CONNECT's region key (no MR of it in this peer's protection domain).
   Each write is recorded with whether the NIC refused it (a completion with an error).
 MODE silent: accepts every PREFILL and never writes nor answers (it holds its grants).
+MODE spec: an mtp prefill node (MODEL_DIR has an MTP layer; num_tokens SPEC_TOKENS) attacking
+the decode node's proposer cache (pdkv/disagg/spec_handoff.py) the same way, one attack per
+connection:
+  1. spec_foreign — its request's own proposer range key, into the proposer page right after
+     that range: outside the MR;
+  2. spec_region — CONNECT's spec_key (no MR of it in this peer's protection domain).
 """
 from __future__ import annotations
 
@@ -38,14 +44,17 @@ from pdkv.control import ControlChannel  # noqa: E402
 from pdkv.disagg import protocol as P  # noqa: E402
 
 ATTACKS = ("foreign", "stale", "region")
+SPEC_ATTACKS = ("spec_foreign", "spec_region")
+SPEC_TOKENS = 3
 NODE_ID = 0xBAD
 
 
 class Impostor:
     def __init__(self, model_dir: str, secret: bytes, mode: str, out: Path):
-        engine = make_engine(node_config(model_dir, "prefill", messenger__transport="verbs",
-                                         messenger__nics=["lo_verbs0"]))
-        self.hello = P.make_hello(engine, NODE_ID, "prefill", "verbs")
+        spec = {"speculative__method": "mtp", "speculative__num_tokens": SPEC_TOKENS} if mode == "spec" else {}
+        cfg = node_config(model_dir, "prefill", messenger__transport="verbs", messenger__nics=["lo_verbs0"], **spec)
+        engine = make_engine(cfg)
+        self.hello = P.make_hello(engine, NODE_ID, "prefill", "verbs", cfg.speculative)
         self.secret, self.mode, self.out = secret, mode, out
         self.m = Messenger("verbs", NODE_ID, nics=["lo_verbs0"])
         self.src = bytearray(b"\xcd\xab" * (1 << 19))  # what a landed attack would leave behind
@@ -81,12 +90,20 @@ class Impostor:
         if self.mode == "silent":
             await reader
             return
-        kind = ATTACKS[len(self.record["attacks"]) % len(ATTACKS)]
-        first, count = m["runs"][0]
+        attacks = SPEC_ATTACKS if self.mode == "spec" else ATTACKS
+        kind = attacks[len(self.record["attacks"]) % len(attacks)]
+        runs, pages = (m["spec_runs"], m["spec_pages"]) if self.mode == "spec" else (m["runs"], m["pages"])
+        if self.mode == "spec":
+            geo = geo["spec_kv"]
+        first, count = runs[0]
         after = first + count
-        foreign = after if after < geo["num_pages"] and after not in m["pages"] else \
-            next(p for p in range(geo["num_pages"]) if p not in m["pages"])
-        if kind == "foreign":
+        foreign = after if after < geo["num_pages"] and after not in pages else \
+            next(p for p in range(geo["num_pages"]) if p not in pages)
+        if kind == "spec_foreign":
+            key, off = m["spec_rkeys"][0], foreign * geo["page_nbytes"]
+        elif kind == "spec_region":
+            key, off = msg["spec_key"], foreign * geo["page_nbytes"]
+        elif kind == "foreign":
             key, off = m["kv_rkeys"][0], foreign * geo["page_nbytes"]
         elif kind == "stale":
             await ch.send({"type": P.FAIL, "req": m["req"], "reason": "impostor", "posted": 0})
