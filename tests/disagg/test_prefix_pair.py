@@ -130,9 +130,9 @@ def test_second_request_moves_only_the_pages_the_decode_node_lacks(tiny_model_di
         sent = record_prefills(c)
         granted, grant = [], c.coordinator.grants.grant
 
-        def record_grant(peer, pages, row):  # tcp: narrow grants, the pages the peer may write
+        def record_grant(peer, pages, row, seed=0):  # tcp: narrow grants, the pages the peer may write
             granted.append(sorted(pages))
-            return grant(peer, pages, row)
+            return grant(peer, pages, row, seed)
         c.coordinator.grants.grant = record_grant
         kv = c.decode_engine.kv
         L, page, hidden = kv.num_layers, kv.page_nbytes, c.coordinator.hidden_nbytes
