@@ -5,11 +5,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-
+import socket
 
 from pdkv._messenger import Messenger
 from pdkv.control import ControlChannel
 from pdkv.disagg import protocol as P
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the node closed this (idle) connection: EOF or a reset; False while it is open."""
+    s.settimeout(0.01)
+    try:
+        return s.recv(4096) == b""
+    except (socket.timeout, BlockingIOError):
+        return False
+    except OSError:
+        return True
 
 
 def proc_counts() -> dict:

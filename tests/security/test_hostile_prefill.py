@@ -9,7 +9,7 @@ import time
 
 import pytest
 from _cluster import Cluster, post_completion, wait_for
-from _hostile import HostileDecode, blackhole_info, proc_counts
+from _hostile import HostileDecode, blackhole_info, closed_by_peer, proc_counts
 
 from pdkv.auth import write_secret_file
 from pdkv.control import AuthenticationFailed, ControlError
@@ -144,15 +144,7 @@ def test_flood_of_idle_control_connections_is_bounded(cluster):
     during = proc_counts()
     assert during["threads"] <= before["threads"] + 4, (before, during)
 
-    def closed(s):
-        s.settimeout(0.01)
-        try:
-            return s.recv(1) == b""
-        except (socket.timeout, BlockingIOError):
-            return False
-        except OSError:
-            return True
-    wait_for(lambda: all(closed(s) for s in socks), 10, "every flood connection closed by the node")
+    wait_for(lambda: all(closed_by_peer(s) for s in socks), 10, "every flood connection closed by the node")
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")

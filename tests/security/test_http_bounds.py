@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 from _cluster import wait_for
-from _hostile import proc_counts
+from _hostile import closed_by_peer, proc_counts
 
 from pdkv.config import load_config
 
@@ -46,16 +46,8 @@ def test_idle_connections_are_closed_and_capped(served):
     status, body = post(served.url, BODY)  # served while 200 silent connections are open
     assert status == 200, body
 
-    def closed(s):
-        s.settimeout(0.01)
-        try:
-            return s.recv(1) == b""
-        except (socket.timeout, BlockingIOError):
-            return False
-        except OSError:
-            return True
     # beyond the cap (50) they go at once, the rest after the idle timeout
-    wait_for(lambda: all(closed(s) for s in socks), 15, "every idle connection closed by the server")
+    wait_for(lambda: all(closed_by_peer(s) for s in socks), 15, "every idle connection closed by the server")
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 3, 10, "fds back to their level")

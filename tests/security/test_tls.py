@@ -13,7 +13,7 @@ import time
 
 import pytest
 from _cluster import Cluster, assert_colocated_answer, make_engine, node_config, post_completion, wait_for
-from _hostile import proc_counts
+from _hostile import closed_by_peer, proc_counts
 from _pki import have_openssl, make_pki
 
 from pdkv.auth import write_secret_file
@@ -163,15 +163,7 @@ def test_flood_of_plain_text_connections_to_the_tls_listener_is_bounded(cluster)
     assert proc_counts()["threads"] <= before["threads"] + 4
     assert sum(cluster.pc._by_source.values()) <= 8 + 1
 
-    def closed(s):
-        s.settimeout(0.01)
-        try:
-            return s.recv(4096) == b""
-        except (socket.timeout, BlockingIOError):
-            return False
-        except OSError:
-            return True
-    wait_for(lambda: all(closed(s) for s in socks), 10, "every flood connection closed by the node")
+    wait_for(lambda: all(closed_by_peer(s) for s in socks), 10, "every flood connection closed by the node")
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
