@@ -4,6 +4,12 @@ Streaming answers are Server-Sent Events: one ``data: {json}`` chunk per engine 
 chunk with ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), then
 ``data: [DONE]``. Chunk shapes follow OpenAI's (``text_completion`` and
 ``chat.completion.chunk``) so the ``openai`` client parses them unchanged.
+
+A stream starts only once its first event is in: a request the engine refuses or fails before
+its first token (no prefill node connected, the server at capacity, a failed first forward pass)
+gets the HTTP status, ``Retry-After`` and error JSON a non-streaming request gets, not a 200 with
+an error inside. Once the first chunk is out, a failure can only be told in-band: an error chunk,
+then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -97,8 +103,7 @@ class OpenAIRoutes:
             async for _ in gen.outputs():
                 pass
         except EngineFailure as e:
-            raise APIError(str(e), e.status, code="engine_error",
-                           headers=None if e.retry_after is None else {"Retry-After": str(e.retry_after)}) from None
+            raise _api_error(e) from None
         chat = gen.req.chat
         choices = []
         for c in gen.choices:
@@ -118,6 +123,24 @@ class OpenAIRoutes:
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        events = gen.outputs()
+        try:
+            # Nothing is sent before the first event: a failure now still has its HTTP status.
+            # (A client that leaves meanwhile cancels this handler; _serve's finally aborts.)
+            first = None
+            try:
+                async for c, out in events:
+                    if _sendable(gen.req, out):
+                        first = (c, out)
+                        break  # (the generator stays open: _send_stream goes on with it)
+            except EngineFailure as e:
+                raise _api_error(e) from None
+            return await self._send_stream(request, gen, first, events)
+        finally:
+            await events.aclose()
+
+    async def _send_stream(self, request: web.Request, gen: Generation, first, events) -> web.StreamResponse:
+        """Stream ``first`` (the first ``(choice, output)``, None if there is none) and the rest of ``events``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         try:
@@ -158,8 +181,8 @@ class OpenAIRoutes:
                     await send(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}))
             try:
-                async for c, out in gen.outputs():
-                    if out.new_text or (req.return_token_ids and out.new_token_ids) or out.finished:
+                async for c, out in _chain(first, events):
+                    if _sendable(req, out):
                         await send(chunk(choice_of(c, out.new_text, list(out.new_token_ids),
                                                    out.finish_reason if out.finished else None)))
                         started.add(c.index)
@@ -174,3 +197,23 @@ class OpenAIRoutes:
             # The client went away mid-stream; _serve's finally aborts what is left.
             log.info("client disconnected from %s; aborting its requests", gen.id)
         return resp
+
+
+def _api_error(e: EngineFailure) -> APIError:
+    """What a client is told about an engine failure before anything was sent to it."""
+    return APIError(str(e), e.status, code="engine_error",
+                    headers=None if e.retry_after is None else {"Retry-After": str(e.retry_after)})
+
+
+def _sendable(req: GenerateRequest, out) -> bool:
+    """Whether ``out`` makes a chunk (a step may add a token whose text is held back, e.g. a
+    possible stop string's start)."""
+    return bool(out.new_text or (req.return_token_ids and out.new_token_ids) or out.finished)
+
+
+async def _chain(first, events: AsyncIterator) -> AsyncIterator:
+    """``first`` (unless None), then the rest of ``events``."""
+    if first is not None:
+        yield first
+    async for item in events:
+        yield item

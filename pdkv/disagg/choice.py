@@ -8,6 +8,14 @@
                                                -> LOCAL_SATURATED  waiting there costs more than computing here
     otherwise                                  -> REMOTE
 
+The uncached part is the prompt less the leading tokens this node's prefix cache holds (the
+engine's peek, ``req.num_cached_tokens``; DecodeConnector passes it): that is all a local
+prefill computes, so a 2,000-token prompt with 1,984 tokens cached here is a 16-token prefill,
+run here — even while every prefill node is saturated or (strict) none is connected. A prefill
+node's queue, by contrast, counts whole prompts: it needs the KV of every position, so this
+node's cache does not shorten its work (only its own cache does, which its reports show once
+the job's first chunk ran).
+
 ``pick`` (engine thread, once the request holds its pages and hidden-state row): the live
 node with the shortest queue (ties: the one picked least recently), unsaturated, with room for
 the prompt and without a failure in the last ``expiry_s`` first; a

@@ -6,6 +6,11 @@ One thread owns an engine and calls ``add_request`` / ``abort`` / ``step``; only
 Everything outside the engine that takes part in a request's KV (disaggregated prefill and
 decode; later prefix caching, speculative decoding) does so through one KV connector
 (pdkv/engine/connector.py), called at named points of admission, the forward pass and exit.
+
+New requests are checked and admitted by the engine's intake (pdkv/engine/intake.py); a step's
+sampled tokens are kept up to the first that ends the request by ``Request.append`` and reported
+as ``RequestOutput.delta`` (pdkv/engine/request.py); what is left here is the step and a
+request's exits (finish, abort, the held pages' release).
 """
 
 from __future__ import annotations
@@ -14,15 +19,14 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 
-import torch
-
 from pdkv.config import Config, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from pdkv.engine.connector import LOCAL, Admission, KVConnector
+from pdkv.engine.connector import KVConnector
 from pdkv.engine.factory import build_parts
+from pdkv.engine.intake import Intake
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestOutput, RequestStatus
 from pdkv.engine.spec import build_spec_decoder
-from pdkv.errors import InvalidRequest, ResourceBusy
+from pdkv.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ class LLMEngine:
         self._held: dict[str, tuple[list[int], bool]] = {}  # rid -> (pages, pinned)
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._ids = itertools.count()
+        self.intake = Intake(self.tokenizer, self.scheduler, self.allocator, self.vocab_size, self.max_model_len,
+                             self.kv.page_size, lambda: self.connector, self.requests, self._held)
 
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:
@@ -64,31 +70,10 @@ class LLMEngine:
         """Installs the KV connector (None: the no-op one). Call it before any request is added."""
         self.connector = connector if connector is not None else KVConnector()
 
-    # ---- requests ------------------------------------------------------------------------------
+    # ---- requests (checked and admitted by pdkv/engine/intake.py) -------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Pure and thread-safe: raises InvalidRequest naming what is wrong."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        self._check_prompt(prompt_token_ids, params.max_tokens)
-
-    def _check_prompt(self, ids: list[int], max_tokens: int) -> None:
-        """The prompt's own checks, shared by every kind of request (``max_tokens`` 0: a
-        prefill-only request, whose context is the prompt alone)."""
-        n = len(ids)
-        if n == 0:
-            raise InvalidRequest("prompt is empty: give at least one token")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        what = f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens}" if max_tokens \
-            else f"prompt ({n} tokens)"
-        if n + max_tokens > self.max_model_len:
-            raise InvalidRequest(f"{what} exceeds the model's context of {self.max_model_len} tokens")
-        need = self.scheduler.pages_for(n + max_tokens)
-        if need > self.allocator.num_total:
-            raise InvalidRequest(f"{'prompt + max_tokens need' if max_tokens else 'prompt needs'} {need} KV "
-                                 f"pages, the cache has only {self.allocator.num_total}")
+        self.intake.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival: float | None = None) -> None:
@@ -96,10 +81,7 @@ class LLMEngine:
         then reserves its own resources. Raises InvalidRequest (a bad request), ResourceBusy
         (pages or a connector resource not free now: nothing changed, try again later; the
         engine loop does) or the connector's refusal."""
-        req = self._new_request(request_id, prompt, params, arrival)
-        self._check_prompt(req.prompt_token_ids, 0)  # before hashing it
-        req.num_cached_tokens = self.scheduler.cached_prefix(req)  # what admission may reuse (a peek)
-        self._admit(req, self.connector.admission(req))
+        self.intake.add(request_id, prompt, params, arrival)
 
     def add_remote_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                            reuse_cached: bool = False) -> list[int]:
@@ -109,76 +91,24 @@ class LLMEngine:
         instead (``requests[id].num_cached_tokens`` tokens; only the pages after it are
         returned). Raises OutOfPages (nothing changed); call ``remote_kv_ready`` when the writes
         landed, ``abort`` to give the pages back."""
-        req = self._new_request(request_id, prompt, params)
-        self._check_prompt(req.prompt_token_ids, 0)
-        cached = self.scheduler.cached_prefix(req) if reuse_cached else 0
-        req.num_cached_tokens = cached
-        self._admit(req, Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=reuse_cached))
-        return req.pages[cached // self.kv.page_size:]
-
-    def reset_prefix_cache(self) -> int:
-        """Forgets every cached page no request holds (vLLM's reset_prefix_cache): for when KV
-        memory was changed behind the engine's back. Returns how many pages were dropped."""
-        return self.allocator.evict_all()
-
-    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading tokens of this prompt the local prefix cache holds now (whole pages,
-        at most all but the last token). A peek for routing decisions; engine thread only."""
-        self._check_prompt(list(prompt_token_ids), 0)
-        return self.scheduler.cached_prefix(Request("peek", list(prompt_token_ids), SamplingParams(), detok=None))
+        return self.intake.add_remote(request_id, prompt, params, reuse_cached)
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: list[int], reuse_cached: bool = False) -> int:
         """Disaggregated prefill without a connector deciding: compute the prompt's KV, never
         sample; after its last chunk the request leaves with its pages HELD, ``step`` reports
         it with finish_reason "prefilled" and ``release`` frees the pages. ``reuse_cached``: the
         locally cached prefix is taken, not computed. Returns how many tokens were reused."""
-        req = self._new_request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1))
-        self._check_prompt(req.prompt_token_ids, 0)
-        req.num_cached_tokens = self.scheduler.cached_prefix(req) if reuse_cached else 0
-        self._admit(req, Admission(prefill_only=True, reuse_cached=reuse_cached))
-        return req.num_cached_tokens
+        return self.intake.add_prefill(request_id, prompt_token_ids, reuse_cached)
 
-    def _new_request(self, request_id: str, prompt, params: SamplingParams, arrival: float | None = None) -> Request:
-        if request_id in self.requests or request_id in self._held:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        req = Request(request_id, ids, params, detok=None)
-        if arrival is not None:
-            req.arrival = arrival
-        return req
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading tokens of this prompt the local prefix cache holds now (whole pages,
+        at most all but the last token). A peek for routing decisions; engine thread only."""
+        return self.intake.cached_prefix_tokens(prompt_token_ids)
 
-    def _admit(self, req: Request, plan: Admission) -> None:
-        ids, params = req.prompt_token_ids, req.params
-        if plan.prefill_only:
-            self._check_prompt(ids, 0)
-        else:
-            self.validate_request(ids, params)
-            # Any integer is a valid seed (negative too): fold it into the generator's 64-bit range.
-            req.generator = torch.Generator().manual_seed(params.seed & (2**64 - 1)) if params.seed is not None else None
-            req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens)
-        reuse = plan.reuse_cached if plan.reuse_cached is not None else \
-            not (plan.prefill_only or plan.num_external_tokens)
-        req.reuse_cache = reuse
-        num_cached = req.num_cached_tokens if reuse else 0
-        req.num_cached_tokens = num_cached
-        if plan.prefill_only:
-            self.scheduler.add_prefill(req, num_cached)  # OutOfPages: nothing changed
-        elif plan.num_external_tokens:
-            self.scheduler.add_remote(req, plan.num_external_tokens, num_cached)  # OutOfPages: nothing changed
-        else:
-            self.scheduler.add(req)  # a local request takes its cached pages when scheduled
-        cache = self.scheduler.cache
-        if cache is not None and reuse and (plan.prefill_only or plan.num_external_tokens):
-            cache.record_query(req.num_prompt_tokens, num_cached)
-        if not self.connector.admit(req):
-            self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
-            raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
-        self.requests[req.request_id] = req
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached page no request holds (vLLM's reset_prefix_cache): for when KV
+        memory was changed behind the engine's back. Returns how many pages were dropped."""
+        return self.allocator.evict_all()
 
     def remote_kv_ready(self, request_id: str) -> None:
         """The remote prefill's writes for ``request_id`` have all landed: its full pages are
@@ -216,7 +146,7 @@ class LLMEngine:
             self.scheduler.abort(req)
         req.finish_reason = reason
         self._left(req)
-        self._pending.append(self._output(req, []) if req.detok is not None else self._prefill_output(req))
+        self._pending.append(RequestOutput.delta(req, []) if req.detok is not None else RequestOutput.prefilled(req))
 
     def release(self, request_id: str) -> int:
         """Frees the pages held for ``request_id`` (quarantined or prefilled); returns how many.
@@ -287,25 +217,11 @@ class LLMEngine:
         else:
             self.scheduler.finish(req, reason)
         self._left(req)
-        return self._prefill_output(req) if req.prefill_only else self._output(req, [])
+        return RequestOutput.prefilled(req) if req.prefill_only else RequestOutput.delta(req, [])
 
     def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
-        """Appends the step's new tokens (several when drafts were accepted) in order, up to
-        the first that ends the request (EOS, a stop token or string, max_tokens, the context):
-        the rest are dropped, as if they had been decoded one by one."""
-        p = req.params
-        new, reason = [], None
-        for token in tokens:
-            req.output_token_ids.append(token)
-            req.detok.add(token)
-            new.append(token)
-            if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                    or req.detok.stopped_on is not None:
-                reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                break
+        """Appends the step's new tokens up to the first that ends the request (Request.append)."""
+        new, reason = req.append(tokens, self.tokenizer.eos_token_ids, self.max_model_len)
         if reason is not None:
             if len(tokens) > 1:  # accepted drafts: their KV is final now, cache it before the pages go
                 self.scheduler.truncate_computed(req, req.num_tokens - 1)
@@ -313,23 +229,13 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             self._left(req)
-        return self._output(req, new)
+        return RequestOutput.delta(req, new)
 
     def _left(self, req: Request) -> None:
         """``req`` left the engine: everything that holds per-request state hears it."""
         self.connector.finished(req)
         if self.spec is not None:
             self.spec.finished(req)
-
-    @staticmethod
-    def _prefill_output(req: Request) -> RequestOutput:
-        return RequestOutput(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "")
-
-    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        done = req.status.is_done
-        return RequestOutput(req.request_id, new_ids, req.detok.flush(done), done, req.finish_reason,
-                             req.num_prompt_tokens, len(req.output_token_ids), list(req.output_token_ids),
-                             req.detok.text)
 
     # ---- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -343,12 +249,7 @@ class LLMEngine:
             for out in self.step():
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
-        return [self._final(final[r]) for r in ids]
-
-    @staticmethod
-    def _final(out: RequestOutput) -> RequestOutput:
-        return RequestOutput(out.request_id, list(out.output_token_ids), out.text, True, out.finish_reason,
-                             out.num_prompt_tokens, out.num_output_tokens, out.output_token_ids, out.text)
+        return [final[r].whole() for r in ids]
 
     def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[RequestOutput]:
         """Yields this request's deltas as steps run; closing the iterator early aborts it.

@@ -76,6 +76,26 @@ class Request:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
+    def append(self, tokens: list[int], eos_token_ids, max_model_len: int) -> tuple[list[int], str | None]:
+        """Appends one step's sampled ``tokens`` (several when drafts were accepted) in order, up
+        to the first that ends the request (EOS, a stop token or string, max_tokens, the context):
+        the rest are dropped, as if they had been decoded one by one. Returns the tokens kept and
+        the finish reason they reached ("stop", "length", or None: the request goes on)."""
+        p = self.params
+        new, reason = [], None
+        for token in tokens:
+            self.output_token_ids.append(token)
+            self.detok.add(token)
+            new.append(token)
+            if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
+                    or self.detok.stopped_on is not None:
+                reason = "stop"
+            elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        return new, reason
+
 
 @dataclass
 class RequestOutput:
@@ -88,3 +108,21 @@ class RequestOutput:
     num_output_tokens: int
     output_token_ids: list[int]  # all output tokens so far
     text: str = ""  # all output text so far (stop-truncated)
+
+    @classmethod
+    def delta(cls, req: Request, new_ids: list[int]) -> RequestOutput:
+        """What ``req`` adds now: ``new_ids`` and the text they complete (once it is done, the
+        text the detokenizer held back too)."""
+        done = req.status.is_done
+        return cls(req.request_id, new_ids, req.detok.flush(done), done, req.finish_reason, req.num_prompt_tokens,
+                   len(req.output_token_ids), list(req.output_token_ids), req.detok.text)
+
+    @classmethod
+    def prefilled(cls, req: Request) -> RequestOutput:
+        """The end of a prefill-only request (no tokens, no text)."""
+        return cls(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "")
+
+    def whole(self) -> RequestOutput:
+        """This final output as one delta holding everything (what ``LLMEngine.generate`` returns)."""
+        return RequestOutput(self.request_id, list(self.output_token_ids), self.text, True, self.finish_reason,
+                             self.num_prompt_tokens, self.num_output_tokens, self.output_token_ids, self.text)

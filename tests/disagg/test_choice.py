@@ -54,6 +54,26 @@ def test_decide_short_saturated_no_peer_and_remote():
     assert unbounded.decide(40) is Where.REMOTE
 
 
+def test_only_the_uncached_part_of_a_prompt_is_local_prefill_work():
+    """At the default disagg.local_prefill_max_tokens (128): a 2,000-token prompt with 1,984 of
+    its tokens in this node's prefix cache is a 16-token prefill: here, even with every prefill
+    node saturated or (strict) none connected, since it needs none; 1,856 cached leave 144: there."""
+    ch, peers = _chooser(local_prefill_max_tokens=128)
+    assert ch.decide(2000) is Where.REMOTE
+    assert ch.decide(2000, num_cached_tokens=1984) is Where.LOCAL_SHORT
+    assert ch.decide(2000, num_cached_tokens=1872) is Where.LOCAL_SHORT  # 128: at the bound
+    assert ch.decide(2000, num_cached_tokens=1856) is Where.REMOTE
+    for p in peers:
+        ch.report(p, _load(queued=10**6))
+    assert ch.decide(2000, num_cached_tokens=1984) is Where.LOCAL_SHORT  # not "saturated": short
+    assert ch.decide(2000, num_cached_tokens=1856) is Where.LOCAL_SATURATED
+    strict, sp = _chooser(local_prefill_max_tokens=128, local_fallback=False)
+    for p in sp:
+        p.dead = True
+    assert strict.decide(2000, num_cached_tokens=1984) is Where.LOCAL_SHORT  # served during an outage
+    assert strict.decide(2000, num_cached_tokens=1856) is Where.REFUSED_NO_PEER
+
+
 def test_pick_least_loaded_by_report():
     ch, peers = _chooser(3)
     ch.report(peers[0], _load(queued=50))

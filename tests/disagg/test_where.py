@@ -96,6 +96,27 @@ def test_short_prompt_prefilled_here_long_one_there(cluster, tiny_model_dir):
     wait_for(lambda: c.pools_full(), 10, "every page back")
 
 
+def test_a_prompt_mostly_cached_here_is_prefilled_here(cluster, tiny_model_dir):
+    """What counts against disagg.local_prefill_max_tokens (12 here) is the part of the prompt
+    this node's prefix cache does not hold: 40 tokens go to the prefill node, and the pages that
+    land are cached here (at least the 9 whole pages of the 39 tokens sent); the same 40 plus 8
+    more (48 > 12, at most 12 not cached) are prefilled here, without a PREFILL, while a fresh
+    48-token prompt still goes there."""
+    c = cluster
+    base = _prompt(None, 40)
+    d0, p0 = decisions(c.url), prefills_served(c.prefill.url)
+    assert_colocated_answer(c.url, c.name, tiny_model_dir, base, 4)  # remote: its pages land and are cached
+    assert _delta(decisions(c.url), d0) == {"remote": 1}
+    d0, p0 = decisions(c.url), prefills_served(c.prefill.url)
+    assert_colocated_answer(c.url, c.name, tiny_model_dir, base + _prompt(None, 8), 4)
+    assert prefills_served(c.prefill.url) == p0  # no PREFILL reached the prefill node
+    assert _delta(decisions(c.url), d0) == {"local_short": 1}
+    assert_colocated_answer(c.url, c.name, tiny_model_dir, _prompt(None, 48), 4)
+    assert prefills_served(c.prefill.url) == p0 + 1
+    assert _delta(decisions(c.url), d0) == {"local_short": 1, "remote": 1}
+    wait_for(lambda: c.pools_full(), 10, "every page back")
+
+
 def test_every_prefill_node_saturated_prefills_here_chunked(cluster, tiny_model_dir):
     """The prefill node reports a queue far above disagg.max_prefill_queue_tokens (fault
     injection on its heartbeats): long prompts are prefilled here, in chunks of

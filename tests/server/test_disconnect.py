@@ -95,9 +95,10 @@ def test_engine_failure_is_an_error_not_a_hang(api, served):
         status, body = api.http("POST", served.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
     assert status == 500 and body["error"]["code"] == "engine_error"
     served.wait_idle()
-    with FaultInjection(served.engine):
-        events = api.stream(served.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+    with FaultInjection(served.engine):  # failed before its first token: an HTTP error (test_stream_errors)
+        status, body = api.http("POST", served.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4,
+                                                                          "stream": True})
+    assert status == 500 and body["error"]["code"] == "engine_error"
     served.wait_idle()
     assert api.metric(served.url, "pdkv_request_success_total", finished_reason="error") >= 2
     status, body = api.http("POST", served.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
