@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -44,14 +43,14 @@ def _in_thread(fn, *args):
     return t, box
 
 
-def _send_and_leave(url, body, after):
-    """A client that sends a request and closes its socket ``after`` seconds later."""
+def _send_and_leave(url, body, leave_when):
+    """A client that sends a request and closes its socket once ``leave_when()`` holds."""
     host, port = url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    time.sleep(after)
+    wait_for(leave_when, 10, "the moment to leave")
     s.close()
 
 
@@ -84,7 +83,11 @@ def test_client_leaves_mid_transfer_pages_wait_for_the_writes(tiny_model_dir):
     conn.finished, conn.admit = on_finished, on_admit
     try:
         name = c.model_name()
-        _send_and_leave(c.url, {"model": name, "prompt": list(range(40, 70)), "max_tokens": 4}, 0.2)
+        # leave once the prefill node posted every write (they land 0.7 s later): leaving at a
+        # fixed time could come before the job ran, and a job cancelled before it posted
+        # anything rightly frees the pages at once
+        posted = lambda: c.prefill.app[NODE].messenger.stats()["writes_posted"] >= leaver_writes  # noqa: E731
+        _send_and_leave(c.url, {"model": name, "prompt": list(range(40, 70)), "max_tokens": 4}, posted)
         # the client is gone, but its pages stay quarantined while the delayed writes can land
         wait_for(lambda: quarantined, 5, "quarantined pages")
         imms = c.decode.app[NODE].messenger.stats()["imms"]
