@@ -1,0 +1,178 @@
+"""gpu_check's decode-graphs step: the real engine's decode steps through DecodeGraphs
+(pdkv/engine/cuda_graphs.py, ``model.cuda_graphs: true``) on the GPU.
+
+``run_graphs("cuda")``: an engine built from a config with ``cuda_graphs: true`` (so the factory
+captures the graphs, CudaGraphCapture) over a random model folder (pdkv.tiny_model):
+
+1. tokens: a float32 model, requests of different lengths joining and leaving (batches padded
+   to the captured sizes, an oversize batch, mixed prefill/decode steps): the greedy tokens with
+   graphs equal those with ``runner.graphs = None`` (eager) in the same engine;
+2. speed: a bf16 model shaped like Qwen2.5-0.5B's layers (24 x hidden 896, 14/2 heads, MLP 4864;
+   vocab cut to 32000 to keep the folder small), decode ms per ``engine.step()`` at batch 1 and 8
+   with ~300-token contexts: eager, eager + counter, graph, graph + counter (a CudaLayerCounter
+   bumped after each layer's o_proj, captured in the graph through cuda_graphs.CounterHook), all
+   in the same engine and run; then the counter must equal the bumps issued (one per layer per
+   step, none from warm-up or capture).
+
+``run_graphs("cpu")`` (``gpu_check.py --dry-run``, tests/gpu/test_gpu_check.py): the same flow on
+tiny float32 models with the CPU stand-in capture (StandInCapture) and a CpuLayerCounter.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = [1, 2, 4, 8]
+MAX_LEN = 512
+# Qwen2.5-0.5B's layers; its 151936-token vocabulary would make a 1 GB folder for nothing here
+QWEN_LAYERS = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                   vocab_size=32000, dtype="bfloat16", std=0.02)
+# (step at which it joins, prompt length, tokens): up to 9 requests at once on sizes 1..8
+ARRIVALS = [(0, 5, 20), (0, 40, 6), (1, 17, 12), (2, 3, 9), (2, 60, 14), (3, 9, 4), (3, 33, 16),
+            (4, 12, 10), (4, 7, 12), (6, 90, 5), (15, 20, 6)]
+
+
+def _engine(folder: Path, device: str, backend: str):
+    import torch
+
+    from pdkv.config import config_from_dict
+    from pdkv.engine import LLMEngine
+    from pdkv.engine.cuda_graphs import build_decode_graphs
+
+    cuda = device != "cpu"
+    cfg = config_from_dict({"model": {"path": str(folder), "device": device, "dtype": "auto", "max_model_len": MAX_LEN,
+                                      "attention_backend": backend, "cuda_graphs": cuda,
+                                      "cuda_graph_batch_sizes": SIZES},
+                            "kv_cache": {"page_size": 16, "num_pages": 512, "prefix_caching": False},
+                            "scheduler": {"max_num_seqs": 16}})
+    engine = LLMEngine.from_config(cfg)
+    if not cuda:  # the config refuses cuda_graphs on a CPU: the stand-in capture, installed by hand
+        r = engine.runner
+        r.graphs = build_decode_graphs(r.model, r.backend, engine.allocator, MAX_LEN, SIZES, "cpu", stand_in=True)
+    assert engine.runner.graphs.capturer.name == ("cuda" if cuda else "stand-in")
+    torch.manual_seed(0)
+    return engine
+
+
+def _schedule(engine) -> dict[str, list[int]]:
+    import random
+
+    from pdkv.engine import SamplingParams
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for _, n, _ in ARRIVALS]
+    out, step = {}, 0
+    while step < 80 and (step <= ARRIVALS[-1][0] or engine.has_unfinished()):
+        for i, (at, _, m) in enumerate(ARRIVALS):
+            if at == step:
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+        for o in engine.step():
+            out[o.request_id] = o.output_token_ids
+        step += 1
+    return out
+
+
+class _Counted:
+    """A connector whose layer hook bumps a layer counter, eagerly and inside the graphs."""
+
+    def __new__(cls, counter):
+        from pdkv.engine.connector import KVConnector
+        from pdkv.engine.cuda_graphs import CounterHook
+
+        c = KVConnector()
+        c.hook = CounterHook(counter)
+        c.after_layer = c.graph_layer_hook = c.hook
+        return c
+
+
+def _step_ms(engine, batch: int, steps: int, sync) -> float:
+    """ms per engine.step() with ``batch`` requests decoding (~300-token contexts)."""
+    from pdkv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"t{i}", [(7 * i + j) % 400 + 1 for j in range(280 + 9 * i)], params)
+    for _ in range(4):  # the prefill, then warm decode steps
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    for i in range(batch):
+        engine.abort(f"t{i}")
+    engine.step()
+    return dt * 1e3
+
+
+def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30) -> tuple[str, dict]:
+    import torch
+
+    from pdkv.gpu.layer_counter import make_layer_counter
+    from pdkv.tiny_model import make_tiny_model
+
+    cuda = device != "cpu"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    data: dict = {"device": device, "attention_backend": backend, "batch_sizes": SIZES}
+    head = {"head_dim": 128} if backend == "flashinfer" else {}
+    with tempfile.TemporaryDirectory(prefix="pdkv-graphs-") as tmp:
+        # 1. tokens, float32 (flashinfer: bfloat16, its only dtypes)
+        small = make_tiny_model(Path(tmp) / "small", hidden_size=256 if head else 64, num_heads=2 if head else 4,
+                                num_kv_heads=1 if head else 2, dtype="bfloat16" if head else "float32", **head)
+        engine = _engine(small, device, backend)
+        graphs = engine.runner.graphs
+        with_graphs = _schedule(engine)
+        engine.runner.graphs = None
+        eager = _schedule(engine)
+        engine.runner.graphs = graphs
+        st = graphs.stats
+        data.update(tokens_equal=with_graphs == eager, num_requests=len(eager), replays=dict(st.replays),
+                    fallbacks=dict(st.fallbacks), padded_rows=st.padded_rows)
+        assert set(with_graphs) == set(eager) and len(eager) == len(ARRIVALS), "not every request finished"
+        differ = [r for r in eager if eager[r] != with_graphs[r]]
+        assert not differ, f"graph decode tokens differ from eager for {differ}: {[(eager[r], with_graphs[r]) for r in differ]}"
+        assert st.replays and st.padded_rows and st.fallbacks, f"the schedule did not exercise padding/fallbacks: {st}"
+        del engine
+        # 2. speed (CPU dry run: the tiny model again, fewer steps)
+        big = make_tiny_model(Path(tmp) / "big", **QWEN_LAYERS, **head) if cuda else small
+        engine = _engine(big, device, backend)
+        graphs = engine.runner.graphs
+        counter = make_layer_counter(device)
+        timings, hooks = {}, []
+        try:
+            for batch in (1, 8):
+                for name, use_graphs, counted in (("eager", False, False), ("eager_counter", False, True),
+                                                  ("graph", True, False), ("graph_counter", True, True)):
+                    engine.runner.graphs = graphs if use_graphs else None
+                    conn = _Counted(counter) if counted else None
+                    hooks += [conn.hook] if counted else []
+                    engine.set_connector(conn)
+                    timings[f"{name}_b{batch}_ms"] = _step_ms(engine, batch, steps if cuda else 4, sync)
+            sync()
+            data.update(counter_bumps=counter.value(), counter_bumps_issued=sum(h.num_issued for h in hooks),
+                        bump_kind=counter.bump_kind.name, graph_replays=dict(graphs.stats.replays))
+        finally:
+            engine.set_connector(None)
+            engine.runner.graphs = None
+            del graphs, engine  # the graphs bump the counter's word: gone before it is freed
+            if cuda:
+                torch.cuda.synchronize(device)
+            counter.close()
+    assert data["counter_bumps"] == data["counter_bumps_issued"], (
+        f"the layer counter reached {data['counter_bumps']}, but {data['counter_bumps_issued']} bumps were "
+        "issued (one per layer per step; warm-ups and captures must bump nothing)")
+    data.update(timings)
+    for b in (1, 8):
+        data[f"graph_vs_eager_b{b}"] = timings[f"graph_b{b}_ms"] / timings[f"eager_b{b}_ms"]
+        data[f"graph_counter_vs_graph_b{b}"] = timings[f"graph_counter_b{b}_ms"] / timings[f"graph_b{b}_ms"]
+    summary = (f"{backend} attention: greedy tokens with graphs == eager for {len(eager)} requests "
+               f"(replays {dict(sorted(st.replays.items()))}, {st.padded_rows} padding rows, eager fallbacks "
+               f"{dict(st.fallbacks)}); decode ms/step b1: eager {timings['eager_b1_ms']:.2f}, graph "
+               f"{timings['graph_b1_ms']:.2f}, graph+counter {timings['graph_counter_b1_ms']:.2f} "
+               f"(x{data['graph_counter_vs_graph_b1']:.3f}); b8: eager {timings['eager_b8_ms']:.2f}, graph "
+               f"{timings['graph_b8_ms']:.2f}, graph+counter {timings['graph_counter_b8_ms']:.2f} "
+               f"(x{data['graph_counter_vs_graph_b8']:.3f}); counter {data['counter_bumps']} ({data['bump_kind']})")
+    return summary, data
