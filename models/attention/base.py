@@ -58,16 +58,20 @@ def write_slots(batch: AttentionBatch, table: torch.Tensor, page_size: int) -> t
 
 class GraphDecodeState:
     """A backend's attention metadata for decode steps replayed as CUDA graphs, in buffers that
-    never move. Per step, outside the graph: ``update(batch, fill_page)`` writes the step's
-    (already padded) ``batch`` of ``bs`` one-token rows into the buffers; inside the captured
-    function: ``meta(bs, write_pages, write_offsets)`` returns what ``forward`` takes, built only
+    never move. A graph is captured per (batch size, page-table width in ``widths``): a step of
+    ``bs`` one-token rows whose longest row fills at most ``width`` pages replays the graph of the
+    smallest such width. Per step, outside the graph: ``update(batch, fill_page, width)`` writes
+    the step's (already padded) ``batch`` into the buffers; inside the captured function:
+    ``meta(bs, width, write_pages, write_offsets)`` returns what ``forward`` takes, built only
     from those buffers (and the caller's static write slots [bs] long), so a replay reads the
     step's values. Page-table columns beyond a row's pages hold ``fill_page`` (never read)."""
 
-    def update(self, batch: AttentionBatch, fill_page: int) -> None:
+    widths: tuple[int, ...] = ()
+
+    def update(self, batch: AttentionBatch, fill_page: int, width: int) -> None:
         raise NotImplementedError
 
-    def meta(self, bs: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> object:
+    def meta(self, bs: int, width: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> object:
         raise NotImplementedError
 
 

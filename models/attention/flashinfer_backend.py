@@ -186,6 +186,7 @@ class FlashInferGraphDecode(GraphDecodeState):
         fi = _import_flashinfer()
         dev, max_batch = torch.device(backend.kv.device), max(batch_sizes)
         self.backend = backend
+        self.widths = (max_pages,)  # it reads only the pages in use: one width, the widest
         self.indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.indices = torch.zeros(max_batch * max_pages, dtype=torch.int32, device=dev)
         self.last_len = torch.ones(max_batch, dtype=torch.int32, device=dev)
@@ -197,7 +198,7 @@ class FlashInferGraphDecode(GraphDecodeState):
                 paged_kv_last_page_len_buffer=self.last_len[:bs])
             for bs in batch_sizes}
 
-    def update(self, batch: AttentionBatch, fill_page: int) -> None:
+    def update(self, batch: AttentionBatch, fill_page: int, width: int) -> None:
         b, P = self.backend, self.backend.kv.page_size
         m = build_paged_kv_meta(batch, P, pin=True)
         self.wrappers[len(batch.kv_lens)].plan(
@@ -205,5 +206,5 @@ class FlashInferGraphDecode(GraphDecodeState):
             b.head_dim, P, pos_encoding_mode="NONE", window_left=b._window_left, sm_scale=b.scale,
             q_data_type=b.kv.dtype, kv_data_type=b.kv.dtype, non_blocking=True)
 
-    def meta(self, bs: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> FlashInferMeta:
+    def meta(self, bs: int, width: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> FlashInferMeta:
         return FlashInferMeta(write_pages, write_offsets, self.wrappers[bs])

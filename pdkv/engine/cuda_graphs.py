@@ -1,7 +1,10 @@
 """Decode steps replayed as CUDA graphs (``model.cuda_graphs``), the way vLLM and SGLang run them.
 
 A decode-only step (every row one new token, no prefill chunk, no draft) of ``n`` rows is padded
-up to the smallest captured batch size ``bs >= n`` and replayed:
+up to the smallest captured batch size ``bs >= n`` and replayed (per size, a graph per page-table
+width the backend asks for, GraphDecodeState.widths: the torch backend's gather reads every
+column, so it captures widths 8, 16, 32, ... pages; FlashInfer reads only the pages in use and
+captures one):
 
     host: copy the step's token ids, positions and write slots into the static inputs, and the
           attention metadata into the backend's static buffers (GraphDecodeState.update)
@@ -116,6 +119,7 @@ class CudaGraphCapture:
 @dataclass
 class GraphStats:
     replays: collections.Counter = field(default_factory=collections.Counter)  # captured size -> replays
+    widths: collections.Counter = field(default_factory=collections.Counter)  # page-table width -> replays
     fallbacks: collections.Counter = field(default_factory=collections.Counter)  # reason -> eager steps
     num_captures: int = 0  # graphs captured (all sizes, every (re)capture)
     padded_rows: int = 0  # padding rows replayed
@@ -123,6 +127,7 @@ class GraphStats:
 
 # Why a step ran eagerly (GraphStats.fallbacks keys)
 PREFILL, VERIFY, OVERSIZE, HOOK = "prefill chunk", "verification", "batch above the largest size", "layer hook"
+LONG = "context above max_model_len"
 
 
 class DecodeGraphs:
@@ -139,7 +144,8 @@ class DecodeGraphs:
         # [4, max_bs] long: token ids, positions, write pages, write offsets (one copy per step)
         self._inputs = torch.zeros(4, max_bs, dtype=torch.long, device=self.device)
         self.attn = backend.graph_decode(max_bs, max_pages, self.sizes)
-        self._graphs: dict[int, tuple] = {}  # bs -> (replay, static output [bs, H])
+        self.widths = self.attn.widths
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (bs, width) -> (replay, static output [bs, H])
         self._hook = None  # the capturable hook the graphs were captured with
         self.stats = GraphStats()
 
@@ -153,6 +159,8 @@ class DecodeGraphs:
             reason = PREFILL
         elif len(seqs) > self.sizes[-1]:
             reason = OVERSIZE
+        elif self._pages(max(s.start_pos + 1 for s in seqs)) > self.widths[-1]:
+            reason = LONG
         elif connector.after_layer is not None and connector.graph_layer_hook is None:
             reason = HOOK
         if reason is not None:
@@ -166,19 +174,23 @@ class DecodeGraphs:
         self._graphs.clear()
         self._hook = hook
         for bs in reversed(self.sizes):
-            self._fill(self._padding_batch(bs), [0] * bs, [0] * bs)
-            like = self.capturer.warm_up(self._step_fn(bs, None))  # no hook: warm-ups never bump
-            self._graphs[bs] = self.capturer.capture(self._step_fn(bs, hook), like)
-            self.stats.num_captures += 1
+            for width in reversed(self.widths):
+                self._fill(self._padding_batch(bs), [0] * bs, [0] * bs, width)
+                like = self.capturer.warm_up(self._step_fn(bs, width, None))  # no hook: warm-ups never bump
+                self._graphs[bs, width] = self.capturer.capture(self._step_fn(bs, width, hook), like)
+                self.stats.num_captures += 1
 
-    def _step_fn(self, bs: int, hook):
-        """The captured function: reads only static buffers and ``bs``."""
+    def _step_fn(self, bs: int, width: int, hook):
+        """The captured function: reads only static buffers, ``bs`` and ``width``."""
         ids, pos, wp, wo = (self._inputs[i, :bs] for i in range(4))
         bump = hook.device_bump if hook is not None else None
 
         def step():
-            return self.model(ids, pos, self.backend, self.attn.meta(bs, wp, wo), bump)  # [bs, H]
+            return self.model(ids, pos, self.backend, self.attn.meta(bs, width, wp, wo), bump)  # [bs, H]
         return step
+
+    def _pages(self, kv_len: int) -> int:
+        return -(-kv_len // self.page_size)
 
     # ---- replay ----------------------------------------------------------------------------
     def run(self, batch: AttentionBatch, ids: list[int], positions: list[int], connector) -> torch.Tensor:
@@ -189,22 +201,24 @@ class DecodeGraphs:
             self.capture_all(hook)
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        width = self.widths[bisect.bisect_left(self.widths, self._pages(max(batch.kv_lens)))]
         pad = bs - n
         padded = AttentionBatch([1] * bs, list(batch.kv_lens) + [1] * pad,
                                 list(batch.page_ids) + [[self.scratch]] * pad, bs)
-        self._fill(padded, list(ids) + [0] * pad, list(positions) + [0] * pad)
-        replay, out = self._graphs[bs]
+        self._fill(padded, list(ids) + [0] * pad, list(positions) + [0] * pad, width)
+        replay, out = self._graphs[bs, width]
         replay()
         if hook is not None:
             hook.replayed(self.num_layers)
         self.stats.replays[bs] += 1
+        self.stats.widths[width] += 1
         self.stats.padded_rows += pad
         return out[:n].clone()
 
     def _padding_batch(self, bs: int) -> AttentionBatch:
         return AttentionBatch([1] * bs, [1] * bs, [[self.scratch]] * bs, bs)
 
-    def _fill(self, batch: AttentionBatch, ids: list[int], positions: list[int]) -> None:
+    def _fill(self, batch: AttentionBatch, ids: list[int], positions: list[int], width: int) -> None:
         """The step's values into the static buffers (before a replay, and before a capture)."""
         P, pages, offsets = self.page_size, [], []
         for kv_len, row in zip(batch.kv_lens, batch.page_ids):
@@ -213,7 +227,7 @@ class DecodeGraphs:
         host = torch.tensor([ids, positions, pages, offsets], dtype=torch.long)
         cuda = self.device.type == "cuda"
         self._inputs[:, :len(ids)].copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
-        self.attn.update(batch, self.scratch)
+        self.attn.update(batch, self.scratch, width)
 
 
 def build_decode_graphs(model, backend, allocator, max_model_len: int, batch_sizes, device,
@@ -236,6 +250,7 @@ def build_decode_graphs(model, backend, allocator, max_model_len: int, batch_siz
         allocator.free([scratch])
         raise RuntimeError(f"model.cuda_graphs: capturing the decode step failed ({type(e).__name__}: {e}); "
                            "set model.cuda_graphs: false for this model") from e
-    log.info("decode graphs (%s) captured for batch sizes %s; scratch page %d", capture.name,
-             ", ".join(map(str, graphs.sizes)), scratch)
+    log.info("decode graphs (%s): %d captured, batch sizes %s x page-table widths %s; scratch page %d",
+             capture.name, graphs.stats.num_captures, ", ".join(map(str, graphs.sizes)),
+             ", ".join(map(str, graphs.widths)), scratch)
     return graphs

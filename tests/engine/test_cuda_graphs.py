@@ -40,8 +40,9 @@ def _greedy(n):
 
 
 # (step at which it joins, prompt length, tokens to generate): 1 to 5 requests at once, so steps
-# replay sizes 1, 2 and 4 (padded from 3) and a step of 5 is above the largest size
-ARRIVALS = [(0, 5, 14), (0, 23, 8), (2, 40, 9), (3, 3, 11), (3, 17, 2), (5, 9, 6), (12, 30, 5)]
+# replay sizes 1, 2 and 4 (padded from 3) and a step of 5 is above the largest size; a 150-token
+# prompt takes the 16-page table width, the others the 8-page one
+ARRIVALS = [(0, 5, 14), (0, 23, 8), (2, 40, 9), (3, 3, 11), (3, 17, 2), (5, 9, 6), (9, 150, 4), (14, 30, 5)]
 
 
 def _run_schedule(engine) -> dict[str, list[int]]:
@@ -70,8 +71,9 @@ def test_graph_decode_tokens_equal_eager_as_requests_join_and_leave(tiny_model_d
     assert got == eager_tokens and len(got) == len(ARRIVALS)
     st = engine.runner.graphs.stats
     assert set(st.replays) == set(SIZES) and st.padded_rows > 0  # every size replayed, some padded
+    assert engine.runner.graphs.widths == (8, 16) and set(st.widths) == {8, 16}
     assert st.fallbacks[PREFILL] > 0 and st.fallbacks[OVERSIZE] > 0
-    assert st.num_captures == len(SIZES)  # captured once, at start
+    assert st.num_captures == len(SIZES) * len(engine.runner.graphs.widths)  # captured once, at start
     assert engine.allocator.num_free == free  # every request's pages back; the scratch page stays held
 
 
@@ -138,7 +140,7 @@ def test_counter_bumps_once_per_layer_per_replay(tiny_model_dir, eager_tokens):
     assert got == eager_tokens
     st, L = engine.runner.graphs.stats, engine.kv.num_layers
     forwards = sum(st.replays.values()) + sum(st.fallbacks.values())
-    assert st.num_captures == 2 * len(SIZES)  # recaptured once, with the connector's hook
+    assert st.num_captures == 2 * len(SIZES) * len(engine.runner.graphs.widths)  # recaptured once, with the hook
     assert c.counter.value() == c.hook.num_issued == forwards * L  # warm-ups and captures bumped nothing
 
 
@@ -165,23 +167,24 @@ def test_verification_steps_fall_back(tiny_model_dir):
 def test_graph_metadata_attends_like_the_eager_plan(window):
     """TorchGraphDecode's static table and in-graph mask vs the eager plan, one and three rows."""
     torch.manual_seed(0)
-    P, Hq, Hkv, D, num_pages = 4, 4, 2, 8, 40
+    P, Hq, Hkv, D, num_pages = 4, 4, 2, 8, 64
     kv = KVCache(1, num_pages, P, Hkv, D, torch.float32, "HND", "cpu")
     kv.layer(0).normal_()
     backend = TorchAttentionBackend(kv, Hq, Hkv, D, D ** -0.5, sliding_window=window)
-    state = backend.graph_decode(4, 8, (1, 4))
+    state = backend.graph_decode(4, 16, (1, 4))
+    assert state.widths == (8, 16)
     scratch = num_pages - 1
-    for kv_lens in ([13], [5, 30, 17]):
-        pages = [list(range(8 * i, 8 * i + -(-n // P))) for i, n in enumerate(kv_lens)]
+    for kv_lens, width in (([13], 8), ([5, 30, 17], 8), ([5, 61, 17], 16)):
+        pages = [list(range(16 * i, 16 * i + -(-n // P))) for i, n in enumerate(kv_lens)]
         n, bs = len(kv_lens), 1 if len(kv_lens) == 1 else 4
         q, k, v = torch.randn(n, Hq, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
         eager = backend.forward(0, q, k, v, backend.plan(AttentionBatch([1] * n, kv_lens, pages, n)))
         padded = AttentionBatch([1] * bs, kv_lens + [1] * (bs - n), pages + [[scratch]] * (bs - n), bs)
-        state.update(padded, scratch)
+        state.update(padded, scratch, width)
         wp = torch.tensor([p[(m - 1) // P] for p, m in zip(padded.page_ids, padded.kv_lens)])
         wo = torch.tensor([(m - 1) % P for m in padded.kv_lens])
         pad = lambda x: torch.cat([x, torch.zeros(bs - n, *x.shape[1:])])  # noqa: E731
-        got = backend.forward(0, pad(q), pad(k), pad(v), state.meta(bs, wp, wo))[:n]
+        got = backend.forward(0, pad(q), pad(k), pad(v), state.meta(bs, width, wp, wo))[:n]
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
 
 
