@@ -108,7 +108,8 @@ def _step_ms(engine, batch: int, steps: int, sync) -> float:
     return dt * 1e3
 
 
-def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30) -> tuple[str, dict]:
+def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30, speed_model: bool = True) -> tuple[str, dict]:
+    """``speed_model``: time the Qwen2.5-0.5B-shaped model on a GPU (False: the small one, tests)."""
     import torch
 
     from pdkv.gpu.layer_counter import make_layer_counter
@@ -137,7 +138,7 @@ def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30) ->
         assert st.replays and st.padded_rows and st.fallbacks, f"the schedule did not exercise padding/fallbacks: {st}"
         del engine
         # 2. speed (CPU dry run: the tiny model again, fewer steps)
-        big = make_tiny_model(Path(tmp) / "big", **QWEN_LAYERS, **head) if cuda else small
+        big = make_tiny_model(Path(tmp) / "big", **QWEN_LAYERS, **head) if cuda and speed_model else small
         engine = _engine(big, device, backend)
         graphs = engine.runner.graphs
         counter = make_layer_counter(device)

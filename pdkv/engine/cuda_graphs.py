@@ -92,28 +92,37 @@ class StandInCapture:
 
 
 class CudaGraphCapture:
-    """torch.cuda.CUDAGraph per size, all in one memory pool (replays never overlap)."""
+    """torch.cuda.CUDAGraph per graph, all in one memory pool (replays never overlap). Each call
+    runs with the model's device current: capture and replay use its current stream."""
 
     name = "cuda"
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self, fn) -> torch.Tensor:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                out = fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    out = fn()
+            torch.cuda.current_stream().wait_stream(side)
         return out
 
     def capture(self, fn, like: torch.Tensor):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # NOTE: thread_local: the messenger's and copy engine's threads may call CUDA meanwhile
+        # (event waits, copies on their own streams); only this thread's calls must be capturable
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
-        return graph.replay, out
+
+        def replay():
+            with torch.cuda.device(self.device):
+                graph.replay()
+        return replay, out
 
 
 @dataclass
@@ -123,6 +132,12 @@ class GraphStats:
     fallbacks: collections.Counter = field(default_factory=collections.Counter)  # reason -> eager steps
     num_captures: int = 0  # graphs captured (all sizes, every (re)capture)
     padded_rows: int = 0  # padding rows replayed
+
+    def as_dict(self) -> dict:
+        """For LLMEngine.stats(): steps replayed / run eagerly (and why), padding, captures."""
+        return {"cuda_graph_replays": sum(self.replays.values()), "cuda_graph_eager_steps": sum(self.fallbacks.values()),
+                "cuda_graph_fallbacks": dict(self.fallbacks), "cuda_graph_padded_rows": self.padded_rows,
+                "cuda_graph_captures": self.num_captures}
 
 
 # Why a step ran eagerly (GraphStats.fallbacks keys)

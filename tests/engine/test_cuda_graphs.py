@@ -75,6 +75,9 @@ def test_graph_decode_tokens_equal_eager_as_requests_join_and_leave(tiny_model_d
     assert st.fallbacks[PREFILL] > 0 and st.fallbacks[OVERSIZE] > 0
     assert st.num_captures == len(SIZES) * len(engine.runner.graphs.widths)  # captured once, at start
     assert engine.allocator.num_free == free  # every request's pages back; the scratch page stays held
+    stats = engine.stats()
+    assert stats["cuda_graph_replays"] == sum(st.replays.values()) and stats["cuda_graph_padded_rows"] == st.padded_rows
+    assert stats["cuda_graph_fallbacks"] == dict(st.fallbacks)
 
 
 def _kv_bytes(engine) -> torch.Tensor:
