@@ -87,6 +87,36 @@ class _Counted:
         return c
 
 
+def _hidden_parity(engine, lengths=(9, 70, 33)) -> float:
+    """Max |graph - eager| of one decode step's hidden states (3 rows: the size-4 graph, padded),
+    on the same KV: the graph step first, then the eager forward over the same batch (it rewrites
+    the new tokens' slots with its own K/V)."""
+    import torch
+
+    from models.attention import AttentionBatch
+    from pdkv.engine import SamplingParams
+    from pdkv.engine.connector import KVConnector
+
+    for i, n in enumerate(lengths):
+        engine.add_request(f"h{i}", [(5 * i + j) % 300 + 1 for j in range(n)],
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()  # the prefills: each request now holds one sampled token, not yet in the cache
+    reqs = [engine.requests[f"h{i}"] for i in range(len(lengths))]
+    ids = [r.output_token_ids[-1] for r in reqs]
+    pos = [r.num_tokens - 1 for r in reqs]
+    batch = AttentionBatch([1] * len(reqs), [p + 1 for p in pos], [r.pages for r in reqs], len(reqs))
+    r = engine.runner
+    with torch.inference_mode():
+        graph = r.graphs.run(batch, ids, pos, KVConnector()).float()
+        dev = r.device
+        eager = r.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), r.backend,
+                        r.backend.plan(batch), None).float()
+    for i in range(len(lengths)):
+        engine.abort(f"h{i}")
+    engine.step()
+    return float((graph - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+
+
 def _step_ms(engine, batch: int, steps: int, sync) -> float:
     """ms per engine.step() with ``batch`` requests decoding (~300-token contexts)."""
     from pdkv.engine import SamplingParams
@@ -125,16 +155,24 @@ def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30, sp
                                 num_kv_heads=1 if head else 2, dtype="bfloat16" if head else "float32", **head)
         engine = _engine(small, device, backend)
         graphs = engine.runner.graphs
+        data["hidden_rel_err"] = err = _hidden_parity(engine)
+        tol = 2e-2 if head else 1e-4  # bf16 (flashinfer) / float32
+        assert err <= tol, f"one decode step's hidden states: graph vs eager differ by {err:.2e} (relative; tolerance {tol})"
         with_graphs = _schedule(engine)
         engine.runner.graphs = None
         eager = _schedule(engine)
         engine.runner.graphs = graphs
         st = graphs.stats
-        data.update(tokens_equal=with_graphs == eager, num_requests=len(eager), replays=dict(st.replays),
-                    fallbacks=dict(st.fallbacks), padded_rows=st.padded_rows)
         assert set(with_graphs) == set(eager) and len(eager) == len(ARRIVALS), "not every request finished"
         differ = [r for r in eager if eager[r] != with_graphs[r]]
-        assert not differ, f"graph decode tokens differ from eager for {differ}: {[(eager[r], with_graphs[r]) for r in differ]}"
+        same = sum(a == b for r in eager for a, b in zip(eager[r], with_graphs[r]))
+        data.update(tokens_equal=not differ, token_match=same / sum(map(len, eager.values())), num_requests=len(eager),
+                    replays=dict(st.replays), widths=dict(st.widths), fallbacks=dict(st.fallbacks),
+                    padded_rows=st.padded_rows)
+        # NOTE: bf16 greedy over a random model has near-ties that a padded GEMM may flip: there the
+        # hidden-state parity above is the check and the token match is reported
+        assert head or not differ, (f"graph decode tokens differ from eager for {differ}: "
+                                    f"{[(eager[r], with_graphs[r]) for r in differ]}")
         assert st.replays and st.padded_rows and st.fallbacks, f"the schedule did not exercise padding/fallbacks: {st}"
         del engine
         # 2. speed (CPU dry run: the tiny model again, fewer steps)
@@ -169,7 +207,9 @@ def run_graphs(device: str = "cuda", backend: str = "torch", steps: int = 30, sp
     for b in (1, 8):
         data[f"graph_vs_eager_b{b}"] = timings[f"graph_b{b}_ms"] / timings[f"eager_b{b}_ms"]
         data[f"graph_counter_vs_graph_b{b}"] = timings[f"graph_counter_b{b}_ms"] / timings[f"graph_b{b}_ms"]
-    summary = (f"{backend} attention: greedy tokens with graphs == eager for {len(eager)} requests "
+    match = "==" if data["tokens_equal"] else f"match {data['token_match']:.0%} of"
+    summary = (f"{backend} attention: one step's hidden states graph vs eager within {data['hidden_rel_err']:.1e}; "
+               f"greedy tokens with graphs {match} eager for {len(eager)} requests "
                f"(replays {dict(sorted(st.replays.items()))}, {st.padded_rows} padding rows, eager fallbacks "
                f"{dict(st.fallbacks)}); decode ms/step b1: eager {timings['eager_b1_ms']:.2f}, graph "
                f"{timings['graph_b1_ms']:.2f}, graph+counter {timings['graph_counter_b1_ms']:.2f} "
