@@ -73,7 +73,7 @@ CHECKS = [
     Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"}), isolate=300.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow
     # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
-    Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=240.0),
+    Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),
 ]
 # What --dry-run runs on a machine without a GPU: the same code on the CPU stand-ins.
 DRY_RUN = ("decode-graphs", "disagg-gpu")

@@ -14,6 +14,10 @@ captures the graphs, CudaGraphCapture) over a random model folder (pdkv.tiny_mod
    in the same engine and run; then the counter must equal the bumps issued (one per layer per
    step, none from warm-up or capture).
 
+``run_graphs("cuda", backend="flashinfer")``: the same with FlashInfer's CUDA-graph decode
+wrappers (bf16 models with head_dim 128; the tokens are reported, the hidden-state parity of one
+step is the check: bf16 greedy over random weights has near-ties a padded GEMM may flip).
+
 ``run_graphs("cpu")`` (``gpu_check.py --dry-run``, tests/gpu/test_gpu_check.py): the same flow on
 tiny float32 models with the CPU stand-in capture (StandInCapture) and a CpuLayerCounter.
 """

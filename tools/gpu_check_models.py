@@ -250,7 +250,7 @@ def check_decode_graphs_flashinfer() -> tuple[str, dict]:
     import gpu_check_graphs  # noqa: PLC0415
 
     try:
-        return gpu_check_graphs.run_graphs("cuda", backend="flashinfer")
+        return gpu_check_graphs.run_graphs("cuda", backend="flashinfer", steps=20)
     except Exception as e:  # noqa: BLE001 - the first use builds kernels with the JIT toolchain
         _skip_without_toolchain(e)
         raise
