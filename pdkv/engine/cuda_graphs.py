@@ -258,8 +258,8 @@ def build_decode_graphs(model, backend, allocator, max_model_len: int, batch_siz
         capture = CudaGraphCapture(device)
     scratch = allocator.allocate(1)[0]
     max_pages = -(-max_model_len // backend.kv.page_size)
-    graphs = DecodeGraphs(model, backend, scratch, batch_sizes, max_pages, device, capture)
     try:
+        graphs = DecodeGraphs(model, backend, scratch, batch_sizes, max_pages, device, capture)
         graphs.capture_all()
     except Exception as e:
         allocator.free([scratch])

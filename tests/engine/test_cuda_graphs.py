@@ -212,3 +212,18 @@ def test_real_capture_needs_a_cuda_device(tiny_model_dir):
     with pytest.raises(RuntimeError, match="model.cuda_graphs needs a CUDA device"):
         build_decode_graphs(engine.runner.model, engine.runner.backend, engine.allocator, MAX_LEN, SIZES, "cpu")
     assert engine.allocator.num_free == free
+
+
+def test_a_failed_capture_names_the_option_and_gives_the_scratch_page_back(tiny_model_dir, monkeypatch):
+    from pdkv.engine import cuda_graphs
+
+    def fail(self, fn, like):  # fault injection: what a host sync inside the forward does to a capture
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    engine = _engine(tiny_model_dir, graphs=False)
+    free = engine.allocator.num_free
+    monkeypatch.setattr(cuda_graphs.StandInCapture, "capture", fail)
+    with pytest.raises(RuntimeError, match="capturing the decode step failed .*not permitted.*cuda_graphs: false"):
+        build_decode_graphs(engine.runner.model, engine.runner.backend, engine.allocator, MAX_LEN, SIZES, "cpu",
+                            stand_in=True)
+    assert engine.allocator.num_free == free
