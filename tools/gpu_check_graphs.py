@@ -92,6 +92,8 @@ class _Counted:
 
 
 def _hidden_parity(engine, lengths=(9, 70, 33)) -> float:
+    # NOTE: no length a multiple of the page size: the page of a request's next token is taken
+    # when that token is scheduled, and this step is built by hand
     """Max |graph - eager| of one decode step's hidden states (3 rows: the size-4 graph, padded),
     on the same KV: the graph step first, then the eager forward over the same batch (it rewrites
     the new tokens' slots with its own K/V)."""
