@@ -68,12 +68,15 @@ CHECKS = [
     Check("counter-graph-torch", dev.check_counter_graph_torch),
     Check("copy-engine", dev.check_copy_engine),
     Check("decode-roofline", models.check_decode_roofline),
+    Check("decode-graphs", models.check_decode_graphs),  # the engine's decode under CUDA graphs, ~60 s
     # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
     Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"}), isolate=300.0),
-    Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # last: its first JIT build is slow
+    Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow
+    # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
+    Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),
 ]
 # What --dry-run runs on a machine without a GPU: the same code on the CPU stand-ins.
-DRY_RUN = ("disagg-gpu",)
+DRY_RUN = ("decode-graphs", "disagg-gpu")
 
 
 def run_one(check: Check) -> Result:

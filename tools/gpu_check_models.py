@@ -11,6 +11,9 @@ as ``SkipCheck`` here so this module imports nothing from the runner.
   parameters) decodes one token per step at a 512-token context, eager and as a captured CUDA
   graph, each with and without the layer counter bumped after every layer; compared with the HBM
   roofline, weight bytes / the device bandwidth measured in the same run.
+- :func:`check_decode_graphs` (and ``_flashinfer``): the engine's decode steps through
+  pdkv.engine.cuda_graphs on the GPU vs eager: equal greedy tokens, ms/step with and without the
+  layer counter captured (tools/gpu_check_graphs.py).
 - :func:`check_disagg_gpu`: the disaggregated equality test with KV on the GPU. SKIPPED while
   pdkv.config refuses ``model.device: cuda`` for the prefill/decode roles (the wiring of issue 13);
   once it accepts, this runs tests/disagg/test_equality.py with PDKV_TEST_DEVICE=cuda.
@@ -228,3 +231,26 @@ def check_disagg_gpu(timeout: float = 240.0) -> tuple[str, dict]:
     import gpu_check_disagg  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
 
     return gpu_check_disagg.run_disagg(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"), timeout)
+
+
+def check_decode_graphs() -> tuple[str, dict]:
+    """The engine's decode steps under CUDA graphs vs eager, with and without the layer counter
+    (tools/gpu_check_graphs.py; ``--dry-run``: the CPU stand-in capture)."""
+    import gpu_check_graphs  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
+
+    return gpu_check_graphs.run_graphs(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"))
+
+
+def check_decode_graphs_flashinfer() -> tuple[str, dict]:
+    """The same with attention_backend flashinfer (its use_cuda_graph decode wrappers)."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        raise SkipCheck(f"flashinfer is not installed ({e})") from None
+    import gpu_check_graphs  # noqa: PLC0415
+
+    try:
+        return gpu_check_graphs.run_graphs("cuda", backend="flashinfer", steps=20)
+    except Exception as e:  # noqa: BLE001 - the first use builds kernels with the JIT toolchain
+        _skip_without_toolchain(e)
+        raise

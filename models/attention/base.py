@@ -56,6 +56,25 @@ def write_slots(batch: AttentionBatch, table: torch.Tensor, page_size: int) -> t
     return table[seq, pos // page_size], pos % page_size
 
 
+class GraphDecodeState:
+    """A backend's attention metadata for decode steps replayed as CUDA graphs, in buffers that
+    never move. A graph is captured per (batch size, page-table width in ``widths``): a step of
+    ``bs`` one-token rows whose longest row fills at most ``width`` pages replays the graph of the
+    smallest such width. Per step, outside the graph: ``update(batch, fill_page, width)`` writes
+    the step's (already padded) ``batch`` into the buffers; inside the captured function:
+    ``meta(bs, width, write_pages, write_offsets)`` returns what ``forward`` takes, built only
+    from those buffers (and the caller's static write slots [bs] long), so a replay reads the
+    step's values. Page-table columns beyond a row's pages hold ``fill_page`` (never read)."""
+
+    widths: tuple[int, ...] = ()
+
+    def update(self, batch: AttentionBatch, fill_page: int, width: int) -> None:
+        raise NotImplementedError
+
+    def meta(self, bs: int, width: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> object:
+        raise NotImplementedError
+
+
 class AttentionBackend:
     """One object per engine; ``plan`` once per step, ``forward`` once per layer."""
 
@@ -92,6 +111,13 @@ class AttentionBackend:
     def plan(self, batch: AttentionBatch) -> object:
         """Builds the step's metadata (index tensors, masks) once; returns it."""
         raise NotImplementedError
+
+    def graph_decode(self, max_batch: int, max_pages: int, batch_sizes: tuple[int, ...]) -> "GraphDecodeState":
+        """Static decode metadata for CUDA graphs (pdkv/engine/cuda_graphs.py): steps of at most
+        ``max_batch`` one-token rows, each over at most ``max_pages`` pages, replayed at the
+        ``batch_sizes`` only. Backends that cannot plan into fixed buffers refuse."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot plan decode steps into "
+                                  "static buffers (model.cuda_graphs needs attention_backend torch or flashinfer)")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """Writes k/v into the cache, then attends.

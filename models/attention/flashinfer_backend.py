@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention import register
-from models.attention.base import AttentionBackend, AttentionBatch, page_table, write_slots
+from models.attention.base import AttentionBackend, AttentionBatch, GraphDecodeState, page_table, write_slots
 from pdkv.errors import BackendUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -155,6 +155,9 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMeta(m.write_pages.to(dev, non_blocking=True),
                               m.write_offsets.to(dev, non_blocking=True), wrapper)
 
+    def graph_decode(self, max_batch: int, max_pages: int, batch_sizes: tuple[int, ...]) -> "FlashInferGraphDecode":
+        return FlashInferGraphDecode(self, max_pages, batch_sizes)
+
     def forward(self, layer, q, k, v, meta: FlashInferMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)
         if self.kv.layout == "HND":
@@ -165,3 +168,43 @@ class FlashInferBackend(AttentionBackend):
             cache[meta.write_pages, 1, meta.write_offsets] = v
         out = meta.wrapper.run(q.contiguous(), cache)  # [T, Hq, D]
         return out.reshape(q.shape[0], -1)
+
+
+class FlashInferGraphDecode(GraphDecodeState):
+    """Decode steps under CUDA graphs: one ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)``
+    per captured batch size, all over the same fixed CSR buffers (FlashInfer fixes a graph
+    wrapper's batch size at construction; ``plan`` copies a step's host metadata into the
+    buffers and must run outside the graph, before each replay):
+
+      indptr   [max_batch + 1]          int32  (each wrapper sees [:bs + 1])
+      indices  [max_batch * max_pages]  int32  only the pages holding keys, packed
+      last_len [max_batch]              int32  (each wrapper sees [:bs])
+
+    The float workspace is the backend's, shared with its eager wrappers (steps never overlap)."""
+
+    def __init__(self, backend: FlashInferBackend, max_pages: int, batch_sizes: tuple[int, ...]):
+        fi = _import_flashinfer()
+        dev, max_batch = torch.device(backend.kv.device), max(batch_sizes)
+        self.backend = backend
+        self.widths = (max_pages,)  # it reads only the pages in use: one width, the widest
+        self.indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.indices = torch.zeros(max_batch * max_pages, dtype=torch.int32, device=dev)
+        self.last_len = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        tensor_cores = backend.num_heads // backend.num_kv_heads >= 4  # as the eager decode wrapper
+        self.wrappers = {
+            bs: fi.BatchDecodeWithPagedKVCacheWrapper(
+                backend._workspace, kv_layout=backend.kv.layout, use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=self.indptr[:bs + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=self.last_len[:bs])
+            for bs in batch_sizes}
+
+    def update(self, batch: AttentionBatch, fill_page: int, width: int) -> None:
+        b, P = self.backend, self.backend.kv.page_size
+        m = build_paged_kv_meta(batch, P, pin=True)
+        self.wrappers[len(batch.kv_lens)].plan(
+            m.paged_kv_indptr, m.paged_kv_indices, m.paged_kv_last_page_len, b.num_heads, b.num_kv_heads,
+            b.head_dim, P, pos_encoding_mode="NONE", window_left=b._window_left, sm_scale=b.scale,
+            q_data_type=b.kv.dtype, kv_data_type=b.kv.dtype, non_blocking=True)
+
+    def meta(self, bs: int, width: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> FlashInferMeta:
+        return FlashInferMeta(write_pages, write_offsets, self.wrappers[bs])

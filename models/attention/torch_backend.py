@@ -47,7 +47,7 @@ class TorchAttentionMeta:
     decode_tokens: int  # their query rows: the first decode_tokens of the step
     decode_q: int  # query rows per sequence in the batched path (the longest; others padded)
     decode_pages: torch.Tensor | None  # [B * max_pages] long: the padded page table, flattened
-    decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out); None when B == 1
+    decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out); None when B == 1 (eager)
     decode_masked: bool  # B == 1 and its rows need a mask (Q > 1, or keys beyond the window)
     decode_kv_len: int  # kv length when B == 1 (keys are sliced)
     pad_rows: torch.Tensor | None  # [B * Q] long: query row for each padded slot; None: no padding
@@ -106,6 +106,11 @@ class TorchAttentionBackend(AttentionBackend):
             write_pages=write_pages, write_offsets=write_offsets, num_decodes=nd,
             decode_tokens=sum(q_lens[:nd]), decode_q=Q, decode_pages=decode_pages, decode_blocked=blocked,
             decode_masked=masked, decode_kv_len=decode_kv_len, pad_rows=pad_rows, unpad_rows=unpad_rows, prefills=prefills)
+
+    def graph_decode(self, max_batch: int, max_pages: int, batch_sizes: tuple[int, ...]):
+        from models.attention.torch_graph import TorchGraphDecode  # noqa: PLC0415
+
+        return TorchGraphDecode(self, max_batch, max_pages)
 
     def _tail_bias(self, Q: int, L: int, dtype, device) -> torch.Tensor:
         """[Q, L] SDPA additive mask (0 / -inf) of one sequence's last Q rows over its L keys:
@@ -231,7 +236,7 @@ class TorchAttentionBackend(AttentionBackend):
         B, Q, Hkv, G, D, Dv = meta.num_decodes, meta.decode_q, self.num_kv_heads, self.group, self.head_dim, self.value_dim
         g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [parts, Hkv, B*maxp, P, D]
         parts = g.shape[0]
-        if B == 1:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
+        if B == 1 and meta.decode_blocked is None:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
             keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])
             if not meta.decode_masked:  # one row: the G heads of a KV head along the query axis
                 o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)

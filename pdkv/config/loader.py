@@ -182,16 +182,22 @@ def _coerce(value: Any, hint: Any, source: str, name: str) -> Any:
         if t is str and isinstance(value, str):
             return value
         if typing.get_origin(t) is tuple:
-            items = [value] if isinstance(value, str) else value
-            if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
+            item = typing.get_args(t)[0]  # tuple[str, ...] or tuple[int, ...]
+            items = [value] if isinstance(value, (str, int)) else value
+            if isinstance(items, (list, tuple)) and all(_is_item(v, item) for v in items):
                 return tuple(items)
     raise ConfigError(f"{source}: {name} must be {_describe(hint)}, got {_show(value)}")
+
+
+def _is_item(v: Any, item: type) -> bool:
+    return isinstance(v, item) and not (item is int and isinstance(v, bool))
 
 
 def _describe(hint: Any) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              type(None): "null"}
-    parts = [names.get(t, "a list of strings" if typing.get_origin(t) is tuple else str(t))
+    lists = {str: "a list of strings", int: "a list of integers"}
+    parts = [lists[typing.get_args(t)[0]] if typing.get_origin(t) is tuple else names.get(t, str(t))
              for t in _union_args(hint)]
     return " or ".join(parts)
 

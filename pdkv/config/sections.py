@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
 MAX_AFFINITY_PAGES = 64  # disagg.affinity_pages: more never helps (the first pages decide)
+MAX_CUDA_GRAPH_BATCH = 512  # model.cuda_graph_batch_sizes: each graph holds its activations
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
     served_name: str | None = None  # name in /v1/models; None: the folder's name
     seed: int = 0
+    # Decode-only steps (every row one new token) replayed as CUDA graphs captured at start, one
+    # per batch size; a step is padded up to the nearest size (pdkv/engine/cuda_graphs.py). Mixed
+    # prefill/decode steps, verifications and batches above the largest size run eagerly.
+    cuda_graphs: bool = False  # CUDA devices only
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_SPEC_TOKENS, ROLES,
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH,
+                                  MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
@@ -55,6 +56,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          "model.device", "cpu, cuda or cuda:N", m.device)
     need(m.max_model_len is None or m.max_model_len > 0, "model.max_model_len", "a positive integer or null",
          m.max_model_len)
+    _check_cuda_graphs(cfg, need)
     need(m.served_name is None or m.served_name.strip() != "", "model.served_name", "a non-empty name or null",
          m.served_name)
     if m.path and check_paths:
@@ -173,3 +175,22 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     if cfg.role == "decode":
         need(bool(ms.prefill_peers), "messenger.prefill_peers",
              "at least one host:port for role decode (the prefill nodes to use)", list(ms.prefill_peers))
+
+
+def _check_cuda_graphs(cfg: Config, need) -> None:
+    """model.cuda_graphs: a CUDA device, one rank, sizes that a step can use."""
+    m = cfg.model
+    sizes = m.cuda_graph_batch_sizes
+    need(bool(sizes) and all(1 <= b <= MAX_CUDA_GRAPH_BATCH for b in sizes) and list(sizes) == sorted(set(sizes)),
+         "model.cuda_graph_batch_sizes", f"a non-empty increasing list of batch sizes in 1..{MAX_CUDA_GRAPH_BATCH}",
+         list(sizes))
+    if not m.cuda_graphs:
+        return
+    need(m.device != "cpu", "model.cuda_graphs",
+         "false with model.device cpu (CUDA graphs need model.device cuda or cuda:N)", m.cuda_graphs)
+    need(cfg.parallel.tp == 1, "model.cuda_graphs",
+         f"false with parallel.tp {cfg.parallel.tp} (ranks 1.. run their steps eagerly; graphs are captured "
+         "for one rank only)", m.cuda_graphs)
+    need(sizes[-1] <= cfg.scheduler.max_num_seqs, "model.cuda_graph_batch_sizes",
+         f"at most scheduler.max_num_seqs ({cfg.scheduler.max_num_seqs}): a larger graph is never replayed",
+         list(sizes))

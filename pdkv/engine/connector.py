@@ -120,6 +120,11 @@ class KVConnector:
     # ``after_layer(layer_idx)`` after each layer's o_proj; None: the model makes no call (the
     # hot path of colocated serving pays nothing). An instance may set it (fault injection too).
     after_layer: Callable[[int], None] | None = None
+    # The same per-layer work in a form CUDA graphs can capture (pdkv/engine/cuda_graphs.py):
+    # ``device_bump(layer)`` enqueues device work only, ``replayed(num_layers)`` does the host
+    # bookkeeping once per replay (e.g. cuda_graphs.CounterHook). None while ``after_layer`` is
+    # set: decode-only steps run eagerly, so the hook runs.
+    graph_layer_hook = None
 
     def admission(self, req: Request) -> Admission:
         """What the engine must reserve for ``req`` (raise to refuse it: the client gets the error)."""

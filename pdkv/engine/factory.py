@@ -147,6 +147,11 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                             cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
+    if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
+        from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415
+
+        runner.graphs = build_decode_graphs(loaded.model, backend, allocator, max_model_len,
+                                            model.cuda_graph_batch_sizes, device)
     sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
                       scheduler.max_num_seqs, prefix_cache=cache)
     return EngineParts(model, kv_cache, scheduler, loaded, Tokenizer(path, arch.eos_token_id),

@@ -285,7 +285,8 @@ class LLMEngine:
                 "prefix_cache_hits": s.cache.num_hit_tokens if s.cache is not None else 0,
                 # reserved for remote writes or held until no transfer can touch them
                 "num_pages_pinned": self.num_held_pages + sum(len(r.pages) for r in s.remote.values()),
-                **(self.spec.stats.as_dict() if self.spec is not None else {})}
+                **(self.spec.stats.as_dict() if self.spec is not None else {}),
+                **(self.runner.graphs.stats.as_dict() if self.runner.graphs is not None else {})}
 
 
 def build_engine(cfg: Config, progress: Callable[[int, int], None] | None = None, **kw) -> LLMEngine:

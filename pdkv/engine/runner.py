@@ -44,6 +44,9 @@ class ModelRunner:
         # decoding is on (pdkv.engine.spec.SpecDecoder.verify)
         self.verify = None
         self.last_forward = None  # (ForwardBatch, hidden [T, H]) of the last forward pass
+        # pdkv.engine.cuda_graphs.DecodeGraphs (model.cuda_graphs): decode-only steps replay a
+        # captured graph; None: every step runs eagerly
+        self.graphs = None
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -80,15 +83,17 @@ class ModelRunner:
             self._set_threads(threads)
             t0 = time.perf_counter()
         batch = AttentionBatch(q_lens, kv_lens, [s.request.pages for s in seqs], num_decodes)
-        meta = self.backend.plan(batch)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         layout = ForwardBatch(tuple(entries), len(ids))
         connector.before_forward(layout)
+        graphed = self.graphs is not None and self.graphs.fallback_reason(seqs, connector) is None
         try:
             if self.followers is not None:
                 self.followers.run_step(ids, positions, batch)
-            hidden = self.model(input_ids, pos, self.backend, meta, connector.after_layer)  # [T, H]
+            if graphed:  # the replay bumps a capturable hook once per layer, as the eager hook would
+                hidden = self.graphs.run(batch, ids, positions, connector)
+            else:
+                hidden = self.model(self._tensor(ids), self._tensor(positions), self.backend,
+                                    self.backend.plan(batch), connector.after_layer)  # [T, H]
         except BaseException:
             connector.after_forward(layout, None)
             raise
@@ -104,6 +109,9 @@ class ModelRunner:
             # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
             self.tuner.record(threads, time.perf_counter() - t0)
         return tokens
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _tokens(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> dict[str, list[int]]:
         """logits: each sampled sequence's rows in order (num_draft + 1 of them)."""

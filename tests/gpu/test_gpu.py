@@ -99,3 +99,16 @@ def test_importing_a_descriptor_that_is_not_a_cumem_export_is_a_cuda_error():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_engine_decode_under_cuda_graphs_equals_eager_with_the_counter_captured():
+    """model.cuda_graphs on the GPU (CudaGraphCapture): the tokens check and the counter totals of
+    tools/gpu_check_graphs.py, on tiny models (the same code gpu_check's decode-graphs runs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import gpu_check_graphs
+
+    _, data = gpu_check_graphs.run_graphs("cuda", steps=5, speed_model=False)
+    assert data["tokens_equal"] and data["counter_bumps"] == data["counter_bumps_issued"] > 0
