@@ -114,8 +114,15 @@ def run_disagg(device: str = "cuda", timeout: float = 240.0) -> tuple[str, dict]
                 except urllib.error.HTTPError as e:
                     raise AssertionError(f"{len(p)}-token prompt: HTTP {e.code}: {e.read()[:500]!r}") from None
             assert got == want, f"disaggregated tokens differ from colocated on {device}: {got} != {want}"
-            sent = _metric(purl, "pdkv_kv_transfer_bytes_total")
-            landed = _metric(url, "pdkv_kv_transfer_bytes_total")
+            # the decode node answers once the KV landed; the prefill node counts a job's bytes
+            # when it hears its writes completed, which can come a moment after: wait for it
+            end = time.monotonic() + 15
+            while True:
+                sent = _metric(purl, "pdkv_kv_transfer_bytes_total")
+                landed = _metric(url, "pdkv_kv_transfer_bytes_total")
+                if sent == landed > 0 or time.monotonic() > end:
+                    break
+                time.sleep(0.2)
             assert sent == landed > 0, f"KV bytes: prefill sent {sent}, decode counted {landed}"
         finally:
             proc.send_signal(signal.SIGINT)

@@ -353,12 +353,12 @@ class PrefillCoordinator(LoopEvents):
         if job.staging is not None:
             # NOTE: the row goes back before ReleasePages, which makes the engine retry admission
             self.staging.give_back(job.staging)
-        self.commands(ReleasePages(job.key))
-        if self.metrics is not None:
+        if self.metrics is not None:  # counted before the pages go back: a full pool means counted
             self.metrics.kv_bytes.inc(job.num_bytes)
             self.metrics.transferred(job.num_pages_sent, job.skip, job.num_ok)
             if job.t_first is not None:
                 self.metrics.transfer_time.observe(time.perf_counter() - job.t_first)
+        self.commands(ReleasePages(job.key))
         msg = job.answer()
         if msg["type"] == P.FAIL and self.metrics is not None:
             self.metrics.failed("write_error" if job.write_errors else "prefill_failed")

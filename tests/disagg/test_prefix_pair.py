@@ -48,6 +48,9 @@ COUNTERS = ("pdkv_kv_transfer_bytes_total", "pdkv_kv_transfer_pages_total", "pdk
 
 
 def counters(c: Cluster) -> dict:
+    """Both nodes' transfer counters once both are idle again: the prefill node counts a job when it
+    hears its writes completed, which may come a moment after the decode node has answered."""
+    wait_for(c.pools_full, 10, "every page back in both pools")
     return {(node, n): metric(url, n) for node, url in (("decode", c.url), ("prefill", c.prefill.url))
             for n in COUNTERS}
 
