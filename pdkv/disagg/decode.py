@@ -105,7 +105,8 @@ class DecodeCoordinator:
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
         if self.landing is not None:
-            self.grants = LandingGrants(messenger, self.landing, self.hidden_key, self.hidden_nbytes)
+            self.grants = LandingGrants(messenger, self.landing, rank_keys(messenger, self.hidden_key, 0),
+                                        self.hidden_nbytes)
         else:
             # each rank's key on each of its NICs: a request's ranges are granted on the NIC its
             # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)

@@ -42,6 +42,7 @@ from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.gpu.staging import CopyStatus
+from pdkv.messenger import rank_keys
 from pdkv.shard import ShardPlan, request_seed
 from pdkv.tls import server_context, start_server
 
@@ -98,8 +99,10 @@ class PrefillCoordinator(LoopEvents):
         proposer = handoff_proposer(engine, self.handoff)
         self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
             if proposer is not None else None
+        # the hidden row leaves through rank 0's NIC the seed picks, as rank 0's pages do
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
+                                          rank_keys(messenger, self.staging_key, 0), self.mcfg.layerwise,
+                                          engine.kv.page_size, metrics,
                                           staged=self.staged, spec=self.spec)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
