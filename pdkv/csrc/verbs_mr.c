@@ -254,14 +254,23 @@ int vb_dereg(pdkv_transport *base, uint64_t key)
                 r->inflight);
         rc = -EBUSY;
     } else {
-        vb_domain_drop_region(t, (uint32_t)(r - t->regions)); /* its grants end here too */
-        if (ibv_dereg_mr(r->mr)) {
-            vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(errno));
-            rc = -EIO;
+        /* the region's own MR first: a provider that is still using it says EBUSY, and then
+         * nothing has changed (its grants too are still in place): the caller retries */
+        int e = ibv_dereg_mr(r->mr);
+        if (e == EBUSY || (e < 0 && errno == EBUSY)) {
+            vb_fail(t, "verbs: ibv_dereg_mr of region 0x%llx: the device is still using it (EBUSY)",
+                    (unsigned long long)key);
+            rc = -EBUSY;
+        } else {
+            if (e) {
+                vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(e > 0 ? e : errno));
+                rc = -EIO;
+            }
+            vb_domain_drop_region(t, (uint32_t)(r - t->regions)); /* its grants end here too */
+            if (r->dmabuf)
+                close(r->dmabuf_fd);
+            memset(r, 0, sizeof *r);
         }
-        if (r->dmabuf)
-            close(r->dmabuf_fd);
-        memset(r, 0, sizeof *r);
     }
     pthread_mutex_unlock(&t->mu);
     return rc;

@@ -35,10 +35,14 @@
 #define VM_KEY_NIC(key) ((uint32_t)(((key) >> 48) & 0x3f))
 #define VM_KEY_LOW(key) ((key) & 0xffffffffffffull)       /* page offset | rkey */
 
+/* A region's MR on each NIC. Deregistration is all-or-retry: the NICs whose MR went are taken
+ * out of `live` one by one; while any is left (a NIC said EBUSY) the region is `dying` -- no
+ * new write, grant or key names it -- and the next dereg retries just those NICs. */
 typedef struct vm_region {
-    int used;
+    int used, dying;
+    uint32_t live;                   /* bit n: the MR on NIC n is still registered */
     uint64_t len;
-    uint64_t child_key[VM_MAX_NICS]; /* the region's key in each NIC's transport */
+    uint64_t child_key[VM_MAX_NICS]; /* the region's key in each NIC's transport (kept when gone) */
 } vm_region;
 
 typedef struct vm_conn {

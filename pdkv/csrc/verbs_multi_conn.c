@@ -190,7 +190,10 @@ int vm_post(pdkv_transport *base, uint32_t conn, const pdkv_write *w, int n)
         vm_region *r = vm_find_region(t, w[k].lkey);
         uint32_t i = VM_KEY_NIC(w[k].lkey), j = VM_KEY_NIC(w[k].rkey);
         if (!r) {
-            vb_fail(NULL, "verbs: write %d names unknown local key 0x%llx", k, (unsigned long long)w[k].lkey);
+            int dying = VM_KEY_INDEX(w[k].lkey) && VM_KEY_INDEX(w[k].lkey) <= VM_MAX_REGIONS &&
+                        t->regions[VM_KEY_INDEX(w[k].lkey) - 1].dying;
+            vb_fail(NULL, "verbs: write %d names %s local key 0x%llx%s", k, dying ? "the" : "unknown",
+                    (unsigned long long)w[k].lkey, dying ? " of a region being deregistered" : "");
             rc = -ENOENT;
         } else if (j >= c->num_remote || c->have[i][j] != 2) {
             vb_fail(NULL, "verbs: write %d: no queue pair from NIC %s to remote NIC %u of peer %llu "
