@@ -63,3 +63,30 @@ def test_a_busy_nic_during_dereg_is_retried_and_nothing_stays_registered(spawn, 
     assert _mrs(a) == before  # nothing left registered on any NIC
     with pytest.raises(Exception, match="unknown key"):
         a.m("deregister", key)  # and the region is forgotten
+
+
+def test_a_busy_nic_during_revoke_keeps_the_grant_until_a_retry(spawn, connect):
+    """The same hook on a narrow grant's MR (pdkv/disagg/grants.py retries busy revokes): the
+    grant stays whole -- the peer's write through it still lands -- until the retried revoke
+    takes it, after which the NIC refuses the write."""
+    rng = 4096  # the faulted MR: the range, on lo_b
+    b = spawn(2, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS),
+                            "PDKV_LOOPBACK_FAULTS": f"dereg_busy_nic=2,dereg_busy_len={rng}"},
+              nics=NICS, isolate_peers=True)
+    a = spawn(1, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS)}, nics=NICS, isolate_peers=True)
+    a.alloc("src", SIZE, seed=5)
+    b.alloc("dst", SIZE)
+    lkey = a.m("nic_key", a.register("src"), 1)
+    key1 = b.m("nic_key", b.register("dst"), 1)
+    wkey = b.m("grant_range", key1, 1, 0, rng)
+    ca, _ = connect(a, b)
+    with pytest.raises(Exception, match=r"RegionBusyError.*still in use by the device \(EBUSY\): revoke again"):
+        b.m("revoke_range", key1, 1, 0, rng)
+    a.m("write", ca, lkey, 0, wkey, 0, rng, imm=9, tag=1)  # still granted: it lands
+    assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
+    b.wait_stat("imms", 1)
+    assert b.read("dst", 0, rng) == a.read("src", 0, rng)
+    b.m("revoke_range", key1, 1, 0, rng)  # the retry takes it
+    a.m("write", ca, lkey, 0, wkey, 0, 64, imm=9, tag=2)
+    done = [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"]
+    assert len(done) == 1 and done[0] != 0, done  # refused by the NIC now
