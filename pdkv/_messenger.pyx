@@ -379,8 +379,9 @@ cdef class Messenger:
 
         pairs (verbs over several NICs; ignored on tcp/fake, which have one path): the (local
         NIC, remote NIC) index pairs the connection's writes can use -- queue pairs are made for
-        those only (None: for every pair). Both sides name their own NIC first; a pair is
-        connected when both asked for it (see pdkv.messenger.link_pairs).
+        those only (None: for every pair), and a write on another pair is refused. Both sides
+        name their own NIC first; a pair is connected when both asked for it (the disagg nodes
+        derive them from the shard plan: pdkv.disagg.sharded.link_pairs).
 
         token: 16..32 bytes both nodes derived from their authenticated control session for
         this connection (e.g. an HMAC of the handshake's nonces). tcp: the peer's data streams

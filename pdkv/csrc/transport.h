@@ -141,8 +141,7 @@ typedef struct pdkv_transport_ops {
     /* Optional (verbs; NULL elsewhere: one path). prepare() with queue pairs for only the (local
      * NIC i, remote NIC j) pairs with pairs[i * PDKV_MAX_NICS + j] set -- the pairs the caller's
      * writes can use -- instead of every pair. complete() connects a pair only if both sides
-     * asked for it; a write toward remote NIC j whose own pair was not made leaves through
-     * another local NIC that has a pair toward j (the remote key's NIC is the one that counts). */
+     * asked for it; a write on a pair that was not made is refused (-EINVAL), naming it. */
     int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
                          uint32_t *info_len, uint32_t *conn_out);
 } pdkv_transport_ops;

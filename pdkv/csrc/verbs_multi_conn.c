@@ -1,5 +1,5 @@
-/* pdkv verbs over several NICs: connections (one single-NIC connection per (local NIC, remote
- * NIC) pair) and the routing of writes onto them (verbs_multi.h).
+/* pdkv verbs over several NICs: connections, one single-NIC connection per (local NIC, remote
+ * NIC) pair (verbs_multi.h).
  *
  * Info blob: a header (magic, version, node id, num_nics, num_remote, child_len, and which
  * pairs were prepared) and then, for each local NIC i and each remote NIC j < num_remote, the

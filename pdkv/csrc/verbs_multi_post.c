@@ -1,9 +1,8 @@
 /* pdkv verbs over several NICs: the routing of writes onto the connection's (local NIC, remote
  * NIC) pairs (verbs_multi.h; the pairs are made in verbs_multi_conn.c). A write leaves through
- * the NIC of its local key and arrives through the NIC of its remote key; when that pair was
- * not made (prepare_pairs made only the pairs the caller's writes can use), it leaves through
- * the first local NIC that has a pair toward its remote NIC: the remote key's NIC is the one
- * the grant was made on, the local one only where the bytes start.
+ * the NIC of its local key and arrives through the NIC of its remote key, on that pair's QPs;
+ * a pair that was not made (prepare_pairs makes only those the caller said its writes use) is
+ * refused, naming it: a write the caller did not plan for is a bug to see, not to reroute.
  * Compiled into the extension only with libibverbs (PDKV_HAVE_VERBS). */
 #ifdef PDKV_HAVE_VERBS
 #define _GNU_SOURCE
@@ -13,16 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* The first local NIC with a connected pair toward remote NIC j (t->num_nics: none). The
- * region is registered on every NIC, so the write's source is the same pages through it. */
-static uint32_t other_nic(vm_transport *t, const vm_conn *c, uint32_t j)
-{
-    uint32_t i = 0;
-    while (i < t->num_nics && c->have[i][j] != 2)
-        i++;
-    return i;
-}
 
 /* Writes grouped by (local NIC, remote NIC) pair; each group posted on its pair's connection.
  * Every write is checked before any is posted; if a NIC refuses a later group, its writes get
@@ -60,10 +49,10 @@ int vm_post(pdkv_transport *base, uint32_t conn, const pdkv_write *w, int n)
             vb_fail(NULL, "verbs: write %d names %s local key 0x%llx%s", k, dying ? "the" : "unknown",
                     (unsigned long long)w[k].lkey, dying ? " of a region being deregistered" : "");
             rc = -ENOENT;
-        } else if (j >= c->num_remote || (c->have[i][j] != 2 && (i = other_nic(t, c, j)) == t->num_nics)) {
+        } else if (j >= c->num_remote || c->have[i][j] != 2) {
             vb_fail(NULL, "verbs: write %d: no queue pair from NIC %s to remote NIC %u of peer %llu "
-                          "(remote key 0x%llx)", k, t->names[VM_KEY_NIC(w[k].lkey)], j,
-                    (unsigned long long)c->peer, (unsigned long long)w[k].rkey);
+                          "(remote key 0x%llx)", k, t->names[i], j, (unsigned long long)c->peer,
+                    (unsigned long long)w[k].rkey);
             rc = -EINVAL;
         } else {
             tr[k] = w[k];

@@ -180,33 +180,34 @@ def test_tp8_to_tp8_makes_queue_pairs_only_for_the_nic_pairs_its_writes_use(spaw
     assert b.nic_counts("imms") == want == b.device_counts(2)  # and landed through decode rank r's
 
 
-def test_a_write_whose_nic_pair_was_not_made_leaves_through_one_that_reaches_its_remote_nic(spawn, connect):
-    """QPs made for (NIC 0 -> remote NIC 1) only: a write named from local NIC 1 to remote NIC 1
-    leaves through NIC 0 (the remote key's NIC is what the grant holds); toward remote NIC 0
-    there is no pair at all: refused, naming it. Pairs that only one side asked for are not made."""
+def test_only_the_nic_pairs_both_sides_asked_for_are_made_and_others_are_refused(spawn, connect):
+    """A asks for (its NIC 0 -> B's NIC 1) and (1 -> 0), B for (its 1 -> A's 0) only: just the
+    pair (A 1, B 0) is made (one QP each side). A write on it lands; one on the pair only A
+    asked for, or on one nobody did, is refused naming it; so is a pair beyond the NICs."""
     two = plan_placement(MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1")), sysfs_root=DGX)
     env = {"PDKV_LOOPBACK_NICS": "mlx5_0,mlx5_1"}
     a = spawn(1, env_extra=env, nics=list(two.nics), isolate_peers=True)
     b = spawn(2, env_extra=env, nics=list(two.nics), isolate_peers=True)
     ca, ia = a.m("prepare", 2, pairs=[(0, 1), (1, 0)])
-    cb, ib = b.m("prepare", 1, pairs=[(1, 0)])  # (a's 1, b's 0) asked for by a only: not made
+    cb, ib = b.m("prepare", 1, pairs=[(0, 1)])
     a.m("complete", ca, ib)
     b.m("complete", cb, ia)
-    assert [s["qps"] for s in a.m("nic_stats")] == [1, 0] and [s["qps"] for s in b.m("nic_stats")] == [0, 1]
+    assert [s["qps"] for s in a.m("nic_stats")] == [0, 1] and [s["qps"] for s in b.m("nic_stats")] == [1, 0]
     a.alloc("src", 4096, seed=3)
     b.alloc("dst", 4096)
-    lkey = a.m("nic_key", a.register("src"), 1)
+    src = a.register("src")
     region = b.register("dst")
-    rkey1 = b.m("grant", b.m("nic_key", region, 1), 1)
-    a.m("write", ca, lkey, 0, rkey1, 0, 4096, imm=5, tag=1)
+    rkey0 = b.m("grant", region, 1)
+    a.m("write", ca, a.m("nic_key", src, 1), 0, rkey0, 0, 4096, imm=5, tag=1)
     assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
     b.wait_stat("imms", 1)
     assert b.read("dst") == a.read("src")
-    assert [s["writes_done"] for s in a.m("nic_stats")] == [1, 0]  # it left through mlx5_0
-    assert [s["imms"] for s in b.m("nic_stats")] == [0, 1]  # and landed through b's mlx5_1, as granted
-    rkey0 = b.m("grant", region, 1)
-    with pytest.raises(Exception, match="no queue pair from NIC mlx5_1 to remote NIC 0"):
-        a.m("write", ca, lkey, 0, rkey0, 0, 64, tag=2)
+    assert [s["writes_done"] for s in a.m("nic_stats")] == [0, 1] and [s["imms"] for s in b.m("nic_stats")] == [1, 0]
+    rkey1 = b.m("grant", b.m("nic_key", region, 1), 1)
+    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 1"):  # only A asked
+        a.m("write", ca, src, 0, rkey1, 0, 64, tag=2)
+    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 0"):  # nobody asked
+        a.m("write", ca, src, 0, rkey0, 0, 64, tag=3)
     with pytest.raises(Exception, match=r"queue pair \(local NIC 2, remote NIC 0\) asked for: this transport has 2"):
         a.m("prepare", 3, pairs=[(2, 0)])
 
