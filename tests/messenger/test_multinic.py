@@ -175,6 +175,8 @@ def test_tp8_to_tp8_makes_queue_pairs_only_for_the_nic_pairs_its_writes_use(spaw
                                nodes=(a, b))
     one = {n: 1 for n in a.nics}
     assert _qps(a) == _qps(b) == (one, one)  # 8 per side
+    text = a.p.nic_metrics()  # and on /metrics
+    assert all(f'pdkv_nic_queue_pairs{{model_name="test-model",nic="{n}",role="prefill"}} 1.0' in text for n in a.nics)
     want = {a.nics[r]: per_rank[r] for r in range(8)}
     assert a.nic_counts("writes_done") == want == a.device_counts(0)  # rank r's writes left through NIC r
     assert b.nic_counts("imms") == want == b.device_counts(2)  # and landed through decode rank r's
