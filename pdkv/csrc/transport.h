@@ -144,6 +144,9 @@ typedef struct pdkv_transport_ops {
      * asked for it; a write on a pair that was not made is refused (-EINVAL), naming it. */
     int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
                          uint32_t *info_len, uint32_t *conn_out);
+    /* Optional (NULL: a region has one key). 1 if keys a and b name the same region (verbs over
+     * several NICs: its key on each NIC), so a batch queued from any of them holds its dereg. */
+    int (*same_region)(pdkv_transport *t, uint64_t a, uint64_t b);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

@@ -77,6 +77,13 @@ static int vm_nic_stats(pdkv_transport *base, pdkv_nic_stats *out, int max)
     return (int)t->num_nics;
 }
 
+/* Keys name a region by its index (every NIC's key of it has the same one, verbs_multi.h). */
+static int vm_same_region(pdkv_transport *base, uint64_t a, uint64_t b)
+{
+    (void)base;
+    return VM_KEY_INDEX(a) && VM_KEY_INDEX(a) == VM_KEY_INDEX(b);
+}
+
 static int vm_event_fd(pdkv_transport *base) { return ((vm_transport *)base)->efd; }
 static const char *vm_last_error(pdkv_transport *base) { (void)base; return vb_errbuf(); }
 
@@ -101,6 +108,7 @@ static const pdkv_transport_ops vm_ops = {
     .nic_stats = vm_nic_stats,
     .reg_device = vm_reg_device,
     .prepare_pairs = vm_prepare_pairs,
+    .same_region = vm_same_region,
 };
 
 pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,

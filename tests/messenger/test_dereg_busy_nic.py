@@ -90,3 +90,24 @@ def test_a_busy_nic_during_revoke_keeps_the_grant_until_a_retry(spawn, connect):
     a.m("write", ca, lkey, 0, wkey, 0, 64, imm=9, tag=2)
     done = [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"]
     assert len(done) == 1 and done[0] != 0, done  # refused by the NIC now
+
+
+def test_a_batch_queued_from_another_nics_key_holds_the_regions_dereg(spawn, connect):
+    """The messenger core refuses to deregister a region that is the source of a batch queued
+    on a layer counter; the batch may name the region's key on any NIC (rank r's pages leave
+    through r's NIC), and the region's key on NIC 0 must still find it."""
+    a = spawn(1, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS)}, nics=NICS, isolate_peers=True)
+    b = spawn(2, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS)}, nics=NICS, isolate_peers=True)
+    a.alloc("src", SIZE, seed=2)
+    b.alloc("dst", SIZE)
+    key = a.register("src")
+    rkey = b.m("grant", b.m("nic_key", b.register("dst"), 1), 1)
+    ca, _ = connect(a, b)
+    watch = a.counter("layer")
+    a.m("queue_pages", watch, 1, ca, a.m("nic_key", key, 1), rkey, [0], [0], seg_len=SIZE)  # waits for layer 1
+    with pytest.raises(Exception, match="RegionBusyError.*source of a batch queued on counter"):
+        a.m("deregister", key)
+    a.bump("layer", 1)  # the batch goes out, then the region may go
+    assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
+    assert b.read("dst") == a.read("src")
+    a.m("deregister", key)
