@@ -6,6 +6,7 @@ from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t, uint8_t
 cdef extern from "transport.h" nogil:
     enum:
         PDKV_INFO_MAX
+        PDKV_MAX_NICS
         PDKV_REASON_MAX
         PDKV_REG_DMABUF
         PDKV_REG_PEERMEM
@@ -15,7 +16,7 @@ cdef extern from "transport.h" nogil:
 
     ctypedef struct pdkv_nic_stats:
         char name[64]
-        uint64_t writes, bytes, writes_done, bytes_done, errors, imms, imm_bytes
+        uint64_t writes, bytes, writes_done, bytes_done, errors, imms, imm_bytes, qps
     ctypedef struct pdkv_transport_ops:
         const char *name
         int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
@@ -35,6 +36,8 @@ cdef extern from "transport.h" nogil:
         int (*nic_stats)(pdkv_transport *t, pdkv_nic_stats *out, int max) noexcept nogil
         int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
                           uint64_t *key_out, uint32_t *method_out) noexcept nogil
+        int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
+                             uint32_t *info_len, uint32_t *conn_out) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops

@@ -1,5 +1,5 @@
 """Type stubs for pdkv._messenger (Cython over pdkv/csrc). See _messenger.pyx for details."""
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -74,14 +74,15 @@ class Messenger:
     # verbs, GPUDirect RDMA: the dma-buf fd first, then the device pointer (nvidia-peermem)
     def register_device(self, fd: int, offset: int, length: int, addr: int = 0) -> tuple[int, str]: ...
     def nic_stats(self) -> list[dict[str, Any]]: ...  # per NIC: name, writes, bytes, writes_done,
-    # bytes_done, errors, imms, imm_bytes ([] on tcp/fake)
+    # bytes_done, errors, imms, imm_bytes, qps ([] on tcp/fake)
     rank_nics: tuple[tuple[int, ...], ...]  # per TP rank: its NIC indices (pdkv/messenger.py)
     # connections
     # token: 16..32 bytes from the authenticated control session, the same at both ends (tcp
     # checks it in each incoming stream's first frame; never sent in info; verbs/fake ignore it).
     # A stream with a wrong/missing token is closed unread (complete() on that side raises
     # PeerConnectionError naming the token); InvalidRequestError for a token of a bad length.
-    def prepare(self, peer: int, token: bytes | None = None) -> tuple[int, bytes]: ...
+    def prepare(self, peer: int, token: bytes | None = None,
+                pairs: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]: ...
     def complete(self, conn: int, info: bytes) -> None: ...
     def disconnect(self, conn: int) -> None: ...
     # writes

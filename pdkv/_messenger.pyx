@@ -18,7 +18,7 @@ from collections import namedtuple
 import numpy as np
 
 from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset, strlen
 from libc.stdlib cimport free, malloc
 
@@ -308,7 +308,7 @@ cdef class Messenger:
     def nic_stats(self):
         """Per NIC (verbs; [] on tcp/fake): dicts of name, writes, bytes (posted through it),
         writes_done, bytes_done, errors, imms, imm_bytes (writes with an immediate that landed
-        through it), in the order of the transport's NIC list."""
+        through it), qps (queue pairs on it now), in the order of the transport's NIC list."""
         cdef pdkv_nic_stats s[16]
         cdef int n, i
         self._check()
@@ -319,7 +319,7 @@ cdef class Messenger:
         for i in range(min(n, 16)):
             out.append(dict(name=s[i].name.decode("utf-8", "replace"), writes=s[i].writes, bytes=s[i].bytes,
                             writes_done=s[i].writes_done, bytes_done=s[i].bytes_done, errors=s[i].errors,
-                            imms=s[i].imms, imm_bytes=s[i].imm_bytes))
+                            imms=s[i].imms, imm_bytes=s[i].imm_bytes, qps=s[i].qps))
         return out
 
     def revoke(self, uint64_t key, uint64_t peer):
@@ -374,8 +374,14 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer, bytes token=None):
+    def prepare(self, uint64_t peer, bytes token=None, pairs=None):
         """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
+
+        pairs (verbs over several NICs; ignored on tcp/fake, which have one path): the (local
+        NIC, remote NIC) index pairs the connection's writes can use -- queue pairs are made for
+        those only (None: for every pair), and a write on another pair is refused. Both sides
+        name their own NIC first; a pair is connected when both asked for it (the disagg nodes
+        derive them from the shard plan: pdkv.disagg.sharded.link_pairs).
 
         token: 16..32 bytes both nodes derived from their authenticated control session for
         this connection (e.g. an HMAC of the handshake's nonces). tcp: the peer's data streams
@@ -394,6 +400,14 @@ cdef class Messenger:
                 raise InvalidRequestError(_errno.EINVAL, f"a session token must be 16..32 bytes, got {len(token)}")
             tok = token
             tok_len = len(token)
+        cdef uint8_t mask[PDKV_MAX_NICS * PDKV_MAX_NICS]
+        cdef bint masked = pairs is not None and self.t.ops.prepare_pairs != NULL
+        if masked:
+            memset(mask, 0, sizeof(mask))
+            for i, j in pairs:
+                if not (0 <= i < PDKV_MAX_NICS and 0 <= j < PDKV_MAX_NICS):
+                    raise InvalidRequestError(_errno.EINVAL, f"queue pair ({i}, {j}): NIC indices are 0..{PDKV_MAX_NICS - 1}")
+                mask[i * PDKV_MAX_NICS + j] = 1
         self._check()
         info = <char *>malloc(PDKV_INFO_MAX)  # verbs: one blob per (local NIC, remote NIC) pair
         if info == NULL:
@@ -401,7 +415,10 @@ cdef class Messenger:
         self._enter()
         try:
             with nogil:
-                rc = self.t.ops.prepare(self.t, peer, info, &n, &conn)
+                if masked:
+                    rc = self.t.ops.prepare_pairs(self.t, peer, mask, info, &n, &conn)
+                else:
+                    rc = self.t.ops.prepare(self.t, peer, info, &n, &conn)
                 if rc == 0 and tok != NULL and self.t.ops.set_token != NULL:
                     rc = self.t.ops.set_token(self.t, conn, tok, tok_len)
                     if rc < 0:

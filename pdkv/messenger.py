@@ -145,7 +145,9 @@ class NicMetrics:
     at scrape time): ``pdkv_nic_write_bytes_total{nic}`` / ``pdkv_nic_writes_total{nic}`` (this
     node's writes completed through the NIC), ``pdkv_nic_write_errors_total{nic}``,
     ``pdkv_nic_landed_bytes_total{nic}`` / ``pdkv_nic_landed_writes_total{nic}`` (peers' writes
-    with an immediate that landed through it). Nothing for tcp/fake or a closed messenger."""
+    with an immediate that landed through it), and the gauge ``pdkv_nic_queue_pairs{nic}`` (QPs
+    on the NIC now: only the NIC pairs the links' writes use are made, pdkv/disagg/sharded.py).
+    Nothing for tcp/fake or a closed messenger."""
 
     FIELDS = (("write_bytes", "bytes_done", "Bytes of this node's writes completed through the NIC."),
               ("writes", "writes_done", "This node's writes completed through the NIC."),
@@ -157,7 +159,7 @@ class NicMetrics:
         self.m, self.labels = messenger, (model_name, role)
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         try:
             stats = self.m.nic_stats()
@@ -168,6 +170,11 @@ class NicMetrics:
             for s in stats:
                 fam.add_metric([*self.labels, s["name"]], s[field])
             yield fam
+        qps = GaugeMetricFamily("pdkv_nic_queue_pairs", "Queue pairs on the NIC now (every connection's).",
+                                labels=["model_name", "role", "nic"])
+        for s in stats:
+            qps.add_metric([*self.labels, s["name"]], s["qps"])
+        yield qps
 
 
 def register_nic_metrics(registry, messenger, model_name: str, role: str) -> NicMetrics:

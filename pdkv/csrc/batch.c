@@ -203,11 +203,16 @@ int pdkv_core_queue(pdkv_core *c, uint32_t id, int64_t value, uint32_t conn, con
     return 0;
 }
 
+/* A batch's source names the region through any of its keys (verbs: one per NIC). */
+static int same_region(pdkv_transport *t, uint64_t a, uint64_t b) {
+    return a == b || (t->ops->same_region && t->ops->same_region(t, a, b));
+}
+
 int pdkv_core_dereg(pdkv_core *c, uint64_t key, char *err) {
     pthread_mutex_lock(&c->mu);
     for (uint32_t i = 0; i < PDKV_MAX_WATCHES; i++)
         for (queued_batch *q = c->watches[i].head; q; q = q->next)
-            if (q->b.lkey == key) {
+            if (same_region(c->t, q->b.lkey, key)) {
                 pthread_mutex_unlock(&c->mu);
                 seterr(err, "region 0x%llx is the source of a batch queued on counter %u",
                        (unsigned long long)key, i);

@@ -28,6 +28,7 @@ extern "C" {
 #endif
 
 #define PDKV_INFO_MAX 65536  /* largest connection-info blob (verbs: one per NIC pair) */
+#define PDKV_MAX_NICS 16     /* NICs of one verbs transport (prepare_pairs' row length) */
 #define PDKV_REASON_MAX 160  /* longest error reason in a completion */
 
 enum pdkv_cq_kind {
@@ -67,6 +68,7 @@ typedef struct pdkv_nic_stats {
     uint64_t writes_done, bytes_done; /* ... completed locally */
     uint64_t errors;                  /* ... failed */
     uint64_t imms, imm_bytes;         /* remote writes carrying an immediate that landed on it */
+    uint64_t qps;                     /* queue pairs on it now, every connection's */
 } pdkv_nic_stats;
 
 typedef struct pdkv_transport_counters {
@@ -136,6 +138,15 @@ typedef struct pdkv_transport_ops {
      * keeps a dup). -EOPNOTSUPP with both attempts named when neither works. */
     int (*reg_device)(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
                       uint64_t *key_out, uint32_t *method_out);
+    /* Optional (verbs; NULL elsewhere: one path). prepare() with queue pairs for only the (local
+     * NIC i, remote NIC j) pairs with pairs[i * PDKV_MAX_NICS + j] set -- the pairs the caller's
+     * writes can use -- instead of every pair. complete() connects a pair only if both sides
+     * asked for it; a write on a pair that was not made is refused (-EINVAL), naming it. */
+    int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
+                         uint32_t *info_len, uint32_t *conn_out);
+    /* Optional (NULL: a region has one key). 1 if keys a and b name the same region (verbs over
+     * several NICs: its key on each NIC), so a batch queued from any of them holds its dereg. */
+    int (*same_region)(pdkv_transport *t, uint64_t a, uint64_t b);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

@@ -145,8 +145,13 @@ static int drop_grant(vb_transport *t, vb_region *r, uint64_t peer, int whole, u
     for (uint32_t g = 0; d && g < d->num_grants; g++) {
         vb_grant_mr *x = &d->grants[g];
         if (x->region == i && x->whole == whole && (whole || (x->off == off && x->len == len))) {
-            /* after this returns the NIC refuses every access through the grant's rkey */
-            ibv_dereg_mr(x->mr);
+            /* after this returns the NIC refuses every access through the grant's rkey; a
+             * provider still using the MR says EBUSY: the grant stays, the caller retries */
+            int e = ibv_dereg_mr(x->mr);
+            if (e == EBUSY || (e < 0 && errno == EBUSY)) {
+                vb_fail(t, "verbs: the grant's MR is still in use by the device (EBUSY): revoke again");
+                return -EBUSY;
+            }
             d->grants[g] = d->grants[--d->num_grants];
             vb_domain_tidy(t, d);
             return 0;
@@ -228,6 +233,7 @@ int vb_grant_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t o
     return rc;
 }
 
+/* -EBUSY (the device still uses the range's MR): nothing changed, the grant stays; retry. */
 int vb_revoke_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t off, uint64_t len)
 {
     vb_transport *t = (vb_transport *)base;
@@ -254,14 +260,23 @@ int vb_dereg(pdkv_transport *base, uint64_t key)
                 r->inflight);
         rc = -EBUSY;
     } else {
-        vb_domain_drop_region(t, (uint32_t)(r - t->regions)); /* its grants end here too */
-        if (ibv_dereg_mr(r->mr)) {
-            vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(errno));
-            rc = -EIO;
+        /* the region's own MR first: a provider that is still using it says EBUSY, and then
+         * nothing has changed (its grants too are still in place): the caller retries */
+        int e = ibv_dereg_mr(r->mr);
+        if (e == EBUSY || (e < 0 && errno == EBUSY)) {
+            vb_fail(t, "verbs: ibv_dereg_mr of region 0x%llx: the device is still using it (EBUSY)",
+                    (unsigned long long)key);
+            rc = -EBUSY;
+        } else {
+            if (e) {
+                vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(e > 0 ? e : errno));
+                rc = -EIO;
+            }
+            vb_domain_drop_region(t, (uint32_t)(r - t->regions)); /* its grants end here too */
+            if (r->dmabuf)
+                close(r->dmabuf_fd);
+            memset(r, 0, sizeof *r);
         }
-        if (r->dmabuf)
-            close(r->dmabuf_fd);
-        memset(r, 0, sizeof *r);
     }
     pthread_mutex_unlock(&t->mu);
     return rc;

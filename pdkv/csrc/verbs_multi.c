@@ -69,12 +69,19 @@ static int vm_nic_stats(pdkv_transport *base, pdkv_nic_stats *out, int max)
         const vm_nic_count *c = &t->count[n];
         pdkv_nic_stats s = {.writes = c->writes, .bytes = c->bytes, .writes_done = c->writes_done,
                             .bytes_done = c->bytes_done, .errors = c->errors, .imms = c->imms,
-                            .imm_bytes = c->imm_bytes};
+                            .imm_bytes = c->imm_bytes, .qps = vm_num_qps(t, (uint32_t)n)};
         snprintf(s.name, sizeof s.name, "%s", t->names[n]);
         out[n] = s;
     }
     pthread_mutex_unlock(&t->mu);
     return (int)t->num_nics;
+}
+
+/* Keys name a region by its index (every NIC's key of it has the same one, verbs_multi.h). */
+static int vm_same_region(pdkv_transport *base, uint64_t a, uint64_t b)
+{
+    (void)base;
+    return VM_KEY_INDEX(a) && VM_KEY_INDEX(a) == VM_KEY_INDEX(b);
 }
 
 static int vm_event_fd(pdkv_transport *base) { return ((vm_transport *)base)->efd; }
@@ -100,6 +107,8 @@ static const pdkv_transport_ops vm_ops = {
     .nic_key = vm_nic_key,
     .nic_stats = vm_nic_stats,
     .reg_device = vm_reg_device,
+    .prepare_pairs = vm_prepare_pairs,
+    .same_region = vm_same_region,
 };
 
 pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts *o, char *err,
@@ -139,6 +148,7 @@ pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts 
      * prefill node, a TP1 decode node) connect without configuration; complete() drops the pairs
      * toward NICs the peer does not have */
     t->num_remote_default = o->remote_nics ? o->remote_nics : VM_MAX_NICS;
+    t->qps_per_peer = o->qps_per_peer ? o->qps_per_peer : 1; /* as verbs.c counts them */
     pthread_mutex_init(&t->mu, NULL);
     t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (t->efd < 0) {

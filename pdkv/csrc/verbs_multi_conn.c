@@ -1,12 +1,15 @@
-/* pdkv verbs over several NICs: connections (one single-NIC connection per (local NIC, remote
- * NIC) pair) and the routing of writes onto them (verbs_multi.h).
+/* pdkv verbs over several NICs: connections, one single-NIC connection per (local NIC, remote
+ * NIC) pair (verbs_multi.h).
  *
- * Info blob: a header (magic, version, node id, num_nics, num_remote, child_len) and then, for
- * each local NIC i and each remote NIC j < num_remote, the single-NIC info of the pair (i, j).
- * Both sides prepare before they see the other's blob, so each prepares pairs toward
- * num_remote NICs (default: VM_MAX_NICS, any host; messenger remote_nics to prepare fewer) and
- * complete() connects pair (i, j) with the peer's (j, i), drops the pairs toward NICs the peer
- * does not have, and refuses (naming both counts) when the peer has NICs it prepared no pair for.
+ * Info blob: a header (magic, version, node id, num_nics, num_remote, child_len, and which
+ * pairs were prepared) and then, for each local NIC i and each remote NIC j < num_remote, the
+ * single-NIC info of the pair (i, j) (zeros for a pair not prepared). Both sides prepare before
+ * they see the other's blob, so each prepares pairs toward num_remote NICs (default:
+ * VM_MAX_NICS, any host; messenger remote_nics to prepare fewer): every pair, or (prepare_pairs)
+ * only the pairs the caller's writes can use. complete() connects pair (i, j) with the peer's
+ * (j, i) when both prepared it, drops the pairs the peer did not prepare or toward NICs it does
+ * not have, and refuses (naming both counts) when the peer has NICs it prepared no pair for.
+ * The routing of writes onto the pairs is in verbs_multi_post.c.
  * Compiled into the extension only with libibverbs (PDKV_HAVE_VERBS). */
 #ifdef PDKV_HAVE_VERBS
 #define _GNU_SOURCE
@@ -21,6 +24,7 @@ typedef struct vm_info_head {
     uint32_t magic, version;
     uint64_t node_id;
     uint32_t num_nics, num_remote, child_len, pad;
+    uint8_t pairs[VM_MAX_NICS][VM_MAX_NICS]; /* [local NIC][remote NIC]: 1 if prepared */
 } vm_info_head;
 
 /* Caller holds t->mu: every prepared pair of c is dropped. */
@@ -33,16 +37,38 @@ static void drop(vm_transport *t, vm_conn *c)
     memset(c, 0, sizeof *c);
 }
 
-int vm_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *info_len,
-               uint32_t *conn_out)
+uint64_t vm_num_qps(vm_transport *t, uint32_t nic)
 {
-    vm_transport *t = (vm_transport *)base;
-    uint32_t k = t->num_remote_default, child_len = sizeof(vb_info);
+    uint64_t n = 0;
+    for (uint32_t c = 0; c < VM_MAX_CONNS; c++)
+        for (uint32_t j = 0; t->conns[c].used && j < VM_MAX_NICS; j++)
+            n += t->conns[c].have[nic][j] != 0;
+    return n * t->qps_per_peer;
+}
+
+/* pairs: NULL (every pair toward k remote NICs) or [VM_MAX_NICS][VM_MAX_NICS] flags. */
+static int prepare(vm_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
+                   uint32_t *info_len, uint32_t *conn_out)
+{
+    uint32_t k = t->num_remote_default, child_len = sizeof(vb_info), num_pairs = 0;
     uint64_t total = sizeof(vm_info_head) + (uint64_t)t->num_nics * k * child_len;
     if (total > PDKV_INFO_MAX) {
         vb_fail(NULL, "verbs: %u NICs x %u remote NICs need a %llu-byte connection info (limit %d)",
                 t->num_nics, k, (unsigned long long)total, PDKV_INFO_MAX);
         return -E2BIG;
+    }
+    for (uint32_t i = 0; pairs && i < VM_MAX_NICS; i++)
+        for (uint32_t j = 0; j < VM_MAX_NICS; j++) {
+            if (pairs[i * VM_MAX_NICS + j] && (i >= t->num_nics || j >= k)) {
+                vb_fail(NULL, "verbs: queue pair (local NIC %u, remote NIC %u) asked for: this transport has %u "
+                              "NICs and prepares pairs toward %u remote NICs", i, j, t->num_nics, k);
+                return -EINVAL;
+            }
+            num_pairs += pairs[i * VM_MAX_NICS + j] != 0;
+        }
+    if (pairs && !num_pairs) {
+        vb_fail(NULL, "verbs: a connection needs at least one (local NIC, remote NIC) queue pair");
+        return -EINVAL;
     }
     pthread_mutex_lock(&t->mu);
     uint32_t ci = 0;
@@ -59,12 +85,14 @@ int vm_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
     c->peer = peer;
     c->num_remote = k;
     uint8_t *out = info_out;
-    vm_info_head h = {.magic = VM_INFO_MAGIC, .version = VM_INFO_VERSION, .node_id = base->node_id,
+    vm_info_head h = {.magic = VM_INFO_MAGIC, .version = VM_INFO_VERSION, .node_id = t->base.node_id,
                       .num_nics = t->num_nics, .num_remote = k, .child_len = child_len};
-    memcpy(out, &h, sizeof h);
+    memset(out + sizeof h, 0, total - sizeof h);
     int rc = 0;
     for (uint32_t i = 0; !rc && i < t->num_nics; i++)
         for (uint32_t j = 0; !rc && j < k; j++) {
+            if (pairs && !pairs[i * VM_MAX_NICS + j])
+                continue; /* no writes of the caller's use it: no QPs */
             uint32_t len = 0;
             uint8_t *blob = out + sizeof h + ((uint64_t)i * k + j) * child_len;
             rc = t->nic[i]->ops->prepare(t->nic[i], peer, blob, &len, &c->cid[i][j]);
@@ -75,8 +103,10 @@ int vm_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
                 rc = -EPROTO;
             } else if (!rc) {
                 c->have[i][j] = 1;
+                h.pairs[i][j] = 1;
             }
         }
+    memcpy(out, &h, sizeof h);
     if (rc) {
         drop(t, c);
     } else {
@@ -85,6 +115,22 @@ int vm_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
     }
     pthread_mutex_unlock(&t->mu);
     return rc;
+}
+
+int vm_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *info_len,
+               uint32_t *conn_out)
+{
+    return prepare((vm_transport *)base, peer, NULL, info_out, info_len, conn_out);
+}
+
+int vm_prepare_pairs(pdkv_transport *base, uint64_t peer, const uint8_t *pairs, void *info_out,
+                     uint32_t *info_len, uint32_t *conn_out)
+{
+    if (!pairs) {
+        vb_fail(NULL, "verbs: prepare_pairs needs the pairs");
+        return -EINVAL;
+    }
+    return prepare((vm_transport *)base, peer, pairs, info_out, info_len, conn_out);
 }
 
 int vm_complete(pdkv_transport *base, uint32_t conn, const void *info, uint32_t len)
@@ -119,9 +165,12 @@ int vm_complete(pdkv_transport *base, uint32_t conn, const void *info, uint32_t 
         rc = -EPROTO;
     }
     const uint8_t *blobs = (const uint8_t *)info + sizeof h;
+    uint32_t num_pairs = 0;
     for (uint32_t i = 0; !rc && i < t->num_nics; i++)
         for (uint32_t j = 0; !rc && j < c->num_remote; j++) {
-            if (j >= h.num_nics) { /* toward a NIC the peer does not have */
+            if (!c->have[i][j])
+                continue; /* not prepared here: the peer drops its side of it too */
+            if (j >= h.num_nics || !h.pairs[j][i]) { /* a NIC the peer lacks, or a pair it did not make */
                 t->nic[i]->ops->disconnect(t->nic[i], c->cid[i][j]);
                 c->have[i][j] = 0;
                 continue;
@@ -134,8 +183,13 @@ int vm_complete(pdkv_transport *base, uint32_t conn, const void *info, uint32_t 
                 vb_fail(NULL, "%s (local NIC %s -> remote NIC %u)", why, t->names[i], j);
             } else {
                 c->have[i][j] = 2;
+                num_pairs++;
             }
         }
+    if (!rc && !num_pairs) {
+        vb_fail(NULL, "verbs: peer %llu and this node asked for no queue pair in common", (unsigned long long)c->peer);
+        rc = -EPROTO;
+    }
     if (!rc) {
         c->ready = 1;
         c->num_remote = h.num_nics;
@@ -159,102 +213,4 @@ int vm_disconnect(pdkv_transport *base, uint32_t conn)
     return 0;
 }
 
-/* Writes grouped by (local NIC, remote NIC) pair; each group posted on its pair's connection.
- * Every write is checked before any is posted; if a NIC refuses a later group, its writes get
- * ERROR completions (the earlier groups are on their queues: the call must not fail half-done). */
-int vm_post(pdkv_transport *base, uint32_t conn, const pdkv_write *w, int n)
-{
-    vm_transport *t = (vm_transport *)base;
-    if (n < 0 || (n && !w)) {
-        vb_fail(NULL, "verbs: bad write count %d", n);
-        return -EINVAL;
-    }
-    pdkv_write *tr = n ? malloc((size_t)n * sizeof *tr) : NULL;
-    uint16_t *pair = n ? malloc((size_t)n * sizeof *pair) : NULL;
-    if (n && (!tr || !pair)) {
-        free(tr);
-        free(pair);
-        vb_fail(NULL, "verbs: out of memory for %d writes", n);
-        return -ENOMEM;
-    }
-    int rc = 0;
-    pthread_mutex_lock(&t->mu);
-    vm_conn *c = conn < VM_MAX_CONNS ? &t->conns[conn] : NULL;
-    if (!c || !c->used || !c->ready) {
-        vb_fail(NULL, "verbs: connection %u is not connected", conn);
-        rc = -ENOTCONN;
-    }
-    uint32_t per_pair[VM_MAX_NICS * VM_MAX_NICS];
-    memset(per_pair, 0, sizeof per_pair);
-    for (int k = 0; !rc && k < n; k++) {
-        vm_region *r = vm_find_region(t, w[k].lkey);
-        uint32_t i = VM_KEY_NIC(w[k].lkey), j = VM_KEY_NIC(w[k].rkey);
-        if (!r) {
-            vb_fail(NULL, "verbs: write %d names unknown local key 0x%llx", k, (unsigned long long)w[k].lkey);
-            rc = -ENOENT;
-        } else if (j >= c->num_remote || c->have[i][j] != 2) {
-            vb_fail(NULL, "verbs: write %d: no queue pair from NIC %s to remote NIC %u of peer %llu "
-                          "(remote key 0x%llx)", k, t->names[i], j, (unsigned long long)c->peer,
-                    (unsigned long long)w[k].rkey);
-            rc = -EINVAL;
-        } else {
-            tr[k] = w[k];
-            tr[k].lkey = r->child_key[i];
-            tr[k].rkey = VM_KEY_LOW(w[k].rkey); /* the sender uses only page offset and rkey */
-            pair[k] = (uint16_t)(i * VM_MAX_NICS + j);
-            per_pair[pair[k]]++;
-        }
-    }
-    /* counting sort by pair (stable: each pair keeps the caller's order) */
-    pdkv_write *sorted = !rc && n ? malloc((size_t)n * sizeof *sorted) : NULL;
-    if (!rc && n && !sorted) {
-        vb_fail(NULL, "verbs: out of memory for %d writes", n);
-        rc = -ENOMEM;
-    }
-    uint32_t start[VM_MAX_NICS * VM_MAX_NICS + 1];
-    int posted_any = 0;
-    if (!rc && n) {
-        start[0] = 0;
-        for (uint32_t p = 0; p < VM_MAX_NICS * VM_MAX_NICS; p++)
-            start[p + 1] = start[p] + per_pair[p];
-        uint32_t fill[VM_MAX_NICS * VM_MAX_NICS];
-        memcpy(fill, start, sizeof fill);
-        for (int k = 0; k < n; k++)
-            sorted[fill[pair[k]]++] = tr[k];
-        for (uint32_t p = 0; p < VM_MAX_NICS * VM_MAX_NICS; p++) {
-            if (!per_pair[p])
-                continue;
-            uint32_t i = p / VM_MAX_NICS, j = p % VM_MAX_NICS, cnt = per_pair[p];
-            pdkv_write *g = &sorted[start[p]];
-            int got = t->nic[i]->ops->post(t->nic[i], c->cid[i][j], g, (int)cnt);
-            if (got < 0 && !posted_any) {
-                char why[200];
-                snprintf(why, sizeof why, "%s", vb_errbuf());
-                vb_fail(NULL, "%s (NIC %s)", why, t->names[i]);
-                rc = got;
-                break;
-            }
-            posted_any = 1;
-            if (got < 0) {
-                for (uint32_t k = 0; k < cnt; k++) {
-                    pdkv_completion e = {.kind = PDKV_CQ_ERROR, .wr_id = g[k].wr_id, .peer = c->peer,
-                                         .status = got};
-                    snprintf(e.reason, sizeof e.reason, "verbs: NIC %s refused the write: %s", t->names[i],
-                             vb_errbuf());
-                    vm_errq_push(t, &e);
-                }
-                t->count[i].errors += cnt;
-                continue;
-            }
-            t->count[i].writes += cnt;
-            for (uint32_t k = 0; k < cnt; k++)
-                t->count[i].bytes += g[k].len;
-        }
-    }
-    pthread_mutex_unlock(&t->mu);
-    free(sorted);
-    free(tr);
-    free(pair);
-    return rc ? rc : n;
-}
 #endif /* PDKV_HAVE_VERBS */

@@ -36,7 +36,8 @@ void vm_errq_push(vm_transport *t, const pdkv_completion *c)
     }
 }
 
-vm_region *vm_find_region(vm_transport *t, uint64_t key)
+/* The region of key, dying or not (dereg retries a dying one). */
+static vm_region *find_any(vm_transport *t, uint64_t key)
 {
     uint32_t idx = VM_KEY_INDEX(key), nic = VM_KEY_NIC(key);
     /* the page offset must be the region's (as on one NIC): a key with other bits is not ours */
@@ -46,6 +47,17 @@ vm_region *vm_find_region(vm_transport *t, uint64_t key)
         return NULL;
     }
     return &t->regions[idx - 1];
+}
+
+vm_region *vm_find_region(vm_transport *t, uint64_t key)
+{
+    vm_region *r = find_any(t, key);
+    if (r && r->dying) {
+        vb_fail(NULL, "verbs: region of key 0x%llx is being deregistered (a NIC was busy; deregister "
+                      "it again to finish)", (unsigned long long)key);
+        return NULL;
+    }
+    return r;
 }
 
 /* The outer key of a child key on NIC nic for region index idx. */
@@ -68,7 +80,7 @@ static int reg_all(vm_transport *t, int device, int fd, uint64_t offset, void *a
         vb_fail(NULL, "verbs: too many regions (%d)", VM_MAX_REGIONS);
         rc = -ENOSPC;
     }
-    vm_region r = {.used = 1, .len = len};
+    vm_region r = {.used = 1, .len = len, .live = (uint32_t)((1ull << t->num_nics) - 1)};
     uint32_t n = 0, method = 0;
     for (; !rc && n < t->num_nics; n++) {
         pdkv_transport *c = t->nic[n];
@@ -167,15 +179,20 @@ int vm_revoke_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off
     return on_nic((vm_transport *)t, key, 3, peer, off, len, NULL);
 }
 
-/* Every NIC's MR goes, or (a write in flight on one of them) none: writes in flight are checked
- * on every NIC first, under each NIC's lock, before anything is deregistered. */
+/* All or retry. Writes in flight are checked on every NIC first (under each NIC's lock; posts
+ * hold t->mu, so none starts meanwhile): then nothing is deregistered (-EBUSY, retry). Else
+ * every live NIC's MR is deregistered; a NIC that still says EBUSY keeps its MR and its bit in
+ * `live`, the others' are gone and cleared, the region is dying and -EBUSY names the busy NICs:
+ * the next call deregisters only what is left, and the region is forgotten once nothing is. */
 int vm_dereg(pdkv_transport *base, uint64_t key)
 {
     vm_transport *t = (vm_transport *)base;
     pthread_mutex_lock(&t->mu);
-    vm_region *r = vm_find_region(t, key);
+    vm_region *r = find_any(t, key);
     int rc = r ? 0 : -ENOENT;
     for (uint32_t n = 0; r && !rc && n < t->num_nics; n++) {
+        if (!(r->live >> n & 1))
+            continue;
         vb_transport *c = (vb_transport *)t->nic[n];
         pthread_mutex_lock(&c->mu);
         vb_region *cr = vb_find_region(c, r->child_key[n]);
@@ -186,12 +203,30 @@ int vm_dereg(pdkv_transport *base, uint64_t key)
         }
         pthread_mutex_unlock(&c->mu);
     }
+    char busy[VM_MAX_NICS * 66] = "";
+    int failed = 0;
     for (uint32_t n = 0; r && !rc && n < t->num_nics; n++) {
+        if (!(r->live >> n & 1))
+            continue;
         int e = t->nic[n]->ops->dereg(t->nic[n], r->child_key[n]);
-        rc = rc ? rc : e;
+        if (e == -EBUSY) { /* still registered there: retried by the next call */
+            size_t at = strlen(busy);
+            snprintf(busy + at, sizeof busy - at, "%s%s", at ? ", " : "", t->names[n]);
+            continue;
+        }
+        r->live &= ~(1u << n); /* gone on NIC n (an error other than busy drops its state too) */
+        r->dying = 1;
+        failed = failed ? failed : e;
     }
-    if (r && rc != -EBUSY)
+    if (r && !rc && busy[0]) {
+        /* short: the messenger's error buffer is 160 bytes */
+        vb_fail(NULL, "verbs: region 0x%llx is still registered on NIC(s) %s (busy); gone from the "
+                      "others, no new writes: deregister it again to finish", (unsigned long long)key, busy);
+        rc = -EBUSY;
+    } else if (r && !rc) {
         memset(r, 0, sizeof *r);
+        rc = failed;
+    }
     pthread_mutex_unlock(&t->mu);
     return rc;
 }

@@ -41,7 +41,7 @@ from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
 from pdkv.disagg.grants import RequestGrants
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
-from pdkv.disagg.sharded import NodeKV
+from pdkv.disagg.sharded import NodeKV, hello_rank_nics
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_landing
 from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
@@ -105,7 +105,8 @@ class DecodeCoordinator:
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
         self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
         if self.landing is not None:
-            self.grants = LandingGrants(messenger, self.landing, self.hidden_key, self.hidden_nbytes)
+            self.grants = LandingGrants(messenger, self.landing, rank_keys(messenger, self.hidden_key, 0),
+                                        self.hidden_nbytes)
         else:
             # each rank's key on each of its NICs: a request's ranges are granted on the NIC its
             # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)
@@ -138,7 +139,8 @@ class DecodeCoordinator:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative)
+        self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative,
+                                  hello_rank_nics(self.m))  # which NICs carry each rank's pages
         if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)

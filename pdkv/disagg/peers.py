@@ -23,7 +23,7 @@ from pdkv.disagg import protocol as P
 from pdkv.disagg.choice import PeerRoute, PrefillChooser
 from pdkv.disagg.load import parse_load
 from pdkv.disagg.ratelog import RateLimitedLog
-from pdkv.disagg.sharded import plan_link
+from pdkv.disagg.sharded import link_pairs, plan_link
 from pdkv.tls import client_context
 
 log = logging.getLogger("pdkv.disagg.decode")  # the decode node's log, as before the split (filtered on)
@@ -92,7 +92,9 @@ class PrefillPeers:
         try:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
-            conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+            # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
+            conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
+                                                                                    ch.peer.extra))
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key

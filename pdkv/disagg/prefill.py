@@ -33,7 +33,7 @@ from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.range_keys import RangeKeys
-from pdkv.disagg.sharded import NodeKV, check_keys, plan_link
+from pdkv.disagg.sharded import NodeKV, check_keys, hello_rank_nics, link_pairs, plan_link
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_prefill import build_sender
 from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
@@ -42,6 +42,7 @@ from pdkv.disagg.writes import Geometry
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.gpu.staging import CopyStatus
+from pdkv.messenger import rank_keys
 from pdkv.shard import ShardPlan, request_seed
 from pdkv.tls import server_context, start_server
 
@@ -98,8 +99,10 @@ class PrefillCoordinator(LoopEvents):
         proposer = handoff_proposer(engine, self.handoff)
         self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
             if proposer is not None else None
+        # the hidden row leaves through rank 0's NIC the seed picks, as rank 0's pages do
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          self.staging_key, self.mcfg.layerwise, engine.kv.page_size, metrics,
+                                          rank_keys(messenger, self.staging_key, 0), self.mcfg.layerwise,
+                                          engine.kv.page_size, metrics,
                                           staged=self.staged, spec=self.spec)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
@@ -138,7 +141,8 @@ class PrefillCoordinator(LoopEvents):
     async def start(self) -> int:
         """Start the engine thread and the control listener; returns the control port."""
         self.loop = asyncio.get_running_loop()
-        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative)
+        self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative,
+                                  hello_rank_nics(self.m))  # which NICs carry each rank's pages
         self.engine_loop.start()
         self._server = await start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port,
                                           upgrade_later=self.tls is not None)
@@ -200,7 +204,9 @@ class PrefillCoordinator(LoopEvents):
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
             rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
             spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.spec is not None else None
-            conn, info = self.m.prepare(ch.peer.node_id, ch.token)
+            # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
+            conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
+                                                                                    ch.peer.extra))
             try:
                 await self._complete(conn, info_in)
             except BaseException:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 
+from pdkv.disagg.grants import on_nic
 from pdkv.disagg.jobs import JobTable
 from pdkv.disagg.rows import StagingRows
 from pdkv.disagg.writes import QueueError, count_batches, plan_batch, queue_chunk
@@ -29,12 +30,13 @@ PREFILL_ONLY_NO_REUSE = Admission(prefill_only=True)
 
 class PrefillConnector(KVConnector):
     def __init__(self, jobs: JobTable, messenger, kv, counter, watch: int, staging: StagingRows,
-                 staging_key: int, layerwise: bool, page_size: int, metrics=None, staged=None, spec=None):
+                 staging_key, layerwise: bool, page_size: int, metrics=None, staged=None, spec=None):
         """``kv``: the node's pdkv.disagg.sharded.NodeKV; ``counter``/``watch``: the layer
         counter and its messenger watch (pdkv.gpu.layer_counter); ``staged``: a
         pdkv.disagg.staged_prefill.StagedSender when the pages go through the staging ring;
         ``spec``: the speculative hand-off's pdkv.disagg.spec_handoff.PrefillHandoff (None: no
-        hand-off; the config keeps the two apart)."""
+        hand-off; the config keeps the two apart); ``staging_key``: the hidden rows' key, or its
+        key on each of rank 0's NICs (a tuple: the request's seed picks one, grants.on_nic)."""
         self.spec = spec
         self.jobs, self.m, self.kv, self.counter, self.watch = jobs, messenger, kv, counter, watch
         self.staging, self.staging_key = staging, staging_key
@@ -167,8 +169,9 @@ class PrefillConnector(KVConnector):
             self.jobs.queued(job, 1)
             hidden_rkey = job.link.hidden_rkey if job.dst_keys is None else job.dst_keys.hidden
             try:
-                self.m.write(job.link.conn, self.staging_key, job.staging * nbytes, hidden_rkey,
-                             job.hidden_off, nbytes, imm=job.imm, tag=job.tag)
+                lkey = on_nic(self.staging_key, job.seed, 0)
+                self.m.write(job.link.conn, lkey, job.staging * nbytes, hidden_rkey, job.hidden_off, nbytes,
+                             imm=job.imm, tag=job.tag)
             except Exception as e:  # noqa: BLE001
                 self.jobs.queued(job, -1)
                 job.write_failed(f"hidden-state write failed: {e}")

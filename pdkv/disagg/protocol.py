@@ -158,12 +158,13 @@ def draft_fingerprint(path: Path) -> str:
     return model_fingerprint(read_json(path / "config.json"), folder_shapes(path))
 
 
-def make_hello(engine, node_id: int, role: str, transport: str, speculative=None) -> Hello:
+def make_hello(engine, node_id: int, role: str, transport: str, speculative=None, extra=None) -> Hello:
     """What this node tells its peer. Model, dtype, layout and page size must match
     (pdkv.control refuses naming every difference), and so must the speculative hand-off
     (``speculative``: this node's SpeculativeConfig, see spec_handoff); ``extra`` carries this side's KV byte
     layout, which may differ (each side sizes its own pool), and its ShardSpec (``shard``: the
-    TP degree; the two sides' specs make the link's plan, pdkv/disagg/sharded.py)."""
+    TP degree; the two sides' specs make the link's plan, pdkv/disagg/sharded.py); ``extra``: more
+    of it (e.g. sharded.hello_rank_nics)."""
     from pdkv.tp import shard_spec  # noqa: PLC0415
 
     kv = engine.kv
@@ -180,5 +181,6 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),
-                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra},
+                        "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra,
+                        **(extra or {})},
                  speculative=handoff)

@@ -10,6 +10,12 @@ of CONNECTED; the decode side raises HandshakeRefused before it sets anything up
 Regions: one per rank, by rank (``pdkv.tp.kv_regions``); rank r's memory is registered as key
 ``keys[r]``. The decode node sends its keys in CONNECT (``kv_keys``), so the prefill node posts
 the writes of pair (p, d) from its ``keys[p]`` to the peer's ``kv_keys[d]``.
+
+Queue pairs (verbs over several NICs): each HELLO also says which NICs carry each rank's pages
+(``rank_nics``: per rank, indices into the node's NIC list); both sides derive from the plan the
+(local NIC, peer NIC) pairs a write can use (``link_pairs``) and make QPs for those only. TP8 ->
+TP8 with a NIC per rank: 8 pairs, not 64; TP8 -> TP1 replicated: every prefill NIC x the decode
+rank's NICs (the seeded choice may pick any).
 """
 
 from __future__ import annotations
@@ -69,6 +75,39 @@ def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:
     except ShardPlanError as e:
         raise HandshakeRefused(f"cannot transfer KV from prefill tp={tps['prefill']} to decode "
                                f"tp={tps['decode']}: {e}") from None
+
+
+MAX_NICS = 16  # a verbs transport's NIC limit (pdkv/csrc/transport.h PDKV_MAX_NICS)
+
+
+def hello_rank_nics(messenger) -> dict:
+    """The HELLO ``extra`` field that tells the peer where this node's ranks' pages travel
+    (verbs over several NICs: the messenger's placement; nothing on tcp/fake)."""
+    per_rank = getattr(messenger, "rank_nics", ()) or ()
+    return {"rank_nics": [list(r) for r in per_rank]} if per_rank else {}
+
+
+def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict) -> list[tuple[int, int]] | None:
+    """The (local NIC, peer NIC) index pairs this link's writes can use: for every pair of
+    ranks (p, d) the plan may use (any seed), each NIC of prefill rank p x each NIC of decode
+    rank d (the seed picks one of each), and (0, 0) (keys named as registered: NIC 0 is rank 0's
+    first). None (QPs for every pair) when either side has no rank placement (tcp, a single
+    path). HandshakeRefused when the peer's ``rank_nics`` is malformed."""
+    local = getattr(messenger, "rank_nics", ()) or ()
+    wire = peer_extra.get("rank_nics") if isinstance(peer_extra, dict) else None
+    if not local or wire is None:
+        return None
+    ok = (isinstance(wire, list) and 0 < len(wire) <= 1024 and all(
+        isinstance(r, list) and 0 < len(r) <= MAX_NICS and all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_NICS for n in r) for r in wire))
+    if not ok:
+        raise HandshakeRefused(f"the peer's HELLO rank_nics must be a list of per-rank lists of NIC indices "
+                               f"0..{MAX_NICS - 1}, got {wire!r:.200}")
+    pre, dec = (local, wire) if local_role == "prefill" else (wire, local)
+    used = {(0, 0)}
+    for p, d in {(pp.prefill_rank, pp.decode_rank) for pp in plan.pairs} | {(0, 0)}:  # + the hidden row
+        used |= {(i, j) for i in pre[p % len(pre)] for j in dec[d % len(dec)]}
+    return sorted(used if local_role == "prefill" else {(j, i) for i, j in used})
 
 
 def check_keys(plan: ShardPlan, keys) -> list[int]:

@@ -27,10 +27,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from pdkv.disagg.grants import Range, RequestGrants, page_runs
+from pdkv.disagg.grants import Range, RequestGrants, on_nic, page_runs
 from pdkv.disagg.staged import decode_ring_shape, make_copy_engine, make_ring, region_buffers
 from pdkv.disagg.writes import Geometry
 from pdkv.gpu.staging import CopyStatus, Span
+from pdkv.messenger import rank_key, rank_keys
 
 log = logging.getLogger("pdkv.disagg.decode")
 
@@ -74,8 +75,12 @@ class Landing:
                              f"rank is {self.tp * self.rank_nbytes}")
         self.num_slots = ring.num_slots
         self.geometry = Geometry(g.num_layers, ring.slot_nbytes, g.page_nbytes)  # the write arithmetic's view
-        self.keys = [messenger.register_address(ring.address + d * self.rank_nbytes, ring.nbytes - d * self.rank_nbytes)
-                     for d in range(self.tp)]
+        regs = [messenger.register_address(ring.address + d * self.rank_nbytes, ring.nbytes - d * self.rank_nbytes)
+                for d in range(self.tp)]
+        # as NodeKV: rank d's block is keyed on rank d's NIC(s), so landings go where direct ones
+        # would -- one key per rank NIC, the request's seed picks one (LandingGrants, grants.on_nic)
+        self.keys = [rank_key(messenger, k, d) for d, k in enumerate(regs)]
+        self.nic_keys = [rank_keys(messenger, k, d) for d, k in enumerate(regs)]
         self._lock = threading.Lock()
         self._held: dict[str, list] = {}  # rid -> its StagingSlots, reserved, not yet copying
         self._copying: dict[str, list] = {}  # rid -> [copies left, first error, on_done]
@@ -170,19 +175,21 @@ class LandingGrants(RequestGrants):
     other ranks' blocks included), never a neighbour's. PREFILL still names a key per (rank,
     layer, run), as pdkv/disagg/range_keys.py reads them: a run's key, once per layer."""
 
-    def __init__(self, messenger, landing: Landing, hidden_key: int, hidden_nbytes: int):
-        super().__init__(messenger, landing.keys, landing.geometry, hidden_key, hidden_nbytes)
+    def __init__(self, messenger, landing: Landing, hidden_key, hidden_nbytes: int):
+        """``hidden_key``: the hidden rows' key, or its key on each of rank 0's NICs (a tuple)."""
+        super().__init__(messenger, landing.nic_keys, landing.geometry, hidden_key, hidden_nbytes)
         self.landing = landing
 
     def count(self, pages) -> int:
         return 1 + len(self.kv_keys) * len(page_runs(pages))
 
     def ranges(self, pages, hidden_row: int, seed: int = 0) -> list[Range]:
-        # NOTE: seed unused: the staging slots are registered once, their keys on one NIC each
-        out = [Range(self.hidden_key, hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
+        # each rank's ranges on the NIC the request's seed picks among the rank's (as direct landings)
+        out = [Range(on_nic(self.hidden_key, seed, 0), hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
         slot, block = self.landing.geometry.page_nbytes, self.landing.rank_nbytes
         runs = page_runs(pages)
-        for key in self.kv_keys:
+        for rank, keys in enumerate(self.kv_keys):
+            key = on_nic(keys, seed, rank)
             out += [Range(key, first * slot, (count - 1) * slot + block) for first, count in runs]
         return out
 

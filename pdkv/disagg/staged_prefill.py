@@ -20,6 +20,10 @@ is in flight, so its source pages stay until nothing reads them. A copy that FAI
 refused: staging queue full) fails the request like a failed write: FAIL with ``posted``, and
 the decode node quarantines the pages until exactly those writes landed.
 
+NICs: the ring is registered once, on every NIC; rank p's pages leave it through rank p's NIC
+(the seed's pick among them, pdkv.shard.pick_nic), named by the ring's key on that NIC
+(``ring_keys[p]``) -- the NIC a direct send of rank p's pages takes (pdkv/disagg/writes.py).
+
 Write tags: a slot's batches carry their own tag (``TAG_BASE + n``), mapped back to the job's
 tag by ``batch_done``.
 """
@@ -33,9 +37,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdkv.disagg.grants import on_nic
 from pdkv.disagg.staged import make_copy_engine, make_ring, prefill_ring_shape, region_buffers
 from pdkv.disagg.writes import dst_groups, dst_split
 from pdkv.gpu.staging import CopyStatus, Span
+from pdkv.messenger import rank_keys
 
 log = logging.getLogger("pdkv.disagg.prefill")
 TAG_BASE = 1 << 62  # slot tags; job tags count up from 1 and never get here
@@ -52,7 +58,8 @@ def build_sender(cfg, mode, messenger, kv, jobs, watch: int, post, copy_ended, m
     if metrics is not None:
         metrics.staging_slots.set_function(lambda: ring.num_slots - ring.num_free)
         metrics.staging_waiting.set_function(lambda: copy.num_pending)
-    return StagedSender(copy, ring_key, messenger, jobs, kv.geometry, watch, post, copy_ended)
+    ring_keys = [rank_keys(messenger, ring_key, p) for p in range(len(kv.regions))]
+    return StagedSender(copy, ring_keys, messenger, jobs, kv.geometry, watch, post, copy_ended)
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,13 @@ class Piece:
 
 
 class StagedSender:
-    def __init__(self, copy, ring_key: int, messenger, jobs, src, watch: int, post, copy_ended):
+    def __init__(self, copy, ring_keys: list, messenger, jobs, src, watch: int, post, copy_ended):
         """``copy``: the copy engine (pdkv.gpu.copy_engine) over every rank's KV buffer;
-        ``ring_key``: its ring registered with ``messenger``; ``src``: this node's Geometry;
+        ``ring_keys``: per rank, its ring's key with ``messenger`` on the rank's NIC (a tuple: on
+        each of its NICs, the request's seed picks one); ``src``: this node's Geometry;
         ``post(fn, *args)``: runs fn on the event loop; ``copy_ended(job, status, error)``: the
         coordinator's, run there once per copy job."""
-        self.copy, self.ring_key, self.m, self.jobs, self.src = copy, ring_key, messenger, jobs, src
+        self.copy, self.ring_keys, self.m, self.jobs, self.src = copy, ring_keys, messenger, jobs, src
         self.watch, self.post, self.copy_ended = watch, post, copy_ended
         self._step: list = []  # (job, ChunkWrites) of the forward pass in progress
         self._tags = itertools.count(1)
@@ -133,7 +141,8 @@ class StagedSender:
             for pair, seg, rkey, pos in batches:
                 block = piece.ranks.index(pair.prefill_rank) * k * page  # rank p's pages in the slot
                 sp, dp = (src_pages, piece.dst_pages) if pos is None else (src_pages[pos], piece.dst_pages[pos])
-                self.m.queue_pages(self.watch, 0, link.conn, self.ring_key, rkey,
+                lkey = on_nic(self.ring_keys[pair.prefill_rank], job.seed, pair.prefill_rank)
+                self.m.queue_pages(self.watch, 0, link.conn, lkey, rkey,
                                    sp, dp, seg_len=seg.length, src_page_stride=page,
                                    dst_page_stride=link.dst.page_nbytes,
                                    src_off=slot.offset + block + seg.src_offset,

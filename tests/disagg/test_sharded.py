@@ -324,16 +324,19 @@ def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loop
             p.stop()
 
 
-def test_each_rank_uses_its_own_nic_between_tp2_nodes_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
+@pytest.mark.parametrize("staging", ["auto", "cpu"])  # cpu: out of and into the staging rings
+def test_each_rank_uses_its_own_nic_between_tp2_nodes_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir,
+                                                                 staging):
     """P2 -> D2 with two loopback NICs per node (messenger.nics explicit: rank r -> NIC r): the
     answers equal the colocated ones and each node's /metrics shows both NICs carried the KV
-    (rank 0's pages through lo_a, rank 1's through lo_b, on both sides)."""
+    (rank 0's pages through lo_a, rank 1's through lo_b, on both sides) -- staged too."""
     want = _reference(tiny_model_dir)
     env = {"LD_LIBRARY_PATH": loopback_verbs_dir, "PDKV_LOOPBACK_NICS": "lo_a,lo_b"}
 
     def proc(name, role, **kw):
         d = node_dict(tiny_model_dir, role, port=free_port(), transport="verbs", nics=["lo_a", "lo_b"], **kw)
         d["parallel"] = {"tp": 2, "timeout_s": 30.0}
+        d["messenger"]["staging"] = staging
         return NodeProc(tmp_path, name, d, env)
 
     cport = free_port()
@@ -355,6 +358,8 @@ def test_each_rank_uses_its_own_nic_between_tp2_nodes_over_verbs(tiny_model_dir,
         assert set(sent) == set(landed) == {"lo_a", "lo_b"} and min(sent.values()) > 0, (sent, landed)
         # split heads, TP2 -> TP2: pair (r, r) only, so what left NIC r landed on NIC r
         assert sent == landed, (sent, landed)
+        # each rank's share of every page is the same; rank 0's NIC also carries the hidden rows
+        assert sent["lo_a"] - sent["lo_b"] == 2, sent
     finally:
         for p in reversed(procs):
             p.stop()

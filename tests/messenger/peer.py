@@ -198,6 +198,19 @@ class Agent:
             out[name] = list(buf)
         return out
 
+    def device_objects(self, names: list) -> dict:
+        """The loopback device's live objects, [MRs, QPs] by device name (pdkv_loopback_objects)."""
+        import ctypes
+
+        lib = ctypes.CDLL("libibverbs.so.1")
+        out = {}
+        for name in names:
+            buf = (ctypes.c_uint64 * 2)()
+            if lib.pdkv_loopback_objects(name.encode(), buf) != 0:
+                raise KeyError(f"no loopback device {name!r}")
+            out[name] = list(buf)
+        return out
+
     def resources(self) -> dict:
         return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
 

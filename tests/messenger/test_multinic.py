@@ -77,11 +77,13 @@ class Node:
         return {n: c[index] for n, c in self.p.device_counters(list(self.nics)).items()}
 
 
-def _transfer(spawn, connect, plan, src_tp, dst_tp, seeds):
+def _transfer(spawn, connect, plan, src_tp, dst_tp, seeds, nodes=None):
+    """``connect(a, b)`` (the Nodes' peers) -> (conn of a to b, conn of b to a); ``nodes``: the
+    two Nodes, made here when None."""
     g = plan.geometry
     page_nbytes = g.num_kv_heads * g.head_dim * g.page_size * 4 * g.kv_parts
-    a = Node(spawn, 1, dgx_placement(src_tp), src_tp, page_nbytes, seed=100)
-    b = Node(spawn, 2, dgx_placement(dst_tp), dst_tp, page_nbytes)
+    a, b = nodes or (Node(spawn, 1, dgx_placement(src_tp), src_tp, page_nbytes, seed=100),
+                     Node(spawn, 2, dgx_placement(dst_tp), dst_tp, page_nbytes))
     rkeys = [b.p.m("grant", k, 1) for k in b.keys]  # in A's protection domain on rank d's NIC
     ca, _ = connect(a.p, b.p)
     want = {d: np.zeros(PAGES * page_nbytes, np.uint8) for d in range(dst_tp)}
@@ -131,6 +133,85 @@ def test_tp8_to_tp8_each_rank_leaves_through_its_own_nic(spawn, connect):
     for n in nics:
         assert f'pdkv_nic_writes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(want[n])}' in text
         assert f'pdkv_nic_write_bytes_total{{model_name="test-model",nic="{n}",role="prefill"}} {float(nbytes)}' in text
+
+
+def _qps(node) -> tuple[dict, dict]:
+    """(the messenger's QPs per NIC, the loopback device's live QPs per NIC)"""
+    return node.nic_counts("qps"), {n: c[1] for n, c in node.p.device_objects(list(node.nics)).items()}
+
+
+def test_tp8_to_tp8_makes_queue_pairs_only_for_the_nic_pairs_its_writes_use(spawn, connect):
+    """Every (local NIC, remote NIC) pair: 64 QPs per side, of which TP8 -> TP8 (rank r's pages
+    from NIC r to NIC r) uses 8. With the pairs pdkv.disagg.sharded.link_pairs derives from the
+    plan and both placements (what the nodes' handshake does), 8 QPs per side, and the transfer
+    is still byte-exact, each rank through its own NIC."""
+    from types import SimpleNamespace
+
+    from pdkv.disagg.sharded import hello_rank_nics, link_pairs
+
+    geo = KVGeometry(num_kv_heads=8, head_dim=8, page_size=4, dtype="float32")
+    plan = plan_transfers(8, 8, geo)
+    page_nbytes = geo.num_kv_heads * geo.head_dim * geo.page_size * 4 * geo.kv_parts  # as _transfer sizes it
+    a = Node(spawn, 1, dgx_placement(8), 8, page_nbytes, seed=100)
+    b = Node(spawn, 2, dgx_placement(8), 8, page_nbytes)
+    ca, cb = connect(a.p, b.p)  # no pairs named: every pair
+    every = {n: 8 for n in a.nics}
+    assert _qps(a) == _qps(b) == (every, every)  # 8 x 8 = 64 per side
+    a.p.m("disconnect", ca)
+    b.p.m("disconnect", cb)
+    none = {n: 0 for n in a.nics}
+    assert _qps(a) == _qps(b) == (none, none)
+    pa = link_pairs(plan, "prefill", SimpleNamespace(rank_nics=a.rank_nics), hello_rank_nics(b))
+    pb = link_pairs(plan, "decode", SimpleNamespace(rank_nics=b.rank_nics), hello_rank_nics(a))
+    assert pa == pb == [(r, r) for r in range(8)]
+
+    def connect_pairs(x, y):
+        cx, ix = x.m("prepare", y.node_id, pairs=pa)
+        cy, iy = y.m("prepare", x.node_id, pairs=pb)
+        x.m("complete", cx, iy)
+        y.m("complete", cy, ix)
+        return cx, cy
+    a, b, per_rank = _transfer(spawn, connect_pairs, plan, 8, 8, [request_seed(f"r{i}") for i in range(2)],
+                               nodes=(a, b))
+    one = {n: 1 for n in a.nics}
+    assert _qps(a) == _qps(b) == (one, one)  # 8 per side
+    text = a.p.nic_metrics()  # and on /metrics
+    assert all(f'pdkv_nic_queue_pairs{{model_name="test-model",nic="{n}",role="prefill"}} 1.0' in text for n in a.nics)
+    want = {a.nics[r]: per_rank[r] for r in range(8)}
+    assert a.nic_counts("writes_done") == want == a.device_counts(0)  # rank r's writes left through NIC r
+    assert b.nic_counts("imms") == want == b.device_counts(2)  # and landed through decode rank r's
+
+
+def test_only_the_nic_pairs_both_sides_asked_for_are_made_and_others_are_refused(spawn, connect):
+    """A asks for (its NIC 0 -> B's NIC 1) and (1 -> 0), B for (its 1 -> A's 0) only: just the
+    pair (A 1, B 0) is made (one QP each side). A write on it lands; one on the pair only A
+    asked for, or on one nobody did, is refused naming it; so is a pair beyond the NICs."""
+    two = plan_placement(MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1")), sysfs_root=DGX)
+    env = {"PDKV_LOOPBACK_NICS": "mlx5_0,mlx5_1"}
+    a = spawn(1, env_extra=env, nics=list(two.nics), isolate_peers=True)
+    b = spawn(2, env_extra=env, nics=list(two.nics), isolate_peers=True)
+    ca, ia = a.m("prepare", 2, pairs=[(0, 1), (1, 0)])
+    cb, ib = b.m("prepare", 1, pairs=[(0, 1)])
+    a.m("complete", ca, ib)
+    b.m("complete", cb, ia)
+    assert [s["qps"] for s in a.m("nic_stats")] == [0, 1] and [s["qps"] for s in b.m("nic_stats")] == [1, 0]
+    a.alloc("src", 4096, seed=3)
+    b.alloc("dst", 4096)
+    src = a.register("src")
+    region = b.register("dst")
+    rkey0 = b.m("grant", region, 1)
+    a.m("write", ca, a.m("nic_key", src, 1), 0, rkey0, 0, 4096, imm=5, tag=1)
+    assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
+    b.wait_stat("imms", 1)
+    assert b.read("dst") == a.read("src")
+    assert [s["writes_done"] for s in a.m("nic_stats")] == [0, 1] and [s["imms"] for s in b.m("nic_stats")] == [1, 0]
+    rkey1 = b.m("grant", b.m("nic_key", region, 1), 1)
+    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 1"):  # only A asked
+        a.m("write", ca, src, 0, rkey1, 0, 64, tag=2)
+    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 0"):  # nobody asked
+        a.m("write", ca, src, 0, rkey0, 0, 64, tag=3)
+    with pytest.raises(Exception, match=r"queue pair \(local NIC 2, remote NIC 0\) asked for: this transport has 2"):
+        a.m("prepare", 3, pairs=[(2, 0)])
 
 
 def test_tp8_to_tp1_replicated_spreads_over_every_nic(spawn, connect):
@@ -210,3 +291,31 @@ def test_queue_chunk_sends_each_request_through_the_nic_its_seed_picks():
         assert rec.lkeys == [lkeys[p][pick_nic(seed, p, 4)]]
         used[rec.lkeys[0]] += 1
     assert set(used) == {10, 11, 12, 13, 20, 21, 22, 23} and min(used.values()) > 25  # ~50 each
+
+
+def test_link_pairs_are_the_plans_rank_pairs_over_both_placements():
+    """TP8 -> TP1 replicated: any prefill rank may carry a request (the seed's replica), to the
+    decode rank's NICs; a decode node with every NIC for its one rank gets every pair. No
+    placement (tcp, a single path), or none from the peer: every pair (None). A malformed
+    rank_nics from the peer is refused, naming it."""
+    from types import SimpleNamespace
+
+    from pdkv.control import HandshakeRefused
+    from pdkv.disagg.sharded import hello_rank_nics, link_pairs
+
+    geo = KVGeometry(num_kv_heads=1, head_dim=64, page_size=4, dtype="float32", replicated=True, kv_parts=1)
+    plan = plan_transfers(8, 1, geo)
+    pre, one, every = (SimpleNamespace(rank_nics=dgx_placement(8).rank_nics), SimpleNamespace(rank_nics=((0,),)),
+                       SimpleNamespace(rank_nics=(tuple(range(8)),)))
+    assert link_pairs(plan, "prefill", pre, hello_rank_nics(one)) == [(i, 0) for i in range(8)]
+    assert link_pairs(plan, "decode", one, hello_rank_nics(pre)) == [(0, i) for i in range(8)]
+    assert link_pairs(plan, "prefill", pre, hello_rank_nics(every)) == [(i, j) for i in range(8) for j in range(8)]
+    tp2 = plan_transfers(2, 2, KVGeometry(num_kv_heads=2, head_dim=8, page_size=4, dtype="float32"))
+    two = SimpleNamespace(rank_nics=((0, 2), (1, 3)))  # 4 NICs, 2 per rank
+    assert link_pairs(tp2, "prefill", two, hello_rank_nics(two)) == [(0, 0), (0, 2), (1, 1), (1, 3), (2, 0), (2, 2),
+                                                                    (3, 1), (3, 3)]  # 8 of 16
+    assert link_pairs(plan, "prefill", SimpleNamespace(rank_nics=()), hello_rank_nics(one)) is None
+    assert link_pairs(plan, "prefill", pre, {}) is None and hello_rank_nics(SimpleNamespace()) == {}
+    for bad in ([[0, 99]], [[]], "x", [["0"]], [[True]]):
+        with pytest.raises(HandshakeRefused, match="rank_nics must be a list of per-rank lists"):
+            link_pairs(plan, "prefill", pre, {"rank_nics": bad})

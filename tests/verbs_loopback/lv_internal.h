@@ -24,10 +24,15 @@
  *                        more (what an overrun does);
  *   poll_error_after=N   after N completions ibv_poll_cq on that CQ returns -EIO;
  *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
- *                        unsignaled WR then gets no completion at all).
+ *                        unsignaled WR then gets no completion at all);
+ *   dereg_busy_nic=K     ibv_dereg_mr of an MR on the K-th device (1-based) fails with EBUSY and
+ *                        leaves it registered (what a provider says while it still uses the MR),
+ *                        dereg_busy_times=T times (default 1), only for MRs of dereg_busy_len=L
+ *                        bytes when that is given.
  *
  * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
  *   the device (what the port counters of a NIC tell; test-only export).
+ *   pdkv_loopback_objects(name, out[2]) -> the device's live MRs and QPs (test-only export).
  *
  * dma-buf (test stand-in): ibv_reg_dmabuf_mr mmaps the fd (MAP_SHARED) and registers that
  *   mapping, so an ordinary fd that can be mmapped (a memfd) stands in for a GPU's dma-buf: a
@@ -138,6 +143,7 @@ struct lv_ack { uint64_t seq; uint32_t status, pad; };
 /* fault hooks (lv_objects.c): the value of `name` in PDKV_LOOPBACK_FAULTS, 1 for a bare flag,
  * 0 if absent */
 long lv_fault(const char *name);
+long lv_num_qps(struct ibv_device *dev); /* lv_qp.c, caller holds g_mu */
 
 /* Per-device traffic, counted by the device itself (a NIC's port counters): writes this
  * process's QPs of the device sent, and writes that landed through its responder QPs. Read by

@@ -89,6 +89,24 @@ int pdkv_loopback_counters(const char *name, uint64_t out[4])
     return rc;
 }
 
+/* Test-only export: 0 and the device's live MRs and QPs, -1 for an unknown name. */
+int pdkv_loopback_objects(const char *name, uint64_t out[2])
+{
+    pthread_mutex_lock(&g_mu);
+    init_devices();
+    int rc = -1;
+    for (int i = 0; i < g_num_devices; i++)
+        if (!strcmp(g_devices[i].name, name)) {
+            out[0] = 0;
+            for (struct lv_mr *m = g_mrs; m; m = m->next)
+                out[0] += m->mr.context->device == &g_devices[i];
+            out[1] = (uint64_t)lv_num_qps(&g_devices[i]);
+            rc = 0;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
 struct ibv_device **ibv_get_device_list(int *num)
 {
     pthread_mutex_lock(&g_mu);
@@ -305,6 +323,17 @@ int ibv_dereg_mr(struct ibv_mr *mr)
 {
     struct lv_mr *m = (struct lv_mr *)mr;
     pthread_mutex_lock(&g_mu);
+    static long busy_left = -1; /* FAULT INJECTION: dereg_busy_nic / _times / _len (lv_internal.h) */
+    long nic = lv_fault("dereg_busy_nic"), len = lv_fault("dereg_busy_len");
+    if (busy_left < 0)
+        busy_left = lv_fault("dereg_busy_times") > 0 ? lv_fault("dereg_busy_times") : 1;
+    if (nic > 0 && nic <= LV_MAX_DEVICES && mr->context->device == &g_devices[nic - 1] && busy_left > 0 &&
+        (!len || (size_t)len == mr->length)) {
+        busy_left--;
+        pthread_mutex_unlock(&g_mu);
+        errno = EBUSY;
+        return EBUSY;
+    }
     while (m->busy)
         pthread_cond_wait(&g_cond, &g_mu);
     for (struct lv_mr **p = &g_mrs; *p; p = &(*p)->next)

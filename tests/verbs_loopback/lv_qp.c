@@ -20,6 +20,14 @@ struct lv_qp *lv_find_qp(uint32_t qpn)
     return NULL;
 }
 
+long lv_num_qps(struct ibv_device *dev)
+{
+    long n = 0;
+    for (struct lv_qp *q = g_qps; q; q = q->next)
+        n += q->qp.context->device == dev;
+    return n;
+}
+
 struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *a)
 {
     if (a->qp_type != IBV_QPT_RC || !a->send_cq || !a->recv_cq || a->cap.max_send_wr == 0 ||
