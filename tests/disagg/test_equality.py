@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cluster import Cluster, colocated_kv, hold_kv_on_landing, make_engine, node_config
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, make_engine, node_config, wait_for
 from pdkv.disagg.writes import pages_to_send
 from pdkv.engine import SamplingParams
 
@@ -105,8 +105,10 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
         L = c.prefill_engine.kv.num_layers
         per_step = L if layerwise else L + 1  # after-forward: one more bump when the forward returned
         assert pc.counter.value() % per_step == 0 and pc.counter.value() > 0
-        st = pc.m.stats()
         pages = sum(-(-(len(p) - 1) // 4) for p in PROMPTS)
+        # the decode node may answer before the prefill node's poller counted its last completions
+        wait_for(lambda: pc.m.stats()["writes_done"] >= pages * L + len(PROMPTS), 10, "every write counted")
+        st = pc.m.stats()
         assert st["queued"] == 0
         # every page once per layer, plus one hidden-state row per request: nothing more, nothing less
         assert st["writes_posted"] == st["writes_done"] == pages * L + len(PROMPTS)

@@ -94,6 +94,8 @@ def test_staged_tokens_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, 
                 assert torch.equal(g, sent), f"{len(p)}-token prompt, layer {layer}: staged KV differs from the sent"
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # and that is the colocated KV
         pages = sum(-(-(len(p) - 1) // 4) for p in PROMPTS)
+        # the decode node may answer before the prefill node's poller counted its last completions
+        wait_for(lambda: pc.m.stats()["writes_done"] >= pages * L + len(PROMPTS), 10, "every write counted")
         st = pc.m.stats()
         assert st["writes_posted"] == st["writes_done"] == pages * L + len(PROMPTS)
         # every page went through a staging slot: the KV memory itself was never registered
