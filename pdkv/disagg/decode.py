@@ -9,14 +9,7 @@ pages only when no write can land any more: after the peer reported how many wri
 and exactly those landed, or after the data connection to a dead peer was torn down. Dialling,
 the handshake and redialling a dead peer live in peers.py.
 
-A slot's state machine::
-
-    SENT ──count complete──► LANDED (the engine owns the pages now)
-      │
-      ├──timeout / client gone──► CANCELLING ──CANCEL_ACK / FAIL / DONE_AT{posted}──► DRAINING
-      └──FAIL{posted}─────────────────────────────────────────────────────────────► DRAINING
-    DRAINING ──exactly ``posted`` writes landed (at once if they already had)──► RELEASED
-    (a dead peer: every slot RELEASED at once, after its data connection was torn down)
+The slot's state machine is drawn in decode_slots.py.
 
 Threads: everything here runs on the event loop. The engine thread reaches it only through
 the decode connector's posts (send_prefill, client_aborted); this object reaches the engine
@@ -27,57 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pdkv.control import ControlError
 from pdkv.disagg import protocol as P
-from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
-from pdkv.disagg.grants import RequestGrants
+from pdkv.disagg.decode_connector import DecodeConnector
+from pdkv.disagg.decode_memory import DecodeMemory
+from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
-from pdkv.disagg.sharded import NodeKV, hello_rank_nics
-from pdkv.disagg.staged import staging_mode
-from pdkv.disagg.staged_decode import CopyIn, Landing, LandingGrants, build_landing
-from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
+from pdkv.disagg.sharded import hello_rank_nics
+from pdkv.disagg.staged_decode import CopyIn
 from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
-from pdkv.messenger import rank_keys
 from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
-
-
-class SlotState(enum.Enum):
-    SENT = "sent"
-    LANDED = "landed"
-    CANCELLING = "cancelling"
-    DRAINING = "draining"
-    RELEASED = "released"
-
-
-@dataclass
-class Slot:
-    imm: int
-    rid: str
-    peer: Peer
-    num_pages: int
-    hidden_row: int
-    expected: int
-    t_sent: float
-    state: SlotState = SlotState.SENT
-    all_landed: bool = False  # the count fired (then the messenger dropped the counter)
-    nbytes: int = 0  # what the expected writes carry
-    timer: asyncio.TimerHandle | None = None
-    skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
-    grantee: int = 0  # the prefill node's id the ranges were granted to
-    grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
-    kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
 
 
 class DecodeCoordinator:
@@ -87,38 +49,14 @@ class DecodeCoordinator:
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
         self.mcfg = cfg.messenger
-        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
-        self.landing: Landing | None = None
-        if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
-            self.landing = self.kv = build_landing(cfg, self.mode, messenger, NodeKV(engine, messenger, register=False),
-                                                   metrics)
-        else:
-            self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        # what prefill nodes may write on this node: KV (or landing slots), hidden rows, grants
+        self.memory = mem = DecodeMemory(cfg, engine, messenger, metrics, on_row_free=lambda: commands(Wake()))
+        self.mode, self.landing, self.kv, self.handoff = mem.mode, mem.landing, mem.kv, mem.handoff
+        self.hidden, self.hidden_size, self.hidden_nbytes, self.hidden_key = (mem.hidden, mem.hidden_size,
+                                                                               mem.hidden_nbytes, mem.hidden_key)
+        self.rows, self.grants, self.spec, self.spec_grants = mem.rows, mem.grants, mem.spec, mem.spec_grants
         self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
-        num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
-        # what the prefill node prepares for this node's proposer (pdkv/disagg/spec_handoff.py)
-        self.handoff = P.spec_handoff(cfg.speculative, engine)
-        self.hidden_size = hidden = int(engine.loaded.arch.hidden_size)
-        # [slots, hidden_size x parts]: h_{n-2}, and o_{n-2} of the MTP layer with its hand-off
-        self.hidden = torch.zeros(num_rows, hidden * row_parts(self.handoff), dtype=engine.loaded.dtype)
-        self.hidden_nbytes = self.hidden.shape[1] * self.hidden.element_size()
-        self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
-        self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))  # a waiting request may fit
-        if self.landing is not None:
-            self.grants = LandingGrants(messenger, self.landing, rank_keys(messenger, self.hidden_key, 0),
-                                        self.hidden_nbytes)
-        else:
-            # each rank's key on each of its NICs: a request's ranges are granted on the NIC its
-            # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)
-            self.grants = RequestGrants(messenger, self.kv.nic_keys, self.kv.geometry,
-                                        rank_keys(messenger, self.hidden_key, 0), self.hidden_nbytes)
         self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
-        self.spec = self.spec_grants = None
-        proposer = handoff_proposer(engine, self.handoff)
-        if proposer is not None:
-            self.spec = DecodeHandoff(proposer, messenger)
-            self.spec_grants = RequestGrants(messenger, [self.spec.key], self.spec.geometry, self.hidden_key,
-                                             self.hidden_nbytes)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -187,9 +125,7 @@ class DecodeCoordinator:
                                            "prefill peers; retry shortly)", 503, 2))
             self.commands(ReleasePages(rid))  # nothing was sent: no write can land
             return
-        need = self.grants.count(dst)
-        if "spec_pages" in spec:  # the proposer's ranges count too (no hidden row of their own)
-            need += self.spec_grants.count(spec["spec_pages"]) - 1
+        need = self.memory.grants_needed(dst, spec.get("spec_pages"))
         if need > self.mcfg.max_grants_per_request:
             self.chooser.unreserve(peer, len(tokens))
             self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
@@ -206,14 +142,7 @@ class DecodeCoordinator:
         plan, seed = peer.plan, request_seed(rid)
         t0 = time.perf_counter()
         try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted = self.grants.grant(grantee, dst, row, seed)
-            spec_granted = []
-            if "spec_pages" in spec:
-                try:
-                    spec_granted = self.spec_grants.grant(grantee, spec["spec_pages"], None, seed)
-                except BaseException:
-                    self.grants.revoke(grantee, granted)
-                    raise
+            granted, spec_granted = self.memory.grant(grantee, dst, row, seed, spec.get("spec_pages"))
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self.chooser.unreserve(peer, len(tokens))

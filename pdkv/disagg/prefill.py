@@ -1,11 +1,12 @@
-"""The prefill node's coordinator: control listener, messenger events, the job table's driver.
+"""The prefill node's coordinator: the job table's driver between decode nodes, messenger and engine.
 
 Per request (a PREFILL from a decode node): a Job in the table (pdkv/disagg/jobs.py) and an
 AddRequest to the engine loop; the engine computes the prompt in chunks while the prefill
 connector (pdkv/disagg/prefill_connector.py) queues each chunk's complete pages layer by layer
 and, after the last chunk, the final hidden state. The request's source pages are released
 only when every one of its writes completed locally (batch_done), then DONE_AT / CANCEL_ACK /
-FAIL goes back (``Job.answer``).
+FAIL goes back (``Job.answer``). Decode nodes connect through the control listener in
+prefill_links.py (bounded, authenticated, handshaken); each connected one is a ``Link``.
 
 Threads: this object lives on the asyncio loop (control, messenger events); the engine thread
 runs pdkv.engine.loop.EngineLoop with this object as its LoopEvents (whose methods only post
@@ -16,59 +17,33 @@ commands go to the engine through ``commands`` (EngineLoop.put) only.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from pdkv.control import ControlChannel, ControlError
+from pdkv.control import ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.disagg.prefill_links import DecodeLinks, Link
 from pdkv.disagg.range_keys import RangeKeys
-from pdkv.disagg.sharded import NodeKV, check_keys, hello_rank_nics, link_pairs, plan_link
+from pdkv.disagg.sharded import NodeKV, hello_rank_nics
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_prefill import build_sender
 from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
-from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields, parse_fields as parse_spec_fields
-from pdkv.disagg.writes import Geometry
+from pdkv.disagg.spec_handoff import parse_fields as parse_spec_fields
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.gpu.staging import CopyStatus
 from pdkv.messenger import rank_keys
-from pdkv.shard import ShardPlan, request_seed
-from pdkv.tls import server_context, start_server
 
 log = logging.getLogger(__name__)
 NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per admitted request)
 PREFILL_PARAMS = SamplingParams(max_tokens=1)  # never sampled: a prefill-only request
-
-
-@dataclass
-class Link:
-    """One decode node connected to this prefill node."""
-
-    channel: ControlChannel
-    conn: int
-    kv_rkeys: list[int]  # the decode node's KV region key per decode rank
-    hidden_rkey: int
-    dst: Geometry
-    hidden_nbytes: int
-    plan: ShardPlan  # this node's ShardSpec -> the decode node's (agreed in the handshake)
-    jobs: dict = field(default_factory=dict)  # req id -> Job
-    dead: bool = False
-    num_prefills: int = 0  # PREFILLs received on this channel (the load report's ``seen``)
-    # the speculative hand-off: the decode node's proposer cache region, its layout and pages
-    spec_rkey: int = 0
-    spec_dst: Geometry | None = None
-    spec_num_pages: int = 0
 
 
 class PrefillCoordinator(LoopEvents):
@@ -114,16 +89,11 @@ class PrefillCoordinator(LoopEvents):
         self.commands = self.engine_loop.put
         self.staging.on_free = lambda: self.commands(Wake())  # a request waiting for a row may fit
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.links: list[Link] = []
-        self._server: asyncio.AbstractServer | None = None
-        self.secret = secret
-        # messenger.tls, or None; a connection is upgraded only after it was counted (see _accept)
-        self.tls = server_context(self.mcfg.tls)
-        self._by_source: collections.Counter = collections.Counter()  # control connections held per source
-        # NOTE: Messenger.complete() connects sockets / QPs and may block for seconds (bounded in C by
-        # the transport's connect timeout): never on the event loop, at most max_setups at once.
-        self._setups = ThreadPoolExecutor(self.mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
-        self._setups_busy = 0
+        self.listener = DecodeLinks(self.mcfg, messenger, self.kv.spec, self.hidden_nbytes, self.spec is not None,
+                                    secret, lambda link, msg: self._on_message(link, msg),
+                                    lambda link, reason: self._peer_dead(link, reason),
+                                    lambda link: self.load_report(link))  # looked up per call
+        self.links = self.listener.links  # the decode nodes connected now
         self._rlog = RateLimitedLog(log)
 
     def _copy_ended(self, job: Job, status, error: str) -> None:
@@ -144,110 +114,23 @@ class PrefillCoordinator(LoopEvents):
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative,
                                   hello_rank_nics(self.m))  # which NICs carry each rank's pages
         self.engine_loop.start()
-        self._server = await start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port,
-                                          upgrade_later=self.tls is not None)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = await self.listener.start(self.hello)
         return self.port
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        self.listener.close()
         for link in list(self.links):
             self._peer_dead(link, "prefill node shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
         self.engine.set_connector(None)
         if self.staged is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)
-        self._setups.shutdown(wait=False, cancel_futures=True)
+        self.listener.shutdown()
 
     def is_alive(self) -> bool:
         return self.engine_loop.is_alive()
 
     # ---- control (loop thread) --------------------------------------------------------------
-    async def _accept(self, reader, writer) -> None:
-        """One decode node's control connection: bounded per listener and per source address,
-        authenticated and handshaken within messenger.handshake_timeout_s, then served."""
-        peername = writer.get_extra_info("peername") or ("?", 0)
-        source = peername[0]
-        if (sum(self._by_source.values()) >= self.mcfg.max_control_conns
-                or self._by_source[source] >= self.mcfg.max_control_per_source):
-            self._rlog.warning(f"refuse:{source}", "prefill: refusing a control connection from %s: %d held "
-                               "(messenger.max_control_conns %d, max_control_per_source %d)", source,
-                               self._by_source[source], self.mcfg.max_control_conns,
-                               self.mcfg.max_control_per_source)
-            writer.close()
-            return
-        self._by_source[source] += 1
-        try:
-            await self._serve(reader, writer, source)
-        finally:
-            self._by_source[source] -= 1
-            if self._by_source[source] <= 0:
-                del self._by_source[source]
-
-    async def _serve(self, reader, writer, source: str) -> None:
-        timeout = self.mcfg.handshake_timeout_s
-        ch = None
-        try:
-            ch = await ControlChannel.accept(reader, writer, self.hello, timeout, secret=self.secret,
-                                             max_frame=self.mcfg.max_frame_bytes, ssl=self.tls)
-            try:
-                plan = plan_link(self.kv.spec, "prefill", ch.peer.extra)
-            except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
-                await ch.send({"type": P.REFUSE, "reason": str(e)})
-                raise
-            try:  # NOTE: a peer that said HELLO but never CONNECTs is dropped after the deadline
-                msg = await asyncio.wait_for(ch.recv(), timeout)
-            except asyncio.TimeoutError as e:
-                raise ControlError(f"no CONNECT within {timeout} s of HELLO (messenger.handshake_timeout_s)") from e
-            if msg["type"] != P.CONNECT:
-                raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
-            rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
-            spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.spec is not None else None
-            # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
-            conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
-                                                                                    ch.peer.extra))
-            try:
-                await self._complete(conn, info_in)
-            except BaseException:
-                self.m.disconnect(conn)
-                raise
-            await ch.send({"type": P.CONNECTED, "info": info})
-        except (ControlError, OSError, ValueError) as e:
-            self._rlog.warning(f"setup:{source}", "prefill: decode node connection from %s refused or broken "
-                               "during set-up: %s", source, e)
-            if ch is not None and isinstance(e, ValueError) and not isinstance(e, ControlError):
-                try:
-                    await ch.send({"type": P.REFUSE, "reason": str(e)})
-                except ControlError:
-                    pass
-            writer.close()
-            return
-        link = Link(ch, conn, rkeys, hidden_key,
-                    Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
-        if self.spec is not None:  # the handshake made sure the peer expects the hand-off
-            link.spec_rkey, link.spec_dst, link.spec_num_pages = spec_fields
-        self.links.append(link)
-        log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
-                 source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
-        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._peer_dead(link, r),
-                           payload=lambda: {"load": self.load_report(link).to_wire()})
-        try:
-            while not link.dead:
-                self._on_message(link, await ch.recv())
-        except ControlError as e:
-            self._peer_dead(link, str(e))
-
-    async def _complete(self, conn: int, info: bytes) -> None:
-        """Messenger.complete in a set-up thread (the transport bounds how long it may take)."""
-        if self._setups_busy >= self.mcfg.max_setups:
-            raise ControlError(f"{self._setups_busy} data-path set-ups already running (messenger.max_setups)")
-        self._setups_busy += 1
-        try:
-            await self.loop.run_in_executor(self._setups, self.m.complete, conn, info)
-        finally:
-            self._setups_busy -= 1
-
     def _on_message(self, link: Link, msg: dict) -> None:
         kind = msg["type"]
         if kind == P.PREFILL:
@@ -400,19 +283,3 @@ class PrefillCoordinator(LoopEvents):
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass  # loop closed: shutting down
-
-
-def _connect_fields(plan, msg: dict, extra: dict):
-    """CONNECT's fields checked (ValueError / ControlError naming the bad one): the decode ranks'
-    KV keys, the hidden-state key, the peer's KV geometry from its HELLO, the data-path info."""
-    rkeys = check_keys(plan, msg.get("kv_keys", [msg.get("kv_key")]))
-    hidden_key, info = msg.get("hidden_key"), msg.get("info")
-    if not isinstance(hidden_key, int) or isinstance(hidden_key, bool) or hidden_key < 0:
-        raise ValueError(f"CONNECT hidden_key must be a non-negative integer, got {hidden_key!r}")
-    if not isinstance(info, bytes):
-        raise ValueError("CONNECT info must be bytes")
-    for name in ("num_layers", "page_nbytes", "layer_nbytes"):
-        v = extra.get(name)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"the decode node's HELLO extra.{name} must be a positive integer, got {v!r}")
-    return rkeys, hidden_key, extra, info

@@ -148,7 +148,7 @@ def test_flood_of_idle_control_connections_is_bounded(cluster):
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
-    assert sum(cluster.pc._by_source.values()) == len(cluster.pc.links) == 1  # only the real pair is held
+    assert sum(cluster.pc.listener._by_source.values()) == len(cluster.pc.links) == 1  # only the real pair is held
 
 
 def test_oversized_frame_before_authentication_costs_no_memory(cluster):
@@ -182,16 +182,16 @@ def test_connect_to_a_data_address_that_never_answers_does_not_stall_the_node(cl
             _, real = h.m.prepare(pc.node_id, b"z" * 32)
             await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret,
                             info=blackhole_info(real, hole.getsockname()[1]))
-            wait_for(lambda: pc._setups_busy == 1, 5, "the set-up to be running")
+            wait_for(lambda: pc.listener._setups_busy == 1, 5, "the set-up to be running")
             loop = asyncio.get_running_loop()
             with urllib.request.urlopen(cluster.prefill.url + "/health", timeout=30) as r:
                 assert r.status == 200
-            assert pc._setups_busy == 1  # /health answered while the set-up was still blocked
+            assert pc.listener._setups_busy == 1  # /health answered while the set-up was still blocked
             await loop.run_in_executor(None, still_serves, cluster)
-            assert pc._setups_busy == 1  # ... and so did the real decode node's request
+            assert pc.listener._setups_busy == 1  # ... and so did the real decode node's request
         finally:
             h.close()
     asyncio.run(main())
     hole.close()
-    wait_for(lambda: pc._setups_busy == 0, 30, "the set-up to give up")
+    wait_for(lambda: pc.listener._setups_busy == 0, 30, "the set-up to give up")
     assert len(cluster.pc.links) == 1

@@ -1,0 +1,82 @@
+"""What prefill nodes may write on a decode node, and the grants that let them.
+
+- **KV**: every rank's KV region registered with the transport (``NodeKV``), or with staging
+  (``messenger.staging``, pdkv/disagg/staged.py) the landing ring the writes land in instead;
+  the KV itself is then not registered and each request's slots are copied into its pages.
+- **Hidden rows**: one row per remote request in flight, the hidden state of the prompt's
+  next-to-last token (and, with a speculative hand-off, what the proposer needs of it).
+- **Grants**: per request, the ranges one prefill node may write (pdkv/disagg/grants.py, or
+  LandingGrants for the ring), revoked when the request's slot ends; with a hand-off, the
+  proposer's pages too.
+
+Built once at start by the decode coordinator, which owns everything here from then on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdkv.disagg import protocol as P
+from pdkv.disagg.decode_connector import HiddenRows
+from pdkv.disagg.grants import RequestGrants
+from pdkv.disagg.sharded import NodeKV
+from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
+from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.staged_decode import Landing, LandingGrants, build_landing
+from pdkv.messenger import rank_keys
+
+
+class DecodeMemory:
+    def __init__(self, cfg, engine, messenger, metrics, on_row_free):
+        """``on_row_free``: called when a hidden row goes back (a waiting request may fit now)."""
+        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
+        self.landing: Landing | None = None
+        if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
+            self.landing = self.kv = build_landing(cfg, self.mode, messenger, NodeKV(engine, messenger, register=False),
+                                                   metrics)
+        else:
+            self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
+        num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
+        # what the prefill node prepares for this node's proposer (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        self.hidden_size = hidden = int(engine.loaded.arch.hidden_size)
+        # [slots, hidden_size x parts]: h_{n-2}, and o_{n-2} of the MTP layer with its hand-off
+        self.hidden = torch.zeros(num_rows, hidden * row_parts(self.handoff), dtype=engine.loaded.dtype)
+        self.hidden_nbytes = self.hidden.shape[1] * self.hidden.element_size()
+        self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
+        self.rows = HiddenRows(num_rows, on_free=on_row_free)
+        if self.landing is not None:
+            self.grants = LandingGrants(messenger, self.landing, rank_keys(messenger, self.hidden_key, 0),
+                                        self.hidden_nbytes)
+        else:
+            # each rank's key on each of its NICs: a request's ranges are granted on the NIC its
+            # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)
+            self.grants = RequestGrants(messenger, self.kv.nic_keys, self.kv.geometry,
+                                        rank_keys(messenger, self.hidden_key, 0), self.hidden_nbytes)
+        self.spec = self.spec_grants = None
+        proposer = handoff_proposer(engine, self.handoff)
+        if proposer is not None:
+            self.spec = DecodeHandoff(proposer, messenger)
+            self.spec_grants = RequestGrants(messenger, [self.spec.key], self.spec.geometry, self.hidden_key,
+                                             self.hidden_nbytes)
+
+    def grants_needed(self, dst: list[int], spec_pages: list[int] | None) -> int:
+        """How many ranges writing ``dst`` (and the proposer's ``spec_pages``) takes."""
+        need = self.grants.count(dst)
+        if spec_pages is not None:  # the proposer's ranges count too (no hidden row of their own)
+            need += self.spec_grants.count(spec_pages) - 1
+        return need
+
+    def grant(self, grantee: int, dst: list[int], row: int, seed: int,
+              spec_pages: list[int] | None) -> tuple[list, list]:
+        """Grant ``grantee`` the request's pages and hidden row (and the proposer's pages): all
+        or none (what was granted is revoked when a later grant fails, then the error raised)."""
+        granted = self.grants.grant(grantee, dst, row, seed)
+        spec_granted = []
+        if spec_pages is not None:
+            try:
+                spec_granted = self.spec_grants.grant(grantee, spec_pages, None, seed)
+            except BaseException:
+                self.grants.revoke(grantee, granted)
+                raise
+        return granted, spec_granted

@@ -1,0 +1,48 @@
+"""A remote request's slot on the decode node: its immediate, its grants, and its state.
+
+A slot's state machine::
+
+    SENT ──count complete──► LANDED (the engine owns the pages now)
+      │
+      ├──timeout / client gone──► CANCELLING ──CANCEL_ACK / FAIL / DONE_AT{posted}──► DRAINING
+      └──FAIL{posted}─────────────────────────────────────────────────────────────► DRAINING
+    DRAINING ──exactly ``posted`` writes landed (at once if they already had)──► RELEASED
+    (a dead peer: every slot RELEASED at once, after its data connection was torn down)
+
+Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+from pdkv.disagg.peers import Peer
+
+
+class SlotState(enum.Enum):
+    SENT = "sent"
+    LANDED = "landed"
+    CANCELLING = "cancelling"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+@dataclass
+class Slot:
+    imm: int
+    rid: str
+    peer: Peer
+    num_pages: int
+    hidden_row: int
+    expected: int
+    t_sent: float
+    state: SlotState = SlotState.SENT
+    all_landed: bool = False  # the count fired (then the messenger dropped the counter)
+    nbytes: int = 0  # what the expected writes carry
+    timer: asyncio.TimerHandle | None = None
+    skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
+    grantee: int = 0  # the prefill node's id the ranges were granted to
+    grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
+    kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into

@@ -1,0 +1,183 @@
+"""The prefill node's control listener: decode nodes connect, authenticate, agree on a shard
+plan and a data path, and each becomes a :class:`Link` whose messages go to the coordinator.
+
+Everything a remote party can make this node hold here is bounded: control connections per
+listener and per source address (messenger.max_control_conns, max_control_per_source), the
+time from accept to CONNECT (handshake_timeout_s), and data-path set-ups running at once
+(max_setups): ``Messenger.complete()`` connects sockets / QPs and may block for seconds (bounded
+in C by the transport's connect timeout), so it runs in a set-up thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pdkv.control import ControlChannel, ControlError
+from pdkv.disagg import protocol as P
+from pdkv.disagg.ratelog import RateLimitedLog
+from pdkv.disagg.sharded import check_keys, link_pairs, plan_link
+from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields
+from pdkv.disagg.writes import Geometry
+from pdkv.shard import ShardPlan
+from pdkv.tls import server_context, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Link:
+    """One decode node connected to this prefill node."""
+
+    channel: ControlChannel
+    conn: int
+    kv_rkeys: list[int]  # the decode node's KV region key per decode rank
+    hidden_rkey: int
+    dst: Geometry
+    hidden_nbytes: int
+    plan: ShardPlan  # this node's ShardSpec -> the decode node's (agreed in the handshake)
+    jobs: dict = field(default_factory=dict)  # req id -> Job
+    dead: bool = False
+    num_prefills: int = 0  # PREFILLs received on this channel (the load report's ``seen``)
+    # the speculative hand-off: the decode node's proposer cache region, its layout and pages
+    spec_rkey: int = 0
+    spec_dst: Geometry | None = None
+    spec_num_pages: int = 0
+
+
+class DecodeLinks:
+    def __init__(self, mcfg, messenger, kv_spec, hidden_nbytes: int, handoff_on: bool, secret: bytes | None,
+                 on_message, on_dead, load_report):
+        """``on_message(link, msg)``, ``on_dead(link, reason)``: the coordinator's (event loop);
+        ``load_report(link)``: what each heartbeat carries; ``handoff_on``: this node streams a
+        speculative hand-off (CONNECT then carries the proposer's region)."""
+        self.mcfg, self.m, self.kv_spec, self.hidden_nbytes = mcfg, messenger, kv_spec, hidden_nbytes
+        self.handoff_on, self.secret = handoff_on, secret
+        self._on_message, self._on_dead, self._load_report = on_message, on_dead, load_report
+        self.links: list[Link] = []
+        self._hello = None
+        self._server: asyncio.AbstractServer | None = None
+        # messenger.tls, or None; a connection is upgraded only after it was counted (see _accept)
+        self.tls = server_context(mcfg.tls)
+        self._by_source: collections.Counter = collections.Counter()  # control connections held per source
+        self._setups = ThreadPoolExecutor(mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
+        self._setups_busy = 0
+        self._rlog = RateLimitedLog(log)
+
+    async def start(self, hello) -> int:
+        """Listen on messenger.control_host/port; returns the port."""
+        self._hello = hello
+        self._server = await start_server(self._accept, self.mcfg.control_host, self.mcfg.control_port,
+                                          upgrade_later=self.tls is not None)
+        return self._server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        """Accept no more connections (the links stay until the coordinator drops them)."""
+        if self._server is not None:
+            self._server.close()
+
+    def shutdown(self) -> None:
+        self._setups.shutdown(wait=False, cancel_futures=True)
+
+    async def _accept(self, reader, writer) -> None:
+        """One decode node's control connection: bounded per listener and per source address,
+        authenticated and handshaken within messenger.handshake_timeout_s, then served."""
+        peername = writer.get_extra_info("peername") or ("?", 0)
+        source = peername[0]
+        if (sum(self._by_source.values()) >= self.mcfg.max_control_conns
+                or self._by_source[source] >= self.mcfg.max_control_per_source):
+            self._rlog.warning(f"refuse:{source}", "prefill: refusing a control connection from %s: %d held "
+                               "(messenger.max_control_conns %d, max_control_per_source %d)", source,
+                               self._by_source[source], self.mcfg.max_control_conns,
+                               self.mcfg.max_control_per_source)
+            writer.close()
+            return
+        self._by_source[source] += 1
+        try:
+            await self._serve(reader, writer, source)
+        finally:
+            self._by_source[source] -= 1
+            if self._by_source[source] <= 0:
+                del self._by_source[source]
+
+    async def _serve(self, reader, writer, source: str) -> None:
+        timeout = self.mcfg.handshake_timeout_s
+        ch = None
+        try:
+            ch = await ControlChannel.accept(reader, writer, self._hello, timeout, secret=self.secret,
+                                             max_frame=self.mcfg.max_frame_bytes, ssl=self.tls)
+            try:
+                plan = plan_link(self.kv_spec, "prefill", ch.peer.extra)
+            except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
+                await ch.send({"type": P.REFUSE, "reason": str(e)})
+                raise
+            try:  # NOTE: a peer that said HELLO but never CONNECTs is dropped after the deadline
+                msg = await asyncio.wait_for(ch.recv(), timeout)
+            except asyncio.TimeoutError as e:
+                raise ControlError(f"no CONNECT within {timeout} s of HELLO (messenger.handshake_timeout_s)") from e
+            if msg["type"] != P.CONNECT:
+                raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
+            rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
+            spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.handoff_on else None
+            # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
+            conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
+                                                                                    ch.peer.extra))
+            try:
+                await self._complete(conn, info_in)
+            except BaseException:
+                self.m.disconnect(conn)
+                raise
+            await ch.send({"type": P.CONNECTED, "info": info})
+        except (ControlError, OSError, ValueError) as e:
+            self._rlog.warning(f"setup:{source}", "prefill: decode node connection from %s refused or broken "
+                               "during set-up: %s", source, e)
+            if ch is not None and isinstance(e, ValueError) and not isinstance(e, ControlError):
+                try:
+                    await ch.send({"type": P.REFUSE, "reason": str(e)})
+                except ControlError:
+                    pass
+            writer.close()
+            return
+        link = Link(ch, conn, rkeys, hidden_key,
+                    Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
+        if self.handoff_on:  # the handshake made sure the peer expects the hand-off
+            link.spec_rkey, link.spec_dst, link.spec_num_pages = spec_fields
+        self.links.append(link)
+        log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
+                 source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
+        ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._on_dead(link, r),
+                           payload=lambda: {"load": self._load_report(link).to_wire()})
+        try:
+            while not link.dead:
+                self._on_message(link, await ch.recv())
+        except ControlError as e:
+            self._on_dead(link, str(e))
+
+    async def _complete(self, conn: int, info: bytes) -> None:
+        """Messenger.complete in a set-up thread (the transport bounds how long it may take)."""
+        if self._setups_busy >= self.mcfg.max_setups:
+            raise ControlError(f"{self._setups_busy} data-path set-ups already running (messenger.max_setups)")
+        self._setups_busy += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._setups, self.m.complete, conn, info)
+        finally:
+            self._setups_busy -= 1
+
+
+def _connect_fields(plan, msg: dict, extra: dict):
+    """CONNECT's fields checked (ValueError / ControlError naming the bad one): the decode ranks'
+    KV keys, the hidden-state key, the peer's KV geometry from its HELLO, the data-path info."""
+    rkeys = check_keys(plan, msg.get("kv_keys", [msg.get("kv_key")]))
+    hidden_key, info = msg.get("hidden_key"), msg.get("info")
+    if not isinstance(hidden_key, int) or isinstance(hidden_key, bool) or hidden_key < 0:
+        raise ValueError(f"CONNECT hidden_key must be a non-negative integer, got {hidden_key!r}")
+    if not isinstance(info, bytes):
+        raise ValueError("CONNECT info must be bytes")
+    for name in ("num_layers", "page_nbytes", "layer_nbytes"):
+        v = extra.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"the decode node's HELLO extra.{name} must be a positive integer, got {v!r}")
+    return rkeys, hidden_key, extra, info
