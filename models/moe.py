@@ -119,13 +119,25 @@ class Experts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [1, H]; ids, weights: [1, k] → [1, H]."""
-        out, I, first = torch.zeros_like(x), self.inter, self.local.start
+        out, first = torch.zeros_like(x), self.local.start
+        gate_up, down = self._expert_views()
         for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
             e -= first
             if 0 <= e < len(self.local):  # expert parallelism: other ranks add theirs
-                gu = F.linear(x, self.gate_up_proj[e])  # [1, 2I]
-                out += F.linear(F.silu(gu[:, :I]) * gu[:, I:], self.down_proj[e]).mul_(w)
+                g, u = F.linear(x, gate_up[e]).chunk(2, 1)  # [1, I] each
+                out += F.linear(F.silu(g) * u, down[e]).mul_(w)
         return out
+
+    _views: tuple = (None, None, None)  # ((both storages), [gate_up_proj's E views], [down_proj's])
+
+    def _expert_views(self) -> tuple[list, list]:
+        """Each expert's two weights as views (a Python list index instead of a select per
+        GEMV), rebuilt if the loader replaced the parameters' storage."""
+        where = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        if self._views[0] != where:
+            self._views = (where, list(self.gate_up_proj.detach().unbind(0)),
+                           list(self.down_proj.detach().unbind(0)))
+        return self._views[1], self._views[2]
 
 
 class SparseMoE(nn.Module):
