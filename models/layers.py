@@ -79,8 +79,9 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q = qkv[:, :self.q_size].view(T, H, D)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, D)
-            q, k = self.qk_norm(q, k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # normalized apart (their own weights), rotated together: one rope call, not two
+            qk = apply_rope(torch.cat(self.qk_norm(q, k), 1), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
         else:
             # q and k heads side by side: one rope over [T, H + Hkv, D] instead of two.
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, D), cos, sin)
