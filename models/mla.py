@@ -106,9 +106,13 @@ class MLAttention(nn.Module):
         n = parts[0].shape[0]
         first.weight.data, kv.weight.data = weight[:n], weight[n:]
         self.in_weight = weight
-        if first.bias is not None:
-            self.in_bias = torch.cat((first.bias.detach(), kv.bias.detach()))
-            first.bias.data, kv.bias.data = self.in_bias[:n], self.in_bias[n:]
+        if kv.bias is not None:  # attention_bias: q_a_proj has one too, a plain q_proj never
+            q_bias = torch.zeros(n, dtype=kv.bias.dtype, device=kv.bias.device) if first.bias is None \
+                else first.bias.detach()
+            self.in_bias = torch.cat((q_bias, kv.bias.detach()))
+            kv.bias.data = self.in_bias[n:]
+            if first.bias is not None:
+                first.bias.data = self.in_bias[:n]
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """x: [T, heads, R] → rotated (rotate-half order: post_load de-interleaved the weights)."""

@@ -3,7 +3,8 @@
   it must equal the grouped path (sort by expert, one GEMM per expert) bit for bit, with all
   experts on this rank and under expert parallelism;
 - end to end: one sequence at a time (every decode step one token, so through the fast paths)
-  matches transformers token for token, with last-step logits within 1e-4."""
+  matches transformers token for token, with last-step logits within 1e-4; for DeepSeek also
+  with attention biases, which MLA's fused input projection (models/mla.py) must carry over."""
 
 from __future__ import annotations
 
@@ -61,14 +62,20 @@ def test_one_token_path_equals_grouped_path(routing, ep_rank, monkeypatch):
     assert len(calls) == 20, "the fast path did not run"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+FAMILIES = {
+    "qwen3_moe": ("Qwen3Moe", {**QWEN_BASE, **QWEN_CASES["norm_topk"]}),
+    "deepseek_v3": ("DeepseekV3", {**DS_BASE, **DS_CASES["yarn_groups"]}),
+    # MLA's fused input projection with biases: kv_a_proj's, and none on a plain q_proj (which
+    # the fused bias pads with zeros) / q_a_proj's
+    "deepseek_v3_bias_q_proj": ("DeepseekV3", {**DS_BASE, **DS_CASES["null_q_lora"], "attention_bias": True}),
+    "deepseek_v3_bias_q_lora": ("DeepseekV3", {**DS_BASE, **DS_CASES["yarn_groups"], "attention_bias": True}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_one_sequence_at_a_time_matches_transformers(family, tmp_path, tiny_model_dir, monkeypatch):
-    if family == "qwen3_moe":
-        model = save_hf_model("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**QWEN_BASE, **QWEN_CASES["norm_topk"]},
-                              tmp_path, tiny_model_dir)
-    else:
-        model = save_hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DS_BASE, **DS_CASES["yarn_groups"]},
-                              tmp_path, tiny_model_dir)
+    name, kw = FAMILIES[family]
+    model = save_hf_model(f"{name}Config", f"{name}ForCausalLM", kw, tmp_path, tiny_model_dir)
     calls = []
     real = Experts._one_token
     monkeypatch.setattr(Experts, "_one_token", lambda self, *a: calls.append(1) or real(self, *a))
