@@ -176,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     for b in sizes:
         prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
-        pre = dec = hpre = hdec = cdec = hcdec = float("inf")
+        pre = dec = hpre = hdec = cpre = cdec = hcpre = hcdec = float("inf")
         for _ in range(a.repeats):
             p_, d_, steps, ours, cpu = bench_pdkv(engine, prompts, a.new_tokens)
-            pre, dec, cdec = min(pre, p_), min(dec, d_), min(cdec, cpu[1])
+            pre, dec, cpre, cdec = min(pre, p_), min(dec, d_), min(cpre, cpu[0]), min(cdec, cpu[1])
             if hf is not None:
                 hp_, hd_, theirs, hcpu = bench_hf(hf, prompts, a.new_tokens, threads)
-                hpre, hdec, hcdec = min(hpre, hp_), min(hdec, hd_), min(hcdec, hcpu[1])
+                hpre, hdec, hcpre, hcdec = min(hpre, hp_), min(hdec, hd_), min(hcpre, hcpu[0]), min(hcdec, hcpu[1])
         row = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                "pdkv_prefill_tok_s": b * a.prompt_len / pre,
                "pdkv_decode_tok_s": b * (a.new_tokens - 1) / dec,
@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             if threads == 1:
                 row["hf_decode_cpu_ms_per_step"] = hcdec / (a.new_tokens - 1) * 1e3
                 row["decode_cpu_ratio"] = hcdec / cdec  # the same tokens: a tok/s ratio
+                row["prefill_cpu_ratio"] = hcpre / cpre
         results.append(row)
         line = (f"B={b:>3}  pdkv prefill {row['pdkv_prefill_tok_s']:8.0f} tok/s  decode "
                 f"{row['pdkv_decode_tok_s']:7.1f} tok/s ({row['pdkv_decode_ms_per_step']:.2f} ms/step, "
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| same tokens {row['same_tokens_as_hf']:.0%}")
             if threads == 1:
                 line += (f" | cpu ms/step HF {row['hf_decode_cpu_ms_per_step']:.2f} "
-                         f"ratio {row['decode_cpu_ratio']:.2f}x")
+                         f"ratio decode {row['decode_cpu_ratio']:.2f}x prefill {row['prefill_cpu_ratio']:.2f}x")
         print(line, flush=True)
     report = {"bench": "engine", "model": a.model, "params": nparams, "threads": threads,
               "torch": torch.__version__, "load_average_1m": os.getloadavg()[0], "machine": platform.machine(), "read_bandwidth_GBps": bw / 1e9,
