@@ -119,14 +119,15 @@ class Experts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [1, H]; ids, weights: [1, k] → [1, H]."""
-        out, first = torch.zeros_like(x), self.local.start
+        out, first = None, self.local.start
         gate_up, down = self._expert_views()
         for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
             e -= first
             if 0 <= e < len(self.local):  # expert parallelism: other ranks add theirs
                 g, u = F.linear(x, gate_up[e]).chunk(2, 1)  # [1, I] each
-                out += F.linear(F.silu(g) * u, down[e]).mul_(w)
-        return out
+                y = F.linear(F.silu(g) * u, down[e]).mul_(w)
+                out = y if out is None else out.add_(y)  # the first: what 0 + y gives
+        return torch.zeros_like(x) if out is None else out
 
     _views: tuple = (None, None, None)  # ((both storages), [gate_up_proj's E views], [down_proj's])
 
