@@ -160,10 +160,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                              f"{', '.join(sorted(missing)[:3])}")
     if progress is not None:
         progress(total, total)
-    if hasattr(model, "post_load"):  # weights derived from the loaded ones (MLA's absorbed W_UK / W_UV)
-        model.post_load()
     if torch.device(device).type == "cpu":
         transpose_linear_weights(model)
+    # Weights derived from the loaded ones (MLA's absorbed W_UK / W_UV, its fused input
+    # projection), after the layout above so that they can keep it.
+    if hasattr(model, "post_load"):
+        model.post_load()
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     if layout is not None:
         from models.parallel import attach  # noqa: PLC0415

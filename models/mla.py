@@ -59,9 +59,11 @@ class MLAttention(nn.Module):
 
     def post_load(self) -> None:
         """Splits kv_b_proj [H * (N + V), L] into the absorbed W_UK [H, N, L] and W_UV^T [H, L, V],
-        and de-interleaves the rope rows of the q and kv_a projections once, so that every step
+        de-interleaves the rope rows of the q and kv_a projections once, so that every step
         gets its rope inputs in rotate-half order straight from the GEMMs (an exact permutation
-        of output rows; the cached rope key is in that order too, on every node alike)."""
+        of output rows; the cached rope key is in that order too, on every node alike), and
+        fuses the two projections of the layer input (``_fuse_input_projections``).
+        Runs once the loader has laid the weights out in memory (models/loader.py)."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk = w[:, :m.qk_nope_head_dim].contiguous()
@@ -79,8 +81,38 @@ class MLAttention(nn.Module):
                 if kv.bias is not None:
                     kv.bias[L:] = kv.bias[L:][perm].clone()
             self._deinterleaved = True
+        self._fuse_input_projections()
 
     _deinterleaved = False
+    # q_proj / q_a_proj and kv_a_proj_with_mqa as one GEMM (_fuse_input_projections). Plain
+    # tensors, not parameters: they are the two Linears' own bytes, which must not count twice.
+    in_weight: torch.Tensor | None = None
+    in_bias: torch.Tensor | None = None
+
+    def _fuse_input_projections(self) -> None:
+        """One weight for the two GEMMs that read the layer input x, q_a_proj (or q_proj) and
+        kv_a_proj_with_mqa: [Q + L + R, hidden], Q = q_lora_rank (or H * (N + R)). At batch 1
+        that is one weight read of 416 rows instead of two of 256 and 160 (DeepSeek-V3 bench
+        shapes), and small GEMVs are what a decode step spends most of its time in. The two
+        Linears keep their parameters, as views of the fused rows (no copy, the same bytes),
+        in the memory order the loader gave them."""
+        first = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        kv = self.kv_a_proj_with_mqa
+        parts = (first.weight.detach(), kv.weight.detach())
+        if parts[0].stride(0) == 1:  # stored [in, out] (the CPU layout): cat along the columns
+            weight = torch.cat([w.t() for w in parts], 1).t()
+        else:
+            weight = torch.cat(parts, 0)
+        n = parts[0].shape[0]
+        first.weight.data, kv.weight.data = weight[:n], weight[n:]
+        self.in_weight = weight
+        if kv.bias is not None:  # attention_bias: q_a_proj has one too, a plain q_proj never
+            q_bias = torch.zeros(n, dtype=kv.bias.dtype, device=kv.bias.device) if first.bias is None \
+                else first.bias.detach()
+            self.in_bias = torch.cat((q_bias, kv.bias.detach()))
+            kv.bias.data = self.in_bias[n:]
+            if first.bias is not None:
+                first.bias.data = self.in_bias[:n]
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """x: [T, heads, R] → rotated (rotate-half order: post_load de-interleaved the weights)."""
@@ -93,20 +125,25 @@ class MLAttention(nn.Module):
         """x: [T, hidden]; cos/sin: [T, 1, R] → [T, hidden] (after o_proj)."""
         m, T, H = self.mla, x.shape[0], self.num_heads
         N, L = m.qk_nope_head_dim, m.kv_lora_rank
-        if m.q_lora_rank is None:
-            q = _lin(x, self.q_proj)
+        if self.in_weight is None:  # weights not through post_load (a module built by hand)
+            q_in = _lin(x, self.q_proj if m.q_lora_rank is None else self.q_a_proj)
+            kv = _lin(x, self.kv_a_proj_with_mqa)  # [T, L + R]
         else:
-            q = _lin(self.q_a_layernorm.forward(_lin(x, self.q_a_proj)), self.q_b_proj)
+            a = F.linear(x, self.in_weight, self.in_bias)  # [T, Q + L + R]
+            q_in, kv = a[:, :a.shape[1] - m.latent_dim], a[:, a.shape[1] - m.latent_dim:]
+        q = q_in if m.q_lora_rank is None else _lin(self.q_a_layernorm.forward(q_in), self.q_b_proj)
         q = q.view(T, H, m.qk_head_dim)
-        kv = _lin(x, self.kv_a_proj_with_mqa)  # [T, L + R]
-        latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),
-                            self._rope(kv[:, None, L:], cos, sin)[:, 0]), -1)  # [T, L + R]
         spans = backend.fresh_prefill_spans(meta) if self.decompress_prefill else None
         if spans is not None:
+            latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),
+                                self._rope(kv[:, None, L:], cos, sin)[:, 0]), -1)  # [T, L + R]
             backend.write(layer, latent[:, None], None, meta)
             return _lin(self._decompressed(q, latent, spans, backend.scale, cos, sin), self.o_proj)
+        # The query's and the key's rope parts rotate in one call ([T, H + 1, R]).
+        pe = self._rope(torch.cat((q[..., N:], kv[:, None, L:]), 1), cos, sin)
+        latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]), pe[:, H]), -1)  # [T, L + R]
         q_abs = torch.bmm(q[..., :N].transpose(0, 1), self.w_uk)  # [H, T, L]
-        query = torch.cat((q_abs.transpose(0, 1), self._rope(q[..., N:], cos, sin)), -1)  # [T, H, L + R]
+        query = torch.cat((q_abs.transpose(0, 1), pe[:, :H]), -1)  # [T, H, L + R]
         o = backend.forward(layer, query, latent[:, None], None, meta)  # [T, H * L], latent space
         o = torch.bmm(o.view(T, H, L).transpose(0, 1), self.w_uv)  # [H, T, V]
         return _lin(o.transpose(0, 1).reshape(T, H * m.v_head_dim), self.o_proj)

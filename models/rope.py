@@ -115,6 +115,6 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] (rotate-half convention, as Hugging Face Llama); cos/sin: [T, 1, D] from
     RotaryEmbedding.table. Equals [x1 * c - x2 * s, x2 * c + x1 * s] for x = [x1, x2]."""
-    T, H, D = x.shape
-    swapped = x.reshape(T, H, 2, D // 2).flip(2).reshape(T, H, D)  # [x2, x1]
-    return torch.addcmul(x * cos, swapped, sin)
+    # roll by half swaps the halves, [x2, x1]: one call where reshape/flip/reshape were three
+    # (a decode step runs two ropes per layer).
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

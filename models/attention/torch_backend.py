@@ -207,13 +207,14 @@ class TorchAttentionBackend(AttentionBackend):
         # in float32: on a later chunk that made the step slower than prefilling the whole
         # prompt at once (issue 20; tests/engine/test_chunk_attention.py pins it).
         qh = qs.transpose(0, 1)[None]  # [1, Hq, n, D]
+        values = self._sdpa_values(keys, values)
         if p.mask is None:
             o = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True, scale=self.scale,
                                                enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=p.mask, scale=self.scale,
                                                enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(n, -1)
+        return self._sdpa_out(o[0]).transpose(0, 1).reshape(n, -1)
 
     @staticmethod
     def _heads_view(cache, hnd):
@@ -224,6 +225,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _kv(self, g):
         """Gathered [parts, ...] → (keys, values); a latent's values are a view of its keys."""
         return (g[0], g[0][..., :self.value_dim]) if self.latent else (g[0], g[1])
+
+    # SDPA's fused CPU kernel needs the value width to equal the key width; a latent's values
+    # (its first value_dim entries) would send it to the math kernel, ~2x slower at batch 1 and
+    # a dozen more ops. So SDPA attends with the whole latent as the value and the outputs past
+    # value_dim (the rope part's weighted sum) are dropped: the same softmax, the same sums.
+    def _sdpa_values(self, keys, values):
+        return keys if self.latent else values
+
+    def _sdpa_out(self, o):
+        return o[..., :self.value_dim] if self.latent else o
 
     def _gather(self, cache, pages, kv_len, hnd):
         """One sequence's keys and values: [Hkv, kv_len, D] and [Hkv, kv_len, Dv]."""
@@ -238,13 +249,14 @@ class TorchAttentionBackend(AttentionBackend):
         parts = g.shape[0]
         if B == 1 and meta.decode_blocked is None:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
             keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])
+            values = self._sdpa_values(keys, values)
             if not meta.decode_masked:  # one row: the G heads of a KV head along the query axis
                 o = F.scaled_dot_product_attention(q.view(1, Hkv, G, D), keys[None], values[None], scale=self.scale)
-                return o.reshape(1, Hkv * G * Dv)
+                return self._sdpa_out(o).reshape(1, Hkv * G * Dv)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                                attn_mask=self._tail_bias(Q, meta.decode_kv_len, q.dtype, q.device),
                                                scale=self.scale, enable_gqa=True)
-            return o[0].transpose(0, 1).reshape(Q, Hkv * G * Dv)
+            return self._sdpa_out(o[0]).transpose(0, 1).reshape(Q, Hkv * G * Dv)
         if meta.pad_rows is not None:  # sequences with fewer rows than Q: pad to [B * Q]
             q = q.index_select(0, meta.pad_rows)
         # Batched matmuls in the gathered [Hkv, B, L, D] order (no transpose copy of K/V); the

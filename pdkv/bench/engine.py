@@ -12,6 +12,10 @@ each (eos ignored). Prefill tok/s = B * prompt_len / time to every request's fir
 decode tok/s = B * (new_tokens - 1) / time of the remaining steps. Hugging Face is timed the same
 way inside one `generate` call (a streamer notes the first new token). Each system runs
 ``--repeats`` times per batch size, interleaved; the best time of each is kept.
+With ``--threads 1`` each system is also timed in CPU seconds of the one thread that computes
+(``time.thread_time``; "cpu" columns): on a shared machine a niced bench waits for a core a
+large and varying part of its wall time, which moves both systems' wall-clock figures by 2-10x
+between repeats; the thread's own CPU time leaves that wait out (memory contention stays in).
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ def bench_pdkv(engine, prompts, new_tokens):
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     first = set()
     while len(first) < len(prompts):
         first.update(o.request_id for o in engine.step())
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     steps = 0
     outs = {}
     while engine.has_unfinished():
@@ -69,8 +73,9 @@ def bench_pdkv(engine, prompts, new_tokens):
             if o.finished:
                 outs[o.request_id] = o.output_token_ids
         steps += 1
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, steps, [outs[f"b{i}"] for i in range(len(prompts))]
+    t2, c2 = time.perf_counter(), time.thread_time()
+    return (t1 - t0, t2 - t1, steps, [outs[f"b{i}"] for i in range(len(prompts))],
+            (c1 - c0, c2 - c1))
 
 
 class _TokenClock:
@@ -78,28 +83,30 @@ class _TokenClock:
     prefill and decode are split inside one `generate` call, the way ours are."""
 
     def __init__(self):
-        self.calls, self.first = 0, None
+        self.calls, self.first, self.first_cpu = 0, None, None
 
     def put(self, value):
         self.calls += 1
         if self.calls == 2:  # call 1 is the prompt, call 2 the first sampled token
-            self.first = time.perf_counter()
+            self.first, self.first_cpu = time.perf_counter(), time.thread_time()
 
     def end(self):
         pass
 
 
 def bench_hf(model, prompts, new_tokens, threads):
-    """Returns (seconds to first token, seconds of the remaining tokens, tokens)."""
+    """Returns (seconds to first token, seconds of the remaining tokens, tokens, (the same two
+    in thread CPU seconds))."""
     torch.set_num_threads(threads)  # our runner may have left it at 1 after a decode step
     ids = torch.tensor(prompts)
     clock = _TokenClock()
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
-        end = time.perf_counter()
-    return clock.first - t0, end - clock.first, out[:, ids.shape[1]:].tolist()
+        end, c_end = time.perf_counter(), time.thread_time()
+    return (clock.first - t0, end - clock.first, out[:, ids.shape[1]:].tolist(),
+            (clock.first_cpu - c0, c_end - clock.first_cpu))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,33 +176,45 @@ def main(argv: list[str] | None = None) -> int:
     for b in sizes:
         prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
-        pre = dec = hpre = hdec = float("inf")
+        pre = dec = hpre = hdec = cpre = cdec = hcpre = hcdec = float("inf")
         for _ in range(a.repeats):
-            p_, d_, steps, ours = bench_pdkv(engine, prompts, a.new_tokens)
-            pre, dec = min(pre, p_), min(dec, d_)
+            p_, d_, steps, ours, cpu = bench_pdkv(engine, prompts, a.new_tokens)
+            pre, dec, cpre, cdec = min(pre, p_), min(dec, d_), min(cpre, cpu[0]), min(cdec, cpu[1])
             if hf is not None:
-                hp_, hd_, theirs = bench_hf(hf, prompts, a.new_tokens, threads)
-                hpre, hdec = min(hpre, hp_), min(hdec, hd_)
+                hp_, hd_, theirs, hcpu = bench_hf(hf, prompts, a.new_tokens, threads)
+                hpre, hdec, hcpre, hcdec = min(hpre, hp_), min(hdec, hd_), min(hcpre, hcpu[0]), min(hcdec, hcpu[1])
         row = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                "pdkv_prefill_tok_s": b * a.prompt_len / pre,
                "pdkv_decode_tok_s": b * (a.new_tokens - 1) / dec,
                "pdkv_decode_ms_per_step": dec / steps * 1e3,
                "floor_ms_per_step": floor_s * 1e3}
         row["decode_step_over_floor"] = row["pdkv_decode_ms_per_step"] / row["floor_ms_per_step"]
+        if threads == 1:  # the computing thread's CPU time (see the module docstring)
+            row["pdkv_decode_cpu_ms_per_step"] = cdec / steps * 1e3
+            row["cpu_step_over_floor"] = row["pdkv_decode_cpu_ms_per_step"] / row["floor_ms_per_step"]
         if hf is not None:
             row.update({"hf_prefill_tok_s": b * a.prompt_len / hpre,
                         "hf_decode_tok_s": b * (a.new_tokens - 1) / hdec})
             row["prefill_ratio"] = row["pdkv_prefill_tok_s"] / row["hf_prefill_tok_s"]
             row["decode_ratio"] = row["pdkv_decode_tok_s"] / row["hf_decode_tok_s"]
             row["same_tokens_as_hf"] = sum(x == y for x, y in zip(ours, theirs)) / b
+            if threads == 1:
+                row["hf_decode_cpu_ms_per_step"] = hcdec / (a.new_tokens - 1) * 1e3
+                row["decode_cpu_ratio"] = hcdec / cdec  # the same tokens: a tok/s ratio
+                row["prefill_cpu_ratio"] = hcpre / cpre
         results.append(row)
         line = (f"B={b:>3}  pdkv prefill {row['pdkv_prefill_tok_s']:8.0f} tok/s  decode "
                 f"{row['pdkv_decode_tok_s']:7.1f} tok/s ({row['pdkv_decode_ms_per_step']:.2f} ms/step, "
                 f"{row['decode_step_over_floor']:.2f}x floor)")
+        if threads == 1:
+            line += f" cpu {row['pdkv_decode_cpu_ms_per_step']:.2f} ms/step ({row['cpu_step_over_floor']:.2f}x)"
         if hf is not None:
             line += (f" | HF prefill {row['hf_prefill_tok_s']:8.0f} decode {row['hf_decode_tok_s']:7.1f} | "
                      f"ratio prefill {row['prefill_ratio']:.2f}x decode {row['decode_ratio']:.2f}x "
                      f"| same tokens {row['same_tokens_as_hf']:.0%}")
+            if threads == 1:
+                line += (f" | cpu ms/step HF {row['hf_decode_cpu_ms_per_step']:.2f} "
+                         f"ratio decode {row['decode_cpu_ratio']:.2f}x prefill {row['prefill_cpu_ratio']:.2f}x")
         print(line, flush=True)
     report = {"bench": "engine", "model": a.model, "params": nparams, "threads": threads,
               "torch": torch.__version__, "load_average_1m": os.getloadavg()[0], "machine": platform.machine(), "read_bandwidth_GBps": bw / 1e9,
