@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.tp",),  # tensor-parallel ranks the runner drives
     ("models",),  # model families, layers, attention backends
     ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model"),
+    ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)
+    ("pdkv.control_wire",),  # control frames, HELLO and the control errors
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)
     ("pdkv.detokenizer", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
     ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv.auth", "pdkv.ports", "pdkv.app_thread", "pdkv"),  # leaves

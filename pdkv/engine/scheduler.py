@@ -12,7 +12,9 @@ against the step's budget); after each step every page a request completed is pu
 pages it took are given back if the rest does not fit yet, so a waiting request never sits on
 pages it cannot use.
 
-The scheduler sees request ids, token counts and page ids, never tensors.
+The prefix cache side (cached_prefix, publish and taking / giving back cached pages) is
+pdkv/engine/prefix_reuse.py, a mixin of ``Scheduler``. The scheduler sees request ids, token
+counts and page ids, never tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdkv.engine.prefix_reuse import PrefixReuse
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.kv.allocator import PageAllocator
 from pdkv.kv.prefix_cache import PrefixCache
@@ -44,7 +47,7 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
-class Scheduler:
+class Scheduler(PrefixReuse):
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_batched_tokens: int,
                  chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size),
@@ -60,55 +63,6 @@ class Scheduler:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    # ---- prefix cache ------------------------------------------------------------------------
-    def cached_prefix(self, req: Request) -> int:
-        """Leading tokens of ``req`` whose KV the cache holds now, in whole pages and at most
-        ``num_tokens - 1`` (its last token is always computed); a peek, nothing is taken."""
-        if self.cache is None:
-            return 0
-        return len(self.cache.match(self._hashes(req, req.num_tokens - 1))) * self.page_size
-
-    def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
-        if len(req.page_hashes) >= num_tokens // self.page_size:
-            return req.page_hashes[:num_tokens // self.page_size]
-        return self.cache.hashes(req.prompt_token_ids + req.output_token_ids, req.page_hashes, num_tokens)
-
-    def _take_cached(self, req: Request, num_tokens: int) -> list[int]:
-        """References to the cached pages of ``req``'s first ``num_tokens`` tokens (a multiple of
-        the page size the caller just found with ``cached_prefix``)."""
-        if num_tokens <= 0:
-            return []
-        if num_tokens % self.page_size or num_tokens > self.cached_prefix(req):
-            raise ValueError(f"request {req.request_id!r}: {num_tokens} tokens are not a cached prefix "
-                             f"(cached: {self.cached_prefix(req)}, page size {self.page_size})")
-        return self.cache.acquire(self._hashes(req, num_tokens))
-
-    def _reuse(self, req: Request) -> None:
-        """A local request about to be scheduled with no pages takes its longest cached chain."""
-        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))
-        req.pages = pages
-        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size
-        req.num_published_pages = len(pages)
-
-    def _unreuse(self, req: Request) -> None:
-        self.allocator.free(req.pages)  # back to the LRU pool, contents kept
-        req.pages, req.num_computed_tokens, req.num_published_pages = [], 0, 0
-
-    def publish(self, req: Request) -> None:
-        """Publishes every full page of ``req`` whose KV is complete (positions below
-        ``num_computed_tokens``: computed by a finished forward pass, or landed)."""
-        if self.cache is None:
-            return
-        # NOTE: only committed tokens: a verification step computes KV for draft tokens too
-        # (speculative decoding); a page still holding drafts is neither final nor hashable.
-        full = min(min(req.num_computed_tokens, req.num_tokens) // self.page_size, len(req.pages))
-        if full <= req.num_published_pages:
-            return
-        hashes = self._hashes(req, full * self.page_size)
-        for k in range(req.num_published_pages, full):
-            self.cache.publish(req.pages[k], hashes[k])
-        req.num_published_pages = full
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 MUT = {
- "publish_partial_page": [("pdkv/engine/scheduler.py", "full = min(req.num_computed_tokens // self.page_size, len(req.pages))",
+ "publish_partial_page": [("pdkv/engine/prefix_reuse.py", "full = min(req.num_computed_tokens // self.page_size, len(req.pages))",
                            "full = min(-(-req.num_computed_tokens // self.page_size), len(req.pages))")],
  "publish_remote_early": [("pdkv/kv/allocator.py", "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
                            "        if False:\n            raise PageStateError(f\"page {page} is pinned"),
@@ -19,10 +19,10 @@ MUT = {
  "evict_before_free": [("pdkv/kv/allocator.py", "            if self._free:\n                p = self._free.pop()", "            if self._free and not self._evictable:\n                p = self._free.pop()")],
  "cached_page_leaks": [("pdkv/kv/allocator.py", "                if self._cached[p]:\n                    self._evictable[p] = None", "                if self._cached[p]:\n                    pass")],
  "hash_not_chained": [("pdkv/kv/prefix_cache.py", "        h = hashlib.blake2b(parent, digest_size=16)", "        h = hashlib.blake2b(salt, digest_size=16)")],
- "reuse_last_token_page": [("pdkv/engine/scheduler.py", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))\n        req.pages = pages\n        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size",
+ "reuse_last_token_page": [("pdkv/engine/prefix_reuse.py", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))\n        req.pages = pages\n        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size",
    "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))\n        req.pages = pages\n        req.num_computed_tokens = req.num_cached_tokens = min(len(pages) * self.page_size, req.num_tokens - 1)")],
- "unreuse_leaks_pages": [("pdkv/engine/scheduler.py", "        self.allocator.free(req.pages)  # back to the LRU pool, contents kept", "        pass")],
- "reuse_whole_sequence": [("pdkv/engine/scheduler.py", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))")],
+ "unreuse_leaks_pages": [("pdkv/engine/prefix_reuse.py", "        self.allocator.free(req.pages)  # back to the LRU pool, contents kept", "        pass")],
+ "reuse_whole_sequence": [("pdkv/engine/prefix_reuse.py", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))", "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))")],
 }
 # No shrinking, no example database: a fresh search each time, failing fast.
 CODE = ("import sys; sys.path.insert(0, '.'); from hypothesis import settings, Phase; "
