@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 MUT = {
- "publish_partial_page": [("pdkv/engine/prefix_reuse.py", "full = min(req.num_computed_tokens // self.page_size, len(req.pages))",
-                           "full = min(-(-req.num_computed_tokens // self.page_size), len(req.pages))")],
+ "publish_partial_page": [("pdkv/engine/prefix_reuse.py",
+                           "full = min(min(req.num_computed_tokens, req.num_tokens) // self.page_size, len(req.pages))",
+                           "full = min(-(-min(req.num_computed_tokens, req.num_tokens) // self.page_size), len(req.pages))")],
  "publish_remote_early": [("pdkv/kv/allocator.py", "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
                            "        if False:\n            raise PageStateError(f\"page {page} is pinned"),
                           ("pdkv/engine/scheduler.py", "        self.remote[req.request_id] = req\n        return req.pages",
