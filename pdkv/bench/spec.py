@@ -98,6 +98,21 @@ def verify_cost(engine, k: int, iters: int, context: int = 128) -> VerifyCost:
     return VerifyCost(med(times["one"][0]), med(times["many"][0]), med(times["one"][1]), med(times["many"][1]))
 
 
+def tiny_model(method: str) -> tuple[str, tempfile.TemporaryDirectory]:
+    """The benchmarks' default model, in a temporary folder (the caller cleans it up): with an
+    MTP layer for ``method`` mtp.
+
+    NOTE: the tests' tiny Llama (hidden 64, 2 layers, vocab 512): its greedy output falls into
+    repeated spans, which is what prompt lookup needs. Larger seeded random models (hidden
+    256-512) emit no repeats at all within a few hundred tokens, so ngram finds nothing to draft
+    on them (measured: 0 drafts); a trained model is needed there."""
+    from pdkv.tiny_model import make_tiny_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
+    path = make_tiny_model(Path(tmp.name) / "tiny-llama", seed=0, num_nextn_predict_layers=1 if method == "mtp" else 0)
+    return str(path), tmp
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: build the tiny looping model)")
@@ -125,15 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     tmp = None
     if a.model is None:
-        from pdkv.tiny_model import make_tiny_model
-
-        # NOTE: the tests' tiny Llama (hidden 64, 2 layers, vocab 512): its greedy output falls
-        # into repeated spans, which is what prompt lookup needs. Larger seeded random models
-        # (hidden 256-512) emit no repeats at all within a few hundred tokens, so ngram finds
-        # nothing to draft on them (measured: 0 drafts); a trained model is needed there.
-        tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
-        a.model = str(make_tiny_model(Path(tmp.name) / "tiny-llama", seed=0,
-                                      num_nextn_predict_layers=1 if a.method == "mtp" else 0))
+        a.model, tmp = tiny_model(a.method)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     total = a.prompt_len + a.prefix_tokens + a.new_tokens + a.num_tokens + 1
     kv = KVCacheConfig(page_size=16, num_pages=max(sizes) * (-(-total // 16)) + 16, prefix_caching=False)

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -89,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = None
     if a.model is None:
-        from pdkv.tiny_model import make_tiny_model
+        from pdkv.bench.spec import tiny_model
 
-        tmp = tempfile.TemporaryDirectory(prefix="pdkv-bench-")
-        a.model = str(make_tiny_model(Path(tmp.name) / "tiny-llama", seed=0,
-                                      num_nextn_predict_layers=1 if a.method == "mtp" else 0))
+        a.model, tmp = tiny_model(a.method)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     total = a.prompt_len + a.prefix_tokens + a.new_tokens + a.num_tokens + 1
     pages = max(sizes) * (-(-total // 16)) + 16
