@@ -29,7 +29,7 @@ $(VERBS_STAMP): | $(PY)
 
 # Reinstall when the requirements, the build inputs or the verbs answer change. An editable
 # install may keep an up-to-date-looking extension built the other way: rebuild it then.
-$(STAMP): $(PY) $(VERBS_STAMP) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h)
+$(STAMP): $(PY) $(VERBS_STAMP) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h pdkv/kernels/*.c pdkv/kernels/*.h)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	$(CHECK_VERBS) || $(PY) setup.py -q build_ext --inplace --force
@@ -55,4 +55,4 @@ bench-micro: install
 	nice -n 10 $(PY) -m pytest -q $(BENCH_MICRO) tests/bench
 
 clean:
-	rm -rf build *.egg-info pdkv/_messenger.c pdkv/*.so
+	rm -rf build *.egg-info pdkv/_messenger.c pdkv/_kernels.c pdkv/*.so

@@ -18,7 +18,7 @@ def have_verbs() -> bool:
                for d in ("/usr/include", "/usr/local/include"))
 
 
-def messenger_extension():
+def extensions():
     from Cython.Build import cythonize
 
     sources = ["pdkv/_messenger.pyx"]
@@ -41,7 +41,20 @@ def messenger_extension():
         libraries=libraries,
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-Wno-format-truncation"],
     )
-    return cythonize([ext], language_level=3, compiler_directives={"embedsignature": True})
+    # pdkv._kernels: the CPU kernels of small decode steps (models/cpu_gemm.py,
+    # models/attention/cpu_decode.py). Baseline x86-64 flags: the AVX2 kernels carry their own
+    # target attributes and are picked at run time.
+    kernels = Extension(
+        "pdkv._kernels",
+        sources=["pdkv/_kernels.pyx"] + sorted(os.path.join("pdkv/kernels", f)
+                                              for f in os.listdir("pdkv/kernels") if f.endswith(".c")),
+        include_dirs=["pdkv"],
+        depends=sorted(os.path.join("pdkv/kernels", f) for f in os.listdir("pdkv/kernels") if f.endswith(".h")),
+        # no fused multiply-adds but the kernels' explicit ones: the MoE sums must round like torch's
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off"],
+        libraries=["m"],
+    )
+    return cythonize([ext, kernels], language_level=3, compiler_directives={"embedsignature": True})
 
 
 setup(
@@ -52,6 +65,6 @@ setup(
     # data/pdkv-stdlib-coder: the trained default model (pdkv.default_model), so an installed pdkv has it
     package_data={"pdkv": ["_messenger.pyi", "_messenger.pxd", "csrc/*.h", "data/pdkv-stdlib-coder/*"]},
     python_requires=">=3.10",
-    ext_modules=messenger_extension() if "egg_info" not in sys.argv else [],
+    ext_modules=extensions() if "egg_info" not in sys.argv else [],
     entry_points={"console_scripts": ["pdkv=pdkv.cli:main"]},
 )

@@ -5,7 +5,7 @@ Parameter names follow Hugging Face (``self_attn.o_proj``, ``mlp.down_proj``, ..
 q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``: a decode step is bound by
 reading weights and by per-op overhead, and one GEMM instead of three saves both. The loader
 maps checkpoint names onto the fused rows (see ``CausalLM.STACKED``).
-NOTE: inside a forward pass submodules are run through ``.forward`` / ``F.linear`` rather than
+NOTE: inside a forward pass submodules are run through ``.forward`` / ``linear`` (models/cpu_gemm.py) rather than
 ``module(...)``: nn.Module's call machinery (hook checks) costs ~1 ms per decode step of a
 small model, about 7% of it, and these modules never carry hooks.
 Shapes: T = tokens in the step (all sequences flattened), H = hidden size.
@@ -18,10 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
+from models import cpu_gemm
+from models.cpu_gemm import gated_mlp, linear
 from models.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
+    cpu_kernel = True  # False: F.rms_norm always (the loader's model.cpu_kernels: false)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
@@ -33,6 +37,10 @@ class RMSNorm(nn.Module):
         trips). A float32 x goes through F.rms_norm: the same ops in the same order, so the same
         bits, in one call instead of six (a MoE decode step runs ~30 norms)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if self.cpu_kernel:  # ~1 us against F.rms_norm's ~9 us on the CPU (models/cpu_gemm.py)
+                y = cpu_gemm.rms_norm(x, self.weight, self.eps)
+                if y is not None:
+                    return y
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x if x.dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,8 +60,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] → [T, H]."""
         gu, down = self.gate_up_proj, self.down_proj
-        gate_up = F.linear(x, gu.weight, gu.bias)  # [T, 2 * I]
-        return F.linear(F.silu(gate_up[:, :self.inter]) * gate_up[:, self.inter:], down.weight, down.bias)
+        if gu.bias is None and down.bias is None:  # a decode step's few rows: one kernel call
+            return gated_mlp(x, gu.weight, down.weight, self.inter)
+        gate_up = linear(x, gu.weight, gu.bias)  # [T, 2 * I]
+        return linear(F.silu(gate_up[:, :self.inter]) * gate_up[:, self.inter:], down.weight, down.bias)
 
 
 class Attention(nn.Module):
@@ -74,7 +84,7 @@ class Attention(nn.Module):
                 backend, meta) -> torch.Tensor:
         """x: [T, H]; cos/sin: [T, 1, head_dim] → [T, H] (after o_proj)."""
         T, H, D = x.shape[0], self.num_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, D)
         if self.has_qk_norm:
             q = qkv[:, :self.q_size].view(T, H, D)
@@ -87,7 +97,7 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
         o = self.o_proj
-        return F.linear(backend.forward(layer, q, k, v, meta), o.weight, o.bias)
+        return linear(backend.forward(layer, q, k, v, meta), o.weight, o.bias)
 
 
 class DecoderLayer(nn.Module):

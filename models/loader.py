@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from models.config import ArchConfig, parse_arch_config
+from models.cpu_gemm import AVAILABLE as CPU_GEMM_AVAILABLE
 from models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
@@ -73,9 +74,10 @@ def weight_files(folder: Path) -> list[Path]:
 
 def transpose_linear_weights(model: torch.nn.Module) -> None:
     """Stores every Linear weight as [in, out] in memory while keeping its [out, in] shape (a
-    transposed view). On the CPU, F.linear then runs x @ W_t over contiguous rows: for a decode
-    step (one row of x) MKL's path for that layout reads weights at about the full memory
-    bandwidth, about twice what it reaches on the [out, in] layout (measured: pdkv/bench/engine.py)."""
+    transposed view). On the CPU without pdkv's small-batch kernel (models/cpu_gemm.py), F.linear
+    then runs x @ W_t over contiguous rows: for a decode step (one row of x) MKL's GEMV reads
+    that layout faster than [out, in] (11-20 GB/s against 9 GB/s measured; the kernel reads
+    [out, in] at 20-25 GB/s: python -m pdkv.bench kernels)."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
@@ -85,13 +87,25 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
                 p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def disable_cpu_kernels(model: torch.nn.Module) -> None:
+    """model.cpu_kernels: false: the modules that would call pdkv's kernels whatever the weights'
+    layout (norms, the one-token MoE step, a tied LM head) use torch's ops instead."""
+    model.cpu_kernels = False
+    for m in model.modules():
+        if hasattr(m, "cpu_kernel"):
+            m.cpu_kernel = False
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None,
-               progress: Callable[[int, int], None] | None = None, tp=None) -> LoadedModel:
+               progress: Callable[[int, int], None] | None = None, tp=None,
+               cpu_kernels: bool = True) -> LoadedModel:
     """Builds the model for ``path``'s config.json and loads its weights onto ``device``.
 
     ``tp`` (a models.parallel.TensorParallel): load only this rank's slice of every tensor and
-    all-reduce the row-parallel outputs in the forward pass."""
+    all-reduce the row-parallel outputs in the forward pass. ``cpu_kernels`` (``model.cpu_kernels``):
+    on the CPU, run decode-sized GEMMs through pdkv's kernel (models/cpu_gemm.py) where this CPU
+    has it; False: torch's GEMMs only (and torch's attention: the engine tells the backend)."""
     from safetensors import safe_open  # noqa: PLC0415
 
     folder = Path(path)
@@ -160,8 +174,9 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                              f"{', '.join(sorted(missing)[:3])}")
     if progress is not None:
         progress(total, total)
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_GEMM_AVAILABLE):
         transpose_linear_weights(model)
+        disable_cpu_kernels(model)
     # Weights derived from the loaded ones (MLA's absorbed W_UK / W_UV, its fused input
     # projection), after the layout above so that they can keep it.
     if hasattr(model, "post_load"):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
+from models.cpu_gemm import bmm, linear
 from models.layers import RMSNorm
 from models.rope import apply_rope
 
@@ -35,7 +36,12 @@ LORA_NORM_EPS = 1e-6
 
 
 def _lin(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
-    return F.linear(x, m.weight, m.bias)
+    return linear(x, m.weight, m.bias)
+
+
+def _stored(w: torch.Tensor, in_major: bool) -> torch.Tensor:
+    """w: [H, in, out] → a copy of it, in memory [H, out, in] (in_major) or [H, in, out]."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2) if in_major else w.contiguous()
 
 
 class MLAttention(nn.Module):
@@ -66,8 +72,11 @@ class MLAttention(nn.Module):
         Runs once the loader has laid the weights out in memory (models/loader.py)."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        self.w_uk = w[:, :m.qk_nope_head_dim].contiguous()
-        self.w_uv = w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        # Each stored like the Linear weights (models/cpu_gemm.py): the input dimension (N of
+        # W_UK, L of W_UV) contiguous when they are, else the output dimension.
+        in_major = self.kv_b_proj.weight.stride(1) == 1
+        self.w_uk = _stored(w[:, :m.qk_nope_head_dim], in_major)
+        self.w_uv = _stored(w[:, m.qk_nope_head_dim:].transpose(1, 2), in_major)
         if m.rope_interleave and not self._deinterleaved:
             R, N = m.qk_rope_head_dim, m.qk_nope_head_dim
             perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2))).to(w.device)
@@ -129,7 +138,7 @@ class MLAttention(nn.Module):
             q_in = _lin(x, self.q_proj if m.q_lora_rank is None else self.q_a_proj)
             kv = _lin(x, self.kv_a_proj_with_mqa)  # [T, L + R]
         else:
-            a = F.linear(x, self.in_weight, self.in_bias)  # [T, Q + L + R]
+            a = linear(x, self.in_weight, self.in_bias)  # [T, Q + L + R]
             q_in, kv = a[:, :a.shape[1] - m.latent_dim], a[:, a.shape[1] - m.latent_dim:]
         q = q_in if m.q_lora_rank is None else _lin(self.q_a_layernorm.forward(q_in), self.q_b_proj)
         q = q.view(T, H, m.qk_head_dim)
@@ -142,10 +151,10 @@ class MLAttention(nn.Module):
         # The query's and the key's rope parts rotate in one call ([T, H + 1, R]).
         pe = self._rope(torch.cat((q[..., N:], kv[:, None, L:]), 1), cos, sin)
         latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]), pe[:, H]), -1)  # [T, L + R]
-        q_abs = torch.bmm(q[..., :N].transpose(0, 1), self.w_uk)  # [H, T, L]
+        q_abs = bmm(q[..., :N].transpose(0, 1), self.w_uk)  # [H, T, L]
         query = torch.cat((q_abs.transpose(0, 1), pe[:, :H]), -1)  # [T, H, L + R]
         o = backend.forward(layer, query, latent[:, None], None, meta)  # [T, H * L], latent space
-        o = torch.bmm(o.view(T, H, L).transpose(0, 1), self.w_uv)  # [H, T, V]
+        o = bmm(o.view(T, H, L).transpose(0, 1), self.w_uv)  # [H, T, V]
         return _lin(o.transpose(0, 1).reshape(T, H * m.v_head_dim), self.o_proj)
 
     # Prefill steps made only of first chunks attend decompressed (per head K = [c W_UK, k_pe],

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
+from models.cpu_gemm import gated_mlp, linear, moe_one_token, route
 from models.layers import MLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -31,6 +32,9 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.wei
 
 class Router(nn.Module):
     """``mlp.gate``: weight [E, H] (float32 for sigmoid routing, as transformers keeps it)."""
+
+    TRANSPOSED_PARAMS = ("weight",)  # a Linear's weight in all but name (models/loader.py)
+    cpu_kernel = True  # False: torch's ops (the loader's model.cpu_kernels: false)
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
         super().__init__()
@@ -44,13 +48,17 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] → (expert ids [T, k] long, weights [T, k] in x's dtype)."""
         m = self.moe
+        if self.cpu_kernel and x.dtype == torch.float32:  # the ~15 ops below in one kernel call
+            routed = route(linear(x, self.weight), m, self.e_score_correction_bias if m.correction_bias else None)
+            if routed is not None:
+                return routed
         if m.scoring == "softmax":
-            probs = F.linear(x, self.weight).softmax(-1, dtype=torch.float32)  # [T, E]
+            probs = linear(x, self.weight).softmax(-1, dtype=torch.float32)  # [T, E]
             weights, ids = probs.topk(m.top_k, dim=-1)
             if m.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
             return ids, weights.to(x.dtype)
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E] float32
+        scores = linear(x.float(), self.weight).sigmoid()  # [T, E] float32
         choice = scores + self.e_score_correction_bias if m.correction_bias else scores
         if m.num_groups > 1 and m.topk_groups < m.num_groups:
             T, G = x.shape[0], m.num_groups
@@ -78,6 +86,7 @@ class Experts(nn.Module):
         self.inter = m.intermediate_size  # this rank's share of it
         n = len(self.local)
         self.holds_all = n == m.num_experts  # no expert parallelism: no pair to filter out
+        self.num_experts = m.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * self.inter, cfg.hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(n, cfg.hidden_size, self.inter, dtype=dtype))
 
@@ -101,10 +110,10 @@ class Experts(nn.Module):
         rows = x[tok]  # [N, H] grouped by expert
         out = torch.empty_like(rows)
         start, I = 0, self.inter
+        gate_up, down = self._expert_views()
         for e, n in enumerate(counts):
-            if n:
-                gu = F.linear(rows[start:start + n], self.gate_up_proj[e])  # [n, 2I]
-                out[start:start + n] = F.linear(F.silu(gu[:, :I]) * gu[:, I:], self.down_proj[e])
+            if n:  # up to 16 rows in one kernel call, the same per-row arithmetic as _one_token's
+                out[start:start + n] = gated_mlp(rows[start:start + n], gate_up[e], down[e], I)
                 start += n
         out *= weights.reshape(-1)[pair, None]
         return torch.zeros_like(x).index_add_(0, tok, out)
@@ -116,16 +125,21 @@ class Experts(nn.Module):
     # path's index_add_, so both give the same numbers (tests/models/test_moe_fast_path.py).
     # True: always group (the tests compare the two).
     force_grouped = False
+    cpu_kernel = True  # False: the loop below (the loader's model.cpu_kernels: false)
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [1, H]; ids, weights: [1, k] → [1, H]."""
         out, first = None, self.local.start
+        if self.cpu_kernel:  # all k experts in one kernel call (models/cpu_gemm.py)
+            out = moe_one_token(x, self.gate_up_proj.detach(), self.down_proj.detach(), ids, weights,
+                                self.num_experts, first)
+            if out is not None:
+                return out
         gate_up, down = self._expert_views()
         for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
             e -= first
             if 0 <= e < len(self.local):  # expert parallelism: other ranks add theirs
-                g, u = F.linear(x, gate_up[e]).chunk(2, 1)  # [1, I] each
-                y = F.linear(F.silu(g) * u, down[e]).mul_(w)
+                y = gated_mlp(x, gate_up[e], down[e], self.inter).mul_(w)
                 out = y if out is None else out.add_(y)  # the first: what 0 + y gives
         return torch.zeros_like(x) if out is None else out
 

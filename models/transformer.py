@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from models.config import ArchConfig
+from models.cpu_gemm import linear
 from models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from models.moe import SparseMoE, expected_expert_tensors, expert_param_for, is_remote_expert
 from models.rope import RotaryEmbedding
@@ -59,7 +60,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] → logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        # A tied head reads the embedding table, whose [vocab, H] rows the loader cannot lay out
+        # for MKL: with model.cpu_kernels off it must not reach pdkv's kernel by its layout.
+        return (linear if self.cpu_kernels else torch.nn.functional.linear)(hidden, weight).float()
+
+    cpu_kernels = True  # False: the loader laid the weights out for torch's GEMMs (model.cpu_kernels)
 
     # ---- loading ---------------------------------------------------------------------------
     def param_for(self, name: str) -> tuple[str, slice | tuple | None]:

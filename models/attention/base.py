@@ -87,6 +87,9 @@ class AttentionBackend:
 
     # Can attend over a latent cache (kv_cache.kv_parts == 1, MLA): see ``forward``.
     supports_latent = False
+    # Single-token rows may attend in pdkv's CPU kernel (models/attention/cpu_decode.py; the
+    # torch backend); model.cpu_kernels: false turns it off.
+    use_cpu_kernel = False
 
     def __init__(self, kv_cache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, value_dim: int | None = None):

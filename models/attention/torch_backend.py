@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.attention import register
+from models.attention import cpu_decode, register
 from models.attention.base import AttentionBackend, AttentionBatch, page_table, write_slots
 
 
@@ -50,6 +50,9 @@ class TorchAttentionMeta:
     decode_blocked: torch.Tensor | None  # [B, Q, max_pages * P] bool (True: masked out); None when B == 1 (eager)
     decode_masked: bool  # B == 1 and its rows need a mask (Q > 1, or keys beyond the window)
     decode_kv_len: int  # kv length when B == 1 (keys are sliced)
+    # Every batched row a single token and a cache the CPU kernel reads (models/attention/cpu_decode.py):
+    # the step's [B] kv lengths and its page table [B, max_pages]; None: the torch path.
+    decode_lens: torch.Tensor | None
     pad_rows: torch.Tensor | None  # [B * Q] long: query row for each padded slot; None: no padding
     unpad_rows: torch.Tensor | None  # [decode_tokens] long: padded slot of each query row
     prefills: list[_Prefill]
@@ -72,10 +75,14 @@ class TorchAttentionBackend(AttentionBackend):
         while nd < len(q_lens) and (q_lens[nd] == 1 or (q_lens[nd] <= MULTI_QUERY_MAX and kv_lens[nd] > q_lens[nd])):
             nd += 1
         Q = max(q_lens[:nd], default=0)
-        decode_pages = blocked = pad_rows = unpad_rows = None
+        decode_pages = blocked = pad_rows = unpad_rows = decode_lens = None
         decode_kv_len = kv_lens[0] if nd else 0
         masked = False
-        if nd:
+        if nd and Q == 1 and self._cpu_kernel:
+            max_pages = max(len(p) for p in batch.page_ids[:nd])
+            decode_pages = table[:nd, :max_pages].contiguous()
+            decode_lens = torch.tensor(kv_lens[:nd], dtype=torch.long)
+        elif nd:
             max_pages = max(len(p) for p in batch.page_ids[:nd])
             decode_pages = table[:nd, :max_pages].reshape(-1)  # [B * max_pages], row-major
             needs_window = W is not None and max(kv_lens[:nd]) > W
@@ -105,7 +112,18 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMeta(
             write_pages=write_pages, write_offsets=write_offsets, num_decodes=nd,
             decode_tokens=sum(q_lens[:nd]), decode_q=Q, decode_pages=decode_pages, decode_blocked=blocked,
-            decode_masked=masked, decode_kv_len=decode_kv_len, pad_rows=pad_rows, unpad_rows=unpad_rows, prefills=prefills)
+            decode_masked=masked, decode_kv_len=decode_kv_len, decode_lens=decode_lens, pad_rows=pad_rows,
+            unpad_rows=unpad_rows, prefills=prefills)
+
+    @property
+    def _cpu_kernel(self) -> bool:
+        """Single-token rows attend in the CPU kernel (models/attention/cpu_decode.py)."""
+        takes = self.__dict__.get("_takes")
+        if takes is None:
+            takes = self._takes = self.use_cpu_kernel and cpu_decode.takes(self.kv.layer(0), self.group, self.value_dim)
+        return takes
+
+    use_cpu_kernel = True  # False (model.cpu_kernels): the torch path for every step
 
     def graph_decode(self, max_batch: int, max_pages: int, batch_sizes: tuple[int, ...]):
         from models.attention.torch_graph import TorchGraphDecode  # noqa: PLC0415
@@ -168,6 +186,8 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: TorchAttentionMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)
         hnd = self.kv.layout == "HND"
+        if meta.decode_lens is not None and not meta.prefills:  # the CPU kernel writes and attends in one call
+            return self._decode(cache, q, meta, hnd, (k, v, meta.write_pages, meta.write_offsets))
         self._write(cache, k, v, meta, hnd)
         if v is None:  # latent: the value is the latent's first value_dim entries
             v = k[..., :self.value_dim]
@@ -242,9 +262,13 @@ class TorchAttentionBackend(AttentionBackend):
         keys, values = self._kv(g.view(g.shape[0], self.num_kv_heads, -1, self.head_dim))
         return keys[:, :kv_len], values[:, :kv_len]
 
-    def _decode(self, cache, q, meta, hnd):
-        """q: [decode_tokens, Hq, D], each sequence's rows in order → [decode_tokens, Hq * Dv]."""
+    def _decode(self, cache, q, meta, hnd, new=None):
+        """q: [decode_tokens, Hq, D], each sequence's rows in order → [decode_tokens, Hq * Dv].
+        ``new`` (the CPU kernel's path only): the rows' K/V and slots, stored by the same call."""
         B, Q, Hkv, G, D, Dv = meta.num_decodes, meta.decode_q, self.num_kv_heads, self.group, self.head_dim, self.value_dim
+        if meta.decode_lens is not None:
+            return cpu_decode.decode(cache, hnd, q, meta.decode_pages, meta.decode_lens, self.sliding_window,
+                                     Hkv, G, Dv, self.scale, new)
         g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [parts, Hkv, B*maxp, P, D]
         parts = g.shape[0]
         if B == 1 and meta.decode_blocked is None:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1

@@ -71,4 +71,4 @@ class TorchGraphDecode(GraphDecodeState):
         return self._meta_cls(
             write_pages=write_pages, write_offsets=write_offsets, num_decodes=bs, decode_tokens=bs, decode_q=1,
             decode_pages=self.table[:bs, :width].reshape(-1), decode_blocked=blocked, decode_masked=False,
-            decode_kv_len=0, pad_rows=None, unpad_rows=None, prefills=[])
+            decode_kv_len=0, decode_lens=None, pad_rows=None, unpad_rows=None, prefills=[])

@@ -11,7 +11,8 @@ Parts (ms per step), each measured, not apportioned:
                 models.attention.torch_backend.MULTI_QUERY_MAX tokens
   attn.cached   a longer later chunk reading its earlier chunks' KV from the pages (``_gather``)
   attn.chunk    a chunk's attention kernel over [cached | new] keys (``_prefill`` minus the read)
-  kv.write      the step's new K/V into their pages
+  kv.write      the step's new K/V into their pages (with the CPU decode kernel, a decode-only
+                step's write is inside its one attn.decode call)
   dense         q/k/v and o projections, rope (attention block minus the backend)
   mlp           the gated MLPs
   sample        LM head on the sampled rows + the sampler

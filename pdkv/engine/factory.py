@@ -120,9 +120,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         from pdkv.tp import TPLeader  # noqa: PLC0415
 
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
-                      num_threads, parallel.timeout_s, parallel.startup_timeout_s)
+                      num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels)
     loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
-                        tp=tp.parallel if tp is not None else None)
+                        tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
     arch = loaded.arch
     max_model_len = model.max_model_len or arch.max_position_embeddings
 
@@ -146,6 +146,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         cache = PrefixCache(allocator, kv_cache.page_size,
                             cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
+    backend.use_cpu_kernel &= model.cpu_kernels
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
         from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415

@@ -67,7 +67,8 @@ def _check_split(path: str, tp: int) -> None:
 
 class TPLeader:
     def __init__(self, path: str, dtype: str, device: str, tp: int, max_positions: int,
-                 num_threads: int, timeout_s: float = 120.0, startup_timeout_s: float = 600.0):
+                 num_threads: int, timeout_s: float = 120.0, startup_timeout_s: float = 600.0,
+                 cpu_kernels: bool = True):
         import torch.distributed as dist  # noqa: PLC0415
 
         from models.parallel import TensorParallel  # noqa: PLC0415
@@ -93,6 +94,7 @@ class TPLeader:
                 f.spawn(with_fd_socket=self.device.type == "cuda")
             init = {"tp": tp, "path": path, "dtype": dtype, "max_positions": max_positions,
                     "num_threads": num_threads, "timeout_s": timeout_s, "host": "127.0.0.1",
+                    "cpu_kernels": cpu_kernels,
                     "port": self._store.port}
             for r in f.ranks:
                 f.chans[r].send("init", {**init, "rank": r, "device": str(self.devices[r])})

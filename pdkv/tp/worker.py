@@ -58,7 +58,8 @@ def serve(ch, fd_sock) -> None:
     store = dist.TCPStore(init["host"], init["port"], tp, False,
                           timeout=datetime.timedelta(seconds=init["timeout_s"]))
     par = TensorParallel(rank, tp, store, device, init["timeout_s"])
-    loaded = load_model(init["path"], init["dtype"], str(device), init["max_positions"], tp=par)
+    loaded = load_model(init["path"], init["dtype"], str(device), init["max_positions"], tp=par,
+                        cpu_kernels=init["cpu_kernels"])
     ch.send("loaded")
     kind, kv = ch.recv()
     if kind == "stop":
@@ -69,6 +70,7 @@ def serve(ch, fd_sock) -> None:
     cache = lay.make_cache(arch.num_layers, kv["num_pages"], kv["page_size"], loaded.dtype, kv["layout"], device,
                            buffer=flat)
     backend = lay.make_backend(kv["attention_backend"], cache)
+    backend.use_cpu_kernel &= init["cpu_kernels"]
     ch.send("ready", {"address": address, "nbytes": cache.nbytes, "pid": os.getpid()})
     with torch.inference_mode():
         while True:

@@ -62,7 +62,8 @@ class DraftProposer:
             raise ConfigError(f"speculative.draft_model.path must be a local Hugging Face model folder for "
                               f"method draft, got {path!r}")
         mc = parts.model_config
-        loaded = load_model(path, mc.dtype, mc.device, parts.max_model_len + MAX_SPEC_TOKENS + 1)
+        loaded = load_model(path, mc.dtype, mc.device, parts.max_model_len + MAX_SPEC_TOKENS + 1,
+                            cpu_kernels=mc.cpu_kernels)
         arch = loaded.arch
         check_same_vocabulary(parts.loaded.path, parts.tokenizer, parts.loaded.arch.vocab_size,
                               Path(path), Tokenizer(path, arch.eos_token_id), arch.vocab_size)
@@ -75,6 +76,7 @@ class DraftProposer:
                      loaded.dtype, parts.kv.layout, torch.device(mc.device), buffer=buf)
         backend = get_backend(mc.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                     arch.head_dim ** -0.5, arch.sliding_window)
+        backend.use_cpu_kernel &= mc.cpu_kernels
         return cls(loaded.model, backend, kv, mc.device)
 
     def _pages_for(self, n: int) -> int:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.cpu_gemm import linear
 from pdkv.config import ConfigError, SpeculativeConfig
 from pdkv.engine.request import Request
 from pdkv.kv import KVCache, PageAllocator
@@ -45,13 +45,15 @@ class MTPModule(nn.Module):
 
     def forward(self, embeds, h_prev, cos, sin, backend, meta) -> torch.Tensor:
         """embeds, h_prev: [T, H] → o [T, H] (before the head's norm)."""
-        x = F.linear(torch.cat([self.enorm.forward(embeds), self.hnorm.forward(h_prev)], -1), self.eh_proj.weight)
+        x = linear(torch.cat([self.enorm.forward(embeds), self.hnorm.forward(h_prev)], -1), self.eh_proj.weight)
         return self.layer.forward(0, x, cos, sin, backend, meta, None)
 
 
-def load_mtp(path: Path, arch, dtype, device) -> MTPModule:
-    """The first MTP layer of the checkpoint at ``path`` (q/k/v and gate/up fused as the target's)."""
-    from models.loader import weight_files  # noqa: PLC0415
+def load_mtp(path: Path, arch, dtype, device, cpu_kernels: bool = True) -> MTPModule:
+    """The first MTP layer of the checkpoint at ``path`` (q/k/v and gate/up fused as the target's),
+    its weights laid out as the loader lays out the target's (models/loader.py)."""
+    from models.loader import (CPU_GEMM_AVAILABLE, disable_cpu_kernels, transpose_linear_weights,  # noqa: PLC0415
+                               weight_files)
     from safetensors import safe_open  # noqa: PLC0415
 
     prefix = f"model.layers.{arch.num_layers}."
@@ -78,6 +80,9 @@ def load_mtp(path: Path, arch, dtype, device) -> MTPModule:
             if want.get(name) is None or tuple(want[name].shape) != tuple(p.shape):
                 raise ConfigError(f"{path}: MTP layer {prefix}* lacks or misshapes the tensor for {name}")
             p.copy_(want[name].to(dtype))
+    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_GEMM_AVAILABLE):
+        transpose_linear_weights(m)
+        disable_cpu_kernels(m)
     return m.eval()
 
 
@@ -109,11 +114,12 @@ class MTPProposer:
             raise ConfigError(f"speculative.method mtp needs a checkpoint with MTP layers: {path}/config.json "
                               f"has num_nextn_predict_layers={arch.num_nextn_predict_layers}")
         mc = parts.model_config
-        module = load_mtp(Path(path), arch, parts.loaded.dtype, torch.device(mc.device))
+        module = load_mtp(Path(path), arch, parts.loaded.dtype, torch.device(mc.device), mc.cpu_kernels)
         kv = KVCache(NUM_MTP_LAYERS, parts.kv.num_pages, parts.kv.page_size, arch.num_kv_heads, arch.head_dim,
                      parts.loaded.dtype, parts.kv.layout, torch.device(mc.device))
         backend = get_backend(mc.attention_backend)(kv, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                     arch.head_dim ** -0.5, arch.sliding_window)
+        backend.use_cpu_kernel &= mc.cpu_kernels
         return cls(module, parts.loaded.model, backend, kv, sc.num_tokens, mc.device)
 
     def _grow(self, st: _MTPState, n: int) -> bool:

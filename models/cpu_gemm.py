@@ -1,0 +1,144 @@
+"""Small-batch float32 GEMMs on the CPU: ``linear`` and ``bmm`` for the few rows of a decode step.
+
+A decode step multiplies 1-16 rows by each weight, so it costs one read of every weight from
+memory. MKL's GEMV/GEMM for so few rows reads a cold weight at 9-14 GB/s on the machines this
+runs on; pdkv's kernel (pdkv/kernels/gemm_small.c: one contiguous AVX2 pass over each weight
+row, the rows of x in L1) reads it at 20-25 GB/s, about what a 1-thread ``sum`` reaches, and
+`python -m pdkv.bench kernels` prints both. It needs weights stored with the input dimension
+contiguous (the Hugging Face [out, in] layout of a Linear's weight), which the loader keeps
+when ``model.cpu_kernels`` is on (the default); off, the loader stores them [in, out], the layout
+MKL's own GEMV prefers, and every GEMM is torch's.
+
+Every result row is the same float operations whatever else is in the batch (batch-invariant
+for up to MAX_ROWS rows); anything the kernel does not take (more rows, another dtype or
+device, autograd, a weight in the other layout) goes to torch unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from pdkv import _kernels as _gemm
+except ImportError:  # the extension is not built (a source tree without build_ext): torch only
+    _gemm = None
+
+# Above this many rows MKL's blocked GEMM is as fast or faster (measured up to 64 rows).
+# NOTE: outputs are made with torch.empty(ints..., dtype=...): a torch.Size argument costs ~2 us
+# more per call, and a decode step makes ~100 of them.
+MAX_ROWS = 16
+AVAILABLE = _gemm is not None and _gemm.SUPPORTED
+
+
+def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x: [M, K] and w: [N, K] (or their batched forms' last two dims) the kernel can read."""
+    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+            and x.stride(-1) == 1 and w.stride(-1) == 1
+            and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled()))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x: [M, K], weight: [N, K]."""
+    if (AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and _takes(x, weight)
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.dim() == 1
+                                  and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))):
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        _gemm.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                   0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
+        return y
+    return F.linear(x, weight, bias)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x, w) for x: [B, M, K], w: [B, K, N] stored with K contiguous (w.stride(1) == 1)."""
+    if (AVAILABLE and x.dim() == 3 and w.dim() == 3 and 0 < x.shape[1] <= MAX_ROWS
+            and x.shape[0] == w.shape[0] and x.shape[2] == w.shape[1] and w.stride(1) == 1
+            and x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+            and x.stride(2) == 1 and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled())):
+        b, m, k = x.shape
+        n = w.shape[2]
+        y = torch.empty(b, m, n, dtype=torch.float32)
+        _gemm.gemm_batched(b, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(2),
+                           y.data_ptr(), m * n, n, m, k, n)
+        return y
+    return torch.bmm(x, w)
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
+    """down(silu(x Wg^T) * (x Wu^T)) for x: [M, H], gate_up: [2 * inter, H] (gate rows, then up
+    rows), down: [H, inter], no biases: one kernel call for up to MAX_ROWS rows."""
+    if (AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and gate_up.dim() == 2 and down.dim() == 2
+            and gate_up.shape[0] == 2 * inter and gate_up.shape[1] == x.shape[1]
+            and down.shape[0] == x.shape[1] and down.shape[1] == inter and _takes(x, gate_up) and _takes(x, down)):
+        m, h = x.shape
+        y = torch.empty(m, h, dtype=torch.float32)
+        _gemm.gated_mlp(x.data_ptr(), x.stride(0), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
+                        down.stride(0), y.data_ptr(), h, m, h, inter)
+        return y
+    gu = linear(x, gate_up)  # [M, 2 * inter]
+    return linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+
+
+def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, num_experts: int, first: int) -> torch.Tensor | None:
+    """One token through its routed experts in one kernel call: x [1, H], this rank's experts
+    gate_up [n, 2I, H] and down [n, H, I] (global ids first .. first + n - 1), ids / weights
+    [1, k] → [1, H], the sum in ascending expert order (models/moe.py ``_one_token``); None when
+    the kernel does not take these tensors (the caller runs its own loop)."""
+    if not (AVAILABLE and x.dim() == 2 and x.shape[0] == 1 and gate_up.dim() == 3 and down.dim() == 3
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == x.shape[1] == down.shape[1]
+            and gate_up.shape[0] == down.shape[0] and _takes(x, gate_up[0]) and _takes(x, down[0])
+            and ids.dtype is torch.long and weights.dtype is torch.float32 and ids.is_cpu and weights.is_cpu
+            and ids.is_contiguous() and weights.is_contiguous() and ids.shape == weights.shape
+            and ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] <= 64):
+        return None
+    h, inter = x.shape[1], down.shape[2]
+    out = torch.empty(1, h, dtype=torch.float32)
+    _gemm.moe_one_token(x.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1), down.data_ptr(),
+                        down.stride(0), down.stride(1), ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+                        num_experts, first, gate_up.shape[0], h, inter, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over the last dim of a float32 x: [R, D] or [T, H, D] (any row strides, D
+    contiguous) → a new contiguous tensor; None when the kernel does not take x."""
+    if not (AVAILABLE and x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu
+            and x.stride(-1) == 1 and weight.dim() == 1 and weight.stride(0) == 1 and x.shape[-1] == weight.shape[0]
+            and 2 <= x.dim() <= 3 and x.numel() > 0
+            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())):
+        return None
+    if x.dim() == 2:
+        rows, dim = x.shape
+        y = torch.empty(rows, dim, dtype=torch.float32)
+        _gemm.rms_norm(x.data_ptr(), x.stride(0), 0, weight.data_ptr(), y.data_ptr(), rows, 1, dim, eps)
+    else:
+        outer, inner, dim = x.shape
+        y = torch.empty(outer, inner, dim, dtype=torch.float32)
+        _gemm.rms_norm(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), y.data_ptr(), outer, inner, dim,
+                       eps)
+    return y
+
+
+def route(logits: torch.Tensor, moe, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Router logits [T, E] float32 → (ids [T, k] long, weights [T, k] float32) by ``moe``'s scheme
+    (models/config_moe.py: softmax, or sigmoid with groups, correction bias and scaling), as
+    models/moe.py's Router computes them with torch; None when the kernel does not take them."""
+    if not (AVAILABLE and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2
+            and logits.is_contiguous() and logits.shape[1] == moe.num_experts
+            and not (logits.requires_grad and torch.is_grad_enabled())
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()
+                                  and bias.shape == (moe.num_experts,)))):
+        return None
+    T, k = logits.shape[0], moe.top_k
+    ids = torch.empty(T, k, dtype=torch.long)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    sigmoid = moe.scoring == "sigmoid"
+    _gemm.route(logits.data_ptr(), T, moe.num_experts, sigmoid, 0 if bias is None else bias.data_ptr(),
+                moe.num_groups if sigmoid else 1, moe.topk_groups if sigmoid else 1, k, moe.norm_topk_prob,
+                moe.routed_scaling_factor if sigmoid else 1.0, ids.data_ptr(), weights.data_ptr())
+    return ids, weights

@@ -1,0 +1,138 @@
+# cython: language_level=3
+"""pdkv/kernels/*.c for Python: the CPU kernels of small decode steps, over raw addresses.
+
+Internal: models/cpu_gemm.py and models/attention/cpu_decode.py check every shape, stride,
+dtype and device before they pass a tensor's address here; nothing in this module can.
+"""
+from libc.stdint cimport int64_t, uintptr_t
+
+cdef extern from "kernels/gemm_small.h":
+    int pdkv_gemm_small_supported() nogil
+    void pdkv_gemm_small(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias,
+                         float *y, Py_ssize_t ldy, int m, int k, int n) nogil
+
+cdef extern from "kernels/attention_decode.h":
+    struct pdkv_paged_kv:
+        const float *cache
+        Py_ssize_t page_stride, head_stride, slot_stride, v_offset
+        int64_t num_pages
+        int page_size
+    struct pdkv_kv_write:
+        const float *k
+        const float *v
+        Py_ssize_t k_row, k_head, v_row, v_head
+        const int64_t *pages
+        const int64_t *offsets
+    int pdkv_decode_attention(const float *q, Py_ssize_t q_row, const pdkv_paged_kv *kv,
+                              const pdkv_kv_write *write, const int64_t *pages, Py_ssize_t pages_row,
+                              const int64_t *kv_lens, int window, float *out, Py_ssize_t out_row, int b, int hkv,
+                              int g, int d, int dv, float scale) nogil
+
+cdef extern from "kernels/mlp.h":
+    int pdkv_gated_mlp(const float *x, Py_ssize_t ldx, const float *gate_up, Py_ssize_t ldgu, const float *down,
+                       Py_ssize_t ldd, float *y, Py_ssize_t ldy, int m, int h, int inter) nogil
+    int pdkv_moe_one_token(const float *x, const float *gate_up, Py_ssize_t gu_stride, Py_ssize_t ldgu,
+                           const float *down, Py_ssize_t down_stride, Py_ssize_t ldd, const int64_t *ids,
+                           const float *weights, int k, int64_t num_experts, int64_t first, int64_t local,
+                           int h, int inter, float *out) nogil
+
+cdef extern from "kernels/norm.h":
+    void pdkv_rms_norm(const float *x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, const float *w, float *y,
+                       int outer, int inner, int dim, float eps) nogil
+
+cdef extern from "kernels/route.h":
+    int pdkv_route(const float *logits, int t, int e, int scheme, const float *bias, int groups, int topk_groups,
+                   int k, int renormalize, float scaling, int64_t *ids, float *weights) nogil
+
+# The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
+SUPPORTED = bool(pdkv_gemm_small_supported())
+
+
+def gemm(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bias, uintptr_t y, Py_ssize_t ldy,
+         int m, int k, int n):
+    """y[r, o] = sum_i x[r * ldx + i] * w[o * ldw + i] (+ bias[o]); strides in floats, bias 0: none."""
+    with nogil:
+        pdkv_gemm_small(<const float *>x, ldx, <const float *>w, ldw, <const float *>bias, <float *>y, ldy, m, k, n)
+
+
+def gemm_batched(int batch, uintptr_t x, Py_ssize_t bx, Py_ssize_t ldx, uintptr_t w, Py_ssize_t bw,
+                 Py_ssize_t ldw, uintptr_t y, Py_ssize_t by, Py_ssize_t ldy, int m, int k, int n):
+    """``gemm`` for b in range(batch) with x, w and y advanced by bx, bw and by floats."""
+    cdef int b
+    cdef const float *xp = <const float *>x
+    cdef const float *wp = <const float *>w
+    cdef float *yp = <float *>y
+    with nogil:
+        for b in range(batch):
+            pdkv_gemm_small(xp + b * bx, ldx, wp + b * bw, ldw, NULL, yp + b * by, ldy, m, k, n)
+
+
+def decode_attention(uintptr_t q, Py_ssize_t q_row, uintptr_t cache, Py_ssize_t page_stride,
+                     Py_ssize_t head_stride, Py_ssize_t slot_stride, Py_ssize_t v_offset, int64_t num_pages,
+                     int page_size, uintptr_t pages, Py_ssize_t pages_row, uintptr_t kv_lens, int window,
+                     uintptr_t out, Py_ssize_t out_row, int b, int hkv, int g, int d, int dv, float scale,
+                     uintptr_t k_new=0, Py_ssize_t k_row=0, Py_ssize_t k_head=0, uintptr_t v_new=0,
+                     Py_ssize_t v_row=0, Py_ssize_t v_head=0, uintptr_t slot_pages=0, uintptr_t slot_offsets=0):
+    """pdkv_decode_attention (kernels/attention_decode.h), storing k_new / v_new first when k_new
+    is given; raises ValueError on a page id, a slot or a length out of range."""
+    cdef pdkv_paged_kv kv
+    cdef pdkv_kv_write wr
+    cdef const pdkv_kv_write *wp = NULL
+    cdef int rc
+    kv.cache = <const float *>cache
+    kv.page_stride, kv.head_stride, kv.slot_stride, kv.v_offset = page_stride, head_stride, slot_stride, v_offset
+    kv.num_pages, kv.page_size = num_pages, page_size
+    if k_new:
+        wr.k, wr.v = <const float *>k_new, <const float *>v_new
+        wr.k_row, wr.k_head, wr.v_row, wr.v_head = k_row, k_head, v_row, v_head
+        wr.pages, wr.offsets = <const int64_t *>slot_pages, <const int64_t *>slot_offsets
+        wp = &wr
+    with nogil:
+        rc = pdkv_decode_attention(<const float *>q, q_row, &kv, wp, <const int64_t *>pages, pages_row,
+                                   <const int64_t *>kv_lens, window, <float *>out, out_row, b, hkv, g, d, dv, scale)
+    if rc != 0:
+        raise ValueError("decode attention: a page id, a slot, a kv length or a head shape is out of range")
+
+
+def gated_mlp(uintptr_t x, Py_ssize_t ldx, uintptr_t gate_up, Py_ssize_t ldgu, uintptr_t down, Py_ssize_t ldd,
+              uintptr_t y, Py_ssize_t ldy, int m, int h, int inter):
+    """pdkv_gated_mlp (kernels/mlp.h)."""
+    cdef int rc
+    with nogil:
+        rc = pdkv_gated_mlp(<const float *>x, ldx, <const float *>gate_up, ldgu, <const float *>down, ldd,
+                            <float *>y, ldy, m, h, inter)
+    if rc != 0:
+        raise MemoryError("gated MLP: no memory for its activations")
+
+
+def moe_one_token(uintptr_t x, uintptr_t gate_up, Py_ssize_t gu_stride, Py_ssize_t ldgu, uintptr_t down,
+                  Py_ssize_t down_stride, Py_ssize_t ldd, uintptr_t ids, uintptr_t weights, int k,
+                  int64_t num_experts, int64_t first, int64_t local, int h, int inter, uintptr_t out):
+    """pdkv_moe_one_token (kernels/mlp.h); raises ValueError for an expert id out of range."""
+    cdef int rc
+    with nogil:
+        rc = pdkv_moe_one_token(<const float *>x, <const float *>gate_up, gu_stride, ldgu, <const float *>down,
+                                down_stride, ldd, <const int64_t *>ids, <const float *>weights, k,
+                                num_experts, first, local, h, inter, <float *>out)
+    if rc != 0:
+        raise ValueError(f"one-token MoE: an expert id outside 0..{num_experts - 1} (or no memory)")
+
+
+def rms_norm(uintptr_t x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, uintptr_t w, uintptr_t y, int outer,
+             int inner, int dim, float eps):
+    """pdkv_rms_norm (kernels/norm.h)."""
+    with nogil:
+        pdkv_rms_norm(<const float *>x, outer_stride, inner_stride, <const float *>w, <float *>y, outer, inner,
+                      dim, eps)
+
+
+def route(uintptr_t logits, int t, int e, bint sigmoid, uintptr_t bias, int groups, int topk_groups, int k,
+          bint renormalize, float scaling, uintptr_t ids, uintptr_t weights):
+    """pdkv_route (kernels/route.h); raises ValueError for a routing shape it does not take."""
+    cdef int rc
+    with nogil:
+        rc = pdkv_route(<const float *>logits, t, e, 1 if sigmoid else 0, <const float *>bias, groups, topk_groups,
+                        k, renormalize, scaling, <int64_t *>ids, <float *>weights)
+    if rc != 0:
+        raise ValueError(f"MoE routing: {e} experts in {groups} groups ({topk_groups} kept), top {k}: not a "
+                         "shape the kernel takes")
