@@ -1,0 +1,224 @@
+"""pdkv's CPU kernels (pdkv/kernels/*.c) against float64 references and against torch:
+- models.cpu_gemm.linear / bmm: every shape class the kernel's loops have (K below, at and past
+  the 8- and 32-wide blocks, a scalar tail; 1-16 rows, odd and even; bias; strided rows), each
+  row bit-identical whatever it is batched with, and everything the kernel does not take going
+  to torch unchanged;
+- models.attention.cpu_decode: decode attention over shuffled pages, both layouts, page sizes
+  1/16/64, GQA groups, a latent cache, a sliding window, several sequences of different
+  lengths, against a gathered float64 softmax; ids out of range are refused, nothing read.
+End to end (the engine with model.cpu_kernels on and off) is in tests/models/test_cpu_kernels_engine.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import cpu_gemm
+from models.attention import cpu_decode
+from pdkv.kv import KVCache
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 15, 16])
+@pytest.mark.parametrize("k", [1, 7, 8, 31, 32, 33, 520])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64(m, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    n = 37  # not a multiple of the 16-row tile
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    with torch.inference_mode():
+        y = cpu_gemm.linear(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert _rel(y, ref) < 1e-5
+
+
+def test_strided_rows_and_weight_views():
+    """x rows and weight rows with a stride past their length (views into wider tensors)."""
+    g = torch.Generator().manual_seed(3)
+    wide_x, wide_w = torch.randn(5, 100, generator=g), torch.randn(40, 90, generator=g)
+    x, w = wide_x[:, 10:74], wide_w[3:35, 20:84]  # [5, 64] stride 100, [32, 64] stride 90
+    with torch.inference_mode():
+        y = cpu_gemm.linear(x, w)
+    assert _rel(y, x.double() @ w.double().T) < 1e-5
+    assert torch.equal(wide_x[:, 10:74], x)  # inputs untouched
+
+
+def test_a_row_gives_the_same_bits_in_any_batch():
+    """Batch invariance: row r alone, in a pair, and among 16 rows is one sequence of float ops."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(16, 512, generator=g), torch.randn(300, 512, generator=g)
+    with torch.inference_mode():
+        full = cpu_gemm.linear(x, w)
+        for r in (0, 5, 15):
+            assert torch.equal(cpu_gemm.linear(x[r:r + 1], w), full[r:r + 1])
+            assert torch.equal(cpu_gemm.linear(x[r:r + 3], w)[0], full[r])
+
+
+def test_what_the_kernel_does_not_take_goes_to_torch():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 64, generator=g)
+    with torch.inference_mode():
+        big = torch.randn(cpu_gemm.MAX_ROWS + 1, 64, generator=g)  # more rows: MKL
+        assert torch.equal(cpu_gemm.linear(big, w), F.linear(big, w))
+        wt = w.t().contiguous().t()  # stored [in, out]: the layout MKL's GEMV prefers
+        x = torch.randn(1, 64, generator=g)
+        assert torch.equal(cpu_gemm.linear(x, wt), F.linear(x, wt))
+        xb, wb = x.bfloat16(), w.bfloat16()
+        assert torch.equal(cpu_gemm.linear(xb, wb), F.linear(xb, wb))
+    # autograd: torch's op, so the result has a graph
+    xg = torch.randn(1, 64, requires_grad=True)
+    assert cpu_gemm.linear(xg, w).grad_fn is not None
+    # a shape mismatch is torch's own error, never a read past the weight
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        cpu_gemm.linear(torch.randn(1, 65), w)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        cpu_gemm.linear(torch.randn(1, 64), w, torch.randn(23))
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_bmm_matches_float64(m):
+    g = torch.Generator().manual_seed(6)
+    H, K, N = 8, 64, 128
+    q = torch.randn(m, H, K + 32, generator=g)[..., :K].transpose(0, 1)  # [H, m, K], strided like MLA's q_nope
+    w = torch.randn(H, N, K, generator=g).transpose(1, 2)  # [H, K, N] with K contiguous
+    with torch.inference_mode():
+        y = cpu_gemm.bmm(q, w)
+    assert y.shape == (H, m, N)
+    assert _rel(y, q.double() @ w.double()) < 1e-5
+    wo = w.contiguous()  # [H, K, N] with N contiguous: torch.bmm
+    with torch.inference_mode():
+        assert torch.equal(cpu_gemm.bmm(q, wo), torch.bmm(q, wo))
+
+
+# ---- decode attention --------------------------------------------------------------------
+
+def _reference(q, keys, values, scale, window):
+    """q [Hq, D], keys [Hkv, L, D], values [Hkv, L, Dv] (float64) → [Hq * Dv]."""
+    Hq, Hkv = q.shape[0], keys.shape[0]
+    G, L = Hq // Hkv, keys.shape[1]
+    first = max(0, L - window) if window else 0
+    out = []
+    for h in range(Hq):
+        s = (keys[h // G, first:] @ q[h]) * scale
+        out.append(torch.softmax(s, 0) @ values[h // G, first:])
+    return torch.cat(out)
+
+
+def _filled_cache(layout, page_size, hkv, d, parts, num_pages, seed):
+    kv = KVCache(1, num_pages, page_size, hkv, d, torch.float32, layout, "cpu", kv_parts=parts)
+    kv.layer(0).copy_(torch.randn(kv.layer(0).shape, generator=torch.Generator().manual_seed(seed)))
+    return kv
+
+
+def _gathered(kv, pages, n, hnd):
+    """One sequence's [parts, Hkv, n, D] from its pages, float64."""
+    c = kv.layer(0)
+    view = c.permute(1, 2, 0, 3, 4) if hnd else c.permute(1, 3, 0, 2, 4)  # [parts, Hkv, pages, P, D]
+    g = view[:, :, pages].reshape(c.shape[1], view.shape[1], -1, c.shape[-1])
+    return g[:, :, :n].double()
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("shape", [(4, 4, 64, 64, 2), (8, 2, 32, 32, 2), (8, 1, 96, 64, 1)],
+                         ids=["mha", "gqa4", "latent"])
+def test_decode_attention_matches_float64(layout, page_size, shape):
+    Hq, Hkv, D, Dv, parts = shape
+    hnd = layout == "HND"
+    lens = [1, page_size + 1, 3 * page_size - 1, 150]
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + 5
+    kv = _filled_cache(layout, page_size, Hkv, D, parts, num_pages, seed=page_size)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1)).tolist()  # pages out of order
+    tables, at = [], 0
+    for k in need:
+        tables.append(order[at:at + k])
+        at += k
+    width = max(need)
+    pages = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(2))
+    scale = D ** -0.5
+    out = cpu_decode.decode(kv.layer(0), hnd, q, pages, torch.tensor(lens), None, Hkv, Hq // Hkv, Dv, scale)
+    for b, (n, t) in enumerate(zip(lens, tables)):
+        g = _gathered(kv, t, n, hnd)
+        keys, values = g[0], (g[1] if parts == 2 else g[0][..., :Dv])
+        ref = _reference(q[b].double(), keys, values, scale, None)
+        assert _rel(out[b], ref) < 1e-5, (b, n)
+
+
+def test_decode_attention_sliding_window():
+    P, Hkv, Hq, D = 16, 2, 4, 32
+    kv = _filled_cache("HND", P, Hkv, D, 2, 12, seed=9)
+    pages = torch.tensor([[3, 7, 1, 9, 0, 11]], dtype=torch.long)
+    n, window = 90, 40
+    q = torch.randn(1, Hq, D, generator=torch.Generator().manual_seed(3))
+    out = cpu_decode.decode(kv.layer(0), True, q, pages, torch.tensor([n]), window, Hkv, 2, D, 0.3)
+    g = _gathered(kv, pages[0].tolist(), n, True)
+    assert _rel(out[0], _reference(q[0].double(), g[0], g[1], 0.3, window)) < 1e-5
+
+
+def test_decode_attention_refuses_ids_out_of_range():
+    kv = _filled_cache("HND", 16, 2, 32, 2, 4, seed=1)
+    q = torch.randn(1, 4, 32)
+    for pages, n in ((torch.tensor([[4]]), 3), (torch.tensor([[-1]]), 3), (torch.tensor([[0]]), 17),
+                     (torch.tensor([[0]]), 0)):
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_decode.decode(kv.layer(0), True, q, pages, torch.tensor([n]), None, 2, 2, 32, 1.0)
+    before = kv.layer(0).clone()
+    k, v = torch.randn(1, 2, 32), torch.randn(1, 2, 32)
+    for page, slot in ((4, 0), (0, 16), (-1, 0), (0, -1)):  # a new token's slot outside the cache: nothing written
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_decode.decode(kv.layer(0), True, q, torch.tensor([[0]]), torch.tensor([3]), None, 2, 2, 32, 1.0,
+                              (k, v, torch.tensor([page]), torch.tensor([slot])))
+    assert torch.equal(kv.layer(0), before)
+    with pytest.raises(ValueError, match="latent cache takes none"):  # a K/V cache without the new v
+        cpu_decode.decode(kv.layer(0), True, q, torch.tensor([[0]]), torch.tensor([3]), None, 2, 2, 32, 1.0,
+                          (k, None, torch.tensor([0]), torch.tensor([2])))
+    with pytest.raises(ValueError, match="do not agree"):  # q heads that are not Hkv * group
+        cpu_decode.decode(kv.layer(0), True, torch.randn(1, 3, 32), torch.tensor([[0]]), torch.tensor([3]),
+                          None, 2, 2, 32, 1.0)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_backend_decode_step_kernel_equals_torch_path(latent):
+    """The torch backend's decode step through the kernel and through its own path (gather +
+    SDPA / batched matmuls) give the same outputs to float32 rounding, at B = 1 and B = 3."""
+    from models.attention.base import AttentionBatch
+    from models.attention.torch_backend import TorchAttentionBackend
+
+    P, Hq = 16, 8
+    Hkv, D, Dv = (1, 96, 64) if latent else (2, 32, 32)
+    kv = _filled_cache("HND", P, Hkv, D, 1 if latent else 2, 40, seed=4)
+    tables = [[5, 9, 2], [30, 31], [7, 1, 17, 22]]
+    lens = [40, 17, 60]
+    for B in (1, 3):
+        outs, caches = [], []
+        for use in (True, False):
+            be = TorchAttentionBackend(kv, Hq, Hkv, D, D ** -0.5, None, value_dim=Dv)
+            be.use_cpu_kernel = use
+            meta = be.plan(AttentionBatch([1] * B, lens[:B], tables[:B], B))
+            assert (meta.decode_lens is not None) == use
+            g = torch.Generator().manual_seed(B)
+            q, k = torch.randn(B, Hq, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+            v = None if latent else torch.randn(B, Hkv, D, generator=g)
+            before = kv.layer(0).clone()
+            with torch.inference_mode():
+                outs.append(be.forward(0, q, k, v, meta))
+            caches.append(kv.layer(0).clone())
+            kv.layer(0).copy_(before)  # both runs write the same new token: start again from the same cache
+        assert torch.equal(caches[0], caches[1])  # the kernel stored the new K/V exactly where torch does
+        assert not torch.equal(caches[0], before)
+        assert outs[0].shape == outs[1].shape == (B, Hq * Dv)
+        assert _rel(outs[0], outs[1].double()) < 1e-5
+        assert not math.isnan(outs[0].sum().item())
