@@ -124,6 +124,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+def norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor | None:
+    """x: [T, heads, D] (D contiguous, heads D apart, any row stride; T <= MAX_ROWS) → rope(norm(x))
+    as a new [T, heads, D] (norm: a per-head RMSNorm with ``norm_weight`` [D], or none); cos/sin:
+    [T, 1, D] from models/rope.py RotaryEmbedding.table. None when the kernel does not take them."""
+    T, heads, D = x.shape
+    if not (AVAILABLE and 0 < T <= MAX_ROWS and D % 2 == 0 and D <= 1024 and x.dtype is torch.float32 and x.is_cpu
+            and x.stride(2) == 1 and x.stride(1) == D and cos.dtype is torch.float32 and sin.dtype is torch.float32
+            and cos.is_cpu and sin.is_cpu and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == (T, 1, D) and sin.shape == (T, 1, D)
+            and (norm_weight is None or (norm_weight.dtype is torch.float32 and norm_weight.is_cpu
+                                         and norm_weight.shape == (D,) and norm_weight.stride(0) == 1))):
+        return None
+    out = torch.empty(T, heads, D, dtype=torch.float32)
+    _gemm.norm_rope(x.data_ptr(), x.stride(0), T, heads, D, 0 if norm_weight is None else norm_weight.data_ptr(),
+                    eps, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
+
+
 def route(logits: torch.Tensor, moe, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Router logits [T, E] float32 → (ids [T, k] long, weights [T, k] float32) by ``moe``'s scheme
     (models/config_moe.py: softmax, or sigmoid with groups, correction bias and scaling), as

@@ -75,6 +75,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
 
     has_qk_norm = False
+    cpu_kernel = True  # False: torch's ops for the norms and rope (the loader's model.cpu_kernels: false)
+
+    def _kernel_rope(self, qkv, T, cos, sin):
+        """(q, k) normed (Qwen3) and rotated by the CPU kernel (models/cpu_gemm.py norm_rope), or
+        None: the torch ops below."""
+        H, Hkv, D, qs = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size
+        if not self.has_qk_norm:
+            qk = cpu_gemm.norm_rope(qkv[:, :qs + self.kv_size].view(T, H + Hkv, D), None, 0.0, cos, sin)
+            return None if qk is None else (qk[:, :H], qk[:, H:])
+        qn, kn = self.q_norm, self.k_norm
+        q = cpu_gemm.norm_rope(qkv[:, :qs].view(T, H, D), qn.weight, qn.eps, cos, sin)
+        if q is None:
+            return None
+        k = cpu_gemm.norm_rope(qkv[:, qs:qs + self.kv_size].view(T, Hkv, D), kn.weight, kn.eps, cos, sin)
+        return None if k is None else (q, k)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalize q/k per head before rope (Qwen3); identity here."""
@@ -86,7 +101,10 @@ class Attention(nn.Module):
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, D)
-        if self.has_qk_norm:
+        qk = self._kernel_rope(qkv, T, cos, sin) if self.cpu_kernel else None
+        if qk is not None:
+            q, k = qk
+        elif self.has_qk_norm:
             q = qkv[:, :self.q_size].view(T, H, D)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, D)
             # normalized apart (their own weights), rotated together: one rope call, not two

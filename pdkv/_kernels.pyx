@@ -44,6 +44,10 @@ cdef extern from "kernels/route.h":
     int pdkv_route(const float *logits, int t, int e, int scheme, const float *bias, int groups, int topk_groups,
                    int k, int renormalize, float scaling, int64_t *ids, float *weights) nogil
 
+cdef extern from "kernels/rope.h":
+    void pdkv_norm_rope(const float *x, Py_ssize_t x_row, int t, int heads, int d, const float *norm_w, float eps,
+                        const float *cos, const float *sin, float *out) nogil
+
 # The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
 SUPPORTED = bool(pdkv_gemm_small_supported())
 
@@ -136,3 +140,11 @@ def route(uintptr_t logits, int t, int e, bint sigmoid, uintptr_t bias, int grou
     if rc != 0:
         raise ValueError(f"MoE routing: {e} experts in {groups} groups ({topk_groups} kept), top {k}: not a "
                          "shape the kernel takes")
+
+
+def norm_rope(uintptr_t x, Py_ssize_t x_row, int t, int heads, int d, uintptr_t norm_w, float eps, uintptr_t cos,
+              uintptr_t sin, uintptr_t out):
+    """pdkv_norm_rope (kernels/rope.h); norm_w 0: no norm."""
+    with nogil:
+        pdkv_norm_rope(<const float *>x, x_row, t, heads, d, <const float *>norm_w, eps, <const float *>cos,
+                       <const float *>sin, <float *>out)
