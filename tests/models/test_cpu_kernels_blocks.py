@@ -1,0 +1,168 @@
+"""pdkv's fused CPU kernels (pdkv/kernels/mlp.c, route.c, norm.c, rope.c) against torch's own
+ops, which they replace in models/layers.py and models/moe.py:
+- the gated MLP for 1-16 rows, widths off the vector blocks;
+- the one-token MoE step: its k experts in ascending order whatever order routing gives, only
+  this rank's under expert parallelism, zeros when none is, an expert id out of range refused;
+- routing, softmax and DeepSeek's sigmoid with groups, correction bias, renormalisation and
+  scaling: the same experts as the torch Router picks, weights to float32 rounding;
+- RMSNorm of 2-D rows and strided 3-D head views, and norm + rope of q/k heads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import cpu_gemm
+from models.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
+
+
+def _close(a, ref, tol=1e-5):
+    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item() < tol
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("h, inter", [(64, 96), (40, 13)])
+def test_gated_mlp(m, h, inter):
+    g = torch.Generator().manual_seed(m + h)
+    x, gu, down = torch.randn(m, h, generator=g), torch.randn(2 * inter, h, generator=g), torch.randn(h, inter, generator=g)
+    with torch.inference_mode():
+        y = cpu_gemm.gated_mlp(x, gu, down, inter)
+    xd, gud, dd = x.double(), gu.double(), down.double()
+    a = xd @ gud.T
+    ref = (F.silu(a[:, :inter]) * a[:, inter:]) @ dd.T
+    assert y.shape == (m, h) and _close(y, ref)
+
+
+def _experts(n, h, inter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2 * inter, h, generator=g) * 0.3, torch.randn(n, h, inter, generator=g) * 0.3
+
+
+def _expert_ref(x, gu, down, e):
+    a = x.double() @ gu[e].double().T
+    return (F.silu(a[:, :gu.shape[1] // 2]) * a[:, gu.shape[1] // 2:]) @ down[e].double().T
+
+
+def test_moe_one_token_sums_its_experts_in_ascending_order():
+    h, inter, n = 48, 24, 8
+    gu, down = _experts(n, h, inter)
+    x = torch.randn(1, h)
+    ids, w = torch.tensor([[6, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
+    with torch.inference_mode():
+        out = cpu_gemm.moe_one_token(x, gu, down, ids, w, n, 0)
+        # the same experts given in another order: the same bits (the kernel sorts them)
+        again = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[1, 3, 6]]), torch.tensor([[0.3, 0.2, 0.5]]), n, 0)
+    ref = sum(wt * _expert_ref(x, gu, down, e) for e, wt in zip(ids[0].tolist(), w[0].tolist()))
+    assert _close(out, ref)
+    assert torch.equal(out, again)
+    # bit for bit what the per-expert kernel MLP, torch's multiply and ascending adds give
+    with torch.inference_mode():
+        parts = [cpu_gemm.gated_mlp(x, gu[e], down[e], inter) * wt for e, wt in ((1, 0.3), (3, 0.2), (6, 0.5))]
+    assert torch.equal(out, parts[0] + parts[1] + parts[2])
+
+
+def test_moe_one_token_under_expert_parallelism():
+    """This rank holds global experts 4..7: the pairs routed to 0..3 are another rank's."""
+    h, inter = 32, 16
+    gu, down = _experts(4, h, inter, seed=1)
+    x = torch.randn(1, h)
+    with torch.inference_mode():
+        out = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[5, 2, 7]]), torch.tensor([[0.4, 0.35, 0.25]]), 8, 4)
+        none = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[0, 2]]), torch.tensor([[0.5, 0.5]]), 8, 4)
+    ref = 0.4 * _expert_ref(x, gu, down, 1) + 0.25 * _expert_ref(x, gu, down, 3)
+    assert _close(out, ref)
+    assert torch.equal(none, torch.zeros(1, h))
+    with pytest.raises(ValueError, match="expert id outside"):
+        cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[8]]), torch.tensor([[1.0]]), 8, 4)
+    with pytest.raises(ValueError, match="expert id outside"):
+        cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[-1]]), torch.tensor([[1.0]]), 8, 4)
+    # what the kernel does not take (two rows, a bf16 x) is left to the caller's loop
+    assert cpu_gemm.moe_one_token(torch.randn(2, h), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
+    assert cpu_gemm.moe_one_token(x.bfloat16(), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
+
+
+@dataclasses.dataclass
+class _MoE:  # the fields of models.config_moe's MoE config that routing reads
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+
+ROUTINGS = {
+    "softmax": _MoE(16, 4, True),
+    "softmax_raw": _MoE(10, 3, False),
+    "sigmoid_groups_bias": _MoE(32, 4, True, "sigmoid", 4, 2, 2.5, True),
+    "sigmoid_one_group": _MoE(12, 3, False, "sigmoid", 1, 1, 1.5, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTINGS))
+def test_route_matches_torch_router(case):
+    from models.moe import Router
+
+    m = ROUTINGS[case]
+    r = Router.__new__(Router)
+    torch.nn.Module.__init__(r)
+    r.moe = m
+    g = torch.Generator().manual_seed(7)
+    r.weight = torch.nn.Parameter(torch.randn(m.num_experts, 24, generator=g))
+    if m.correction_bias:
+        r.e_score_correction_bias = torch.nn.Parameter(torch.randn(m.num_experts, generator=g) * 0.1)
+    x = torch.randn(9, 24, generator=g)
+    with torch.inference_mode():
+        r.cpu_kernel = True
+        ids, w = r.forward(x)
+        r.cpu_kernel = False
+        ref_ids, ref_w = r.forward(x)
+    assert ids.dtype == torch.long and w.dtype == torch.float32 and ids.shape == w.shape == (9, m.top_k)
+    assert torch.equal(ids, ref_ids)  # both in descending order of the selection score
+    assert _close(w, ref_w, 1e-6)
+
+
+def test_route_refuses_shapes_it_does_not_take():
+    logits = torch.randn(2, 12)
+    with pytest.raises(ValueError, match="not a shape the kernel takes"):  # 5 groups do not divide 12 experts
+        cpu_gemm.route(logits, _MoE(12, 2, True, "sigmoid", 5, 2), None)
+    assert cpu_gemm.route(logits, _MoE(13, 2, True), None) is None  # logits of another width: torch's path
+    assert cpu_gemm.route(logits.double(), _MoE(12, 2, True), None) is None
+
+
+def test_rms_norm_rows_and_head_views():
+    g = torch.Generator().manual_seed(8)
+    w2, w3 = torch.randn(40, generator=g), torch.randn(16, generator=g)
+    x2 = torch.randn(5, 40, generator=g)
+    wide = torch.randn(3, 100, generator=g)
+    x3 = wide[:, 4:68].view(3, 4, 16)  # 4 heads of 16 inside rows of 100: a strided view
+    with torch.inference_mode():
+        assert _close(cpu_gemm.rms_norm(x2, w2, 1e-6), F.rms_norm(x2.double(), (40,), w2.double(), 1e-6))
+        y3 = cpu_gemm.rms_norm(x3, w3, 1e-5)
+    assert y3.is_contiguous() and _close(y3, F.rms_norm(x3.double(), (16,), w3.double(), 1e-5))
+    assert cpu_gemm.rms_norm(x2.bfloat16(), w2.bfloat16(), 1e-6) is None
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_norm_rope_matches_apply_rope(norm):
+    from models.rope import RotaryEmbedding
+
+    T, H, D = 3, 6, 32
+    rot = RotaryEmbedding(D, 64, 10000.0, {})
+    cos, sin = rot.table(torch.tensor([0, 17, 63]), torch.float32)
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(T, H * D + 40, generator=g)  # heads inside wider rows, as a qkv projection's output
+    x = qkv[:, :H * D].view(T, H, D)
+    w = torch.randn(D, generator=g) if norm else None
+    with torch.inference_mode():
+        out = cpu_gemm.norm_rope(x, w, 1e-6, cos, sin)
+    ref_in = F.rms_norm(x.double(), (D,), w.double(), 1e-6) if norm else x.double()
+    assert _close(out, apply_rope(ref_in, cos.double(), sin.double()))
+    assert cpu_gemm.norm_rope(x, w, 1e-6, cos[:2], sin[:2]) is None  # tables for other rows: torch's path
