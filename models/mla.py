@@ -93,6 +93,7 @@ class MLAttention(nn.Module):
         self._fuse_input_projections()
 
     _deinterleaved = False
+    cpu_kernel = True  # False: torch's ops (the loader's model.cpu_kernels: false)
     # q_proj / q_a_proj and kv_a_proj_with_mqa as one GEMM (_fuse_input_projections). Plain
     # tensors, not parameters: they are the two Linears' own bytes, which must not count twice.
     in_weight: torch.Tensor | None = None
@@ -142,6 +143,12 @@ class MLAttention(nn.Module):
             q_in, kv = a[:, :a.shape[1] - m.latent_dim], a[:, a.shape[1] - m.latent_dim:]
         q = q_in if m.q_lora_rank is None else _lin(self.q_a_layernorm.forward(q_in), self.q_b_proj)
         q = q.view(T, H, m.qk_head_dim)
+        if self.cpu_kernel and (self._deinterleaved or not m.rope_interleave):  # one kernel call from here on
+            fused = getattr(backend, "latent_decode", None)
+            o = None if fused is None else fused(layer, q, kv, cos, sin, self.kv_a_layernorm.weight,
+                                                 self.kv_a_layernorm.eps, self.w_uk, self.w_uv, meta)
+            if o is not None:
+                return _lin(o, self.o_proj)
         spans = backend.fresh_prefill_spans(meta) if self.decompress_prefill else None
         if spans is not None:
             latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),

@@ -48,6 +48,21 @@ cdef extern from "kernels/rope.h":
     void pdkv_norm_rope(const float *x, Py_ssize_t x_row, int t, int heads, int d, const float *norm_w, float eps,
                         const float *cos, const float *sin, float *out) nogil
 
+cdef extern from "kernels/mla_decode.h":
+    struct pdkv_mla_weights:
+        const float *kv_norm
+        float eps
+        const float *w_uk
+        Py_ssize_t uk_head, uk_row
+        const float *w_uv
+        Py_ssize_t uv_head, uv_row
+        int heads, nope, rope, lora, value
+        float scale
+    int pdkv_mla_decode(const float *q, Py_ssize_t q_row, const float *kv, Py_ssize_t kv_row, const float *cos,
+                        const float *sin, const pdkv_mla_weights *wt, const pdkv_paged_kv *cache,
+                        const int64_t *slot_pages, const int64_t *slot_offsets, const int64_t *pages,
+                        Py_ssize_t pages_row, const int64_t *kv_lens, float *out, int t) nogil
+
 # The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
 SUPPORTED = bool(pdkv_gemm_small_supported())
 
@@ -148,3 +163,30 @@ def norm_rope(uintptr_t x, Py_ssize_t x_row, int t, int heads, int d, uintptr_t 
     with nogil:
         pdkv_norm_rope(<const float *>x, x_row, t, heads, d, <const float *>norm_w, eps, <const float *>cos,
                        <const float *>sin, <float *>out)
+
+
+def mla_decode(uintptr_t q, Py_ssize_t q_row, uintptr_t kv, Py_ssize_t kv_row, uintptr_t cos, uintptr_t sin,
+               uintptr_t kv_norm, float eps, uintptr_t w_uk, Py_ssize_t uk_head, Py_ssize_t uk_row, uintptr_t w_uv,
+               Py_ssize_t uv_head, Py_ssize_t uv_row, int heads, int nope, int rope, int lora, int value,
+               float scale, uintptr_t cache, Py_ssize_t page_stride, Py_ssize_t slot_stride, int64_t num_pages,
+               int page_size, uintptr_t slot_pages, uintptr_t slot_offsets, uintptr_t pages, Py_ssize_t pages_row,
+               uintptr_t kv_lens, uintptr_t out, int t):
+    """pdkv_mla_decode (kernels/mla_decode.h); raises ValueError on a page id, a slot or a length
+    out of range."""
+    cdef pdkv_mla_weights wt
+    cdef pdkv_paged_kv kvc
+    cdef int rc
+    wt.kv_norm, wt.eps = <const float *>kv_norm, eps
+    wt.w_uk, wt.uk_head, wt.uk_row = <const float *>w_uk, uk_head, uk_row
+    wt.w_uv, wt.uv_head, wt.uv_row = <const float *>w_uv, uv_head, uv_row
+    wt.heads, wt.nope, wt.rope, wt.lora, wt.value, wt.scale = heads, nope, rope, lora, value, scale
+    kvc.cache = <const float *>cache
+    kvc.page_stride, kvc.head_stride, kvc.slot_stride, kvc.v_offset = page_stride, 0, slot_stride, 0
+    kvc.num_pages, kvc.page_size = num_pages, page_size
+    with nogil:
+        rc = pdkv_mla_decode(<const float *>q, q_row, <const float *>kv, kv_row, <const float *>cos,
+                             <const float *>sin, &wt, &kvc, <const int64_t *>slot_pages,
+                             <const int64_t *>slot_offsets, <const int64_t *>pages, pages_row,
+                             <const int64_t *>kv_lens, <float *>out, t)
+    if rc != 0:
+        raise ValueError("MLA decode: a page id, a slot or a kv length is out of range (or no memory)")

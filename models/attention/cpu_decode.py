@@ -72,3 +72,44 @@ def _write_args(new: tuple, two_parts: bool, B: int, hkv: int, D: int) -> tuple:
     return (k.data_ptr(), k.stride(0), k.stride(1), 0 if v is None else v.data_ptr(),
             0 if v is None else v.stride(0), 0 if v is None else v.stride(1), slot_pages.data_ptr(),
             slot_offsets.data_ptr())
+
+
+def mla_decode(cache: torch.Tensor, hnd: bool, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, kv_norm: torch.Tensor, eps: float, w_uk: torch.Tensor, w_uv: torch.Tensor,
+               scale: float, slots: tuple, pages: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+    """One MLA layer's decode step after its input projections (pdkv/kernels/mla_decode.h): q [T, H,
+    N + R] (after q_b_proj), kv [T, L + R] (kv_a_proj_with_mqa's output, before its norm), cos/sin
+    [T, 1, R]; w_uk [H, N, L] / w_uv [H, L, V] stored with the input dimension contiguous; the
+    latent cache layer [pages, 1, 1, P, L + R] (HND) or [pages, 1, P, 1, L + R]; slots: (pages [T],
+    offsets [T]) of the rows' new latents → [T, H * V] (before o_proj), or None when the kernel does
+    not take these tensors."""
+    T, H, NR = q.shape
+    L, V = w_uv.shape[1], w_uv.shape[2]
+    N = w_uk.shape[1]
+    R = NR - N
+    slot_pages, slot_offsets = slots
+    f32 = torch.float32
+    if not (AVAILABLE and cache.dtype is f32 and cache.is_cpu and cache.shape[1] == 1 and cache.shape[-1] == L + R
+            and (cache.shape[2] if hnd else cache.shape[3]) == 1 and cache.stride(-1) == 1 and R % 2 == 0
+            and H <= MAX_GROUP and L <= MAX_VALUE
+            and q.dtype is f32 and q.is_cpu and q.stride(2) == 1 and q.stride(1) == NR
+            and kv.dtype is f32 and kv.is_cpu and kv.dim() == 2 and kv.shape == (T, L + R) and kv.stride(1) == 1
+            and cos.dtype is f32 and sin.dtype is f32 and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == (T, 1, R) and sin.shape == (T, 1, R)
+            and kv_norm.dtype is f32 and kv_norm.shape == (L,) and kv_norm.stride(0) == 1
+            and w_uk.dtype is f32 and w_uk.shape == (H, N, L) and w_uk.stride(1) == 1
+            and w_uv.dtype is f32 and w_uv.shape == (H, L, V) and w_uv.stride(1) == 1
+            and pages.dtype is torch.long and pages.is_contiguous() and pages.dim() == 2 and pages.shape[0] == T
+            and kv_lens.dtype is torch.long and kv_lens.is_contiguous() and kv_lens.shape == (T,)
+            and slot_pages.dtype is torch.long and slot_offsets.dtype is torch.long
+            and slot_pages.is_contiguous() and slot_offsets.is_contiguous()
+            and slot_pages.shape == (T,) and slot_offsets.shape == (T,)):
+        return None
+    page_size, slot_stride = (cache.shape[3], cache.stride(3)) if hnd else (cache.shape[2], cache.stride(2))
+    out = torch.empty(T, H * V, dtype=f32)
+    _gemm.mla_decode(q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                     kv_norm.data_ptr(), eps, w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(2), w_uv.data_ptr(),
+                     w_uv.stride(0), w_uv.stride(2), H, N, R, L, V, scale, cache.data_ptr(), cache.stride(0),
+                     slot_stride, cache.shape[0], page_size, slot_pages.data_ptr(), slot_offsets.data_ptr(),
+                     pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), out.data_ptr(), T)
+    return out

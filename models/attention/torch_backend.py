@@ -201,6 +201,16 @@ class TorchAttentionBackend(AttentionBackend):
             out[p.start:p.end] = self._prefill(cache, q, k, v, p, hnd)
         return out
 
+    def latent_decode(self, layer: int, q, kv, cos, sin, kv_norm, eps: float, w_uk, w_uv, meta):
+        """An MLA layer's whole decode step in the CPU kernel (models/attention/cpu_decode.py
+        mla_decode; models/mla.py calls it): [T, H * V] before o_proj, or None for anything but a
+        step of single-token rows the kernel takes."""
+        if meta.decode_lens is None or meta.prefills:
+            return None
+        return cpu_decode.mla_decode(self.kv.layer(layer), self.kv.layout == "HND", q, kv, cos, sin, kv_norm, eps,
+                                     w_uk, w_uv, self.scale, (meta.write_pages, meta.write_offsets),
+                                     meta.decode_pages, meta.decode_lens)
+
     @staticmethod
     def _write(cache, k, v, meta, hnd) -> None:
         """The step's new K/V into their pages."""
