@@ -166,3 +166,46 @@ def test_norm_rope_matches_apply_rope(norm):
     ref_in = F.rms_norm(x.double(), (D,), w.double(), 1e-6) if norm else x.double()
     assert _close(out, apply_rope(ref_in, cos.double(), sin.double()))
     assert cpu_gemm.norm_rope(x, w, 1e-6, cos[:2], sin[:2]) is None  # tables for other rows: torch's path
+
+
+@pytest.mark.parametrize("q_lora", [24, None])
+def test_mla_decode_kernel_equals_torch_path(q_lora):
+    """An MLA layer's decode step (B = 1 and 3) through pdkv/kernels/mla_decode.c and through the
+    torch ops of models/mla.py: the same outputs to float32 rounding and the same latents stored."""
+    from models.attention.base import AttentionBatch
+    from models.config import parse_arch_config
+    from models.kv_layout import kv_layout
+    from models.mla import MLAttention
+    from models.rope import RotaryEmbedding
+
+    kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, vocab_size=512,
+              max_position_embeddings=256, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+              n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, q_lora_rank=q_lora, n_group=1, topk_group=1)
+    cfg = parse_arch_config({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "x", **kw})
+    torch.manual_seed(0)
+    attn = MLAttention(cfg, torch.float32)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    attn.post_load()
+    lay = kv_layout(cfg)
+    kv = lay.make_cache(1, 30, 16, torch.float32, "HND", "cpu")
+    kv.layer(0).normal_()
+    backend = lay.make_backend("torch", kv)
+    rot = RotaryEmbedding(8, 256, 10000.0, {})
+    tables, lens = [[4, 9, 2], [20], [7, 1, 17, 22]], [40, 5, 60]
+    for B in (1, 3):
+        meta = backend.plan(AttentionBatch([1] * B, lens[:B], tables[:B], B))
+        assert meta.decode_lens is not None
+        cos, sin = rot.table(torch.tensor(lens[:B]) - 1, torch.float32)
+        x = torch.randn(B, 64, generator=torch.Generator().manual_seed(B))
+        outs, caches, before = [], [], kv.layer(0).clone()
+        for use in (True, False):
+            attn.cpu_kernel = use
+            with torch.inference_mode():
+                outs.append(attn.forward(0, x, cos, sin, backend, meta))
+            caches.append(kv.layer(0).clone())
+            kv.layer(0).copy_(before)
+        assert _close(outs[0], outs[1])
+        assert _close(caches[0], caches[1]) and not torch.equal(caches[0], before)
