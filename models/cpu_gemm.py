@@ -29,6 +29,15 @@ except ImportError:  # the extension is not built (a source tree without build_e
 # more per call, and a decode step makes ~100 of them.
 MAX_ROWS = 16
 AVAILABLE = _gemm is not None and _gemm.SUPPORTED
+# The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
+# thread: they take a step only when torch runs it on one thread, and a step on more threads is
+# torch's (MKL's). For small CPU steps the runner measures both and keeps the faster
+# (pdkv/engine/threads.py): one thread and the kernels here, all threads and MKL on a machine
+# with many cores and memory channels. Norms, rope and routing (no threading to lose) always run.
+
+
+def one_thread() -> bool:
+    return torch.get_num_threads() == 1
 
 
 def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -40,7 +49,7 @@ def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x: [M, K], weight: [N, K]."""
-    if (AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
+    if (AVAILABLE and one_thread() and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
             and x.shape[1] == weight.shape[1] and _takes(x, weight)
             and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.dim() == 1
                                   and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))):
@@ -55,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torch.bmm(x, w) for x: [B, M, K], w: [B, K, N] stored with K contiguous (w.stride(1) == 1)."""
-    if (AVAILABLE and x.dim() == 3 and w.dim() == 3 and 0 < x.shape[1] <= MAX_ROWS
+    if (AVAILABLE and one_thread() and x.dim() == 3 and w.dim() == 3 and 0 < x.shape[1] <= MAX_ROWS
             and x.shape[0] == w.shape[0] and x.shape[2] == w.shape[1] and w.stride(1) == 1
             and x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
             and x.stride(2) == 1 and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled())):
@@ -71,7 +80,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
     """down(silu(x Wg^T) * (x Wu^T)) for x: [M, H], gate_up: [2 * inter, H] (gate rows, then up
     rows), down: [H, inter], no biases: one kernel call for up to MAX_ROWS rows."""
-    if (AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and gate_up.dim() == 2 and down.dim() == 2
+    if (AVAILABLE and one_thread() and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and gate_up.dim() == 2 and down.dim() == 2
             and gate_up.shape[0] == 2 * inter and gate_up.shape[1] == x.shape[1]
             and down.shape[0] == x.shape[1] and down.shape[1] == inter and _takes(x, gate_up) and _takes(x, down)):
         m, h = x.shape
@@ -89,7 +98,7 @@ def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     gate_up [n, 2I, H] and down [n, H, I] (global ids first .. first + n - 1), ids / weights
     [1, k] → [1, H], the sum in ascending expert order (models/moe.py ``_one_token``); None when
     the kernel does not take these tensors (the caller runs its own loop)."""
-    if not (AVAILABLE and x.dim() == 2 and x.shape[0] == 1 and gate_up.dim() == 3 and down.dim() == 3
+    if not (AVAILABLE and one_thread() and x.dim() == 2 and x.shape[0] == 1 and gate_up.dim() == 3 and down.dim() == 3
             and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == x.shape[1] == down.shape[1]
             and gate_up.shape[0] == down.shape[0] and _takes(x, gate_up[0]) and _takes(x, down[0])
             and ids.dtype is torch.long and weights.dtype is torch.float32 and ids.is_cpu and weights.is_cpu

@@ -111,7 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from models import cpu_gemm  # noqa: PLC0415
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernels' (models/cpu_gemm.py one_thread) and MKL's on one thread
+    try:
+        return _run(a, cpu_gemm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(a, cpu_gemm) -> int:
     bw = measure_read_bandwidth(1)
     print(f"1 thread, torch {torch.__version__}, kernels {'available' if cpu_gemm.AVAILABLE else 'NOT available'}, "
           f"load average {os.getloadavg()[0]:.1f}; read bandwidth (1-thread sum over 512 MB) {bw / 1e9:.1f} GB/s",

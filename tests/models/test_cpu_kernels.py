@@ -23,6 +23,15 @@ from pdkv.kv import KVCache
 pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The GEMM-type kernels take a step only on one thread (models/cpu_gemm.py one_thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -222,3 +231,31 @@ def test_backend_decode_step_kernel_equals_torch_path(latent):
         assert outs[0].shape == outs[1].shape == (B, Hq * Dv)
         assert _rel(outs[0], outs[1].double()) < 1e-5
         assert not math.isnan(outs[0].sum().item())
+
+
+def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
+    """One-thread kernels only take one-thread steps: on more, MKL's threads (and the runner's
+    thread tuner measures the two against each other, pdkv/engine/threads.py)."""
+    calls = []
+    real = cpu_gemm._gemm
+
+    class Spy:
+        SUPPORTED = True
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_gemm, "_gemm", Spy())
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g)
+    torch.set_num_threads(2)
+    with torch.inference_mode():
+        y = cpu_gemm.linear(x, w)
+        assert cpu_gemm.moe_one_token(x, torch.randn(2, 16, 64), torch.randn(2, 64, 8), torch.tensor([[1]]),
+                                      torch.tensor([[1.0]]), 2, 0) is None
+    assert calls == [] and torch.equal(y, F.linear(x, w))
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        cpu_gemm.linear(x, w)
+    assert calls == ["gemm"]

@@ -21,6 +21,15 @@ from models.rope import apply_rope
 pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The GEMM-type kernels take a step only on one thread (models/cpu_gemm.py one_thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _close(a, ref, tol=1e-5):
     return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item() < tol
 
