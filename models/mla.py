@@ -72,9 +72,9 @@ class MLAttention(nn.Module):
         Runs once the loader has laid the weights out in memory (models/loader.py)."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        # Each stored like the Linear weights (models/cpu_gemm.py): the input dimension (N of
-        # W_UK, L of W_UV) contiguous when they are, else the output dimension.
-        in_major = self.kv_b_proj.weight.stride(1) == 1
+        # On the CPU each stored like the Linear weights (models/cpu_gemm.py): the input dimension
+        # (N of W_UK, L of W_UV) contiguous when they are, else the output dimension (and on a GPU).
+        in_major = w.device.type == "cpu" and self.kv_b_proj.weight.stride(1) == 1
         self.w_uk = _stored(w[:, :m.qk_nope_head_dim], in_major)
         self.w_uv = _stored(w[:, m.qk_nope_head_dim:].transpose(1, 2), in_major)
         if m.rope_interleave and not self._deinterleaved:
