@@ -22,31 +22,51 @@ AVX2 static inline float hsum(__m256 v)
     return _mm_cvtss_f32(l);
 }
 
-AVX2 static inline float dot(const float *a, const float *b, int n)
-{
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; i++)
-        s += a[i] * b[i];
-    return s;
-}
+#define HEAD_BLOCK 8     /* most query heads whose scores / value sums run side by side in registers */
 
-AVX2 static inline void axpy(float *y, float a, const float *x, int n)
-{
-    __m256 av = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++)
-        y[i] += a * x[i];
-}
+/* v[r] = q_r . key for the NB rows qr[r]; NB = 4 or 8 (unrolled: the sums stay in registers) */
+#define DEFINE_DOTS(NB)                                                                          \
+    AVX2 static inline void dots##NB(const float *const *qr, const float *key, int d, float *v) \
+    {                                                                                            \
+        __m256 a[NB];                                                                            \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) a[r] = _mm256_setzero_ps();         \
+        int i = 0;                                                                               \
+        for (; i + 8 <= d; i += 8) {                                                             \
+            __m256 k = _mm256_loadu_ps(key + i);                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++)                                 \
+                a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[r] + i), k, a[r]);                     \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) {                                   \
+            float t = hsum(a[r]);                                                                \
+            for (int j = i; j < d; j++)                                                          \
+                t += qr[r][j] * key[j];                                                          \
+            v[r] = t;                                                                            \
+        }                                                                                        \
+    }
+DEFINE_DOTS(4)
+DEFINE_DOTS(8)
+
+/* acc[r * 8 + i] = sum_j p[j * g + rr[r]] * value_j[c + i] for r < NB */
+#define DEFINE_WEIGHTED(NB)                                                                       \
+    AVX2 static inline void weighted##NB(const float *head, const struct pdkv_paged_kv *kv,     \
+                                         const int64_t *pg, int64_t first, int64_t len,           \
+                                         const float *p, int g, const int *rr, int c, float *acc) \
+    {                                                                                             \
+        const int P = kv->page_size;                                                              \
+        __m256 a[NB];                                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) a[r] = _mm256_setzero_ps();          \
+        for (int64_t j = 0; j < len; j++) {                                                       \
+            int64_t pos = first + j;                                                              \
+            __m256 v = _mm256_loadu_ps(head + pg[pos / P] * kv->page_stride                       \
+                                       + (pos % P) * kv->slot_stride + kv->v_offset + c);         \
+            const float *pj = p + j * g;                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++)                                  \
+                a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(pj + rr[r]), v, a[r]);                 \
+        }                                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) _mm256_storeu_ps(acc + r * 8, a[r]); \
+    }
+DEFINE_WEIGHTED(4)
+DEFINE_WEIGHTED(8)
 
 AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdkv_paged_kv *kv,
                                const struct pdkv_kv_write *write, const int64_t *pages, ptrdiff_t pages_row,
@@ -83,7 +103,6 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
     float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)g);
     if (scores == NULL)
         return -1;
-    float acc[MAX_GROUP * 8];  /* chunk of the weighted value sums, see below */
     const int P = kv->page_size;
     for (int s = 0; s < b; s++) {
         const int64_t n = kv_lens[s];
@@ -93,21 +112,37 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
         for (int h = 0; h < hkv; h++) {
             const float *qh = q + s * q_row + (ptrdiff_t)h * g * d;
             const float *head = kv->cache + h * kv->head_stride;
-            /* scores[j * g + r] = scale * q_r . k_j, then a softmax over j per r */
-            float mx[MAX_GROUP];
-            for (int r = 0; r < g; r++)
-                mx[r] = -INFINITY;
-            for (int64_t j = 0; j < len; j++) {
-                int64_t pos = first + j;
-                const float *key = head + pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride;
-                for (int r = 0; r < g; r++) {
-                    float v = dot(qh + r * d, key, d) * scale;
-                    scores[j * g + r] = v;
-                    if (v > mx[r])
-                        mx[r] = v;
+            float mx[MAX_GROUP], sum[MAX_GROUP];
+            /* The g query heads in blocks of HEAD_BLOCK: each key (and value) chunk is loaded once
+             * for the block's heads, whose HEAD_BLOCK sums are independent chains in registers
+             * (one head at a time is a chain of dependent FMAs, latency-bound at long contexts). A
+             * block's unused lanes repeat its first head (computed, never stored). */
+            for (int r0 = 0; r0 < g; r0 += HEAD_BLOCK) {
+                const int gb = g - r0 < HEAD_BLOCK ? g - r0 : HEAD_BLOCK;
+                const float *qr[HEAD_BLOCK];
+                for (int r = 0; r < HEAD_BLOCK; r++)
+                    qr[r] = qh + (ptrdiff_t)(r0 + (r < gb ? r : 0)) * d;
+                float bmax[HEAD_BLOCK];
+                for (int r = 0; r < HEAD_BLOCK; r++)
+                    bmax[r] = -INFINITY;
+                for (int64_t j = 0; j < len; j++) {
+                    int64_t pos = first + j;
+                    const float *key = head + pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride;
+                    float v[HEAD_BLOCK];
+                    if (gb <= 4)
+                        dots4(qr, key, d, v);
+                    else
+                        dots8(qr, key, d, v);
+                    for (int r = 0; r < gb; r++) {
+                        v[r] *= scale;
+                        scores[j * g + r0 + r] = v[r];
+                        if (v[r] > bmax[r])
+                            bmax[r] = v[r];
+                    }
                 }
+                for (int r = 0; r < gb; r++)
+                    mx[r0 + r] = bmax[r];
             }
-            float sum[MAX_GROUP];
             for (int r = 0; r < g; r++)
                 sum[r] = 0.0f;
             for (int64_t j = 0; j < len; j++)
@@ -116,25 +151,37 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                     scores[j * g + r] = e;
                     sum[r] += e;
                 }
-            /* out_r = sum_j p_rj v_j, in chunks of 8 * MAX_GROUP / g value columns so the g
-             * running sums stay in a small stack buffer */
-            int chunk = (MAX_GROUP * 8) / g;
-            for (int c0 = 0; c0 < dv; c0 += chunk) {
-                int w = dv - c0 < chunk ? dv - c0 : chunk;
-                memset(acc, 0, sizeof(float) * (size_t)w * (size_t)g);
-                for (int64_t j = 0; j < len; j++) {
-                    int64_t pos = first + j;
-                    const float *val = head + pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride
-                        + kv->v_offset + c0;
-                    for (int r = 0; r < g; r++)
-                        axpy(acc + r * w, scores[j * g + r], val, w);
+            /* out_r = sum_j p_rj v_j / sum_r: per 8 value columns and block of heads, the
+             * HEAD_BLOCK running sums in registers over every key */
+            for (int r0 = 0; r0 < g; r0 += HEAD_BLOCK) {
+                const int gb = g - r0 < HEAD_BLOCK ? g - r0 : HEAD_BLOCK;
+                int c = 0;
+                for (; c + 8 <= dv; c += 8) {
+                    float acc[HEAD_BLOCK * 8];
+                    int rr[HEAD_BLOCK];
+                    for (int r = 0; r < HEAD_BLOCK; r++)
+                        rr[r] = r < gb ? r : 0;
+                    if (gb <= 4)
+                        weighted4(head, kv, pg, first, len, scores + r0, g, rr, c, acc);
+                    else
+                        weighted8(head, kv, pg, first, len, scores + r0, g, rr, c, acc);
+                    for (int r = 0; r < gb; r++) {
+                        float inv = 1.0f / sum[r0 + r];
+                        float *o = out + s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c;
+                        for (int i = 0; i < 8; i++)
+                            o[i] = acc[r * 8 + i] * inv;
+                    }
                 }
-                for (int r = 0; r < g; r++) {
-                    float inv = 1.0f / sum[r];
-                    float *o = out + s * out_row + (ptrdiff_t)(h * g + r) * dv + c0;
-                    for (int i = 0; i < w; i++)
-                        o[i] = acc[r * w + i] * inv;
-                }
+                for (; c < dv; c++)  /* value columns past the last 8 */
+                    for (int r = 0; r < gb; r++) {
+                        float a = 0.0f;
+                        for (int64_t j = 0; j < len; j++) {
+                            int64_t pos = first + j;
+                            a += scores[j * g + r0 + r] * head[pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride
+                                                              + kv->v_offset + c];
+                        }
+                        out[s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c] = a / sum[r0 + r];
+                    }
             }
         }
     }
