@@ -29,6 +29,18 @@ static void top_k(const float *v, int n, const unsigned char *allowed, int k, in
     }
 }
 
+/* ids and weights of the k picks (weight = score at the pick); returns the weights' sum, in order */
+static float take(const float *score, const int *pick, int k, int64_t *id, float *w)
+{
+    float total = 0.0f;
+    for (int j = 0; j < k; j++) {
+        id[j] = pick[j];
+        w[j] = score[pick[j]];
+        total += w[j];
+    }
+    return total;
+}
+
 int pdkv_route(const float *logits, int t, int e, int scheme, const float *bias, int groups, int topk_groups,
                int k, int renormalize, float scaling, int64_t *ids, float *weights)
 {
@@ -58,12 +70,7 @@ int pdkv_route(const float *logits, int t, int e, int scheme, const float *bias,
             for (int i = 0; i < e; i++)
                 score[i] = score[i] / sum;
             top_k(score, e, NULL, k, pick);
-            float total = 0.0f;
-            for (int j = 0; j < k; j++) {
-                id[j] = pick[j];
-                w[j] = score[pick[j]];
-                total += w[j];
-            }
+            float total = take(score, pick, k, id, w);
             if (renormalize)
                 for (int j = 0; j < k; j++)
                     w[j] = w[j] / total;
@@ -88,12 +95,7 @@ int pdkv_route(const float *logits, int t, int e, int scheme, const float *bias,
             mask = allowed;
         }
         top_k(choice, e, mask, k, pick);
-        float total = 0.0f;
-        for (int j = 0; j < k; j++) {
-            id[j] = pick[j];
-            w[j] = score[pick[j]];
-            total += w[j];
-        }
+        float total = take(score, pick, k, id, w);
         for (int j = 0; j < k; j++)
             w[j] = (renormalize ? w[j] / (total + 1e-20f) : w[j]) * scaling;
     }

@@ -20,16 +20,8 @@ from models import cpu_gemm
 from models.attention import cpu_decode
 from pdkv.kv import KVCache
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The GEMM-type kernels take a step only on one thread (models/cpu_gemm.py one_thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
