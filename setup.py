@@ -41,7 +41,7 @@ def extensions():
         libraries=libraries,
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-Wno-format-truncation"],
     )
-    # pdkv._kernels: the CPU kernels of small decode steps (models/cpu_gemm.py,
+    # pdkv._kernels: the CPU kernels of small decode steps (models/cpu_kernels.py,
     # models/attention/cpu_decode.py). Baseline x86-64 flags: the AVX2 kernels carry their own
     # target attributes and are picked at run time.
     kernels = Extension(

@@ -5,7 +5,7 @@ Parameter names follow Hugging Face (``self_attn.o_proj``, ``mlp.down_proj``, ..
 q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``: a decode step is bound by
 reading weights and by per-op overhead, and one GEMM instead of three saves both. The loader
 maps checkpoint names onto the fused rows (see ``CausalLM.STACKED``).
-NOTE: inside a forward pass submodules are run through ``.forward`` / ``linear`` (models/cpu_gemm.py) rather than
+NOTE: inside a forward pass submodules are run through ``.forward`` / ``linear`` (models/cpu_kernels.py) rather than
 ``module(...)``: nn.Module's call machinery (hook checks) costs ~1 ms per decode step of a
 small model, about 7% of it, and these modules never carry hooks.
 Shapes: T = tokens in the step (all sequences flattened), H = hidden size.
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
-from models import cpu_gemm
-from models.cpu_gemm import gated_mlp, linear
+from models import cpu_kernels
+from models.cpu_kernels import gated_mlp, linear
 from models.rope import apply_rope
 
 
@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
         trips). A float32 x goes through F.rms_norm: the same ops in the same order, so the same
         bits, in one call instead of six (a MoE decode step runs ~30 norms)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if self.cpu_kernel:  # ~1 us against F.rms_norm's ~9 us on the CPU (models/cpu_gemm.py)
-                y = cpu_gemm.rms_norm(x, self.weight, self.eps)
+            if self.cpu_kernel:  # ~1 us against F.rms_norm's ~9 us on the CPU (models/cpu_kernels.py)
+                y = cpu_kernels.rms_norm(x, self.weight, self.eps)
                 if y is not None:
                     return y
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -78,17 +78,17 @@ class Attention(nn.Module):
     cpu_kernel = True  # False: torch's ops for the norms and rope (the loader's model.cpu_kernels: false)
 
     def _kernel_rope(self, qkv, T, cos, sin):
-        """(q, k) normed (Qwen3) and rotated by the CPU kernel (models/cpu_gemm.py norm_rope), or
+        """(q, k) normed (Qwen3) and rotated by the CPU kernel (models/cpu_kernels.py norm_rope), or
         None: the torch ops below."""
         H, Hkv, D, qs = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size
         if not self.has_qk_norm:
-            qk = cpu_gemm.norm_rope(qkv[:, :qs + self.kv_size].view(T, H + Hkv, D), None, 0.0, cos, sin)
+            qk = cpu_kernels.norm_rope(qkv[:, :qs + self.kv_size].view(T, H + Hkv, D), None, 0.0, cos, sin)
             return None if qk is None else (qk[:, :H], qk[:, H:])
         qn, kn = self.q_norm, self.k_norm
-        q = cpu_gemm.norm_rope(qkv[:, :qs].view(T, H, D), qn.weight, qn.eps, cos, sin)
+        q = cpu_kernels.norm_rope(qkv[:, :qs].view(T, H, D), qn.weight, qn.eps, cos, sin)
         if q is None:
             return None
-        k = cpu_gemm.norm_rope(qkv[:, qs:qs + self.kv_size].view(T, Hkv, D), kn.weight, kn.eps, cos, sin)
+        k = cpu_kernels.norm_rope(qkv[:, qs:qs + self.kv_size].view(T, Hkv, D), kn.weight, kn.eps, cos, sin)
         return None if k is None else (q, k)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

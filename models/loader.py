@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from models.config import ArchConfig, parse_arch_config
-from models.cpu_gemm import AVAILABLE as CPU_GEMM_AVAILABLE
+from models.cpu_kernels import AVAILABLE as CPU_KERNELS_AVAILABLE
 from models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
@@ -74,7 +74,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 def transpose_linear_weights(model: torch.nn.Module) -> None:
     """Stores every Linear weight as [in, out] in memory while keeping its [out, in] shape (a
-    transposed view). On the CPU without pdkv's small-batch kernel (models/cpu_gemm.py), F.linear
+    transposed view). On the CPU without pdkv's small-batch kernel (models/cpu_kernels.py), F.linear
     then runs x @ W_t over contiguous rows: for a decode step (one row of x) MKL's GEMV reads
     that layout faster than [out, in] (11-20 GB/s against 9 GB/s measured; the kernel reads
     [out, in] at 20-25 GB/s: python -m pdkv.bench kernels)."""
@@ -104,7 +104,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
 
     ``tp`` (a models.parallel.TensorParallel): load only this rank's slice of every tensor and
     all-reduce the row-parallel outputs in the forward pass. ``cpu_kernels`` (``model.cpu_kernels``):
-    on the CPU, run decode-sized GEMMs through pdkv's kernel (models/cpu_gemm.py) where this CPU
+    on the CPU, run decode-sized GEMMs through pdkv's kernel (models/cpu_kernels.py) where this CPU
     has it; False: torch's GEMMs only (and torch's attention: the engine tells the backend)."""
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -174,7 +174,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                              f"{', '.join(sorted(missing)[:3])}")
     if progress is not None:
         progress(total, total)
-    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_GEMM_AVAILABLE):
+    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_KERNELS_AVAILABLE):
         transpose_linear_weights(model)
         disable_cpu_kernels(model)
     # Weights derived from the loaded ones (MLA's absorbed W_UK / W_UV, its fused input

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
-from models.cpu_gemm import bmm, linear
+from models.cpu_kernels import bmm, linear
 from models.layers import RMSNorm
 from models.rope import apply_rope
 
@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         Runs once the loader has laid the weights out in memory (models/loader.py)."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        # On the CPU each stored like the Linear weights (models/cpu_gemm.py): the input dimension
+        # On the CPU each stored like the Linear weights (models/cpu_kernels.py): the input dimension
         # (N of W_UK, L of W_UV) contiguous when they are, else the output dimension (and on a GPU).
         in_major = w.device.type == "cpu" and self.kv_b_proj.weight.stride(1) == 1
         self.w_uk = _stored(w[:, :m.qk_nope_head_dim], in_major)

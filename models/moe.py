@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ArchConfig
-from models.cpu_gemm import gated_mlp, linear, moe_one_token, route
+from models.cpu_kernels import gated_mlp, linear, moe_one_token, route
 from models.layers import MLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -130,7 +130,7 @@ class Experts(nn.Module):
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [1, H]; ids, weights: [1, k] → [1, H]."""
         out, first = None, self.local.start
-        if self.cpu_kernel:  # all k experts in one kernel call (models/cpu_gemm.py)
+        if self.cpu_kernel:  # all k experts in one kernel call (models/cpu_kernels.py)
             out = moe_one_token(x, self.gate_up_proj.detach(), self.down_proj.detach(), ids, weights,
                                 self.num_experts, first)
             if out is not None:

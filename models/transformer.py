@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from models.config import ArchConfig
-from models.cpu_gemm import linear
+from models.cpu_kernels import linear
 from models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from models.moe import SparseMoE, expected_expert_tensors, expert_param_for, is_remote_expert
 from models.rope import RotaryEmbedding

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """pdkv/kernels/*.c for Python: the CPU kernels of small decode steps, over raw addresses.
 
-Internal: models/cpu_gemm.py and models/attention/cpu_decode.py check every shape, stride,
+Internal: models/cpu_kernels.py and models/attention/cpu_decode.py check every shape, stride,
 dtype and device before they pass a tensor's address here; nothing in this module can.
 """
 from libc.stdint cimport int64_t, uintptr_t

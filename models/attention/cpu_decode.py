@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from models.cpu_gemm import AVAILABLE, _gemm, one_thread  # noqa: F401 - one_thread: the backend's gate
+from models.cpu_kernels import AVAILABLE, _k, one_thread  # noqa: F401 - one_thread: the backend's gate
 
 MAX_GROUP = 128  # query heads per KV head (attention_decode.c MAX_GROUP)
 MAX_VALUE = 1024  # value width (MAX_VALUE)
@@ -47,7 +47,7 @@ def decode(cache: torch.Tensor, hnd: bool, q: torch.Tensor, pages: torch.Tensor,
     v_offset = cache.stride(1) if cache.shape[1] == 2 else 0  # a latent: values inside the keys
     out = torch.empty(B, Hq * value_dim, dtype=torch.float32)
     write = () if new is None else _write_args(new, cache.shape[1] == 2, B, num_kv_heads, D)
-    _gemm.decode_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), cache.stride(0), head_stride, slot_stride,
+    _k.decode_attention(q.data_ptr(), q.stride(0), cache.data_ptr(), cache.stride(0), head_stride, slot_stride,
                            v_offset, cache.shape[0], page_size, pages.data_ptr(), pages.shape[1],
                            kv_lens.data_ptr(), window or 0, out.data_ptr(), Hq * value_dim,
                            B, num_kv_heads, group, D, value_dim, scale, *write)
@@ -107,7 +107,7 @@ def mla_decode(cache: torch.Tensor, hnd: bool, q: torch.Tensor, kv: torch.Tensor
         return None
     page_size, slot_stride = (cache.shape[3], cache.stride(3)) if hnd else (cache.shape[2], cache.stride(2))
     out = torch.empty(T, H * V, dtype=f32)
-    _gemm.mla_decode(q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(),
+    _k.mla_decode(q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(),
                      kv_norm.data_ptr(), eps, w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(2), w_uv.data_ptr(),
                      w_uv.stride(0), w_uv.stride(2), H, N, R, L, V, scale, cache.data_ptr(), cache.stride(0),
                      slot_stride, cache.shape[0], page_size, slot_pages.data_ptr(), slot_offsets.data_ptr(),

@@ -3,7 +3,7 @@
 GEMMs: for each weight shape of the bench models (`python -m pdkv.bench engine --model-kind
 ...`) and each row count, the time of F.linear with the weight stored [out, in] (Hugging Face's
 layout, what transformers runs) and [in, out] (what pdkv's loader stores when the kernels are
-off), and of pdkv's kernel (models/cpu_gemm.py) on [out, in]; weights cold (a ring of copies
+off), and of pdkv's kernel (models/cpu_kernels.py) on [out, in]; weights cold (a ring of copies
 larger than the last-level cache, each read once per round, like a decode step's layers), one
 thread. Each printed with the read bandwidth it reached and the kernel's speed-up over the
 faster torch layout; a 1-thread ``sum`` over 512 MB is the bandwidth baseline.
@@ -42,7 +42,7 @@ def _best(fn, rounds: int) -> float:
 
 
 def bench_gemm(rows: list[int], rounds: int, ring_bytes: int) -> list[dict]:
-    from models import cpu_gemm  # noqa: PLC0415
+    from models import cpu_kernels  # noqa: PLC0415
 
     out = []
     for n, k in SHAPES:
@@ -55,8 +55,8 @@ def bench_gemm(rows: list[int], rounds: int, ring_bytes: int) -> list[dict]:
             with torch.inference_mode():
                 t_hf = _best(lambda: [F.linear(x, w) for w in ring], rounds) / copies
                 t_t = _best(lambda: [F.linear(x, w) for w in ring_t], rounds) / copies
-                t_k = (_best(lambda: [cpu_gemm.linear(x, w) for w in ring], rounds) / copies
-                       if cpu_gemm.AVAILABLE and m <= cpu_gemm.MAX_ROWS else None)
+                t_k = (_best(lambda: [cpu_kernels.linear(x, w) for w in ring], rounds) / copies
+                       if cpu_kernels.AVAILABLE and m <= cpu_kernels.MAX_ROWS else None)
             nbytes = n * k * 4
             row = {"out": n, "in": k, "rows": m, "torch_out_in_us": t_hf * 1e6, "torch_in_out_us": t_t * 1e6,
                    "torch_out_in_gbs": nbytes / t_hf / 1e9, "torch_in_out_gbs": nbytes / t_t / 1e9}
@@ -109,25 +109,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="MB of weight copies cycled through (more than the last-level cache: cold reads)")
     ap.add_argument("--out", default="bench-results/kernels.json")
     a = ap.parse_args(argv)
-    from models import cpu_gemm  # noqa: PLC0415
+    from models import cpu_kernels  # noqa: PLC0415
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernels' (models/cpu_gemm.py one_thread) and MKL's on one thread
+    torch.set_num_threads(1)  # the kernels' (models/cpu_kernels.py one_thread) and MKL's on one thread
     try:
-        return _run(a, cpu_gemm)
+        return _run(a, cpu_kernels)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(a, cpu_gemm) -> int:
+def _run(a, cpu_kernels) -> int:
     bw = measure_read_bandwidth(1)
-    print(f"1 thread, torch {torch.__version__}, kernels {'available' if cpu_gemm.AVAILABLE else 'NOT available'}, "
+    print(f"1 thread, torch {torch.__version__}, kernels {'available' if cpu_kernels.AVAILABLE else 'NOT available'}, "
           f"load average {os.getloadavg()[0]:.1f}; read bandwidth (1-thread sum over 512 MB) {bw / 1e9:.1f} GB/s",
           flush=True)
     result = {"read_gbs": bw / 1e9, "load_average": os.getloadavg()[0],
               "gemm": bench_gemm([int(r) for r in a.rows.split(",")], a.rounds, a.ring_mb << 20),
               "attention": bench_attention([int(c) for c in a.contexts.split(",")], a.rounds)
-              if cpu_gemm.AVAILABLE else []}
+              if cpu_kernels.AVAILABLE else []}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")

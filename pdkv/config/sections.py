@@ -37,7 +37,7 @@ class ModelConfig:
     cuda_graphs: bool = False  # CUDA devices only
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # CPU: GEMMs of up to 16 rows (decode steps) and single-token attention through pdkv's AVX2
-    # kernels (models/cpu_gemm.py, models/attention/cpu_decode.py) where the CPU has AVX2+FMA;
+    # kernels (models/cpu_kernels.py, models/attention/cpu_decode.py) where the CPU has AVX2+FMA;
     # false: torch's GEMMs and attention for every step. No effect on a GPU.
     cpu_kernels: bool = True
 

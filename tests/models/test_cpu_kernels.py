@@ -1,5 +1,5 @@
 """pdkv's CPU kernels (pdkv/kernels/*.c) against float64 references and against torch:
-- models.cpu_gemm.linear / bmm: every shape class the kernel's loops have (K below, at and past
+- models.cpu_kernels.linear / bmm: every shape class the kernel's loops have (K below, at and past
   the 8- and 32-wide blocks, a scalar tail; 1-16 rows, odd and even; bias; strided rows), each
   row bit-identical whatever it is batched with, and everything the kernel does not take going
   to torch unchanged;
@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_gemm
+from models import cpu_kernels
 from models.attention import cpu_decode
 from pdkv.kv import KVCache
 
-pytestmark = [pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
+pytestmark = [pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
               pytest.mark.usefixtures("one_torch_thread")]
 
 
@@ -38,7 +38,7 @@ def test_linear_matches_float64(m, k, bias):
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     with torch.inference_mode():
-        y = cpu_gemm.linear(x, w, b)
+        y = cpu_kernels.linear(x, w, b)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert _rel(y, ref) < 1e-5
@@ -50,7 +50,7 @@ def test_strided_rows_and_weight_views():
     wide_x, wide_w = torch.randn(5, 100, generator=g), torch.randn(40, 90, generator=g)
     x, w = wide_x[:, 10:74], wide_w[3:35, 20:84]  # [5, 64] stride 100, [32, 64] stride 90
     with torch.inference_mode():
-        y = cpu_gemm.linear(x, w)
+        y = cpu_kernels.linear(x, w)
     assert _rel(y, x.double() @ w.double().T) < 1e-5
     assert torch.equal(wide_x[:, 10:74], x)  # inputs untouched
 
@@ -60,31 +60,31 @@ def test_a_row_gives_the_same_bits_in_any_batch():
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(16, 512, generator=g), torch.randn(300, 512, generator=g)
     with torch.inference_mode():
-        full = cpu_gemm.linear(x, w)
+        full = cpu_kernels.linear(x, w)
         for r in (0, 5, 15):
-            assert torch.equal(cpu_gemm.linear(x[r:r + 1], w), full[r:r + 1])
-            assert torch.equal(cpu_gemm.linear(x[r:r + 3], w)[0], full[r])
+            assert torch.equal(cpu_kernels.linear(x[r:r + 1], w), full[r:r + 1])
+            assert torch.equal(cpu_kernels.linear(x[r:r + 3], w)[0], full[r])
 
 
 def test_what_the_kernel_does_not_take_goes_to_torch():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=g)
     with torch.inference_mode():
-        big = torch.randn(cpu_gemm.MAX_ROWS + 1, 64, generator=g)  # more rows: MKL
-        assert torch.equal(cpu_gemm.linear(big, w), F.linear(big, w))
+        big = torch.randn(cpu_kernels.MAX_ROWS + 1, 64, generator=g)  # more rows: MKL
+        assert torch.equal(cpu_kernels.linear(big, w), F.linear(big, w))
         wt = w.t().contiguous().t()  # stored [in, out]: the layout MKL's GEMV prefers
         x = torch.randn(1, 64, generator=g)
-        assert torch.equal(cpu_gemm.linear(x, wt), F.linear(x, wt))
+        assert torch.equal(cpu_kernels.linear(x, wt), F.linear(x, wt))
         xb, wb = x.bfloat16(), w.bfloat16()
-        assert torch.equal(cpu_gemm.linear(xb, wb), F.linear(xb, wb))
+        assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
     # autograd: torch's op, so the result has a graph
     xg = torch.randn(1, 64, requires_grad=True)
-    assert cpu_gemm.linear(xg, w).grad_fn is not None
+    assert cpu_kernels.linear(xg, w).grad_fn is not None
     # a shape mismatch is torch's own error, never a read past the weight
     with torch.inference_mode(), pytest.raises(RuntimeError):
-        cpu_gemm.linear(torch.randn(1, 65), w)
+        cpu_kernels.linear(torch.randn(1, 65), w)
     with torch.inference_mode(), pytest.raises(RuntimeError):
-        cpu_gemm.linear(torch.randn(1, 64), w, torch.randn(23))
+        cpu_kernels.linear(torch.randn(1, 64), w, torch.randn(23))
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -94,12 +94,12 @@ def test_bmm_matches_float64(m):
     q = torch.randn(m, H, K + 32, generator=g)[..., :K].transpose(0, 1)  # [H, m, K], strided like MLA's q_nope
     w = torch.randn(H, N, K, generator=g).transpose(1, 2)  # [H, K, N] with K contiguous
     with torch.inference_mode():
-        y = cpu_gemm.bmm(q, w)
+        y = cpu_kernels.bmm(q, w)
     assert y.shape == (H, m, N)
     assert _rel(y, q.double() @ w.double()) < 1e-5
     wo = w.contiguous()  # [H, K, N] with N contiguous: torch.bmm
     with torch.inference_mode():
-        assert torch.equal(cpu_gemm.bmm(q, wo), torch.bmm(q, wo))
+        assert torch.equal(cpu_kernels.bmm(q, wo), torch.bmm(q, wo))
 
 
 # ---- decode attention --------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
     """One-thread kernels only take one-thread steps: on more, MKL's threads (and the runner's
     thread tuner measures the two against each other, pdkv/engine/threads.py)."""
     calls = []
-    real = cpu_gemm._gemm
+    real = cpu_kernels._k
 
     class Spy:
         SUPPORTED = True
@@ -238,16 +238,16 @@ def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
             calls.append(name)
             return getattr(real, name)
 
-    monkeypatch.setattr(cpu_gemm, "_gemm", Spy())
+    monkeypatch.setattr(cpu_kernels, "_k", Spy())
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g)
     torch.set_num_threads(2)
     with torch.inference_mode():
-        y = cpu_gemm.linear(x, w)
-        assert cpu_gemm.moe_one_token(x, torch.randn(2, 16, 64), torch.randn(2, 64, 8), torch.tensor([[1]]),
+        y = cpu_kernels.linear(x, w)
+        assert cpu_kernels.moe_one_token(x, torch.randn(2, 16, 64), torch.randn(2, 64, 8), torch.tensor([[1]]),
                                       torch.tensor([[1.0]]), 2, 0) is None
     assert calls == [] and torch.equal(y, F.linear(x, w))
     torch.set_num_threads(1)
     with torch.inference_mode():
-        cpu_gemm.linear(x, w)
+        cpu_kernels.linear(x, w)
     assert calls == ["gemm"]

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_gemm
+from models import cpu_kernels
 from models.rope import apply_rope
 
-pytestmark = [pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
+pytestmark = [pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
               pytest.mark.usefixtures("one_torch_thread")]
 
 
@@ -32,7 +32,7 @@ def test_gated_mlp(m, h, inter):
     g = torch.Generator().manual_seed(m + h)
     x, gu, down = torch.randn(m, h, generator=g), torch.randn(2 * inter, h, generator=g), torch.randn(h, inter, generator=g)
     with torch.inference_mode():
-        y = cpu_gemm.gated_mlp(x, gu, down, inter)
+        y = cpu_kernels.gated_mlp(x, gu, down, inter)
     xd, gud, dd = x.double(), gu.double(), down.double()
     a = xd @ gud.T
     ref = (F.silu(a[:, :inter]) * a[:, inter:]) @ dd.T
@@ -55,15 +55,15 @@ def test_moe_one_token_sums_its_experts_in_ascending_order():
     x = torch.randn(1, h)
     ids, w = torch.tensor([[6, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
     with torch.inference_mode():
-        out = cpu_gemm.moe_one_token(x, gu, down, ids, w, n, 0)
+        out = cpu_kernels.moe_one_token(x, gu, down, ids, w, n, 0)
         # the same experts given in another order: the same bits (the kernel sorts them)
-        again = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[1, 3, 6]]), torch.tensor([[0.3, 0.2, 0.5]]), n, 0)
+        again = cpu_kernels.moe_one_token(x, gu, down, torch.tensor([[1, 3, 6]]), torch.tensor([[0.3, 0.2, 0.5]]), n, 0)
     ref = sum(wt * _expert_ref(x, gu, down, e) for e, wt in zip(ids[0].tolist(), w[0].tolist()))
     assert _close(out, ref)
     assert torch.equal(out, again)
     # bit for bit what the per-expert kernel MLP, torch's multiply and ascending adds give
     with torch.inference_mode():
-        parts = [cpu_gemm.gated_mlp(x, gu[e], down[e], inter) * wt for e, wt in ((1, 0.3), (3, 0.2), (6, 0.5))]
+        parts = [cpu_kernels.gated_mlp(x, gu[e], down[e], inter) * wt for e, wt in ((1, 0.3), (3, 0.2), (6, 0.5))]
     assert torch.equal(out, parts[0] + parts[1] + parts[2])
 
 
@@ -73,18 +73,18 @@ def test_moe_one_token_under_expert_parallelism():
     gu, down = _experts(4, h, inter, seed=1)
     x = torch.randn(1, h)
     with torch.inference_mode():
-        out = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[5, 2, 7]]), torch.tensor([[0.4, 0.35, 0.25]]), 8, 4)
-        none = cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[0, 2]]), torch.tensor([[0.5, 0.5]]), 8, 4)
+        out = cpu_kernels.moe_one_token(x, gu, down, torch.tensor([[5, 2, 7]]), torch.tensor([[0.4, 0.35, 0.25]]), 8, 4)
+        none = cpu_kernels.moe_one_token(x, gu, down, torch.tensor([[0, 2]]), torch.tensor([[0.5, 0.5]]), 8, 4)
     ref = 0.4 * _expert_ref(x, gu, down, 1) + 0.25 * _expert_ref(x, gu, down, 3)
     assert _close(out, ref)
     assert torch.equal(none, torch.zeros(1, h))
     with pytest.raises(ValueError, match="expert id outside"):
-        cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[8]]), torch.tensor([[1.0]]), 8, 4)
+        cpu_kernels.moe_one_token(x, gu, down, torch.tensor([[8]]), torch.tensor([[1.0]]), 8, 4)
     with pytest.raises(ValueError, match="expert id outside"):
-        cpu_gemm.moe_one_token(x, gu, down, torch.tensor([[-1]]), torch.tensor([[1.0]]), 8, 4)
+        cpu_kernels.moe_one_token(x, gu, down, torch.tensor([[-1]]), torch.tensor([[1.0]]), 8, 4)
     # what the kernel does not take (two rows, a bf16 x) is left to the caller's loop
-    assert cpu_gemm.moe_one_token(torch.randn(2, h), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
-    assert cpu_gemm.moe_one_token(x.bfloat16(), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
+    assert cpu_kernels.moe_one_token(torch.randn(2, h), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
+    assert cpu_kernels.moe_one_token(x.bfloat16(), gu, down, torch.tensor([[5]]), torch.tensor([[1.0]]), 8, 4) is None
 
 
 @dataclasses.dataclass
@@ -133,9 +133,9 @@ def test_route_matches_torch_router(case):
 def test_route_refuses_shapes_it_does_not_take():
     logits = torch.randn(2, 12)
     with pytest.raises(ValueError, match="not a shape the kernel takes"):  # 5 groups do not divide 12 experts
-        cpu_gemm.route(logits, _MoE(12, 2, True, "sigmoid", 5, 2), None)
-    assert cpu_gemm.route(logits, _MoE(13, 2, True), None) is None  # logits of another width: torch's path
-    assert cpu_gemm.route(logits.double(), _MoE(12, 2, True), None) is None
+        cpu_kernels.route(logits, _MoE(12, 2, True, "sigmoid", 5, 2), None)
+    assert cpu_kernels.route(logits, _MoE(13, 2, True), None) is None  # logits of another width: torch's path
+    assert cpu_kernels.route(logits.double(), _MoE(12, 2, True), None) is None
 
 
 def test_rms_norm_rows_and_head_views():
@@ -145,10 +145,10 @@ def test_rms_norm_rows_and_head_views():
     wide = torch.randn(3, 100, generator=g)
     x3 = wide[:, 4:68].view(3, 4, 16)  # 4 heads of 16 inside rows of 100: a strided view
     with torch.inference_mode():
-        assert _close(cpu_gemm.rms_norm(x2, w2, 1e-6), F.rms_norm(x2.double(), (40,), w2.double(), 1e-6))
-        y3 = cpu_gemm.rms_norm(x3, w3, 1e-5)
+        assert _close(cpu_kernels.rms_norm(x2, w2, 1e-6), F.rms_norm(x2.double(), (40,), w2.double(), 1e-6))
+        y3 = cpu_kernels.rms_norm(x3, w3, 1e-5)
     assert y3.is_contiguous() and _close(y3, F.rms_norm(x3.double(), (16,), w3.double(), 1e-5))
-    assert cpu_gemm.rms_norm(x2.bfloat16(), w2.bfloat16(), 1e-6) is None
+    assert cpu_kernels.rms_norm(x2.bfloat16(), w2.bfloat16(), 1e-6) is None
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -163,10 +163,10 @@ def test_norm_rope_matches_apply_rope(norm):
     x = qkv[:, :H * D].view(T, H, D)
     w = torch.randn(D, generator=g) if norm else None
     with torch.inference_mode():
-        out = cpu_gemm.norm_rope(x, w, 1e-6, cos, sin)
+        out = cpu_kernels.norm_rope(x, w, 1e-6, cos, sin)
     ref_in = F.rms_norm(x.double(), (D,), w.double(), 1e-6) if norm else x.double()
     assert _close(out, apply_rope(ref_in, cos.double(), sin.double()))
-    assert cpu_gemm.norm_rope(x, w, 1e-6, cos[:2], sin[:2]) is None  # tables for other rows: torch's path
+    assert cpu_kernels.norm_rope(x, w, 1e-6, cos[:2], sin[:2]) is None  # tables for other rows: torch's path
 
 
 @pytest.mark.parametrize("q_lora", [24, None])

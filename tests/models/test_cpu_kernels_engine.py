@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from _hf import engine, prompts, run_greedy, save_hf_model
-from models import cpu_gemm
+from models import cpu_kernels
 from test_deepseek_v3 import BASE as DS_BASE
 from test_deepseek_v3 import CASES as DS_CASES
 from test_qwen3_moe import BASE as QWEN_BASE
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
+pytestmark = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA")
 
 MODELS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN_BASE),
@@ -55,9 +55,9 @@ class _Calls:
 def test_kernels_on_and_off_give_the_same_tokens(name, folders, monkeypatch):
     from models.attention import cpu_decode
 
-    spy = _Calls(cpu_gemm._gemm)
-    monkeypatch.setattr(cpu_gemm, "_gemm", spy)
-    monkeypatch.setattr(cpu_decode, "_gemm", spy)
+    spy = _Calls(cpu_kernels._k)
+    monkeypatch.setattr(cpu_kernels, "_k", spy)
+    monkeypatch.setattr(cpu_decode, "_k", spy)
     ps = prompts(lens=(5, 19, 33))
     results = {}
     for on in (True, False):

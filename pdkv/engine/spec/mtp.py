@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.cpu_gemm import linear
+from models.cpu_kernels import linear
 from pdkv.config import ConfigError, SpeculativeConfig
 from pdkv.engine.request import Request
 from pdkv.kv import KVCache, PageAllocator
@@ -52,7 +52,7 @@ class MTPModule(nn.Module):
 def load_mtp(path: Path, arch, dtype, device, cpu_kernels: bool = True) -> MTPModule:
     """The first MTP layer of the checkpoint at ``path`` (q/k/v and gate/up fused as the target's),
     its weights laid out as the loader lays out the target's (models/loader.py)."""
-    from models.loader import (CPU_GEMM_AVAILABLE, disable_cpu_kernels, transpose_linear_weights,  # noqa: PLC0415
+    from models.loader import (CPU_KERNELS_AVAILABLE, disable_cpu_kernels, transpose_linear_weights,  # noqa: PLC0415
                                weight_files)
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -80,7 +80,7 @@ def load_mtp(path: Path, arch, dtype, device, cpu_kernels: bool = True) -> MTPMo
             if want.get(name) is None or tuple(want[name].shape) != tuple(p.shape):
                 raise ConfigError(f"{path}: MTP layer {prefix}* lacks or misshapes the tensor for {name}")
             p.copy_(want[name].to(dtype))
-    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_GEMM_AVAILABLE):
+    if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_KERNELS_AVAILABLE):
         transpose_linear_weights(m)
         disable_cpu_kernels(m)
     return m.eval()

@@ -1,17 +1,21 @@
-"""Small-batch float32 GEMMs on the CPU: ``linear`` and ``bmm`` for the few rows of a decode step.
+"""pdkv's CPU kernels (pdkv/kernels/*.c through pdkv._kernels) for the models: the few rows of
+a decode step, float32, on CPUs with AVX2+FMA.
 
-A decode step multiplies 1-16 rows by each weight, so it costs one read of every weight from
-memory. MKL's GEMV/GEMM for so few rows reads a cold weight at 9-14 GB/s on the machines this
-runs on; pdkv's kernel (pdkv/kernels/gemm_small.c: one contiguous AVX2 pass over each weight
-row, the rows of x in L1) reads it at 20-25 GB/s, about what a 1-thread ``sum`` reaches, and
-`python -m pdkv.bench kernels` prints both. It needs weights stored with the input dimension
-contiguous (the Hugging Face [out, in] layout of a Linear's weight), which the loader keeps
-when ``model.cpu_kernels`` is on (the default); off, the loader stores them [in, out], the layout
-MKL's own GEMV prefers, and every GEMM is torch's.
+- ``linear`` / ``bmm``: GEMMs of up to MAX_ROWS rows. A decode step multiplies a handful of rows
+  by each weight, so it costs one read of every weight from memory; MKL's GEMV/GEMM for so few
+  rows reads a cold weight at 5-14 GB/s on the machines this runs on, the kernel (one contiguous
+  pass over each weight row, the rows of x in L1) at 19-27 GB/s, about a 1-thread ``sum``.
+  Every result row is the same float operations whatever else is in the batch.
+- ``gated_mlp``, ``moe_one_token``: the gated MLP, and a one-token MoE step's k experts, each in
+  one call; ``route``: MoE routing (softmax, or DeepSeek's grouped sigmoid); ``rms_norm``;
+  ``norm_rope``: Qwen3's q/k norm and rope. Attention: models/attention/cpu_decode.py.
 
-Every result row is the same float operations whatever else is in the batch (batch-invariant
-for up to MAX_ROWS rows); anything the kernel does not take (more rows, another dtype or
-device, autograd, a weight in the other layout) goes to torch unchanged.
+The GEMMs need weights stored with the input dimension contiguous (the Hugging Face [out, in]
+layout of a Linear's weight), which the loader keeps when ``model.cpu_kernels`` is on (the
+default); off, it stores them [in, out], the layout MKL's own GEMV prefers, and turns every
+module's kernels off. Each front checks shapes, strides, dtypes, devices and autograd and
+hands anything it does not take to torch unchanged (or returns None for its caller's torch
+path); `python -m pdkv.bench kernels` measures the kernels against torch.
 """
 
 from __future__ import annotations
@@ -20,15 +24,15 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from pdkv import _kernels as _gemm
+    from pdkv import _kernels as _k
 except ImportError:  # the extension is not built (a source tree without build_ext): torch only
-    _gemm = None
+    _k = None
 
 # Above this many rows MKL's blocked GEMM is as fast or faster (measured up to 64 rows).
 # NOTE: outputs are made with torch.empty(ints..., dtype=...): a torch.Size argument costs ~2 us
 # more per call, and a decode step makes ~100 of them.
 MAX_ROWS = 16
-AVAILABLE = _gemm is not None and _gemm.SUPPORTED
+AVAILABLE = _k is not None and _k.SUPPORTED
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
 # thread: they take a step only when torch runs it on one thread, and a step on more threads is
 # torch's (MKL's). For small CPU steps the runner measures both and keeps the faster
@@ -56,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         m, k = x.shape
         n = weight.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        _gemm.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+        _k.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                    0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
         return y
     return F.linear(x, weight, bias)
@@ -71,7 +75,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b, m, k = x.shape
         n = w.shape[2]
         y = torch.empty(b, m, n, dtype=torch.float32)
-        _gemm.gemm_batched(b, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(2),
+        _k.gemm_batched(b, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(2),
                            y.data_ptr(), m * n, n, m, k, n)
         return y
     return torch.bmm(x, w)
@@ -85,7 +89,7 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter:
             and down.shape[0] == x.shape[1] and down.shape[1] == inter and _takes(x, gate_up) and _takes(x, down)):
         m, h = x.shape
         y = torch.empty(m, h, dtype=torch.float32)
-        _gemm.gated_mlp(x.data_ptr(), x.stride(0), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
+        _k.gated_mlp(x.data_ptr(), x.stride(0), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
                         down.stride(0), y.data_ptr(), h, m, h, inter)
         return y
     gu = linear(x, gate_up)  # [M, 2 * inter]
@@ -107,7 +111,7 @@ def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
         return None
     h, inter = x.shape[1], down.shape[2]
     out = torch.empty(1, h, dtype=torch.float32)
-    _gemm.moe_one_token(x.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1), down.data_ptr(),
+    _k.moe_one_token(x.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1), down.data_ptr(),
                         down.stride(0), down.stride(1), ids.data_ptr(), weights.data_ptr(), ids.shape[1],
                         num_experts, first, gate_up.shape[0], h, inter, out.data_ptr())
     return out
@@ -124,11 +128,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if x.dim() == 2:
         rows, dim = x.shape
         y = torch.empty(rows, dim, dtype=torch.float32)
-        _gemm.rms_norm(x.data_ptr(), x.stride(0), 0, weight.data_ptr(), y.data_ptr(), rows, 1, dim, eps)
+        _k.rms_norm(x.data_ptr(), x.stride(0), 0, weight.data_ptr(), y.data_ptr(), rows, 1, dim, eps)
     else:
         outer, inner, dim = x.shape
         y = torch.empty(outer, inner, dim, dtype=torch.float32)
-        _gemm.rms_norm(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), y.data_ptr(), outer, inner, dim,
+        _k.rms_norm(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), y.data_ptr(), outer, inner, dim,
                        eps)
     return y
 
@@ -147,16 +151,20 @@ def norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, cos
                                          and norm_weight.shape == (D,) and norm_weight.stride(0) == 1))):
         return None
     out = torch.empty(T, heads, D, dtype=torch.float32)
-    _gemm.norm_rope(x.data_ptr(), x.stride(0), T, heads, D, 0 if norm_weight is None else norm_weight.data_ptr(),
+    _k.norm_rope(x.data_ptr(), x.stride(0), T, heads, D, 0 if norm_weight is None else norm_weight.data_ptr(),
                     eps, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
+
+
+MAX_EXPERTS = 1024  # route.c MAX_EXPERTS: a model with more is routed by torch
 
 
 def route(logits: torch.Tensor, moe, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Router logits [T, E] float32 → (ids [T, k] long, weights [T, k] float32) by ``moe``'s scheme
     (models/config_moe.py: softmax, or sigmoid with groups, correction bias and scaling), as
     models/moe.py's Router computes them with torch; None when the kernel does not take them."""
-    if not (AVAILABLE and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2
+    if not (AVAILABLE and moe.num_experts <= MAX_EXPERTS and moe.top_k <= moe.num_experts
+            and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2
             and logits.is_contiguous() and logits.shape[1] == moe.num_experts
             and not (logits.requires_grad and torch.is_grad_enabled())
             and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()
@@ -166,7 +174,7 @@ def route(logits: torch.Tensor, moe, bias: torch.Tensor | None) -> tuple[torch.T
     ids = torch.empty(T, k, dtype=torch.long)
     weights = torch.empty(T, k, dtype=torch.float32)
     sigmoid = moe.scoring == "sigmoid"
-    _gemm.route(logits.data_ptr(), T, moe.num_experts, sigmoid, 0 if bias is None else bias.data_ptr(),
+    _k.route(logits.data_ptr(), T, moe.num_experts, sigmoid, 0 if bias is None else bias.data_ptr(),
                 moe.num_groups if sigmoid else 1, moe.topk_groups if sigmoid else 1, k, moe.norm_topk_prob,
                 moe.routed_scaling_factor if sigmoid else 1.0, ids.data_ptr(), weights.data_ptr())
     return ids, weights
