@@ -5,9 +5,9 @@ Parameter names follow Hugging Face (``self_attn.o_proj``, ``mlp.down_proj``, ..
 q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``: a decode step is bound by
 reading weights and by per-op overhead, and one GEMM instead of three saves both. The loader
 maps checkpoint names onto the fused rows (see ``CausalLM.STACKED``).
-NOTE: inside a forward pass submodules are run through ``.forward`` / ``linear`` (models/cpu_kernels.py) rather than
-``module(...)``: nn.Module's call machinery (hook checks) costs ~1 ms per decode step of a
-small model, about 7% of it, and these modules never carry hooks.
+NOTE: inside a forward pass submodules are run through ``.forward`` / ``linear``
+(models/cpu_kernels.py) rather than ``module(...)``: nn.Module's call machinery (hook checks)
+costs ~1 ms per decode step of a small model, about 7% of it, and these modules never carry hooks.
 Shapes: T = tokens in the step (all sequences flattened), H = hidden size.
 """
 
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ArchConfig
 from models import cpu_kernels
+from models.config import ArchConfig
 from models.cpu_kernels import gated_mlp, linear
 from models.rope import apply_rope
 
@@ -34,8 +34,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim]. Computed in float32 and cast back, exactly as transformers does (for
         other dtypes this is a little faster on the CPU than F.rms_norm, which adds dtype round
-        trips). A float32 x goes through F.rms_norm: the same ops in the same order, so the same
-        bits, in one call instead of six (a MoE decode step runs ~30 norms)."""
+        trips). A float32 x on the CPU goes through pdkv's kernel (~1 us against F.rms_norm's
+        ~9 us per [1, 512] row; equal to float32 rounding), anything else float32 through
+        F.rms_norm: the same ops in the same order as transformers, in one call instead of six
+        (a MoE decode step runs ~30 norms)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if self.cpu_kernel:  # ~1 us against F.rms_norm's ~9 us on the CPU (models/cpu_kernels.py)
                 y = cpu_kernels.rms_norm(x, self.weight, self.eps)
