@@ -89,6 +89,9 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                       || write->offsets[s] >= kv->page_size))
             return -1;
     }
+    float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)g);
+    if (scores == NULL)
+        return -1;
     if (write)
         for (int s = 0; s < b; s++) {
             float *slot = (float *)kv->cache + write->pages[s] * kv->page_stride + write->offsets[s] * kv->slot_stride;
@@ -100,9 +103,6 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                            sizeof(float) * (size_t)d);
             }
         }
-    float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)g);
-    if (scores == NULL)
-        return -1;
     const int P = kv->page_size;
     for (int s = 0; s < b; s++) {
         const int64_t n = kv_lens[s];

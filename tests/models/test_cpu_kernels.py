@@ -158,6 +158,24 @@ def test_decode_attention_matches_float64(layout, page_size, shape):
         assert _rel(out[b], ref) < 1e-5, (b, n)
 
 
+@pytest.mark.parametrize("shape", [(6, 2, 12, 12, 2), (6, 1, 12, 12, 2), (12, 1, 20, 12, 1), (3, 3, 9, 9, 2)],
+                         ids=["group3_d12", "group6", "group12_latent_d20_v12", "mha_d9"])
+def test_decode_attention_odd_groups_and_widths(shape):
+    """Head groups that fill no register block (3, 6, 12 = 8 + 4) and widths off the 8-float
+    vectors (9, 12, 20): the blocks' spare lanes and the scalar tails."""
+    Hq, Hkv, D, Dv, parts = shape
+    P, lens = 16, [1, 23, 50]
+    kv = _filled_cache("NHD", P, Hkv, D, parts, 12, seed=Hq + D)
+    tables = [[3], [7, 1], [9, 0, 11, 5]]
+    pages = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.long)
+    q = torch.randn(3, Hq, D, generator=torch.Generator().manual_seed(5))
+    out = cpu_decode.decode(kv.layer(0), False, q, pages, torch.tensor(lens), None, Hkv, Hq // Hkv, Dv, 0.4)
+    for b, (n, t) in enumerate(zip(lens, tables)):
+        g = _gathered(kv, t, n, False)
+        keys, values = g[0], (g[1] if parts == 2 else g[0][..., :Dv])
+        assert _rel(out[b], _reference(q[b].double(), keys, values, 0.4, None)) < 1e-5, (b, n)
+
+
 def test_decode_attention_sliding_window():
     P, Hkv, Hq, D = 16, 2, 4, 32
     kv = _filled_cache("HND", P, Hkv, D, 2, 12, seed=9)
