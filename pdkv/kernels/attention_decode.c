@@ -7,20 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#include "avx2.h"
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#ifdef PDKV_X86
+
 #define MAX_GROUP 128   /* query heads per KV head the kernel takes (callers check) */
 #define MAX_VALUE 1024  /* value width */
-
-AVX2 static inline float hsum(__m256 v)
-{
-    __m128 l = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    l = _mm_add_ps(l, _mm_movehl_ps(l, l));
-    l = _mm_add_ss(l, _mm_movehdup_ps(l));
-    return _mm_cvtss_f32(l);
-}
 
 #define HEAD_BLOCK 8     /* most query heads whose scores / value sums run side by side in registers */
 

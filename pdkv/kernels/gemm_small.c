@@ -2,22 +2,14 @@
  * the build stays baseline x86-64) and chosen at run time by pdkv_gemm_small_supported(). */
 #include "gemm_small.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#include "avx2.h"
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#ifdef PDKV_X86
+
 
 /* The output rows of one tile: at most 16 of them (16 * k floats, 32 KiB at k = 512) stay in
  * L1/L2 while every pair of x rows passes over them. */
 #define ROW_TILE 16
-
-AVX2 static inline float hsum(__m256 v)
-{
-    __m128 l = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    l = _mm_add_ps(l, _mm_movehl_ps(l, l));
-    l = _mm_add_ss(l, _mm_movehdup_ps(l));
-    return _mm_cvtss_f32(l);
-}
 
 /* dot(w, x) over k: 4 accumulators over blocks of 32, one over the blocks of 8 left, then the
  * scalar tail. ONE pass over w front to back: two rows streamed at once read at half the

@@ -1,20 +1,11 @@
-/* See mla_decode.h. Composed of the other kernels (norm, gemm_small, attention_decode); rope as
- * rope.c computes it. */
+/* See mla_decode.h. Composed of the other kernels (norm, rope, gemm_small, attention_decode). */
 #include "mla_decode.h"
 
 #include <stdlib.h>
 
 #include "gemm_small.h"
 #include "norm.h"
-
-static void rope_vec(const float *x, const float *c, const float *s, int d, float *o)
-{
-    int half = d / 2;
-    for (int i = 0; i < half; i++) {
-        o[i] = x[i] * c[i] + x[i + half] * s[i];
-        o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-    }
-}
+#include "rope.h"
 
 int pdkv_mla_decode(const float *q, ptrdiff_t q_row, const float *kv, ptrdiff_t kv_row, const float *cos,
                     const float *sin, const struct pdkv_mla_weights *wt, const struct pdkv_paged_kv *cache,
@@ -29,9 +20,9 @@ int pdkv_mla_decode(const float *q, ptrdiff_t q_row, const float *kv, ptrdiff_t 
     for (int r = 0; r < t; r++) {
         const float *kr = kv + r * kv_row, *c = cos + (ptrdiff_t)r * R, *s = sin + (ptrdiff_t)r * R;
         pdkv_rms_norm(kr, 0, 0, wt->kv_norm, lat + (ptrdiff_t)r * D, 1, 1, L, wt->eps);
-        rope_vec(kr + L, c, s, R, lat + (ptrdiff_t)r * D + L);
+        pdkv_rope_vec(kr + L, c, s, R, lat + (ptrdiff_t)r * D + L);
         for (int h = 0; h < H; h++)
-            rope_vec(q + r * q_row + (ptrdiff_t)h * (N + R) + N, c, s, R, query + ((ptrdiff_t)r * H + h) * D + L);
+            pdkv_rope_vec(q + r * q_row + (ptrdiff_t)h * (N + R) + N, c, s, R, query + ((ptrdiff_t)r * H + h) * D + L);
     }
     for (int h = 0; h < H; h++)  /* W_UK folded into the query: [t, N] x [L, N]^T into query[:, h, :L] */
         pdkv_gemm_small(q + (ptrdiff_t)h * (N + R), q_row, wt->w_uk + h * wt->uk_head, wt->uk_row, NULL,

@@ -3,12 +3,12 @@
 
 #include <math.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#include "avx2.h"
 
-__attribute__((target("avx2,fma"))) void pdkv_rms_norm(const float *x, ptrdiff_t outer_stride,
-                                                       ptrdiff_t inner_stride, const float *w, float *y,
-                                                       int outer, int inner, int dim, float eps)
+#ifdef PDKV_X86
+
+AVX2 void pdkv_rms_norm(const float *x, ptrdiff_t outer_stride, ptrdiff_t inner_stride, const float *w, float *y,
+                        int outer, int inner, int dim, float eps)
 {
     for (int r = 0; r < outer * inner; r++) {
         const float *xr = x + (ptrdiff_t)(r / inner) * outer_stride + (ptrdiff_t)(r % inner) * inner_stride;
@@ -24,11 +24,7 @@ __attribute__((target("avx2,fma"))) void pdkv_rms_norm(const float *x, ptrdiff_t
             __m256 a = _mm256_loadu_ps(xr + i);
             s0 = _mm256_fmadd_ps(a, a, s0);
         }
-        __m256 s = _mm256_add_ps(s0, s1);
-        __m128 l = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        l = _mm_add_ps(l, _mm_movehl_ps(l, l));
-        l = _mm_add_ss(l, _mm_movehdup_ps(l));
-        float ss = _mm_cvtss_f32(l);
+        float ss = hsum(_mm256_add_ps(s0, s1));
         for (; i < dim; i++)
             ss += xr[i] * xr[i];
         float inv = 1.0f / sqrtf(ss / (float)dim + eps);

@@ -9,11 +9,19 @@
 
 #define MAX_HEAD_DIM 1024
 
+void pdkv_rope_vec(const float *x, const float *c, const float *s, int d, float *o)
+{
+    int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        o[i] = x[i] * c[i] + x[i + half] * s[i];
+        o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+    }
+}
+
 void pdkv_norm_rope(const float *x, ptrdiff_t x_row, int t, int heads, int d, const float *norm_w, float eps,
                     const float *cos, const float *sin, float *out)
 {
     float y[MAX_HEAD_DIM];
-    int half = d / 2;
     for (int r = 0; r < t; r++) {
         const float *c = cos + (ptrdiff_t)r * d, *s = sin + (ptrdiff_t)r * d;
         for (int h = 0; h < heads; h++) {
@@ -23,10 +31,7 @@ void pdkv_norm_rope(const float *x, ptrdiff_t x_row, int t, int heads, int d, co
                 pdkv_rms_norm(xh, 0, 0, norm_w, y, 1, 1, d, eps);
             else
                 memcpy(y, xh, sizeof(float) * (size_t)d);
-            for (int i = 0; i < half; i++) {
-                o[i] = y[i] * c[i] + y[i + half] * s[i];
-                o[i + half] = y[i + half] * c[i + half] + y[i] * s[i + half];
-            }
+            pdkv_rope_vec(y, c, s, d, o);
         }
     }
 }

@@ -13,4 +13,7 @@
 void pdkv_norm_rope(const float *x, ptrdiff_t x_row, int t, int heads, int d, const float *norm_w, float eps,
                     const float *cos, const float *sin, float *out);
 
+/* o = rope(x) of one d-float vector with one row of the tables (cos c, sin s, each d floats) */
+void pdkv_rope_vec(const float *x, const float *c, const float *s, int d, float *o);
+
 #endif
