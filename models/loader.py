@@ -90,8 +90,7 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
 def disable_cpu_kernels(model: torch.nn.Module) -> None:
     """model.cpu_kernels: false: the modules that would call pdkv's kernels whatever the weights'
     layout (norms, the one-token MoE step, a tied LM head) use torch's ops instead."""
-    model.cpu_kernels = False
-    for m in model.modules():
+    for m in model.modules():  # the model itself included
         if hasattr(m, "cpu_kernel"):
             m.cpu_kernel = False
 

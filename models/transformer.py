@@ -62,9 +62,9 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A tied head reads the embedding table, whose [vocab, H] rows the loader cannot lay out
         # for MKL: with model.cpu_kernels off it must not reach pdkv's kernel by its layout.
-        return (linear if self.cpu_kernels else torch.nn.functional.linear)(hidden, weight).float()
+        return (linear if self.cpu_kernel else torch.nn.functional.linear)(hidden, weight).float()
 
-    cpu_kernels = True  # False: the loader laid the weights out for torch's GEMMs (model.cpu_kernels)
+    cpu_kernel = True  # False: the loader laid the weights out for torch's GEMMs (model.cpu_kernels)
 
     # ---- loading ---------------------------------------------------------------------------
     def param_for(self, name: str) -> tuple[str, slice | tuple | None]:

@@ -210,3 +210,10 @@ def test_mla_decode_kernel_equals_torch_path(q_lora):
             kv.layer(0).copy_(before)
         assert _close(outs[0], outs[1])
         assert _close(caches[0], caches[1]) and not torch.equal(caches[0], before)
+    # a new latent's slot outside the cache: refused by name, nothing stored
+    bad = dataclasses.replace(meta, write_pages=torch.full((3,), 30, dtype=torch.long))
+    before = kv.layer(0).clone()
+    attn.cpu_kernel = True
+    with torch.inference_mode(), pytest.raises(ValueError, match="MLA decode: .*out of range"):
+        attn.forward(0, x, cos, sin, backend, bad)
+    assert torch.equal(kv.layer(0), before)
