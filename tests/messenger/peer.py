@@ -187,29 +187,11 @@ class Agent:
     def device_counters(self, names: list) -> dict:
         """The loopback device's own per-device counts, [tx writes, tx bytes, rx writes, rx bytes]
         by device name (pdkv_loopback_counters: the port counters of a NIC, kept by the device)."""
-        import ctypes
-
-        lib = ctypes.CDLL("libibverbs.so.1")  # the loopback device this process loaded
-        out = {}
-        for name in names:
-            buf = (ctypes.c_uint64 * 4)()
-            if lib.pdkv_loopback_counters(name.encode(), buf) != 0:
-                raise KeyError(f"no loopback device {name!r}")
-            out[name] = list(buf)
-        return out
+        return _loopback_query("pdkv_loopback_counters", names, 4)
 
     def device_objects(self, names: list) -> dict:
         """The loopback device's live objects, [MRs, QPs] by device name (pdkv_loopback_objects)."""
-        import ctypes
-
-        lib = ctypes.CDLL("libibverbs.so.1")
-        out = {}
-        for name in names:
-            buf = (ctypes.c_uint64 * 2)()
-            if lib.pdkv_loopback_objects(name.encode(), buf) != 0:
-                raise KeyError(f"no loopback device {name!r}")
-            out[name] = list(buf)
-        return out
+        return _loopback_query("pdkv_loopback_objects", names, 2)
 
     def resources(self) -> dict:
         return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
@@ -224,6 +206,21 @@ class Agent:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+def _loopback_query(symbol: str, names: list, width: int) -> dict:
+    """{name: the `width` uint64 values `symbol`(name, out) of the loopback device this process
+    loaded fills in}; KeyError for a device it does not have."""
+    import ctypes
+
+    fn = getattr(ctypes.CDLL("libibverbs.so.1"), symbol)
+    out = {}
+    for name in names:
+        buf = (ctypes.c_uint64 * width)()
+        if fn(name.encode(), buf) != 0:
+            raise KeyError(f"no loopback device {name!r}")
+        out[name] = list(buf)
+    return out
 
 
 def main() -> None:

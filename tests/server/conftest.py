@@ -146,3 +146,30 @@ class _Helpers:
 @pytest.fixture(scope="session")
 def api() -> _Helpers:
     return _Helpers()
+
+
+class FailingForward:
+    """Makes the real model runner's ``nth`` forward pass from now raise (fault injection, not a
+    mock): the engine finishes that step's requests with 'error' and frees their pages."""
+
+    def __init__(self, engine, nth: int):
+        self.engine, self.real, self.left = engine, engine.runner.execute, nth
+
+    def __enter__(self):
+        def execute(*a, **kw):
+            self.left -= 1
+            if self.left == 0:
+                self.engine.runner.execute = self.real
+                raise RuntimeError("injected forward-pass failure")
+            return self.real(*a, **kw)
+        self.engine.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.runner.execute = self.real
+
+
+@pytest.fixture
+def failing_forward():
+    """``failing_forward(engine, nth)``: a context in which the runner's nth forward pass raises."""
+    return FailingForward

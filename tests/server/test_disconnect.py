@@ -71,31 +71,13 @@ def test_disconnect_before_any_output_aborts_non_streaming_request(api, served):
     served.wait_idle()
 
 
-class FaultInjection:
-    """Makes the real model runner's next forward pass raise (fault injection, not a mock):
-    the engine finishes the step's requests with 'error' and frees their pages."""
-
-    def __init__(self, engine):
-        self.engine, self.real = engine, engine.runner.execute
-
-    def __enter__(self):
-        def fail_once(*a, **kw):
-            self.engine.runner.execute = self.real
-            raise RuntimeError("injected forward-pass failure")
-        self.engine.runner.execute = fail_once
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.runner.execute = self.real
-
-
-def test_engine_failure_is_an_error_not_a_hang(api, served):
+def test_engine_failure_is_an_error_not_a_hang(api, served, failing_forward):
     served.wait_idle()
-    with FaultInjection(served.engine):
+    with failing_forward(served.engine, 1):
         status, body = api.http("POST", served.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
     assert status == 500 and body["error"]["code"] == "engine_error"
     served.wait_idle()
-    with FaultInjection(served.engine):  # failed before its first token: an HTTP error (test_stream_errors)
+    with failing_forward(served.engine, 1):  # failed before its first token: an HTTP error (test_stream_errors)
         status, body = api.http("POST", served.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 4,
                                                                           "stream": True})
     assert status == 500 and body["error"]["code"] == "engine_error"

@@ -84,41 +84,20 @@ def test_stream_refused_before_its_first_token_is_the_non_streaming_503(strict_d
     assert engine.allocator.num_free == engine.allocator.num_total and not engine.has_unfinished()
 
 
-class FailingForward:
-    """Makes the real model runner's ``nth`` forward pass from now raise (fault injection, not a
-    mock): the engine finishes that step's requests with 'error' and frees their pages."""
-
-    def __init__(self, engine, nth: int):
-        self.engine, self.real, self.left = engine, engine.runner.execute, nth
-
-    def __enter__(self):
-        def execute(*a, **kw):
-            self.left -= 1
-            if self.left == 0:
-                self.engine.runner.execute = self.real
-                raise RuntimeError("injected forward-pass failure")
-            return self.real(*a, **kw)
-        self.engine.runner.execute = execute
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.runner.execute = self.real
-
-
-def test_stream_failing_in_its_first_forward_is_the_non_streaming_500(api, served):
+def test_stream_failing_in_its_first_forward_is_the_non_streaming_500(api, served, failing_forward):
     served.wait_idle()
     body = {"prompt": "Hi", "max_tokens": 4, "stream": True}
-    with FailingForward(served.engine, 1):
+    with failing_forward(served.engine, 1):
         status, headers, ctype, text = asyncio.run(_post(served.url, "/v1/completions", body))
     assert status == 500 and ctype.startswith("application/json"), (status, text)
     assert json.loads(text)["error"]["code"] == "engine_error" and "Retry-After" not in headers
     served.wait_idle()
 
 
-def test_stream_failing_after_its_first_chunk_is_told_in_band(api, served):
+def test_stream_failing_after_its_first_chunk_is_told_in_band(api, served, failing_forward):
     served.wait_idle()
     body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    with FailingForward(served.engine, 3):  # prefill (token 1), decode (token 2), then the failure
+    with failing_forward(served.engine, 3):  # prefill (token 1), decode (token 2), then the failure
         events = api.stream(served.url, "/v1/completions", body)  # asserts the 200 event stream
     tokens = [t for e in events[:-2] for t in e["choices"][0]["token_ids"]]
     assert len(tokens) == 2, events
