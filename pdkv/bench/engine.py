@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
+    vocab = engine.loaded.arch.vocab_size
     bench_pdkv(engine, [[1] * 16], 4)  # warm-up
     results = []
     print(f"model {a.model}: {nparams / 1e6:.1f}M params, {threads} threads, torch {torch.__version__}, "
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; decode reads {wbytes / 1e6:.0f} MB of weights "
           f"-> floor {floor_s * 1e3:.2f} ms/step ({1 / floor_s:.1f} steps/s)")
     for b in sizes:
-        prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
+        # ids inside this model's vocabulary: --model may name one smaller than the bench model's
+        prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
         pre = dec = hpre = hdec = cpre = cdec = hcpre = hcdec = float("inf")
         for _ in range(a.repeats):
