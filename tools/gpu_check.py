@@ -3,7 +3,10 @@
 
     python3 tools/gpu_check.py [--json gpu_check.json] [--only NAME ...] [--budget 450] [--dry-run]
 
-From the repository root, no install or build step. Prints the environment, one line per check
+From the repository root, no install step: the ``build`` check first builds pdkv's compiled
+extensions in place with the interpreter it runs under (a fresh checkout has none, and one built
+for another Python does not load), or is SKIP, with the checks that import them, where no C
+compiler, Python headers or Cython exist. It never calls pip. Prints the environment, one line per check
 as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary with one
 line per check and ``N passed, N failed, N skipped``, and writes every result to one JSON file.
 Exit status: 0 when no check that should run failed, 1 otherwise. On a machine without a GPU
@@ -32,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, no install
 sys.path.insert(0, str(REPO / "tools"))
 
+import gpu_check_apis as apis  # noqa: E402
+import gpu_check_build as build  # noqa: E402
 import gpu_check_devices as dev  # noqa: E402
 import gpu_check_models as models  # noqa: E402
 from gpu_check_models import SkipCheck as Skip  # noqa: E402
@@ -41,7 +46,8 @@ from gpu_check_models import SkipCheck as Skip  # noqa: E402
 class Check:
     name: str
     fn: Callable[[], object]  # returns a summary string, or (summary, data dict)
-    needs: frozenset = frozenset()  # "multiprocess": two processes on the GPU
+    # "multiprocess": two processes on the GPU; "pdkv._messenger" etc.: imports that extension
+    needs: frozenset = frozenset()
     isolate: float | None = None  # run in a child process with this timeout (s): JIT builds, hangs
 
 
@@ -56,6 +62,8 @@ class Result:
 
 CHECKS = [
     Check("guard", dev.check_guard),
+    Check("build", build.check_build),  # before anything imports pdkv._messenger / pdkv._kernels
+    Check("apis", apis.check_apis),  # torch/triton/cuda-bindings here have what the checks call
     Check("compute-mode", dev.check_compute_mode),
     Check("cumem-2proc", dev.check_cumem_2proc, frozenset({"multiprocess"})),
     Check("cumem-views", dev.check_cumem_views),
@@ -70,13 +78,14 @@ CHECKS = [
     Check("decode-roofline", models.check_decode_roofline),
     Check("decode-graphs", models.check_decode_graphs),  # the engine's decode under CUDA graphs, ~60 s
     # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
-    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"}), isolate=300.0),
+    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess", "pdkv._messenger"}), isolate=300.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow
     # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
     Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),
 ]
-# What --dry-run runs on a machine without a GPU: the same code on the CPU stand-ins.
-DRY_RUN = ("decode-graphs", "disagg-gpu")
+# What --dry-run runs on a machine without a GPU: the build, the API lookup, and the same code as
+# two GPU checks on the CPU stand-ins.
+DRY_RUN = ("build", "apis", "decode-graphs", "disagg-gpu")
 
 
 def run_one(check: Check) -> Result:
@@ -129,9 +138,12 @@ def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
             skip = "the guard failed: nothing else can run"
         elif time.monotonic() - t0 > budget:
             skip = f"time budget of {budget:.0f} s used up (--budget)"
-        elif "multiprocess" in check.needs:
-            multiprocess = mode_problem() if multiprocess is None else multiprocess
-            skip = multiprocess or None
+        else:
+            if "multiprocess" in check.needs:
+                multiprocess = mode_problem() if multiprocess is None else multiprocess
+                skip = multiprocess or None
+            if skip is None:
+                skip = build.missing_for(check.needs, next((r for r in results if r.name == "build"), None))
         result = Result(check.name, "SKIP", 0.0, skip) if skip else run_one(check)
         if result.status == "SKIP" and check.name == "compute-mode" and no_gpu is None:
             multiprocess = result.detail
@@ -159,7 +171,8 @@ def exit_code(results: list[Result]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="gpu_check.json", help="where to write every result (default: %(default)s)")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks (guard always runs)")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="run only these checks (guard always runs, build when a check needs an extension)")
     ap.add_argument("--budget", type=float, default=450.0, help="skip checks that would start after this many seconds")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one isolated check, for _isolated
     ap.add_argument("--dry-run", action="store_true",
@@ -176,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         checks, env, no_gpu = [c for c in CHECKS if c.name == args.child], {}, None
         checks = [Check(c.name, c.fn, c.needs) for c in checks]  # the child runs it in-process
     else:
-        checks = [c for c in CHECKS if not args.only or c.name in args.only or c.name == "guard"]
+        chosen = {c.name for c in CHECKS if not args.only or c.name in args.only} | {"guard"}
+        if any(c.needs & set(build.EXTENSIONS) for c in CHECKS if c.name in chosen):
+            chosen.add("build")
+        checks = [c for c in CHECKS if c.name in chosen]
         env = dev.environment()
         for k, v in env.items():
             print(f"{k}: {v}")
