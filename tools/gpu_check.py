@@ -126,7 +126,8 @@ def _isolated(check: Check):
 
 
 def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
-               mode_problem: Callable[[], str | None] = lambda: None) -> list[Result]:
+               mode_problem: Callable[[], str | None] = lambda: None,
+               on_result: Callable[[list[Result]], None] = lambda results: None) -> list[Result]:
     results: list[Result] = []
     t0 = time.monotonic()
     multiprocess = None
@@ -149,6 +150,7 @@ def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
             multiprocess = result.detail
         results.append(result)
         print(_line(result), flush=True)
+        on_result(results)
     return results
 
 
@@ -202,14 +204,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dry run: {', '.join(DRY_RUN)} on the CPU stand-ins")
         elif no_gpu is not None:
             print(f"no GPU: {no_gpu}; every check is skipped")
-    results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem)
+    def write(results: list[Result], complete: bool = False) -> None:
+        # rewritten after every check: a run killed at its time limit still leaves its results
+        report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
+                  "environment": env, "no_gpu": no_gpu, "complete": complete,
+                  "checks": [asdict(r) for r in results], "passed": sum(r.status == "PASS" for r in results),
+                  "failed": sum(r.status == "FAIL" for r in results),
+                  "skipped": sum(r.status == "SKIP" for r in results)}
+        tmp = Path(f"{args.json}.tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        tmp.replace(args.json)
+
+    results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem, on_result=write)
     if not args.child:
         print("\n".join(summary(results)), flush=True)
-    report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
-              "environment": env, "no_gpu": no_gpu, "checks": [asdict(r) for r in results],
-              "passed": sum(r.status == "PASS" for r in results), "failed": sum(r.status == "FAIL" for r in results),
-              "skipped": sum(r.status == "SKIP" for r in results)}
-    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write(results, complete=True)
     if not args.child:
         print(f"results: {Path(args.json).resolve()}")
     return exit_code(results)

@@ -149,5 +149,6 @@ def check_apis() -> tuple[str, dict]:
     checked = len(TORCH) + (len(TRITON) if "triton" in found else 0) + (len(CUDA_DRIVER) if drv else 0)
     assert not problems, "; ".join(problems)
     versions = ", ".join(f"{k} {v}" for k, v in found.items())
-    return (f"{checked} APIs pdkv's GPU code calls are in {versions}" + (f" ({'; '.join(notes)})" if notes else "")), {
+    noted = f" ({'; '.join(notes)})" if notes else ""
+    return f"{checked} APIs pdkv's GPU code calls are in {versions}{noted}", {
         "versions": found, "checked": checked, "notes": notes}

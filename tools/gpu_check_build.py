@@ -103,8 +103,8 @@ def check_build() -> tuple[str, dict]:
         raise AssertionError(f"`{shlex.join(cmd)}` did not finish in {BUILD_TIMEOUT:.0f} s") from None
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
-        raise AssertionError(f"`{shlex.join(cmd)}` in {REPO} exited {proc.returncode} after {seconds:.1f} s:\n"
-                             f"{(proc.stdout + proc.stderr)[-4000:]}")
+        raise AssertionError(f"`{shlex.join(cmd)}` in {REPO} exited {proc.returncode} after "
+                             f"{seconds:.1f} s:\n{(proc.stdout + proc.stderr)[-4000:]}")
     errors = {n: e for n in EXTENSIONS if (e := import_error(n))}
     assert not errors, f"built, but {'; '.join(f'{n}: {e}' for n, e in errors.items())}"
     rebuilt = [n for n in EXTENSIONS if built_path(n).stat().st_mtime_ns != before[n]]
@@ -113,7 +113,7 @@ def check_build() -> tuple[str, dict]:
     transports = "tcp, verbs" if verbs else "tcp only: no libibverbs headers, or PDKV_NO_VERBS"
     return (f"{what} (messenger: {transports}) "
             f"with {python} in {seconds:.1f} s"), {
-        "seconds": round(seconds, 2), "rebuilt": rebuilt, "verbs": verbs, "python": sys.version.split()[0],
+        "seconds": seconds, "rebuilt": rebuilt, "verbs": verbs, "python": sys.version.split()[0],
         "files": [str(built_path(n).relative_to(REPO)) for n in EXTENSIONS]}
 
 

@@ -71,8 +71,9 @@ def test_dry_run_on_a_fresh_checkout_builds_the_extensions_and_every_check_passe
     repo = _fresh_copy(tmp_path / "repo")
     python = _bare_python(tmp_path / "venv")
     assert not list((repo / "pdkv").glob("*.so")) and not (repo / "pdkv/_messenger.c").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = subprocess.run([str(python), "-c", "import pdkv._messenger"], cwd=repo, capture_output=True,
-                           text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                           text=True, timeout=120, env=env)
     assert "No module named 'pdkv._messenger'" in probe.stderr, probe  # fresh, and nothing leaks in
 
     proc = _run(python, repo, ["--dry-run", "--json", "r.json"])
@@ -86,7 +87,8 @@ def test_dry_run_on_a_fresh_checkout_builds_the_extensions_and_every_check_passe
     b = checks["build"]
     assert b["data"]["rebuilt"] == ["pdkv._messenger", "pdkv._kernels"], b
     assert (repo / f"pdkv/_messenger{EXT}").is_file() and (repo / f"pdkv/_kernels{EXT}").is_file()
-    assert b["detail"].startswith("built pdkv._messenger, pdkv._kernels (messenger: tcp") and " s" in b["detail"]
+    assert b["detail"].startswith("built pdkv._messenger, pdkv._kernels (messenger: tcp"), b
+    assert b["data"]["seconds"] > 0 and f"in {b['data']['seconds']:.1f} s" in b["detail"], b
     assert "PASS build (" in out and "4 passed, 0 failed, 0 skipped" in out
     assert "build toolchain: complete" in out and "cython: " in out  # the environment lines
 
