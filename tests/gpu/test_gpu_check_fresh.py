@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import sysconfig
@@ -54,8 +55,9 @@ def _bare_python(dest: Path) -> Path:
     python = dest / "bin" / "python"
     out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(out, "requirements.pth").write_text("".join(p + "\n" for p in sorted(ours)))
+    # every site directory of this interpreter (a venv's, and the system's where it includes them)
+    ours = dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"]])
+    Path(out, "requirements.pth").write_text("".join(p + "\n" for p in ours))
     return python
 
 
