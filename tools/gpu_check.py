@@ -6,9 +6,11 @@
 From the repository root, no install step: the ``build`` check first builds pdkv's compiled
 extensions in place with the interpreter it runs under (a fresh checkout has none, and one built
 for another Python does not load), or is SKIP, with the checks that import them, where no C
-compiler, Python headers or Cython exist. It never calls pip. Prints the environment, one line per check
-as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary with one
-line per check and ``N passed, N failed, N skipped``, and writes every result to one JSON file.
+compiler, Python headers or Cython exist; it never calls pip. The ``apis`` check then looks up
+every torch / Triton / cuda-bindings API the GPU code calls. Prints the environment, one line
+per check as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary
+with one line per check and ``N passed, N failed, N skipped``, and writes every result to one
+JSON file (rewritten after every check).
 Exit status: 0 when no check that should run failed, 1 otherwise. On a machine without a GPU
 (no driver, or no device) it says "no GPU", marks every check SKIP and exits 0.
 
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dry run: {', '.join(DRY_RUN)} on the CPU stand-ins")
         elif no_gpu is not None:
             print(f"no GPU: {no_gpu}; every check is skipped")
+
     def write(results: list[Result], complete: bool = False) -> None:
         # rewritten after every check: a run killed at its time limit still leaves its results
         report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
