@@ -85,7 +85,7 @@ def _resolve(root, dotted: str):
 
 def _takes(obj, kwarg: str) -> bool:
     """Whether ``obj`` (a function or class) accepts ``kwarg``; builtins without a signature are
-    read from their docstring, which spells the signature out."""
+    read from their docstring, which spells the signature out or documents each parameter."""
     for target in (obj, getattr(obj, "__init__", None), getattr(obj, "__new__", None)):
         try:
             params = inspect.signature(target).parameters
@@ -93,7 +93,8 @@ def _takes(obj, kwarg: str) -> bool:
             continue
         if kwarg in params:  # a **kwargs says nothing: an inherited one swallows anything
             return True
-    return f"{kwarg}=" in (getattr(obj, "__doc__", None) or "")
+    doc = getattr(obj, "__doc__", None) or ""
+    return f"{kwarg}=" in doc or f":param {kwarg}:" in doc
 
 
 def missing(root, package: str, version: str, apis) -> list[str]:
@@ -131,6 +132,7 @@ def check_apis() -> tuple[str, dict]:
     notes = []
     try:
         triton = importlib.import_module("triton")
+        importlib.import_module("triton.language")  # the attribute exists once the module is loaded
     except ImportError as e:
         notes.append(f"triton not installed ({e}): the layer counter bumps with torch's add_ "
                      "and counter-graph is SKIP")
