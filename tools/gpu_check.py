@@ -3,9 +3,14 @@
 
     python3 tools/gpu_check.py [--json gpu_check.json] [--only NAME ...] [--budget 450] [--dry-run]
 
-From the repository root, no install or build step. Prints the environment, one line per check
-as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary with one
-line per check and ``N passed, N failed, N skipped``, and writes every result to one JSON file.
+From the repository root, no install step: the ``build`` check first builds pdkv's compiled
+extensions in place with the interpreter it runs under (a fresh checkout has none, and one built
+for another Python does not load), or is SKIP, with the checks that import them, where no C
+compiler, Python headers or Cython exist; it never calls pip. The ``apis`` check then looks up
+every torch / Triton / cuda-bindings API the GPU code calls. Prints the environment, one line
+per check as it ends (``PASS`` / ``FAIL`` / ``SKIP``, a traceback after a FAIL), then a summary
+with one line per check and ``N passed, N failed, N skipped``, and writes every result to one
+JSON file (rewritten after every check).
 Exit status: 0 when no check that should run failed, 1 otherwise. On a machine without a GPU
 (no driver, or no device) it says "no GPU", marks every check SKIP and exits 0.
 
@@ -32,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, no install
 sys.path.insert(0, str(REPO / "tools"))
 
+import gpu_check_apis as apis  # noqa: E402
+import gpu_check_build as build  # noqa: E402
 import gpu_check_devices as dev  # noqa: E402
 import gpu_check_models as models  # noqa: E402
 from gpu_check_models import SkipCheck as Skip  # noqa: E402
@@ -41,7 +48,8 @@ from gpu_check_models import SkipCheck as Skip  # noqa: E402
 class Check:
     name: str
     fn: Callable[[], object]  # returns a summary string, or (summary, data dict)
-    needs: frozenset = frozenset()  # "multiprocess": two processes on the GPU
+    # "multiprocess": two processes on the GPU; "pdkv._messenger" etc.: imports that extension
+    needs: frozenset = frozenset()
     isolate: float | None = None  # run in a child process with this timeout (s): JIT builds, hangs
 
 
@@ -56,6 +64,8 @@ class Result:
 
 CHECKS = [
     Check("guard", dev.check_guard),
+    Check("build", build.check_build),  # before anything imports pdkv._messenger / pdkv._kernels
+    Check("apis", apis.check_apis),  # torch/triton/cuda-bindings here have what the checks call
     Check("compute-mode", dev.check_compute_mode),
     Check("cumem-2proc", dev.check_cumem_2proc, frozenset({"multiprocess"})),
     Check("cumem-views", dev.check_cumem_views),
@@ -70,13 +80,14 @@ CHECKS = [
     Check("decode-roofline", models.check_decode_roofline),
     Check("decode-graphs", models.check_decode_graphs),  # the engine's decode under CUDA graphs, ~60 s
     # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
-    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess"}), isolate=300.0),
+    Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess", "pdkv._messenger"}), isolate=300.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow
     # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
     Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),
 ]
-# What --dry-run runs on a machine without a GPU: the same code on the CPU stand-ins.
-DRY_RUN = ("decode-graphs", "disagg-gpu")
+# What --dry-run runs on a machine without a GPU: the build, the API lookup, and the same code as
+# two GPU checks on the CPU stand-ins.
+DRY_RUN = ("build", "apis", "decode-graphs", "disagg-gpu")
 
 
 def run_one(check: Check) -> Result:
@@ -117,7 +128,8 @@ def _isolated(check: Check):
 
 
 def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
-               mode_problem: Callable[[], str | None] = lambda: None) -> list[Result]:
+               mode_problem: Callable[[], str | None] = lambda: None,
+               on_result: Callable[[list[Result]], None] = lambda results: None) -> list[Result]:
     results: list[Result] = []
     t0 = time.monotonic()
     multiprocess = None
@@ -129,14 +141,18 @@ def run_checks(checks: list[Check], budget: float, no_gpu: str | None = None,
             skip = "the guard failed: nothing else can run"
         elif time.monotonic() - t0 > budget:
             skip = f"time budget of {budget:.0f} s used up (--budget)"
-        elif "multiprocess" in check.needs:
-            multiprocess = mode_problem() if multiprocess is None else multiprocess
-            skip = multiprocess or None
+        else:
+            if "multiprocess" in check.needs:
+                multiprocess = mode_problem() if multiprocess is None else multiprocess
+                skip = multiprocess or None
+            if skip is None:
+                skip = build.missing_for(check.needs, next((r for r in results if r.name == "build"), None))
         result = Result(check.name, "SKIP", 0.0, skip) if skip else run_one(check)
         if result.status == "SKIP" and check.name == "compute-mode" and no_gpu is None:
             multiprocess = result.detail
         results.append(result)
         print(_line(result), flush=True)
+        on_result(results)
     return results
 
 
@@ -159,7 +175,8 @@ def exit_code(results: list[Result]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="gpu_check.json", help="where to write every result (default: %(default)s)")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks (guard always runs)")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="run only these checks (guard always runs, build when a check needs an extension)")
     ap.add_argument("--budget", type=float, default=450.0, help="skip checks that would start after this many seconds")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one isolated check, for _isolated
     ap.add_argument("--dry-run", action="store_true",
@@ -176,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         checks, env, no_gpu = [c for c in CHECKS if c.name == args.child], {}, None
         checks = [Check(c.name, c.fn, c.needs) for c in checks]  # the child runs it in-process
     else:
-        checks = [c for c in CHECKS if not args.only or c.name in args.only or c.name == "guard"]
+        chosen = {c.name for c in CHECKS if not args.only or c.name in args.only} | {"guard"}
+        if any(c.needs & set(build.EXTENSIONS) for c in CHECKS if c.name in chosen):
+            chosen.add("build")
+        checks = [c for c in CHECKS if c.name in chosen]
         env = dev.environment()
         for k, v in env.items():
             print(f"{k}: {v}")
@@ -186,14 +206,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dry run: {', '.join(DRY_RUN)} on the CPU stand-ins")
         elif no_gpu is not None:
             print(f"no GPU: {no_gpu}; every check is skipped")
-    results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem)
+
+    def write(results: list[Result], complete: bool = False) -> None:
+        # rewritten after every check: a run killed at its time limit still leaves its results
+        report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
+                  "environment": env, "no_gpu": no_gpu, "complete": complete,
+                  "checks": [asdict(r) for r in results], "passed": sum(r.status == "PASS" for r in results),
+                  "failed": sum(r.status == "FAIL" for r in results),
+                  "skipped": sum(r.status == "SKIP" for r in results)}
+        tmp = Path(f"{args.json}.tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        tmp.replace(args.json)
+
+    results = run_checks(checks, args.budget, no_gpu, dev.multiprocess_problem, on_result=write)
     if not args.child:
         print("\n".join(summary(results)), flush=True)
-    report = {"started_unix": started, "seconds": time.time() - started, "host": platform.node(),
-              "environment": env, "no_gpu": no_gpu, "checks": [asdict(r) for r in results],
-              "passed": sum(r.status == "PASS" for r in results), "failed": sum(r.status == "FAIL" for r in results),
-              "skipped": sum(r.status == "SKIP" for r in results)}
-    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write(results, complete=True)
     if not args.child:
         print(f"results: {Path(args.json).resolve()}")
     return exit_code(results)

@@ -9,15 +9,21 @@ exit 0) apart from "a GPU is here but something is missing" (the guard FAILs).
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
 
 from gpu_check_models import SkipCheck
 
 
 def environment() -> dict:
     """Versions and the device, as far as they can be read here (never raises)."""
-    env = {"python": platform.python_version()}
+    env = {"python": f"{platform.python_version()} ({sys.executable})"}
     try:
         import torch
 
@@ -44,7 +50,31 @@ def environment() -> dict:
             env[name] = __import__(name).__version__
         except Exception as e:  # noqa: BLE001
             env[name] = f"unavailable ({type(e).__name__})"
+    # the rest of what the checks and the build step import, by distribution name
+    for dist in ("numpy", "cython", "setuptools", "pyyaml", "safetensors", "tokenizers", "aiohttp",
+                 "prometheus-client", "msgpack", "jinja2", "ninja"):
+        try:
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist] = "not installed"
+    env["nvcc"] = _first_line(["nvcc", "--version"], last=True)
+    from gpu_check_build import _compiler_env, toolchain_problem
+
+    cc = shlex.split(_compiler_env()[0].get("CC") or sysconfig.get_config_var("CC") or "cc")[0]
+    env["C compiler"] = f"{cc}: {_first_line([cc, '--version'])}"
+    env["build toolchain"] = toolchain_problem() or "complete (C compiler, Python headers, Cython, setuptools)"
     return env
+
+
+def _first_line(cmd: list[str], last: bool = False) -> str:
+    """The first (or last) line a tool prints about its version, or why there is none."""
+    if shutil.which(cmd[0]) is None:
+        return "not on PATH"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable ({type(e).__name__})"
+    return (out[-1] if last else out[0]) if out else "no output"
 
 
 def no_gpu_reason() -> str | None:

@@ -173,21 +173,69 @@ def test_no_gpu_is_told_apart_from_a_gpu_host_with_something_missing(monkeypatch
     assert gpu_check_devices.no_gpu_reason() is None  # a GPU with the wrong bindings: the guard FAILs
 
 
-def test_dry_run_runs_the_disaggregated_step_on_the_cpu_stand_ins(tmp_path):
-    """--dry-run: the GPU check's two-process disaggregated flow (pdkv up, tcp, staging) on host
-    KV through the CPU copy engine; tokens equal a colocated engine's, bytes agree on both sides.
-    And the decode-graphs check on the stand-in capture: graph tokens equal eager, the counter
-    equals the bumps issued."""
-    out_json = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools/gpu_check.py"), "--dry-run", "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    graphs, check = json.loads(out_json.read_text())["checks"]
-    assert graphs["name"] == "decode-graphs" and graphs["status"] == "PASS", graphs
-    g = graphs["data"]
-    assert g["device"] == "cpu" and g["tokens_equal"] and g["padded_rows"] > 0 and g["graph_replays"]
-    assert g["counter_bumps"] == g["counter_bumps_issued"] > 0 and "graph_counter_vs_graph_b8" in g
-    assert check["name"] == "disagg-gpu" and check["status"] == "PASS", check
-    assert check["data"]["device"] == "cpu" and check["data"]["kv_bytes"] > 0
-    assert "tokens equal colocated" in check["detail"] and "cpu-copy" in check["detail"]
+def test_a_check_needing_an_extension_that_is_not_built_is_skipped_with_the_builds_reason(monkeypatch):
+    import gpu_check_build
+
+    # fault injection: an extension name nothing builds, so it never imports
+    monkeypatch.setattr(gpu_check_build, "EXTENSIONS", ("pdkv._messenger", "pdkv._not_built"))
+    ran = []
+    cant = "cannot build pdkv's extensions with python 3.x: no C compiler: CC='/x/cc' is not on PATH"
+    needs_built = gpu_check.Check("uses-messenger", lambda: ran.append("m") or "ok", frozenset({"pdkv._messenger"}))
+    needs_unbuilt = gpu_check.Check("uses-other", lambda: ran.append("o") or "ok", frozenset({"pdkv._not_built"}))
+    results = gpu_check.run_checks([gpu_check.Check("build", lambda: (_ for _ in ()).throw(gpu_check.Skip(cant))),
+                                    needs_built, needs_unbuilt], budget=1e9)
+    assert [r.status for r in results] == ["SKIP", "PASS", "SKIP"] and ran == ["m"]  # importable: it runs
+    assert results[2].detail == f"needs pdkv._not_built, which is not built for this Python: {cant}"
+    results = gpu_check.run_checks([gpu_check.Check("build", _boom), needs_unbuilt], budget=1e9)
+    assert results[1].detail.endswith("not built for this Python: the build step failed (above)")
+    results = gpu_check.run_checks([needs_unbuilt], budget=1e9)  # e.g. a --child run: nothing built it
+    assert results[0].status == "SKIP" and results[0].detail.endswith("the build step did not run")
+
+
+def test_the_toolchain_check_names_a_missing_compiler_and_missing_python_headers(monkeypatch, tmp_path):
+    import sysconfig
+
+    import gpu_check_build
+
+    assert gpu_check_build.toolchain_problem() is None  # this machine builds the extensions
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    real = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "include": str(tmp_path)})
+    problem = gpu_check_build.toolchain_problem()
+    assert f"no Python headers: {tmp_path / 'Python.h'} does not exist" in problem, problem
+    assert "no C compiler: CC='/nonexistent/cc' is not on PATH" in problem, problem
+    with pytest.raises(gpu_check.Skip, match="cannot build pdkv's extensions with python .*no C compiler"):
+        gpu_check_build.check_build()
+
+
+def test_an_older_torch_is_named_with_what_it_lacks_and_the_version_needed():
+    import types
+
+    import gpu_check_apis as apis
+
+    assert apis.missing(torch, "torch", torch.__version__, apis.TORCH) == []  # the torch here has them all
+
+    def graph(cuda_graph, pool=None, stream=None):  # an older torch.cuda.graph: no capture_error_mode
+        pass
+
+    # fault injection: a stand-in for an old torch, the real one with two APIs taken away
+    old = types.SimpleNamespace(**{k: getattr(torch, k) for k in ("as_tensor", "empty", "frombuffer")})
+    old.cuda = types.SimpleNamespace(**{k: getattr(torch.cuda, k) for k in dir(torch.cuda) if not k.startswith("__")})
+    old.cuda.graph = graph
+    old.nn = types.SimpleNamespace(functional=types.SimpleNamespace(
+        scaled_dot_product_attention=torch.nn.functional.scaled_dot_product_attention))
+    got = apis.missing(old, "torch", "2.3.0", apis.TORCH)
+    assert got == ["torch 2.3.0: torch.cuda.graph takes no capture_error_mode= (needs torch >= 2.1; used by "
+                   "pdkv/engine/cuda_graphs.py)",
+                   "torch 2.3.0 has no torch.nn.functional.rms_norm (needs torch >= 2.4; used by models/layers.py)"]
+
+
+def test_only_adds_the_build_for_a_check_that_needs_an_extension(tmp_path, capsys):
+    if HAVE_GPU:
+        pytest.skip("on a GPU machine this would run the checks")
+    out = tmp_path / "r.json"
+    assert gpu_check.main(["--only", "disagg-gpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [c["name"] for c in report["checks"]] == ["guard", "build", "disagg-gpu"] and report["complete"]
+    gpu_check.main(["--only", "counter", "--json", str(out)])
+    assert [c["name"] for c in json.loads(out.read_text())["checks"]] == ["guard", "counter"]
