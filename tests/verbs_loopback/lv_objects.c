@@ -184,13 +184,18 @@ int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_por
     struct ibv_port_attr *a = (struct ibv_port_attr *)attr;
     if (port != 1)
         return EINVAL;
-    a->state = IBV_PORT_ACTIVE;
+    /* FAULT INJECTION: port_down=K reports the K-th device's port (1-based) DOWN, link disabled */
+    long down = lv_fault("port_down");
+    int is_down = down > 0 && down <= LV_MAX_DEVICES && ctx->device == &g_devices[down - 1];
+    a->state = is_down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
     a->max_mtu = IBV_MTU_4096;
     a->active_mtu = IBV_MTU_4096;
     a->gid_tbl_len = 1;
     a->max_msg_sz = 1u << 31;
     a->pkey_tbl_len = 1;
-    a->phys_state = 5; /* LinkUp */
+    a->phys_state = is_down ? 3 : 5; /* Disabled : LinkUp */
+    a->active_width = 2;  /* 4X */
+    a->active_speed = 32; /* EDR: 4X EDR = 100 Gb/s */
     a->link_layer = lv_link_is_ib() ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
     a->lid = lv_local_lid();
     return 0;
