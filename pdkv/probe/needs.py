@@ -10,6 +10,10 @@ memory. GPU KV without staging (messenger.staging off) needs GPUDirect RDMA on t
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +81,10 @@ def config_needs(cfg: Config, sysfs_root: str = "/") -> ConfigNeeds:
     return ConfigNeeds(where.nics, ring, "the staging ring", ordinal, not staged, where.reason)
 
 
-def serve_check(cfg: Config, backend: str = "auto") -> str | None:
+def serve_check(cfg: Config, backend: str = "auto", timeout_s: float = 600.0) -> str | None:
     """None when every NIC the node will open passes the probe (or it opens none), else the
-    message ``pdkv serve`` refuses to start with: each failing NIC, what is missing, the fix."""
-    from pdkv.probe.gpu import cuda_memory  # noqa: PLC0415
-    from pdkv.probe.run import ProbeUnavailable, run_probe  # noqa: PLC0415
+    message ``pdkv serve`` refuses to start with: each failing NIC, what is missing, the fix.
+    The probe runs in a child process (``python -m pdkv.probe``), never in the server."""
     from pdkv.topo import TopologyError  # noqa: PLC0415
 
     if not uses_verbs(cfg):
@@ -90,19 +93,20 @@ def serve_check(cfg: Config, backend: str = "auto") -> str | None:
         needs = config_needs(cfg)
     except TopologyError as e:
         return f"{cfg.source}: messenger.nics: {e}"
-    gpu, why = (None, "")
-    if needs.gpu_ordinal is not None:
-        gpu, why = cuda_memory(needs.gpu_ordinal)
+    request = {"nics": list(needs.nics), "host_bytes": needs.host_bytes, "what": needs.what, "backend": backend,
+               "gpu_ordinal": needs.gpu_ordinal, "gpudirect_required": needs.gpudirect_required}
+    root = str(Path(__file__).resolve().parents[2])  # the child imports this same pdkv
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     try:
-        result = run_probe(needs.nics, needs.host_bytes, needs.what, backend, gpu,
-                           f"GPUDirect not checked: {why}" if why else "", needs.gpudirect_required)
-    except ProbeUnavailable as e:
-        return f"{cfg.source}: messenger.transport verbs: {e}"
-    finally:
-        if gpu is not None:
-            gpu.close()
-    if result.ok:
+        proc = subprocess.run([sys.executable, "-m", "pdkv.probe"], input=json.dumps(request), text=True,
+                              capture_output=True, timeout=timeout_s, env=env)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return f"{cfg.source}: the RDMA probe of {', '.join(needs.nics)} did not finish in {timeout_s:g} s"
+    except (ValueError, IndexError):
+        return (f"{cfg.source}: the RDMA probe of {', '.join(needs.nics)} failed (exit status "
+                f"{proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    if result["ok"]:
         return None
     return (f"{cfg.source}: messenger.transport verbs cannot use this host's NICs: "
-            + " | ".join(result.failures())
-            + f" (details: tools/topo --probe -c {cfg.source})")
+            + " | ".join(result["failures"]) + f" (details: tools/topo --probe -c {cfg.source})")

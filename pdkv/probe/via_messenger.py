@@ -17,11 +17,12 @@ import ctypes.util
 import errno
 import mmap
 import os
+import re
 import time
 
 from pdkv.probe import checks
 from pdkv.probe.gpu import DeviceMemory, try_gpudirect
-from pdkv.probe.report import DeviceReport, GidInfo, PortInfo, Problem
+from pdkv.probe.report import PORT_STATES, DeviceReport, GidInfo, PortInfo, Problem
 
 WRITE_BYTES = 4096
 
@@ -92,8 +93,12 @@ def _open_problem(name: str, message: str, port: PortInfo | None, netdev: str | 
             bad, _ = checks.port_problems(name, port, 1, netdev)
             if bad:
                 return bad
-        return [Problem(message, f"bring the port up (`rdma link show {name}`; RoCE: `ip link set "
-                                 f"{netdev or 'IFACE'} up`; InfiniBand: a running subnet manager)")]
+        m = re.search(r"port (\d+) of NIC \S+ is not active \(state (\d+)\)", message)
+        what = (f"port {m.group(1)} is {PORT_STATES.get(int(m.group(2)), m.group(2))} (pdkv's verbs "
+                "transport refused it)") if m else message
+        return [Problem(what, f"bring the link up: RoCE: `ip link set {netdev or 'IFACE'} up` (`rdma link show "
+                              f"{name}` names IFACE), and check the cable and the switch port; InfiniBand: a "
+                              "subnet manager must run (opensm or the switch's)")]
     if "no RDMA device" in message:
         return [checks.no_device_problem()]
     return [checks.open_problem(message)]

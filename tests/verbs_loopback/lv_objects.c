@@ -240,12 +240,28 @@ int ibv_dealloc_pd(struct ibv_pd *pd)
     return 0;
 }
 
+/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
+static int unmapped(const void *addr, size_t len)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
+    unsigned char v;
+    (void)len;
+    return mincore((void *)a, (size_t)page, &v) != 0; /* ENOMEM: not mapped here */
+}
+
 struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova,
                                 unsigned int access)
 {
     if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
         !(access & IBV_ACCESS_LOCAL_WRITE)) {
         errno = EINVAL; /* the spec requires LOCAL_WRITE with REMOTE_WRITE */
+        return NULL;
+    }
+    /* every entry point registers through here (verbs.h turns a non-constant access into
+     * ibv_reg_mr_iova2); a dma-buf's own mapping is always mapped */
+    if (lv_fault("no_peermem") && unmapped(addr, len)) {
+        errno = EFAULT;
         return NULL;
     }
     struct lv_mr *m = calloc(1, sizeof *m);
@@ -299,16 +315,6 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t leng
     return mr;
 }
 
-/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
-static int unmapped(const void *addr, size_t len)
-{
-    long page = sysconf(_SC_PAGESIZE);
-    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
-    unsigned char v;
-    (void)len;
-    return mincore((void *)a, (size_t)page, &v) != 0; /* ENOMEM: not mapped here */
-}
-
 struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 {
     return ibv_reg_mr_iova2(pd, addr, len, (uintptr_t)addr, (unsigned)access);
@@ -316,10 +322,6 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 
 struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
 {
-    if (lv_fault("no_peermem") && unmapped(addr, len)) {
-        errno = EFAULT;
-        return NULL;
-    }
     return ibv_reg_mr_iova2(pd, addr, len, iova, (unsigned)access);
 }
 
