@@ -14,13 +14,12 @@ from pdkv.probe.report import PortInfo, Problem
 KIB = 1024
 
 
-def port_problems(dev: str, port: PortInfo | None, num_ports: int, netdev: str | None
-                  ) -> tuple[list[Problem], list[str]]:
-    """(problems, notes) of the port pdkv uses (``port`` None: the device has no such port)."""
+def port_problems(dev: str, port_num: int, port: PortInfo | None, num_ports: int,
+                  netdev: str | None) -> tuple[list[Problem], list[str]]:
+    """(problems, notes) of port ``port_num``, the one pdkv uses (``port`` None: no such port)."""
     if port is None:
-        return [Problem(f"the device has no port {num_ports + 1 if num_ports else 1}"
-                        f" ({num_ports} port(s))", "name an existing port as NIC:PORT, e.g. "
-                        f"{dev}:1, in messenger.nics")], []
+        return [Problem(f"the device has no port {port_num} ({num_ports} port(s))",
+                        f"name an existing port as NIC:PORT, e.g. {dev}:1, in messenger.nics")], []
     problems, notes = [], []
     iface = netdev or "IFACE"
     where = "" if netdev else f" (IFACE: the port's interface; `rdma link show {dev}/{port.num}` names it)"
@@ -47,7 +46,8 @@ def port_problems(dev: str, port: PortInfo | None, num_ports: int, netdev: str |
             notes.append(f"no routable RoCE v2 GID (only link-local/v1): traffic cannot cross an IP router; "
                          f"give {iface} an IP address")
         if port.active_mtu is not None and port.active_mtu < 4096:
-            notes.append(f"RoCE path MTU {port.active_mtu}: set {iface}'s MTU to 4200 or more (9000 is usual)")
+            notes.append(f"RoCE path MTU {port.active_mtu}: set {iface}'s MTU to 4200 or more "
+                         "(9000 is usual)")
     return problems, notes
 
 
@@ -82,7 +82,8 @@ def mr_size_problem(nbytes: int, max_mr_size: int, what: str) -> Problem | None:
     if max_mr_size and nbytes > max_mr_size:
         return Problem(f"{what} ({nbytes / 2**30:.2f} GiB) is larger than the device's largest memory "
                        f"region (max_mr_size {max_mr_size / 2**30:.2f} GiB)",
-                       "lower kv_cache.memory_gib / kv_cache.num_pages, or use a NIC with a larger max_mr_size")
+                       "lower kv_cache.memory_gib / kv_cache.num_pages, or use a NIC with a larger "
+                       "max_mr_size")
     return None
 
 

@@ -93,10 +93,12 @@ def serve_check(cfg: Config, backend: str = "auto", timeout_s: float = 600.0) ->
         needs = config_needs(cfg)
     except TopologyError as e:
         return f"{cfg.source}: messenger.nics: {e}"
-    request = {"nics": list(needs.nics), "host_bytes": needs.host_bytes, "what": needs.what, "backend": backend,
-               "gpu_ordinal": needs.gpu_ordinal, "gpudirect_required": needs.gpudirect_required}
+    request = {"nics": list(needs.nics), "host_bytes": needs.host_bytes, "what": needs.what,
+               "backend": backend, "gpu_ordinal": needs.gpu_ordinal,
+               "gpudirect_required": needs.gpudirect_required}
     root = str(Path(__file__).resolve().parents[2])  # the child imports this same pdkv
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     try:
         proc = subprocess.run([sys.executable, "-m", "pdkv.probe"], input=json.dumps(request), text=True,
                               capture_output=True, timeout=timeout_s, env=env)

@@ -58,8 +58,8 @@ def choose_backend(backend: str = "auto"):
     from pdkv._messenger import HAVE_VERBS  # noqa: PLC0415
 
     if not HAVE_VERBS:
-        raise ProbeUnavailable("pdkv was built without libibverbs (install libibverbs-dev, then `make install`)"
-                               + (f"; and {notes[0]}" if notes else ""))
+        raise ProbeUnavailable("pdkv was built without libibverbs (install libibverbs-dev, then "
+                               "`make install`)" + (f"; and {notes[0]}" if notes else ""))
     return None, "pdkv's verbs messenger (pdkv._messenger)", notes
 
 

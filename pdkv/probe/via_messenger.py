@@ -90,15 +90,15 @@ def _open_problem(name: str, message: str, port: PortInfo | None, netdev: str | 
         return [checks.not_found_problem(name, available)]
     if "not active" in message or "no LID" in message:
         if port is not None:
-            bad, _ = checks.port_problems(name, port, 1, netdev)
+            bad, _ = checks.port_problems(name, port.num, port, 1, netdev)
             if bad:
                 return bad
         m = re.search(r"port (\d+) of NIC \S+ is not active \(state (\d+)\)", message)
         what = (f"port {m.group(1)} is {PORT_STATES.get(int(m.group(2)), m.group(2))} (pdkv's verbs "
                 "transport refused it)") if m else message
-        return [Problem(what, f"bring the link up: RoCE: `ip link set {netdev or 'IFACE'} up` (`rdma link show "
-                              f"{name}` names IFACE), and check the cable and the switch port; InfiniBand: a "
-                              "subnet manager must run (opensm or the switch's)")]
+        return [Problem(what, f"bring the link up: RoCE: `ip link set {netdev or 'IFACE'} up` "
+                              f"(`rdma link show {name}` names IFACE), and check the cable and the "
+                              "switch port; InfiniBand: a subnet manager must run (opensm or the switch's)")]
     if "no RDMA device" in message:
         return [checks.no_device_problem()]
     return [checks.open_problem(message)]
@@ -111,7 +111,8 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
 
     port = port_from_topo(sysfs_port) if sysfs_port is not None else None
     report = dict(name=name, backend="messenger", port=port_num, ports=(port,) if port else ())
-    notes = [] if port else ["port attributes not queried (pdkv's transport does not report them and the device is not in sysfs)"]
+    notes = [] if port else ["port attributes not queried (pdkv's transport does not report them "
+                             "and the device is not in sysfs)"]
     opened = []
     try:
         for node in (0x70b0e001, 0x70b0e002):
@@ -126,7 +127,7 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
                           "transport)"]
     try:
         if port is not None:
-            bad, port_notes = checks.port_problems(name, port, 1, netdev)
+            bad, port_notes = checks.port_problems(name, port_num, port, 1, netdev)
             problems += bad
             notes += port_notes
         try:

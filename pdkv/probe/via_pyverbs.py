@@ -55,7 +55,8 @@ def load_pyverbs() -> tuple[SimpleNamespace | None, str]:
             for name in [n for n in sys.modules if n == "pyverbs" or n.startswith("pyverbs.")]:
                 del sys.modules[name]
             return None, f"{first}; {pkg} does not load: {e}"
-    return None, f"{first}, and no python3-pyverbs in {', '.join(SYSTEM_DIRS)} (`apt-get install python3-pyverbs`)"
+    return None, (f"{first}, and no python3-pyverbs in {', '.join(SYSTEM_DIRS)} "
+                  "(`apt-get install python3-pyverbs`)")
 
 
 def _modules() -> SimpleNamespace:
@@ -89,8 +90,9 @@ def _ports(pv, ctx, count: int) -> list[PortInfo]:
                 gids.append(GidInfo(i, text, GID_TYPES.get(e.gid_type, str(e.gid_type))))
         out.append(PortInfo(num, PORT_STATES.get(a.state, str(a.state)),
                             PHYS_STATES.get(a.phys_state, str(a.phys_state)),
-                            LINK_LAYERS.get(a.link_layer, str(a.link_layer)), rate(a.active_speed, a.active_width),
-                            MTUS.get(a.active_mtu), MTUS.get(a.max_mtu), a.lid, tuple(gids)))
+                            LINK_LAYERS.get(a.link_layer, str(a.link_layer)),
+                            rate(a.active_speed, a.active_width), MTUS.get(a.active_mtu),
+                            MTUS.get(a.max_mtu), a.lid, tuple(gids)))
     return out
 
 
@@ -162,7 +164,7 @@ def probe(pv, name: str, port_num: int, host_bytes: int, what: str, limit: int |
         ports = _ports(pv, ctx, a.phys_port_cnt)
         done.append(f"queried the device and {len(ports)} port(s)")
         port = next((p for p in ports if p.num == port_num), None)
-        bad, port_notes = checks.port_problems(name, port, len(ports), netdev)
+        bad, port_notes = checks.port_problems(name, port_num, port, len(ports), netdev)
         problems += bad
         notes += port_notes
         pd = pv.pd.PD(ctx)
@@ -192,7 +194,8 @@ def probe(pv, name: str, port_num: int, host_bytes: int, what: str, limit: int |
         ctx.close()  # closes every object made on it
 
 
-def _host_memory(pv, pd, nbytes: int, what: str, limit: int | None, max_mr_size: int, done: list) -> list[Problem]:
+def _host_memory(pv, pd, nbytes: int, what: str, limit: int | None, max_mr_size: int,
+                 done: list) -> list[Problem]:
     p = checks.memlock_problem(nbytes, limit, what) or checks.mr_size_problem(nbytes, max_mr_size, what)
     if p is not None:
         return [p]

@@ -144,8 +144,8 @@ def test_a_low_memlock_limit_names_rlimit_memlock_and_the_number(loopback_verbs_
                                              ("no_dmabuf", "nvidia-peermem"),
                                              ("no_dmabuf,no_peermem", "none")])
 def test_gpudirect_says_which_way_registers_device_memory(loopback_verbs_dir, backend, faults, methods):
-    r = subprocess.run([sys.executable, "-c", STANDIN_CHILD, backend, "optional"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180, env=_env(loopback_verbs_dir, faults=faults))
+    r = subprocess.run([sys.executable, "-c", STANDIN_CHILD, backend, "optional"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180, env=_env(loopback_verbs_dir, faults=faults))
     assert r.returncode == 0, r.stderr
     (dev,) = json.loads(r.stdout)["devices"]
     assert dev["ok"] and dev["gpudirect"] == f"stand-in GPU: {methods}", dev
@@ -155,8 +155,9 @@ def test_gpudirect_says_which_way_registers_device_memory(loopback_verbs_dir, ba
 
 
 def test_gpudirect_required_but_impossible_names_the_fix(loopback_verbs_dir, backend):
-    r = subprocess.run([sys.executable, "-c", STANDIN_CHILD, backend, "required"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180, env=_env(loopback_verbs_dir, faults="no_dmabuf,no_peermem"))
+    r = subprocess.run([sys.executable, "-c", STANDIN_CHILD, backend, "required"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180,
+                       env=_env(loopback_verbs_dir, faults="no_dmabuf,no_peermem"))
     (dev,) = json.loads(r.stdout)["devices"]
     assert not dev["ok"], dev
     assert "GPUDirect RDMA is required" in dev["line"] and "messenger.staging auto" in dev["line"]
@@ -171,7 +172,8 @@ def _verbs_config(tmp_path, model_dir, nics, **kv) -> str:
     return str(path)
 
 
-def test_a_config_probes_the_nics_its_node_opens_with_its_kv_cache(loopback_verbs_dir, tmp_path, tiny_model_dir):
+def test_a_config_probes_the_nics_its_node_opens_with_its_kv_cache(loopback_verbs_dir, tmp_path,
+                                                                   tiny_model_dir):
     from pdkv.config import load_config
     from pdkv.probe import config_needs
 
@@ -230,3 +232,27 @@ def test_serve_refuses_to_start_before_loading_weights(loopback_verbs_dir, tmp_p
            "DOWN" in r.stderr, r.stderr
     assert f"tools/topo --probe -c {cfg_path}" in r.stderr
     assert "loading" not in r.stderr  # refused before the weights
+
+
+def test_port_verdicts_name_the_fix():
+    # the verdicts the loopback device cannot play (it is always RoCE v2 or IB with a LID)
+    from pdkv.probe.checks import port_problems
+    from pdkv.probe.report import GidInfo, PortInfo, rate
+
+    ib = PortInfo(1, "INIT", "LinkUp", "InfiniBand", rate(128, 2), 4096, 4096, 0)
+    (p,), _ = port_problems("mlx5_0", 1, ib, 1, None)
+    assert "port 1 is INIT" in str(p) and "opensm" in str(p)
+    no_lid = PortInfo(1, "ACTIVE", "LinkUp", "InfiniBand", "", 4096, 4096, 0)
+    (p,), _ = port_problems("mlx5_0", 1, no_lid, 1, None)
+    assert "has no LID" in str(p) and "subnet manager" in str(p)
+    no_gid = PortInfo(1, "ACTIVE", "LinkUp", "Ethernet", "", 1024, 4096, 0)
+    (p,), _ = port_problems("mlx5_4", 1, no_gid, 1, "eth2")
+    assert "empty GID table" in str(p) and "ip addr add ADDR/PREFIX dev eth2" in str(p)
+    v1 = PortInfo(1, "ACTIVE", "LinkUp", "Ethernet", "", 1024, 4096, 0,
+                  (GidInfo(0, "fe80:0000:0000:0000:0a4e:2bff:fe11:0001", "RoCE v1"),))
+    problems, notes = port_problems("mlx5_4", 1, v1, 1, "eth2")
+    assert not problems and any("path MTU 1024" in n for n in notes) and any("RoCE v2" in n for n in notes)
+    (p,), _ = port_problems("mlx5_4", 2, None, 1, None)
+    assert "no port 2 (1 port(s))" in str(p)
+    assert (ib.rate, rate(64, 2), rate(16, 2), rate(4, 1)) == (
+        "4X NDR (400 Gb/s)", "4X HDR (200 Gb/s)", "4X FDR (56 Gb/s)", "1X QDR (10 Gb/s)")
