@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             head = f"{cfg.source}: NICs {', '.join(needs.nics)} ({needs.reason})"
         if args.bytes is not None:
             host_bytes = parse_bytes(args.bytes)
-        gpu, gpu_note = _gpu(args, ordinal)
+        if args.config and ordinal is None and args.cuda is None:  # CPU KV: no GPU memory to reach
+            gpu, gpu_note = None, "GPUDirect not checked: the config's model.device is cpu"
+        else:
+            gpu, gpu_note = _gpu(args, ordinal)
         try:
             topology = discover(args.sysfs)
         except (TopologyError, OSError):
