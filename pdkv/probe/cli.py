@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from pdkv.config import ConfigError, load_config  # noqa: PLC0415
     from pdkv.probe.needs import config_needs  # noqa: PLC0415
+    from pdkv.probe.paths import gpu_paths, path_lines  # noqa: PLC0415
     from pdkv.probe.run import ProbeUnavailable, run_probe  # noqa: PLC0415
     from pdkv.topo import TopologyError, discover  # noqa: PLC0415
 
@@ -105,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if gpu is not None:
             gpu.close()
+    paths = gpu_paths(topology, result.reports)
     if args.json:
-        print(json.dumps({"config": args.config, **result.to_dict()}, indent=2))
+        print(json.dumps({"config": args.config, **result.to_dict(), "gpu_paths": paths}, indent=2))
     else:
         print(f"pdkv RDMA probe through {result.backend}" + (f"; {head}" if head else ""))
         for p in result.problems:
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                           + (", ".join(f"{g.index}:{g.gid} {g.type}" for g in p.gids) or "none"))
                 if r.attrs:
                     print("    device: " + ", ".join(f"{k} {v}" for k, v in r.attrs.items()))
+        if paths:
+            print("Fastest path from each GPU (the messenger's placement, docs/TOPO.md):")
+            print("".join(f"  {line}\n" for line in path_lines(paths)), end="")
         for n in result.notes:
             print(f"note: {n}")
     return 0 if result.ok else 1

@@ -256,3 +256,17 @@ def test_port_verdicts_name_the_fix():
     assert "no port 2 (1 port(s))" in str(p)
     assert (ib.rate, rate(64, 2), rate(16, 2), rate(4, 1)) == (
         "4X NDR (400 Gb/s)", "4X HDR (200 Gb/s)", "4X FDR (56 Gb/s)", "1X QDR (10 Gb/s)")
+
+
+def test_the_fastest_path_from_each_gpu_carries_the_verdicts(loopback_verbs_dir):
+    # the DGX fixture's compute NICs mlx5_0 / mlx5_1 (under the first two GPUs' PCIe switches),
+    # played by loopback devices, the second with its port down
+    r = probe(loopback_verbs_dir, "--backend", "messenger", "--sysfs", DGX, "--nics", "mlx5_0,mlx5_1",
+              "--cuda", "off", "--json", nics="mlx5_0,mlx5_1", faults="port_down=2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    paths = json.loads(r.stdout)["gpu_paths"]
+    assert len(paths) == 8
+    assert paths[0]["gpu"] == "0000:1b:00.0" and paths[0]["nics"] == [
+        {"name": "mlx5_0", "distance": "PIX", "verdict": "OK"}]
+    assert paths[1]["nics"] == [{"name": "mlx5_1", "distance": "PIX", "verdict": "NOT USABLE"}]
+    assert paths[2]["nics"][0]["verdict"] == "not probed"
