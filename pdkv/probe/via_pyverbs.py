@@ -35,9 +35,10 @@ WRITE_BYTES = 4096
 def load_pyverbs() -> tuple[SimpleNamespace | None, str]:
     """(the pyverbs modules, where they came from) or (None, why pyverbs cannot be imported)."""
     try:
-        return _modules(), f"pyverbs ({Path(sys.modules['pyverbs.device'].__file__).parent})"
+        return _modules(), _where()
     except ImportError as e:
         first = f"`import pyverbs` failed ({e})"
+        _forget()  # a half-imported pyverbs must not shadow the system one
     for base in SYSTEM_DIRS:
         pkg = Path(base) / "pyverbs"
         if not (pkg / "__init__.py").exists():
@@ -50,13 +51,23 @@ def load_pyverbs() -> tuple[SimpleNamespace | None, str]:
         sys.modules["pyverbs"] = module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-            return _modules(), f"pyverbs (Debian python3-pyverbs, {pkg})"
+            return _modules(), _where()
         except ImportError as e:
-            for name in [n for n in sys.modules if n == "pyverbs" or n.startswith("pyverbs.")]:
-                del sys.modules[name]
+            _forget()
             return None, f"{first}; {pkg} does not load: {e}"
     return None, (f"{first}, and no python3-pyverbs in {', '.join(SYSTEM_DIRS)} "
                   "(`apt-get install python3-pyverbs`)")
+
+
+def _where() -> str:
+    where = Path(sys.modules["pyverbs.device"].__file__).parent
+    debian = any(str(where).startswith(base) for base in SYSTEM_DIRS)
+    return f"pyverbs ({'Debian python3-pyverbs, ' if debian else ''}{where})"
+
+
+def _forget() -> None:
+    for name in [n for n in sys.modules if n == "pyverbs" or n.startswith("pyverbs.")]:
+        del sys.modules[name]
 
 
 def _modules() -> SimpleNamespace:

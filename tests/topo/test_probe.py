@@ -270,3 +270,22 @@ def test_the_fastest_path_from_each_gpu_carries_the_verdicts(loopback_verbs_dir)
         {"name": "mlx5_0", "distance": "PIX", "verdict": "OK"}]
     assert paths[1]["nics"] == [{"name": "mlx5_1", "distance": "PIX", "verdict": "NOT USABLE"}]
     assert paths[2]["nics"][0]["verdict"] == "not probed"
+
+
+def test_a_pyverbs_for_another_python_is_named_not_loaded(tmp_path, monkeypatch):
+    import importlib.util
+
+    from pdkv.probe import via_pyverbs
+
+    if importlib.util.find_spec("pyverbs") is not None:
+        pytest.skip("pyverbs is importable from sys.path here: the fallback is not reached")
+    pkg = tmp_path / "pyverbs"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise AssertionError('must not be executed')\n")
+    (pkg / "device.cpython-39-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.setattr(via_pyverbs, "SYSTEM_DIRS", (str(tmp_path),))
+    pv, why = via_pyverbs.load_pyverbs()
+    assert pv is None and "built for another Python" in why and "`import pyverbs` failed" in why
+    monkeypatch.setattr(via_pyverbs, "SYSTEM_DIRS", (str(tmp_path / "none"),))
+    pv, why = via_pyverbs.load_pyverbs()
+    assert pv is None and "apt-get install python3-pyverbs" in why
