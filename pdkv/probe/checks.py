@@ -73,7 +73,12 @@ def memlock(nbytes: int, limit: int | None, what: str) -> Problem:
 def registration_problem(err: int, nbytes: int, limit: int | None, what: str, detail: str) -> Problem:
     """A failed ibv_reg_mr of host memory, in words: ENOMEM/EPERM/EAGAIN are the pinning limit."""
     if err in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
-        return memlock(nbytes, limit, what)
+        if limit is not None:
+            return memlock(nbytes, limit, what)
+        return Problem(f"ibv_reg_mr of {what} ({nbytes / 2**20:.1f} MiB) could not pin the pages "
+                       f"({detail}) although RLIMIT_MEMLOCK does not bind here (unlimited or "
+                       "CAP_IPC_LOCK)", "check free memory and the memory cgroup's limit "
+                       "(memory.max) of this service or container, and `dmesg`")
     return Problem(f"ibv_reg_mr of {what} ({nbytes / 2**20:.1f} MiB) failed: {detail}",
                    "check `dmesg` for the NIC driver's message")
 

@@ -287,3 +287,20 @@ def test_a_pyverbs_for_another_python_is_named_not_loaded(tmp_path, monkeypatch)
     monkeypatch.setattr(via_pyverbs, "SYSTEM_DIRS", (str(tmp_path / "none"),))
     pv, why = via_pyverbs.load_pyverbs()
     assert pv is None and "apt-get install python3-pyverbs" in why
+
+
+def test_a_registration_the_kernel_refuses_names_the_limit(loopback_verbs_dir, backend):
+    # the limit allows the region, but the kernel still cannot pin it (other memory this process
+    # pinned counts too): the failed registration itself names RLIMIT_MEMLOCK and the number
+    r = probe(loopback_verbs_dir, "--backend", backend, "--bytes", "3MiB", memlock_kib=4096,
+              faults=f"reg_enomem_len={3 << 20}")
+    assert r.returncode == 1, r.stdout + r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("lo_verbs0")]
+    assert "RLIMIT_MEMLOCK allows this process 4096 KiB" in line and "ulimit -l 3072" in line, line
+    # without a binding limit (root keeps CAP_IPC_LOCK here) the line says where else to look
+    r = probe(loopback_verbs_dir, "--backend", backend, "--bytes", "3MiB", faults=f"reg_enomem_len={3 << 20}")
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("lo_verbs0")]
+    if "RLIMIT_MEMLOCK does not bind" in line:
+        assert "memory cgroup" in line, line
+    else:
+        assert "RLIMIT_MEMLOCK allows this process" in line, line

@@ -30,7 +30,9 @@
  *                        leaves it registered (what a provider says while it still uses the MR),
  *                        dereg_busy_times=T times (default 1), only for MRs of dereg_busy_len=L
  *                        bytes when that is given;
- *   port_down=K          the K-th device's port (1-based) reports DOWN / Disabled.
+ *   port_down=K          the K-th device's port (1-based) reports DOWN / Disabled;
+ *   reg_enomem_len=L     registering exactly L bytes fails with ENOMEM (what the kernel says
+ *                        when it cannot pin the pages: RLIMIT_MEMLOCK, a memory cgroup).
  *
  * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
  *   the device (what the port counters of a NIC tell; test-only export).

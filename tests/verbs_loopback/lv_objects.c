@@ -264,6 +264,11 @@ struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint6
         errno = EFAULT;
         return NULL;
     }
+    long enomem = lv_fault("reg_enomem_len"); /* FAULT INJECTION: the pages cannot be pinned */
+    if (enomem > 0 && (size_t)enomem == len) {
+        errno = ENOMEM;
+        return NULL;
+    }
     struct lv_mr *m = calloc(1, sizeof *m);
     if (!m) {
         errno = ENOMEM;
