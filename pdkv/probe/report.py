@@ -79,7 +79,7 @@ class DeviceReport:
     checks: tuple[str, ...] = ()  # what was done and worked, in order
     ports: tuple[PortInfo, ...] = ()
     attrs: dict = field(default_factory=dict)  # max_mr_size, max_qp, max_cqe, max_qp_wr, fw_ver
-    host_bytes: int = 0  # host memory registered (the configured KV cache or staging ring)
+    host_bytes: int = 0  # host memory registered and deregistered (the KV cache or staging ring)
     gpudirect: str = ""  # "dma-buf", "nvidia-peermem", "none" or "" (not checked)
 
     @property

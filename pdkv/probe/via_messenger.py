@@ -137,8 +137,8 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
             problems.append(Problem(f"two RC QPs on the NIC could not move data: {e}",
                                     "check the link and addressing (`rdma link`, `ibv_devinfo -v`; RoCE: "
                                     "the interface's IP address and MTU)"))
-        if host_bytes:
-            problems += _host_memory(a, host_bytes, what, limit, done)
+        host = _host_memory(a, host_bytes, what, limit, done) if host_bytes else []
+        problems += host
         gpudirect = ""
         if gpu is not None:
             r = try_gpudirect(gpu, lambda fd, n, iova: a.deregister(a.register_device(fd, 0, n, 0)[0]),
@@ -146,7 +146,7 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
             gpudirect = f"{r.label}: {r.summary}"
             notes += [f"GPUDirect {r.label}: {f}" for f in r.failures]
         return DeviceReport(**report, problems=tuple(problems), notes=tuple(notes), checks=tuple(done),
-                            host_bytes=host_bytes if not problems else 0, gpudirect=gpudirect)
+                            host_bytes=0 if host else host_bytes, gpudirect=gpudirect)
     finally:
         a.close()
         b.close()

@@ -189,14 +189,14 @@ def probe(pv, name: str, port_num: int, host_bytes: int, what: str, limit: int |
                 problems.append(Problem(f"an RC QP connected to itself could not move data: {_err(pv, e)[1]}",
                                         "check the link and addressing (`rdma link`, `ibv_devinfo -v`; RoCE: "
                                         "the interface's IP address and MTU)"))
-        if host_bytes:
-            problems += _host_memory(pv, pd, host_bytes, what, limit, a.max_mr_size, done)
+        host = _host_memory(pv, pd, host_bytes, what, limit, a.max_mr_size, done) if host_bytes else []
+        problems += host
         gpudirect = ""
         if gpu is not None:
             gpudirect, gpu_notes = _gpudirect(pv, pd, gpu)
             notes += gpu_notes
         return DeviceReport(**report, problems=tuple(problems), notes=tuple(notes), checks=tuple(done),
-                            ports=tuple(ports), attrs=attrs, host_bytes=host_bytes if not problems else 0,
+                            ports=tuple(ports), attrs=attrs, host_bytes=0 if host else host_bytes,
                             gpudirect=gpudirect)
     except pv.pyverbs_error.PyverbsError as e:
         problems.append(checks.resource_problem("a basic verbs call", _err(pv, e)[1]))

@@ -304,3 +304,16 @@ def test_a_registration_the_kernel_refuses_names_the_limit(loopback_verbs_dir, b
         assert "memory cgroup" in line, line
     else:
         assert "RLIMIT_MEMLOCK allows this process" in line, line
+
+
+def test_without_cuda_the_gpudirect_check_says_why_and_the_nic_passes(loopback_verbs_dir):
+    from pdkv.gpu.guard import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason(0, need_torch=False)
+    if reason is None:
+        pytest.skip("CUDA is available here: the real GPUDirect path runs instead")
+    r = probe(loopback_verbs_dir, "--backend", "messenger", "--cuda", "0", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["gpu"] == "" and out["devices"][0]["gpudirect"] == ""
+    assert f"GPUDirect not checked: {reason}" in out["notes"], out["notes"]
