@@ -85,6 +85,10 @@ def run_probe(nics=(), host_bytes: int = 0, what: str = "host memory", backend: 
     if not targets:
         return ProbeResult(where, (), (checks.no_device_problem(),), tuple(notes))
     limit = locked_memory_limit()
+    if not host_bytes and limit is not None:
+        notes.append(f"RLIMIT_MEMLOCK is {limit >> 10} KiB (no CAP_IPC_LOCK) and pdkv pins its whole KV "
+                     "cache (or staging ring): check a config's size with -c CONFIG or --bytes SIZE, or "
+                     "run pdkv with `ulimit -l unlimited`")
     reports = []
     for name, port in targets:
         sys_dev, sys_port, netdev = _sysfs(topology, name, port)
