@@ -126,6 +126,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"pdkv: config error: {e}", file=sys.stderr)
             return 2
+        from pdkv.probe import serve_check
+
+        refused = serve_check(cfg)  # verbs: the NICs it will open must work, before the weights load
+        if refused:
+            print(f"pdkv: {refused}", file=sys.stderr)
+            return 1
     try:
         engine = load_engine(cfg)
     except (PdkvError, OSError) as e:

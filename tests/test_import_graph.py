@@ -20,7 +20,8 @@ PACKAGES = ("pdkv", "server", "models")
 LAYERS: list[tuple[str, ...]] = [
     ("pdkv.__main__",),  # python -m pdkv
     ("pdkv.cli", "pdkv.bench"),  # entry points: build a node (engine + connector) and run it
-    ("pdkv.plan",),  # `pdkv plan`: a deployment's per-request costs from its configs (no weights)
+    ("pdkv.plan", "pdkv.probe"),  # `pdkv plan`: a deployment's per-request costs from its configs (no
+    # weights); the RDMA probe (tools/topo --probe, pdkv serve's start-up check)
     ("pdkv.disagg", "server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
     # node; the router proxies HTTP to nodes (it holds no engine)
     ("pdkv.engine",),  # LLMEngine, scheduler, runner, KV connector, the engine loop

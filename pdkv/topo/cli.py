@@ -17,7 +17,8 @@ from pdkv.topo.report import format_report
 
 USAGE = """\
 topo [--sysfs ROOT] [--json] [--gpu BUS_ID] [--nics auto|NIC,NIC...]
-topo capture OUT [--sysfs ROOT]"""
+topo capture OUT [--sysfs ROOT]
+topo --probe [-c CONFIG] [--nics NIC,NIC...] [--json]   (does RDMA work here? see --probe --help)"""
 
 
 def _show_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,8 @@
  * state and flushes its outstanding work requests, as real RC does.
  *
  * Files: lv_objects.c (devices, contexts, PDs, MRs), lv_cq.c (CQs, channels, SRQs, async
- * events), lv_qp.c (QP state machine), lv_send.c (requester), lv_wire.c (sockets, responder).
+ * events), lv_qp.c (QP state machine), lv_send.c (requester), lv_wire.c (sockets, responder),
+ * lv_abi.c (what else pyverbs and librdmacm bind: queries, and verbs answered EOPNOTSUPP).
  *
  * One process-wide mutex (g_mu) guards every object; payload copies run outside it while the
  * MR is pinned by a busy count (dereg waits for it), so dereg never frees under a landing write.
@@ -28,7 +29,10 @@
  *   dereg_busy_nic=K     ibv_dereg_mr of an MR on the K-th device (1-based) fails with EBUSY and
  *                        leaves it registered (what a provider says while it still uses the MR),
  *                        dereg_busy_times=T times (default 1), only for MRs of dereg_busy_len=L
- *                        bytes when that is given.
+ *                        bytes when that is given;
+ *   port_down=K          the K-th device's port (1-based) reports DOWN / Disabled;
+ *   reg_enomem_len=L     registering exactly L bytes fails with ENOMEM (what the kernel says
+ *                        when it cannot pin the pages: RLIMIT_MEMLOCK, a memory cgroup).
  *
  * Counters: pdkv_loopback_counters(name, out[4]) -> tx writes, tx bytes, rx writes, rx bytes of
  *   the device (what the port counters of a NIC tell; test-only export).

@@ -184,13 +184,18 @@ int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_por
     struct ibv_port_attr *a = (struct ibv_port_attr *)attr;
     if (port != 1)
         return EINVAL;
-    a->state = IBV_PORT_ACTIVE;
+    /* FAULT INJECTION: port_down=K reports the K-th device's port (1-based) DOWN, link disabled */
+    long down = lv_fault("port_down");
+    int is_down = down > 0 && down <= LV_MAX_DEVICES && ctx->device == &g_devices[down - 1];
+    a->state = is_down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
     a->max_mtu = IBV_MTU_4096;
     a->active_mtu = IBV_MTU_4096;
     a->gid_tbl_len = 1;
     a->max_msg_sz = 1u << 31;
     a->pkey_tbl_len = 1;
-    a->phys_state = 5; /* LinkUp */
+    a->phys_state = is_down ? 3 : 5; /* Disabled : LinkUp */
+    a->active_width = 2;  /* 4X */
+    a->active_speed = 32; /* EDR: 4X EDR = 100 Gb/s */
     a->link_layer = lv_link_is_ib() ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
     a->lid = lv_local_lid();
     return 0;
@@ -235,12 +240,33 @@ int ibv_dealloc_pd(struct ibv_pd *pd)
     return 0;
 }
 
+/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
+static int unmapped(const void *addr, size_t len)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
+    unsigned char v;
+    (void)len;
+    return mincore((void *)a, (size_t)page, &v) != 0; /* ENOMEM: not mapped here */
+}
+
 struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova,
                                 unsigned int access)
 {
     if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
         !(access & IBV_ACCESS_LOCAL_WRITE)) {
         errno = EINVAL; /* the spec requires LOCAL_WRITE with REMOTE_WRITE */
+        return NULL;
+    }
+    /* every entry point registers through here (verbs.h turns a non-constant access into
+     * ibv_reg_mr_iova2); a dma-buf's own mapping is always mapped */
+    if (lv_fault("no_peermem") && unmapped(addr, len)) {
+        errno = EFAULT;
+        return NULL;
+    }
+    long enomem = lv_fault("reg_enomem_len"); /* FAULT INJECTION: the pages cannot be pinned */
+    if (enomem > 0 && (size_t)enomem == len) {
+        errno = ENOMEM;
         return NULL;
     }
     struct lv_mr *m = calloc(1, sizeof *m);
@@ -294,16 +320,6 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t leng
     return mr;
 }
 
-/* no_peermem: an address this process has not mapped is a device pointer nobody can resolve. */
-static int unmapped(const void *addr, size_t len)
-{
-    long page = sysconf(_SC_PAGESIZE);
-    uintptr_t a = (uintptr_t)addr & ~(uintptr_t)(page - 1);
-    unsigned char v;
-    (void)len;
-    return mincore((void *)a, (size_t)page, &v) != 0; /* ENOMEM: not mapped here */
-}
-
 struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 {
     return ibv_reg_mr_iova2(pd, addr, len, (uintptr_t)addr, (unsigned)access);
@@ -311,10 +327,6 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
 
 struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
 {
-    if (lv_fault("no_peermem") && unmapped(addr, len)) {
-        errno = EFAULT;
-        return NULL;
-    }
     return ibv_reg_mr_iova2(pd, addr, len, iova, (unsigned)access);
 }
 
