@@ -100,8 +100,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)
-    for name in ("max_control_conns", "max_control_per_source", "max_setups", "max_grants_per_request",
-                 "max_grants_per_peer"):
+    for name in ("max_control_conns", "max_handshakes", "max_control_per_source", "max_setups",
+                 "max_grants_per_request", "max_grants_per_peer"):
         need(getattr(ms, name) > 0, f"messenger.{name}", "a positive integer", getattr(ms, name))
     tls = {"cert": ms.tls.cert, "key": ms.tls.key, "ca": ms.tls.ca}
     if any(tls.values()):

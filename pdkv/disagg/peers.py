@@ -101,8 +101,9 @@ class PrefillPeers:
             await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
                            "hidden_key": hidden_key, **({"spec_key": spec_key} if spec_key is not None else {})})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
-            if msg["type"] == P.REFUSE:
-                raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
+            if msg["type"] == P.REFUSE:  # "busy": the prefill node is full now (worth a redial)
+                exc = ControlError if msg.get("busy") is True else HandshakeRefused
+                raise exc(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
             if msg["type"] != P.CONNECTED:
                 raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
             if not isinstance(msg.get("info"), bytes):

@@ -9,7 +9,8 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key[, spec_key]}  data-path set-up
                      (prepare/complete); kv_keys: one region key per decode rank (kv_key =
                      kv_keys[0]); spec_key: the proposer cache with a speculative hand-off
-  prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
+  prefill -> decode  CONNECTED{info} | REFUSE{reason[, busy]}  (REFUSE: the shard plan cannot serve the pair;
+                                     busy: the node is full, redial later)
   decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
                              runs, kv_rkeys, hidden_rkey[, spec_pages, next_token, spec_runs, spec_rkeys]}
                      tokens: the prompt minus its last token (the decode node computes that one);

@@ -148,7 +148,8 @@ def test_flood_of_idle_control_connections_is_bounded(cluster):
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
-    assert sum(cluster.pc.listener._by_source.values()) == len(cluster.pc.links) == 1  # only the real pair is held
+    adm = cluster.pc.listener.admission
+    assert adm.num_handshaking == 0 and adm.num_links == len(cluster.pc.links) == 1  # only the real pair is held
 
 
 def test_oversized_frame_before_authentication_costs_no_memory(cluster):
