@@ -137,7 +137,9 @@ class Sealer:
         self.key, self.direction, self.seq = key, direction, 0
 
     def tag(self, body: bytes) -> bytes:
-        t = hmac.new(self.key, self.direction + _SEQ.pack(self.seq) + body, hashlib.sha256).digest()[:TAG_BYTES]
+        h = hmac.new(self.key, self.direction + _SEQ.pack(self.seq), hashlib.sha256)
+        h.update(body)  # NOTE: no copy of a large frame's body (it may be a memoryview of it)
+        t = h.digest()[:TAG_BYTES]
         self.seq += 1
         return t
 
