@@ -86,7 +86,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(not ms.rank_nics or len(ms.rank_nics) == pc.tp, "messenger.rank_nics",
          f"one name per TP rank: {pc.tp} (parallel.tp)", list(ms.rank_nics))
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
-    need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
+    need(1 <= ms.num_streams <= 64, "messenger.num_streams", "an integer in 1..64", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
     need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)
     need(0 <= ms.control_port <= 65535, "messenger.control_port", "a TCP port in 0..65535", ms.control_port)

@@ -44,6 +44,10 @@ typedef struct tcp_conn {
     int state; /* atomic */
     uint32_t num_streams;
     tcp_stream *streams;
+    /* incoming: the stream count the peer's first accepted hello said, and the indices accepted
+     * (each once); read and written by the listener thread alone */
+    uint32_t rx_num_streams;
+    uint64_t rx_streams_seen;
     pthread_mutex_t mu; /* state transitions, reason */
     char reason[PDKV_REASON_MAX];
 } tcp_conn;
