@@ -287,6 +287,7 @@ class DecodeCoordinator:
 
     def _cancel(self, slot: Slot) -> None:
         slot.state = SlotState.CANCELLING
+        self._bound(slot)
         self._send(slot.peer, {"type": P.CANCEL, "req": slot.rid})
 
     def _on_message(self, peer: Peer, msg: dict) -> None:
@@ -325,8 +326,27 @@ class DecodeCoordinator:
         if slot.all_landed or got >= posted:
             self._free(slot, release=True)
         else:
+            if slot.state is not SlotState.CANCELLING:  # FAIL{posted}: the request ends here
+                self._bound(slot)
             slot.state = SlotState.DRAINING
             self.m.expect(slot.imm, posted - got)
+
+    def _bound(self, slot: Slot) -> None:
+        """slot's request ended: its grants outlive it by one lease at most (a peer that keeps
+        heartbeating but never answers CANCEL, or whose posted writes never land)."""
+        if slot.timer is not None:
+            slot.timer.cancel()
+        slot.timer = self.loop.call_later(self.mcfg.lease_s, self._lease_over, slot)
+
+    def _lease_over(self, slot: Slot) -> None:
+        if self.slots.get(slot.imm) is not slot or slot.state not in (SlotState.CANCELLING, SlotState.DRAINING):
+            return
+        self._rlog.warning(f"unanswered:{slot.peer.host}:{slot.peer.port}", "decode: prefill node at %s:%d "
+                           "left %s %s for %.1f s (messenger.lease_s): its grants are revoked (later writes "
+                           "are refused) and the pages return", slot.peer.host, slot.peer.port, slot.rid,
+                           "unanswered" if slot.state is SlotState.CANCELLING else "short of its posted writes",
+                           self.mcfg.lease_s)
+        self._free(slot, release=True)  # NOTE: the revoke fences every write; the pages go back after it
 
     def _peer_dead(self, peer: Peer, reason: str) -> None:
         if peer.dead and peer.channel is None:
@@ -352,7 +372,8 @@ class DecodeCoordinator:
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
                 what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
-                self.commands(FailRequest(slot.rid, f"{what} ({reason})"))
+                # NOTE: transient, not the client's doing: 503 + Retry-After, as with no prefill node
+                self.commands(FailRequest(slot.rid, f"{what} ({reason}); retry shortly", 503, 2))
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)
