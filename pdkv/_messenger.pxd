@@ -8,6 +8,7 @@ cdef extern from "transport.h" nogil:
         PDKV_INFO_MAX
         PDKV_MAX_NICS
         PDKV_REASON_MAX
+        PDKV_ERR_MAX
         PDKV_REG_DMABUF
         PDKV_REG_PEERMEM
 

@@ -96,7 +96,7 @@ cdef class Messenger:
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
-        cdef char err[256]
+        cdef char err[PDKV_ERR_MAX]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
         cdef pdkv_core_opts copts
@@ -358,7 +358,7 @@ cdef class Messenger:
 
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         err[0] = 0
@@ -519,7 +519,7 @@ cdef class Messenger:
         from src_off + src_pages[i]*src_page_stride + s*src_seg_stride of lkey to the same
         expression with dst_* of rkey, each carrying `imm` if given."""
         cdef pdkv_page_batch b
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int64_t rc
         keep = []
         self._check()
@@ -549,7 +549,7 @@ cdef class Messenger:
 
     def watch_address(self, uint64_t addr):
         """Watch the int64 at `addr` (8-byte aligned; the caller keeps it alive) -> watch id."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef uint32_t wid = 0
         cdef int rc
         self._check()
@@ -560,7 +560,7 @@ cdef class Messenger:
 
     def unwatch(self, uint32_t watch):
         """Stop watching; its queued batches end with batch_done status -ECANCELED."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         rc = pdkv_core_unwatch(self.core, watch, err)
@@ -575,7 +575,7 @@ cdef class Messenger:
                     imm=None, uint64_t tag=0):
         """Like write_pages, but posted by the poller once the watched counter is >= value."""
         cdef pdkv_page_batch b
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         keep = []
         self._check()
@@ -596,7 +596,7 @@ cdef class Messenger:
     def expect(self, uint32_t imm, uint64_t count):
         """Fire one imm_done event when `count` writes carrying `imm` have landed (earlier
         arrivals count). InvalidRequestError if imm is already expected or over-delivered."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         err[0] = 0
@@ -606,7 +606,7 @@ cdef class Messenger:
 
     def forget(self, uint32_t imm):
         """Drop imm's counter -> the writes it had counted (0 if it had none)."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int64_t rc
         self._check()
         rc = pdkv_core_forget(self.core, imm, err)

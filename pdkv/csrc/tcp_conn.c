@@ -127,7 +127,7 @@ int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blo
         pthread_mutex_unlock(&c->mu);
         return tcp_err(-ENOMEM, "out of memory");
     }
-    char why[PDKV_REASON_MAX];
+    char why[PDKV_ERR_MAX]; /* what complete() raises: the peer's refusal is up to TCP_MAX_REASON */
     int rc = 0;
     uint32_t i;
     for (i = 0; i < c->num_streams; i++) {

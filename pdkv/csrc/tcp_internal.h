@@ -88,7 +88,7 @@ typedef struct tcp_t {
  *   -> tcp_net.c (errors, socket I/O). */
 /* tcp_net.c */
 int tcp_err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-char *tcp_errbuf(void); /* this thread's last reason, PDKV_REASON_MAX bytes */
+char *tcp_errbuf(void); /* this thread's last reason, PDKV_ERR_MAX bytes */
 void tcp_sockopts(int fd);
 int tcp_send_all(int fd, const void *buf, size_t len);
 int tcp_recv_all(int fd, void *buf, size_t len);

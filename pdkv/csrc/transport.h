@@ -30,6 +30,10 @@ extern "C" {
 #define PDKV_INFO_MAX 65536  /* largest connection-info blob (verbs: one per NIC pair) */
 #define PDKV_MAX_NICS 16     /* NICs of one verbs transport (prepare_pairs' row length) */
 #define PDKV_REASON_MAX 160  /* longest error reason in a completion */
+/* longest error reason of a call (the err buffers of core calls, a transport's last_error): the
+ * longest message is verbs_multi_mr.c's region still registered on busy NICs, which names up to
+ * PDKV_MAX_NICS NICs of up to 63 bytes each (~1.2 KB) */
+#define PDKV_ERR_MAX 1280
 
 enum pdkv_cq_kind {
     PDKV_CQ_WRITE_DONE = 1, /* a local write (wr_id) completed: the source may be reused */
