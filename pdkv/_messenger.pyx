@@ -340,10 +340,16 @@ cdef class Messenger:
         refused before a byte lands (error event at both ends, the connection is closed)."""
         cdef int rc
         cdef uint64_t out = 0
-        self._check()
-        rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+        cdef const char *msg = NULL
+        self._enter()
+        try:  # NOTE: without the GIL: on verbs this registers an MR (a caller's thread may wait)
+            with nogil:
+                rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
         if rc < 0:
-            _raise(rc, self.t.ops.last_error(self.t), "grant_range")
+            _raise(rc, msg, "grant_range")
         return out
 
     def revoke_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
@@ -351,10 +357,16 @@ cdef class Messenger:
         `key` may be the region's key or the range's). RegionBusyError (tcp/fake) while a write
         into the range is landing; afterwards nothing from `peer` lands in it."""
         cdef int rc
-        self._check()
-        rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+        cdef const char *msg = NULL
+        self._enter()
+        try:  # NOTE: without the GIL: on verbs this deregisters an MR
+            with nogil:
+                rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
         if rc < 0:
-            _raise(rc, self.t.ops.last_error(self.t), "revoke_range")
+            _raise(rc, msg, "revoke_range")
 
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""

@@ -11,7 +11,9 @@ the handshake and redialling a dead peer live in peers.py.
 
 The slot's state machine is drawn in decode_slots.py.
 
-Threads: everything here runs on the event loop. The engine thread reaches it only through
+Threads: everything here runs on the event loop, except making a request's grants (on verbs an
+MR registration per range), which runs in one grant thread before its PREFILL leaves (a client
+that leaves meanwhile, or a peer that dies, gets them revoked unsent). The engine thread reaches it only through
 the decode connector's posts (send_prefill, client_aborted); this object reaches the engine
 only through ``commands`` (the engine loop's queue: RemoteKVReady, FailRequest, ReleasePages).
 """
@@ -23,6 +25,8 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +44,22 @@ from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
 from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Granting:
+    """A request whose grants the grant thread is making; its PREFILL leaves once they exist."""
+    rid: str
+    tokens: list
+    pages: list
+    dst: list
+    row: int
+    peer: Peer
+    grantee: int
+    need: int
+    cached: int
+    spec: dict
+    t0: float
 
 
 class DecodeCoordinator:
@@ -60,6 +80,9 @@ class DecodeCoordinator:
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
+        # NOTE: grants are made in one thread, never on the event loop (verbs: an MR per range)
+        self._grant_pool = ThreadPoolExecutor(1, thread_name_prefix="pdkv-decode-grant")
+        self._granting: dict[str, bool] = {}  # rid -> its client left while the grant thread ran
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
@@ -86,6 +109,7 @@ class DecodeCoordinator:
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()
+        self._grant_pool.shutdown(wait=False, cancel_futures=True)
         if self.landing is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.landing.copy.close)
 
@@ -139,45 +163,79 @@ class DecodeCoordinator:
                                   f"(messenger.max_grants_per_peer {self.mcfg.max_grants_per_peer}); retry shortly", 2)
                 return
         grantee = peer.channel.peer.node_id
-        plan, seed = peer.plan, request_seed(rid)
-        t0 = time.perf_counter()
-        try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted, spec_granted = self.memory.grant(grantee, dst, row, seed, spec.get("spec_pages"))
+        self._hold(grantee, need)  # NOTE: before the grant thread runs: later requests count these
+        self._granting[rid] = False  # True once the client left while its grants were made
+        job = _Granting(rid, tokens, pages, dst, row, peer, grantee, need, cached, spec, time.perf_counter())
+        try:  # NOTE: on verbs each range is an MR registration: never on the event loop
+            fut = self.loop.run_in_executor(self._grant_pool, self.memory.grant, grantee, dst, row,
+                                            request_seed(rid), spec.get("spec_pages"))
+        except RuntimeError as e:  # the pool is shut down: this node is stopping
+            fut = self.loop.create_future()
+            fut.set_exception(e)
+        fut.add_done_callback(lambda f: self._granted(job, f))
+
+    def _granted(self, job: "_Granting", fut) -> None:
+        """The grants of ``job`` were made (or failed) in the grant thread: PREFILL goes out,
+        unless the client left or the peer died meanwhile (then the grants are revoked first)."""
+        rid, peer, grantee, spec = job.rid, job.peer, job.grantee, job.spec
+        aborted = self._granting.pop(rid, False)
+        try:
+            granted, spec_granted = fut.result()
         except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
-            self.chooser.unreserve(peer, len(tokens))
-            self.rows.give_back(row)
+            self._hold(grantee, -job.need)
+            self.chooser.unreserve(peer, len(job.tokens))
+            self.rows.give_back(job.row)
             if self.landing is not None:
                 self.landing.release(rid)
-            self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
+            if not aborted:
+                self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
             self.commands(ReleasePages(rid))
             return
-        self.held[grantee] = self.held.get(grantee, 0) + len(granted) + len(spec_granted)
-        self.metrics.grant_time.observe(time.perf_counter() - t0)
+        self._hold(grantee, len(granted) + len(spec_granted) - job.need)
+        self.metrics.grant_time.observe(time.perf_counter() - job.t0)
         self.metrics.grants.inc(len(granted) + len(spec_granted))
         imm = next(self._imms) & 0xFFFFFFFF
-        num_layers = self.engine.kv.num_layers
-        slot = Slot(imm, rid, peer, len(pages), row, expected_writes(plan, len(pages), num_layers), time.perf_counter())
+        num_layers, plan, seed = self.engine.kv.num_layers, peer.plan, request_seed(rid)
+        slot = Slot(imm, rid, peer, len(job.pages), job.row, expected_writes(plan, len(job.pages), num_layers),
+                    time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
-        slot.nbytes = len(pages) * seg_bytes * num_layers + self.hidden_nbytes
+        slot.nbytes = len(job.pages) * seg_bytes * num_layers + self.hidden_nbytes
         if "spec_pages" in spec:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
             writes, nbytes = self.spec.expected_writes(len(spec["spec_pages"]), seed)
             slot.expected += writes
             slot.nbytes += nbytes
         slot.grantee, slot.grants = grantee, tuple(granted) + tuple(spec_granted)
-        slot.skip = cached // self.engine.kv.page_size
-        slot.kv_pages = tuple(pages)
+        slot.skip = job.cached // self.engine.kv.page_size
+        slot.kv_pages = tuple(job.pages)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
+        if aborted or peer.dead or peer.channel is None or peer.channel.peer.node_id != grantee:
+            self.chooser.unreserve(peer, len(job.tokens))
+            if not aborted:
+                self.metrics.failed("peer_dead")
+                self.commands(FailRequest(rid, "the prefill node died while the request's pages were granted "
+                                               "to it; retry shortly", 503, 2))
+            self._free(slot, release=True)  # nothing was sent: the grants go, then the pages
+            return
         self.m.expect(imm, slot.expected)
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
-        self.chooser.sent(peer, len(tokens))
+        self.chooser.sent(peer, len(job.tokens))
         # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
         spec_keys = self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {}
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
-                          "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(dst, granted), **spec, **spec_keys})
+        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": job.tokens, "cached": job.cached,
+                          "pages": job.dst, "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes,
+                          "expected": slot.expected, "seed": seed, **self.grants.fields(job.dst, granted), **spec,
+                          **spec_keys})
+
+    def _hold(self, grantee: int, n: int) -> None:
+        """``n`` more (or fewer) ranges granted to ``grantee`` (messenger.max_grants_per_peer)."""
+        held = self.held.get(grantee, 0) + n
+        if held > 0:
+            self.held[grantee] = held
+        else:
+            self.held.pop(grantee, None)
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
@@ -267,6 +325,10 @@ class DecodeCoordinator:
 
     def client_aborted(self, rid: str) -> None:
         """The engine quarantined rid's pages because its client left."""
+        if rid in self._granting:  # its grants are being made: _granted revokes them, nothing is sent
+            self.metrics.failed("cancelled")
+            self._granting[rid] = True
+            return
         slot = self.by_rid.get(rid)
         if slot is None and self.landing is not None and self.landing.copying(rid):
             self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
@@ -399,11 +461,8 @@ class DecodeCoordinator:
         if busy:
             self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
             return
-        held = self.held.get(slot.grantee, 0) - len(slot.grants) if slot.grants else None
-        if held is not None:
-            self.held[slot.grantee] = held
-            if held <= 0:
-                del self.held[slot.grantee]
+        if slot.grants:
+            self._hold(slot.grantee, -len(slot.grants))
         slot.grants = ()
         # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
         self.rows.give_back(slot.hidden_row)
