@@ -25,6 +25,7 @@ from libc.stdlib cimport free, malloc
 include "_messenger_errors.pxi"
 
 HAVE_VERBS = bool(pdkv_have_verbs())
+HAVE_CRYPTO = bool(pdkv_have_crypto())  # tcp sealed data streams (messenger.tls_data)
 
 
 def transports():
@@ -386,7 +387,7 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer, bytes token=None, pairs=None):
+    def prepare(self, uint64_t peer, bytes token=None, pairs=None, bytes data_key=None):
         """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
 
         pairs (verbs over several NICs; ignored on tcp/fake, which have one path): the (local
@@ -400,13 +401,26 @@ cdef class Messenger:
         must present it in their first frame, before anything is accepted, else they are closed
         unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
         open the connection. Both ends must pass the same token (or neither). verbs/fake: not
-        needed (the queue pairs are bound by the info exchange itself) and ignored."""
+        needed (the queue pairs are bound by the info exchange itself) and ignored.
+
+        data_key (tcp only, messenger.tls_data): 32 bytes both nodes derived from the same
+        session: every stream of the connection is encrypted and authenticated (AES-256-GCM
+        records, a key per writer, reader and stream). Both ends pass the same key (or neither).
+        Another transport, or a build without libcrypto: an error saying so."""
         cdef char *info
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
         cdef const char *tok = NULL
         cdef uint32_t tok_len = 0
+        cdef const char *dkey = NULL
+        if data_key is not None:
+            if len(data_key) != 32:
+                raise InvalidRequestError(_errno.EINVAL, f"a data key must be 32 bytes, got {len(data_key)}")
+            if self.t.ops.set_data_key == NULL:
+                raise InvalidRequestError(_errno.EINVAL, f"messenger.tls_data: the {self.transport} transport "
+                                          "has no encrypted data streams (tcp only)")
+            dkey = data_key
         if token is not None:
             if not 16 <= len(token) <= 32:
                 raise InvalidRequestError(_errno.EINVAL, f"a session token must be 16..32 bytes, got {len(token)}")
@@ -438,6 +452,11 @@ cdef class Messenger:
                         self.t.ops.disconnect(self.t, conn)
                 elif rc < 0:
                     msg = self.t.ops.last_error(self.t)
+                if rc == 0 and dkey != NULL:
+                    rc = self.t.ops.set_data_key(self.t, conn, dkey, 32)
+                    if rc < 0:
+                        msg = self.t.ops.last_error(self.t)
+                        self.t.ops.disconnect(self.t, conn)
         finally:
             self._busy -= 1
         try:

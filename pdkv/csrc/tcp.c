@@ -195,6 +195,7 @@ static const pdkv_transport_ops tcp_ops = {
     .name = "tcp", .reg = t_reg, .grant = t_grant, .revoke = t_revoke, .grant_range = t_grant_range,
     .revoke_range = t_revoke_range, .dereg = t_dereg, .prepare = tcp_prepare, .complete = tcp_complete,
     .set_token = tcp_set_token,
+    .set_data_key = tcp_set_data_key,
     .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll, .event_fd = t_event_fd,
     .last_error = t_last_error, .counters = t_counters, .destroy = t_destroy,
 };

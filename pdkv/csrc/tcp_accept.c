@@ -124,7 +124,8 @@ static void finish(tcp_t *t, limiter *l, pending *p) {
     memcpy(&h, p->buf, sizeof(h));
     char why[PDKV_REASON_MAX];
     uint32_t conn = 0;
-    int status = -EACCES;
+    uint8_t key[TCP_DATA_KEY_LEN];
+    int sealed = 0, status = -EACCES;
     if (h.magic != TCP_HELLO_MAGIC || h.version != TCP_VERSION) {
         snprintf(why, sizeof(why), "not a pdkv tcp v%u hello (magic 0x%08x version %u)", TCP_VERSION, h.magic,
                  h.version);
@@ -133,7 +134,10 @@ static void finish(tcp_t *t, limiter *l, pending *p) {
         /* NOTE: the read lock is enough for rx_*: only this thread touches them */
         pthread_rwlock_rdlock(&t->lock);
         tcp_conn *c = tcp_conn_by_token(t, h.node_id, h.token);
-        if (c && (status = take_stream(c, &h, why, sizeof(why))) == 0) conn = c->id;
+        if (c && (status = take_stream(c, &h, why, sizeof(why))) == 0) {
+            conn = c->id;
+            if ((sealed = c->sealed)) memcpy(key, c->data_key, sizeof(key));
+        }
         pthread_rwlock_unlock(&t->lock);
         if (!c) {
             snprintf(why, sizeof(why), "connection from node %llu with a token this node did not give it",
@@ -144,7 +148,8 @@ static void finish(tcp_t *t, limiter *l, pending *p) {
     if (conn) {
         tcp_sockopts(p->fd);
         send_ack(p->fd, NULL);
-        if (tcp_rx_start(t, p->fd, h.node_id, conn) == 0) return; /* the receiver owns the fd now */
+        if (tcp_rx_start(t, p->fd, h.node_id, conn, h.stream, sealed ? key : NULL) == 0)
+            return; /* the receiver owns the fd now */
         snprintf(why, sizeof(why), "cannot start a receiver thread");
         status = -ENOMEM;
     } else {
