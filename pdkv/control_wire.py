@@ -91,6 +91,10 @@ class Hello:
         out += self._spec_differences(other)
         if self.transport.get("name") != other.transport.get("name"):
             out.append(f"transport: {self.transport.get('name')!r} vs {other.transport.get('name')!r}")
+        elif bool(self.transport.get("tls_data")) != bool(other.transport.get("tls_data")):
+            out.append(f"transport.tls_data: this {self.role} node has {bool(self.transport.get('tls_data'))}, "
+                       f"the {other.role} node has {bool(other.transport.get('tls_data'))} "
+                       "(messenger.tls_data must be the same on both)")
         return out
 
     def _spec_differences(self, other: "Hello") -> list[str]:

@@ -131,6 +131,9 @@ class MessengerConfig:
     staging_slot_kib: int = 1024  # prefill: one copy job's slot (a layer's pages are cut to fit)
     staging_max_pending: int = 64  # prefill: copies waiting for a free slot; beyond, the request fails
     tls: TLSConfig = field(default_factory=TLSConfig)  # empty: control connections in clear
+    # tcp: encrypt and authenticate the data streams too (AES-256-GCM records keyed from the
+    # authenticated control session; needs a cluster secret and libcrypto). Both nodes alike.
+    tls_data: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ int tcp_seal_init(tcp_seal *s, const uint8_t *data_key, uint64_t writer, uint64_
     EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
     if (!ctx || !HMAC(EVP_sha256(), data_key, TCP_DATA_KEY_LEN, info, sizeof(info), s->key, &klen) ||
         klen != sizeof(s->key) ||
-        (encrypt ? EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, NULL, NULL)
-                 : EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, NULL, NULL)) != 1) {
+        (encrypt ? EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, s->key, NULL)
+                 : EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, s->key, NULL)) != 1) {
         EVP_CIPHER_CTX_free(ctx);
         snprintf(why, n, "cannot set up AES-256-GCM for stream %u (libcrypto)", stream);
         return -EIO;
@@ -54,8 +54,9 @@ int tcp_seal_begin(tcp_seal *s) {
     uint64_t seq = s->seq++;
     memcpy(iv + 4, &seq, 8);
     EVP_CIPHER_CTX *ctx = s->ctx;
-    return (s->encrypt ? EVP_EncryptInit_ex(ctx, NULL, NULL, s->key, iv)
-                       : EVP_DecryptInit_ex(ctx, NULL, NULL, s->key, iv)) == 1 ? 0 : -EIO;
+    /* the key schedule was set once at init: only the nonce changes per record */
+    return (s->encrypt ? EVP_EncryptInit_ex(ctx, NULL, NULL, NULL, iv)
+                       : EVP_DecryptInit_ex(ctx, NULL, NULL, NULL, iv)) == 1 ? 0 : -EIO;
 }
 
 int tcp_seal_update(tcp_seal *s, uint8_t *out, const uint8_t *in, size_t len) {

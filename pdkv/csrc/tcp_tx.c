@@ -102,33 +102,41 @@ static int send_burst(tcp_stream *s, tcp_op *ops, int n) {
     return 0;
 }
 
-/* Sealed: each write as a header record and a payload record (each + its tag); 0 or -errno. */
+/* Sealed: each write as a header record and a payload record (each + its tag), packed into the
+ * stream's scratch buffer across the burst and sent as it fills; 0 or -errno. */
 static int send_sealed(tcp_stream *s, tcp_op *ops, int n) {
     uint8_t *buf = s->scratch;
+    const size_t cap = TCP_SEAL_CHUNK + sizeof(tcp_frame) + 2 * TCP_TAG_LEN, hdr = sizeof(tcp_frame) + TCP_TAG_LEN;
+    size_t have = 0;
+    int r;
+#define FLUSH()                                                    \
+    do {                                                           \
+        if (have && (r = tcp_send_all(s->fd, buf, have)) < 0) return r; \
+        have = 0;                                                  \
+    } while (0)
     for (int i = 0; i < n; i++) {
-        const size_t hdr = sizeof(tcp_frame) + TCP_TAG_LEN;
-        size_t have = hdr;
-        if (tcp_seal_begin(&s->seal) || tcp_seal_update(&s->seal, buf, (const uint8_t *)&ops[i].hdr, sizeof(tcp_frame)) ||
-            tcp_seal_end(&s->seal, buf + sizeof(tcp_frame)))
+        if (have + hdr > cap) FLUSH();
+        if (tcp_seal_begin(&s->seal) ||
+            tcp_seal_update(&s->seal, buf + have, (const uint8_t *)&ops[i].hdr, sizeof(tcp_frame)) ||
+            tcp_seal_end(&s->seal, buf + have + sizeof(tcp_frame)))
             return -EIO;
+        have += hdr;
         uint64_t len = ops[i].hdr.len, done = 0;
-        if (len && tcp_seal_begin(&s->seal)) return -EIO;
-        while (done < len) {
-            size_t chunk = len - done < TCP_SEAL_CHUNK ? (size_t)(len - done) : TCP_SEAL_CHUNK;
+        if (!len) continue;
+        if (tcp_seal_begin(&s->seal)) return -EIO;
+        while (done < len) { /* NOTE: room for the tag is always kept after the chunk */
+            if (cap - have <= TCP_TAG_LEN) FLUSH();
+            size_t room = cap - have - TCP_TAG_LEN;
+            size_t chunk = len - done < room ? (size_t)(len - done) : room;
             if (tcp_seal_update(&s->seal, buf + have, ops[i].src + done, chunk)) return -EIO;
             have += chunk;
             done += chunk;
-            if (done < len) { /* a full scratch buffer goes out; the tag follows the last chunk */
-                int r = tcp_send_all(s->fd, buf, have);
-                if (r < 0) return r;
-                have = 0;
-            }
         }
-        if (len && tcp_seal_end(&s->seal, buf + have)) return -EIO;
-        have += len ? TCP_TAG_LEN : 0;
-        int r = tcp_send_all(s->fd, buf, have);
-        if (r < 0) return r;
+        if (tcp_seal_end(&s->seal, buf + have)) return -EIO;
+        have += TCP_TAG_LEN;
     }
+    FLUSH();
+#undef FLUSH
     return 0;
 }
 

@@ -101,7 +101,7 @@ class DecodeCoordinator:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative,
-                                  hello_rank_nics(self.m))  # which NICs carry each rank's pages
+                                  hello_rank_nics(self.m), tls_data=self.mcfg.tls_data)  # which NICs carry each rank's pages
         if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)

@@ -94,7 +94,8 @@ class PrefillPeers:
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
-                                                                                    ch.peer.extra))
+                                                                                    ch.peer.extra),
+                                        data_key=ch.data_key if self.mcfg.tls_data else None)
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key

@@ -135,8 +135,10 @@ class DecodeLinks:
             rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
             spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.handoff_on else None
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
+            # messenger.tls_data: the data streams sealed with the session's key (HELLO agreed on it)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
-                                                                                    ch.peer.extra))
+                                                                                    ch.peer.extra),
+                                        data_key=ch.data_key if self.mcfg.tls_data else None)
             try:
                 await self._complete(conn, info_in)
             except BaseException:
