@@ -103,7 +103,8 @@ class DecodeLinks:
         try:
             await self._serve(reader, writer, source, ticket)
         except asyncio.CancelledError:
-            if ticket.state is not Place.GONE or asyncio.current_task().cancelling() > 1:
+            # NOTE: only our own eviction is swallowed (Task.cancelling: Python 3.11+)
+            if ticket.state is not Place.GONE or getattr(task, "cancelling", lambda: 1)() > 1:
                 raise
             self._rlog.warning(f"evict:{source}", "prefill: closed a handshaking control connection from %s "
                                "to make room for a newer one (messenger.max_handshakes %d)", source,

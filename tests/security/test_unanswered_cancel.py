@@ -60,6 +60,11 @@ class SilentPrefill:
         self.m.write(self.conn, self.lkey, 0, self.kv_key, page * self.page_nbytes, n, imm=self.prefills[0]["imm"])
 
     def close(self):
+        async def cancel_all():  # its heartbeat and reader tasks end with the loop, not after it
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.m.close()
 
