@@ -7,6 +7,7 @@ bounds (messenger.max_grants_per_request, max_grants_per_peer) refuse with a 503
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class PrefillSender:
         aborted = self._granting.pop(rid, False)
         try:
             granted, spec_granted = fut.result()
-        except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - refused, or stopping: nothing sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
             self._hold(grantee, -job.need)
             self.chooser.unreserve(peer, len(job.tokens))
