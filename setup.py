@@ -2,7 +2,8 @@
 
 pdkv._messenger is Cython over C transports in pdkv/csrc/. The verbs transport is compiled in
 when the libibverbs headers are present (Debian: libibverbs-dev); otherwise only tcp is built
-and asking for verbs is a clear error at run time.
+and asking for verbs is a clear error at run time. The tcp transport's sealed data streams
+(messenger.tls_data) need libcrypto's headers (Debian: libssl-dev), likewise.
 """
 
 import os
@@ -18,6 +19,13 @@ def have_verbs() -> bool:
                for d in ("/usr/include", "/usr/local/include"))
 
 
+def have_crypto() -> bool:
+    """libcrypto's headers (Debian: libssl-dev): the tcp transport's sealed streams (messenger.tls_data)."""
+    if os.environ.get("PDKV_NO_CRYPTO"):
+        return False
+    return any(os.path.exists(os.path.join(d, "openssl", "evp.h")) for d in ("/usr/include", "/usr/local/include"))
+
+
 def extensions():
     from Cython.Build import cythonize
 
@@ -30,6 +38,9 @@ def extensions():
         sources += [os.path.join("pdkv/csrc", f) for f in csrc if f.startswith("verbs")]
         macros.append(("PDKV_HAVE_VERBS", "1"))
         libraries.append("ibverbs")
+    if have_crypto():
+        macros.append(("PDKV_HAVE_CRYPTO", "1"))
+        libraries.append("crypto")
     ext = Extension(
         "pdkv._messenger",
         sources=sources,

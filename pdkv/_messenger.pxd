@@ -8,6 +8,7 @@ cdef extern from "transport.h" nogil:
         PDKV_INFO_MAX
         PDKV_MAX_NICS
         PDKV_REASON_MAX
+        PDKV_ERR_MAX
         PDKV_REG_DMABUF
         PDKV_REG_PEERMEM
 
@@ -30,6 +31,7 @@ cdef extern from "transport.h" nogil:
         int (*prepare)(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len, uint32_t *conn_out) noexcept nogil
         int (*complete)(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len) noexcept nogil
         int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len) noexcept nogil
+        int (*set_data_key)(pdkv_transport *t, uint32_t conn, const void *key, uint32_t len) noexcept nogil
         int (*disconnect)(pdkv_transport *t, uint32_t conn) noexcept nogil
         const char *(*last_error)(pdkv_transport *t) noexcept nogil
         int (*nic_key)(pdkv_transport *t, uint64_t key, uint32_t nic, uint64_t *key_out) noexcept nogil
@@ -62,6 +64,7 @@ cdef extern from "transport.h" nogil:
     pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                           const pdkv_verbs_opts *verbs, char *err, size_t errlen)
     int pdkv_have_verbs()
+    int pdkv_have_crypto()
     int pdkv_tcp_port(pdkv_transport *t)
 
 

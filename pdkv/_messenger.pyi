@@ -4,6 +4,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 HAVE_VERBS: bool
+HAVE_CRYPTO: bool
 
 def transports() -> list[str]: ...
 def locked_memory_limit() -> int | None: ...  # None: unlimited or CAP_IPC_LOCK
@@ -82,7 +83,8 @@ class Messenger:
     # A stream with a wrong/missing token is closed unread (complete() on that side raises
     # PeerConnectionError naming the token); InvalidRequestError for a token of a bad length.
     def prepare(self, peer: int, token: bytes | None = None,
-                pairs: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]: ...
+                pairs: Iterable[tuple[int, int]] | None = None,
+                data_key: bytes | None = None) -> tuple[int, bytes]: ...
     def complete(self, conn: int, info: bytes) -> None: ...
     def disconnect(self, conn: int) -> None: ...
     # writes

@@ -25,6 +25,7 @@ from libc.stdlib cimport free, malloc
 include "_messenger_errors.pxi"
 
 HAVE_VERBS = bool(pdkv_have_verbs())
+HAVE_CRYPTO = bool(pdkv_have_crypto())  # tcp sealed data streams (messenger.tls_data)
 
 
 def transports():
@@ -96,7 +97,7 @@ cdef class Messenger:
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
-        cdef char err[256]
+        cdef char err[PDKV_ERR_MAX]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
         cdef pdkv_core_opts copts
@@ -340,10 +341,16 @@ cdef class Messenger:
         refused before a byte lands (error event at both ends, the connection is closed)."""
         cdef int rc
         cdef uint64_t out = 0
-        self._check()
-        rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+        cdef const char *msg = NULL
+        self._enter()
+        try:  # NOTE: without the GIL: on verbs this registers an MR (a caller's thread may wait)
+            with nogil:
+                rc = self.t.ops.grant_range(self.t, key, peer, offset, length, &out)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
         if rc < 0:
-            _raise(rc, self.t.ops.last_error(self.t), "grant_range")
+            _raise(rc, msg, "grant_range")
         return out
 
     def revoke_range(self, uint64_t key, uint64_t peer, uint64_t offset, uint64_t length):
@@ -351,14 +358,20 @@ cdef class Messenger:
         `key` may be the region's key or the range's). RegionBusyError (tcp/fake) while a write
         into the range is landing; afterwards nothing from `peer` lands in it."""
         cdef int rc
-        self._check()
-        rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+        cdef const char *msg = NULL
+        self._enter()
+        try:  # NOTE: without the GIL: on verbs this deregisters an MR
+            with nogil:
+                rc = self.t.ops.revoke_range(self.t, key, peer, offset, length)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
         if rc < 0:
-            _raise(rc, self.t.ops.last_error(self.t), "revoke_range")
+            _raise(rc, msg, "revoke_range")
 
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         err[0] = 0
@@ -374,7 +387,7 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer, bytes token=None, pairs=None):
+    def prepare(self, uint64_t peer, bytes token=None, pairs=None, bytes data_key=None):
         """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
 
         pairs (verbs over several NICs; ignored on tcp/fake, which have one path): the (local
@@ -388,13 +401,26 @@ cdef class Messenger:
         must present it in their first frame, before anything is accepted, else they are closed
         unread; ours present it; it is never put in `info`, so a copy of the info alone cannot
         open the connection. Both ends must pass the same token (or neither). verbs/fake: not
-        needed (the queue pairs are bound by the info exchange itself) and ignored."""
+        needed (the queue pairs are bound by the info exchange itself) and ignored.
+
+        data_key (tcp only, messenger.tls_data): 32 bytes both nodes derived from the same
+        session: every stream of the connection is encrypted and authenticated (AES-256-GCM
+        records, a key per writer, reader and stream). Both ends pass the same key (or neither).
+        Another transport, or a build without libcrypto: an error saying so."""
         cdef char *info
         cdef uint32_t n = 0, conn = 0
         cdef int rc
         cdef const char *msg = NULL
         cdef const char *tok = NULL
         cdef uint32_t tok_len = 0
+        cdef const char *dkey = NULL
+        if data_key is not None:
+            if len(data_key) != 32:
+                raise InvalidRequestError(_errno.EINVAL, f"a data key must be 32 bytes, got {len(data_key)}")
+            if self.t.ops.set_data_key == NULL:
+                raise InvalidRequestError(_errno.EINVAL, f"messenger.tls_data: the {self.transport} transport "
+                                          "has no encrypted data streams (tcp only)")
+            dkey = data_key
         if token is not None:
             if not 16 <= len(token) <= 32:
                 raise InvalidRequestError(_errno.EINVAL, f"a session token must be 16..32 bytes, got {len(token)}")
@@ -426,6 +452,11 @@ cdef class Messenger:
                         self.t.ops.disconnect(self.t, conn)
                 elif rc < 0:
                     msg = self.t.ops.last_error(self.t)
+                if rc == 0 and dkey != NULL:
+                    rc = self.t.ops.set_data_key(self.t, conn, dkey, 32)
+                    if rc < 0:
+                        msg = self.t.ops.last_error(self.t)
+                        self.t.ops.disconnect(self.t, conn)
         finally:
             self._busy -= 1
         try:
@@ -519,7 +550,7 @@ cdef class Messenger:
         from src_off + src_pages[i]*src_page_stride + s*src_seg_stride of lkey to the same
         expression with dst_* of rkey, each carrying `imm` if given."""
         cdef pdkv_page_batch b
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int64_t rc
         keep = []
         self._check()
@@ -549,7 +580,7 @@ cdef class Messenger:
 
     def watch_address(self, uint64_t addr):
         """Watch the int64 at `addr` (8-byte aligned; the caller keeps it alive) -> watch id."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef uint32_t wid = 0
         cdef int rc
         self._check()
@@ -560,7 +591,7 @@ cdef class Messenger:
 
     def unwatch(self, uint32_t watch):
         """Stop watching; its queued batches end with batch_done status -ECANCELED."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         rc = pdkv_core_unwatch(self.core, watch, err)
@@ -575,7 +606,7 @@ cdef class Messenger:
                     imm=None, uint64_t tag=0):
         """Like write_pages, but posted by the poller once the watched counter is >= value."""
         cdef pdkv_page_batch b
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         keep = []
         self._check()
@@ -596,7 +627,7 @@ cdef class Messenger:
     def expect(self, uint32_t imm, uint64_t count):
         """Fire one imm_done event when `count` writes carrying `imm` have landed (earlier
         arrivals count). InvalidRequestError if imm is already expected or over-delivered."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int rc
         self._check()
         err[0] = 0
@@ -606,7 +637,7 @@ cdef class Messenger:
 
     def forget(self, uint32_t imm):
         """Drop imm's counter -> the writes it had counted (0 if it had none)."""
-        cdef char err[160]
+        cdef char err[PDKV_ERR_MAX]
         cdef int64_t rc
         self._check()
         rc = pdkv_core_forget(self.core, imm, err)

@@ -129,6 +129,12 @@ def session_material(secret: bytes | None, dial_nonce: bytes, accept_nonce: byte
     return key, token
 
 
+def data_key(session_key: bytes) -> bytes:
+    """The tcp data streams' key of a session (messenger.tls_data), the same at both ends; only
+    with a cluster secret (without one the session key derives from public nonces)."""
+    return hmac.new(session_key, b"pdkv-data-key/1", hashlib.sha256).digest()
+
+
 class Sealer:
     """MACs one direction of an authenticated channel: tag = HMAC(key, dir | seq | body)[:16].
     A dropped, replayed, reordered or altered frame fails the check (the channel breaks)."""
@@ -137,7 +143,9 @@ class Sealer:
         self.key, self.direction, self.seq = key, direction, 0
 
     def tag(self, body: bytes) -> bytes:
-        t = hmac.new(self.key, self.direction + _SEQ.pack(self.seq) + body, hashlib.sha256).digest()[:TAG_BYTES]
+        h = hmac.new(self.key, self.direction + _SEQ.pack(self.seq), hashlib.sha256)
+        h.update(body)  # NOTE: no copy of a large frame's body (it may be a memoryview of it)
+        t = h.digest()[:TAG_BYTES]
         self.seq += 1
         return t
 

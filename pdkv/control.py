@@ -44,10 +44,11 @@ class ControlChannel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  local: Hello, peer: Hello, token: bytes = b"", seal: tuple | None = None,
-                 max_frame: int = MAX_FRAME):
+                 max_frame: int = MAX_FRAME, data_key: bytes | None = None):
         self.reader, self.writer = reader, writer
         self.local, self.peer = local, peer
         self.token = token
+        self.data_key = data_key  # the tcp data streams' key (messenger.tls_data); None without a secret
         self.authenticated = seal is not None
         self._out, self._in = seal if seal is not None else (None, None)
         self.max_frame = max_frame
@@ -86,7 +87,7 @@ class ControlChannel:
 
     @classmethod
     def _open(cls, reader, writer, hello: Hello, session: Session, max_frame: int) -> "ControlChannel":
-        return cls(reader, writer, hello, session.peer, session.token, session.seal, max_frame)
+        return cls(reader, writer, hello, session.peer, session.token, session.seal, max_frame, session.data_key)
 
     # -- traffic -------------------------------------------------------------------------
     async def send(self, msg: dict) -> None:

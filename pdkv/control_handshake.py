@@ -37,6 +37,7 @@ class Session:
     peer: Hello
     token: bytes
     seal: tuple[auth.Sealer, auth.Sealer] | None
+    data_key: bytes | None = None  # with a secret: the tcp data streams' key (messenger.tls_data)
 
 
 async def handshake(reader, writer, hello: Hello, timeout: float, secret: bytes | None,
@@ -140,4 +141,5 @@ async def _exchange(reader, writer, hello: Hello, secret: bytes | None, dialer: 
         writer.write(encode_frame({"type": "REFUSE", "reason": reason}, out, lim))
         await writer.drain()
         raise HandshakeRefused(f"refusing peer node {peer.node_id:#x}: {reason}")
-    return Session(peer, token, (out, inn) if out is not None else None)
+    return Session(peer, token, (out, inn) if out is not None else None,
+                   auth.data_key(key) if secret is not None else None)

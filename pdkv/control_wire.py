@@ -91,6 +91,10 @@ class Hello:
         out += self._spec_differences(other)
         if self.transport.get("name") != other.transport.get("name"):
             out.append(f"transport: {self.transport.get('name')!r} vs {other.transport.get('name')!r}")
+        elif bool(self.transport.get("tls_data")) != bool(other.transport.get("tls_data")):
+            out.append(f"transport.tls_data: this {self.role} node has {bool(self.transport.get('tls_data'))}, "
+                       f"the {other.role} node has {bool(other.transport.get('tls_data'))} "
+                       "(messenger.tls_data must be the same on both)")
         return out
 
     def _spec_differences(self, other: "Hello") -> list[str]:
@@ -142,15 +146,44 @@ async def read_frame(reader: asyncio.StreamReader, sealer: auth.Sealer | None = 
         raise ControlError("control connection closed in the middle of a frame") from e
     except OSError as e:
         raise ControlError(f"control connection broke in the middle of a frame: {e}") from e
-    if sealer is not None:
-        if n < tag_len or not sealer.check(body[:-tag_len], body[-tag_len:]):
-            raise ControlError("control frame failed its authentication check (altered, replayed or "
-                               "injected): dropping the connection")
-        body = body[:-tag_len]
-    try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for garbage
-        raise ControlError(f"undecodable control frame: {e}") from e
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ControlError("control frame is not a map with a 'type' field")
+    # NOTE: every error below is raised after the frame's bytes and whatever they decoded to are
+    # dropped: a traceback keeps this frame's locals alive, and one caught in a task can sit in a
+    # reference cycle until the collector runs (a refused 16 MiB frame then held ~150 MB)
+    msg, error = _decode(body, sealer, limit)
+    del body
+    if error is not None:
+        raise error
     return msg
+
+
+def _decode(body: bytes, sealer: auth.Sealer | None, limit: int) -> tuple[dict | None, ControlError | None]:
+    """(the frame's map, None) or (None, the error). What a frame decodes to is bounded: at most
+    ``limit // 8`` elements in all, a container counting 8 more (its own object), each one's
+    length checked before it is built (a frame of nils or of empty lists would otherwise grow
+    8-60x on decoding; now about 1x, and ints at most 5x)."""
+    view = memoryview(body)
+    if sealer is not None:
+        tag_len = auth.TAG_BYTES
+        if len(body) < tag_len or not sealer.check(view[:-tag_len], view[-tag_len:]):
+            return None, ControlError("control frame failed its authentication check (altered, replayed or "
+                                      "injected): dropping the connection")
+        view = view[:-tag_len]
+    cap = max(limit // 8, 64)
+    left = [cap]
+
+    def spend(container):
+        left[0] -= len(container) + 8
+        if left[0] < 0:
+            raise ValueError(f"more than {cap} elements in all")
+        return container
+    try:
+        msg = msgpack.unpackb(view, raw=False, strict_map_key=False, list_hook=spend, object_hook=spend,
+                              max_array_len=cap, max_map_len=cap, max_str_len=limit, max_bin_len=limit,
+                              max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        return None, ControlError(f"undecodable control frame: {e}")
+    finally:
+        view.release()
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        return None, ControlError("control frame is not a map with a 'type' field")
+    return msg, None

@@ -56,14 +56,14 @@ def _messenger_kwargs(transport: str, streams: int, nic: str | None) -> dict:
     return {"num_streams": streams}
 
 
-def _pdkv_receiver(conn, transport: str, kwargs: dict) -> None:
+def _pdkv_receiver(conn, transport: str, kwargs: dict, data_key: bytes | None = None) -> None:
     from pdkv._messenger import Messenger
 
     m = Messenger(transport, 2, **kwargs)
     dst = np.zeros(REGION, dtype=np.uint8)
     key = m.register(dst)
     m.grant(key, 1)
-    c, info = m.prepare(1)
+    c, info = m.prepare(1, data_key=data_key)
     conn.send((key, info))
     m.complete(c, conn.recv())
     conn.send("ready")
@@ -88,19 +88,20 @@ def _pdkv_receiver(conn, transport: str, kwargs: dict) -> None:
 
 
 def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int,
-               nic: str | None = None) -> dict[int, tuple[float, float]]:
+               nic: str | None = None, data_key: bytes | None = None) -> dict[int, tuple[float, float]]:
+    """``data_key``: tcp streams sealed with it (messenger.tls_data) at both ends."""
     from pdkv._messenger import Messenger
 
     kwargs = _messenger_kwargs(transport, streams, nic)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, kwargs), daemon=True)
+    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, kwargs, data_key), daemon=True)
     proc.start()
     m = Messenger(transport, 1, **kwargs)
     src = np.random.default_rng(0).integers(0, 255, REGION, dtype=np.uint8)
     lkey = m.register(src)
     rkey, rinfo = parent.recv()
-    c, info = m.prepare(2)
+    c, info = m.prepare(2, data_key=data_key)
     m.complete(c, rinfo)
     parent.send(info)
     assert parent.recv() == "ready"
@@ -228,7 +229,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nic", default=None, help="verbs: the RDMA device both endpoints use (e.g. mlx5_0)")
     ap.add_argument("--no-peers", action="store_true", help="skip NIXL / Mooncake even if installed")
     ap.add_argument("--staged", action="store_true", help="also measure the staging pipeline (copy engines, rings)")
-    ap.add_argument("--rounds", type=int, default=3, help="--staged: alternating rounds of both, best of each (default 3)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--staged / --tls-data: alternating rounds of both, best of each (default 3)")
+    ap.add_argument("--tls-data", action="store_true",
+                    help="tcp: also measure sealed streams (messenger.tls_data: AES-256-GCM records)")
     ap.add_argument("--device", default="auto", help="--staged: where the pages live: auto (cuda if available), cpu, cuda")
     ap.add_argument("--peers-python", default=os.environ.get("PDKV_PEERS_PYTHON", sys.executable),
                     help="interpreter that has nixl / mooncake installed (default: this one, or $PDKV_PEERS_PYTHON)")
@@ -250,6 +254,13 @@ def main(argv: list[str]) -> int:
             memcpy = max(memcpy, bench_memcpy())
             pdkv = _best(pdkv, bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic))
             staged = _best(staged, bench_staged(sizes, a.seconds, a.transport, kw, a.device, REGION, num_writes))
+    sealed = None
+    if a.tls_data:  # alternating rounds, best of each (the same reason as --staged)
+        key = os.urandom(32)
+        sealed = bench_pdkv(sizes, a.seconds, a.transport, a.streams, data_key=key)
+        for _ in range(a.rounds - 1):
+            pdkv = _best(pdkv, bench_pdkv(sizes, a.seconds, a.transport, a.streams))
+            sealed = _best(sealed, bench_pdkv(sizes, a.seconds, a.transport, a.streams, data_key=key))
     raw1 = bench_raw(sizes, a.seconds, 1)
     rawn = bench_raw(sizes, a.seconds, a.streams) if a.streams > 1 else raw1
     peers = {} if a.no_peers else {p: bench_optional(p, sizes, a.seconds, a.peers_python) for p in ("nixl", "mooncake")}
@@ -273,6 +284,12 @@ def main(argv: list[str]) -> int:
         print(f"target: pdkv >= 0.85 x raw-{a.streams} at >= 64K: min ratio {min(big):.2f}")
     if 4096 in pdkv:
         print(f"target: >= 100000 writes/s at 4K: {pdkv[4096][1]:.0f}")
+    if sealed is not None:
+        print(f"tls_data (sealed streams, AES-256-GCM both ends) vs plain, same run, best of {a.rounds} "
+              "alternating rounds:")
+        print(f"{'page':>6} {'plain GB/s':>11} {'sealed GB/s':>12} {'sealed/plain':>13}")
+        for s in sizes:
+            print(f"{fmt(s):>6} {pdkv[s][0]:11.2f} {sealed[s][0]:12.2f} {sealed[s][0] / pdkv[s][0]:13.2f}")
     if a.staged:
         print(f"staged ({_device(a.device)} KV, copy engines both ends) vs pdkv (host memory, direct), same run, "
               f"best of {a.rounds} alternating rounds:")

@@ -112,8 +112,11 @@ class MessengerConfig:
     insecure: bool = False
     handshake_timeout_s: float = 10.0  # a control connection must authenticate + say HELLO + CONNECT within this
     max_frame_bytes: int = 16 << 20  # control frames after the handshake (before it: 64 KiB)
-    max_control_conns: int = 64  # prefill: control connections held at once (handshaking or live)
-    max_control_per_source: int = 16  # prefill: ... of them from one source address
+    max_control_conns: int = 64  # prefill: established links (decode nodes) held at once
+    # prefill: control connections still handshaking held at once; when full, the oldest of the
+    # source holding most gives its place to a newcomer (pdkv/disagg/control_admission.py)
+    max_handshakes: int = 32
+    max_control_per_source: int = 16  # prefill: handshaking, and links, from one source address
     max_setups: int = 4  # data-path set-ups (Messenger.complete) running at once, each in a thread
     # decode: narrow grants (pdkv/disagg/grants.py) per request and held by one prefill peer at
     # once: ranges = (KV ranks x layers x runs of pages) + 1; on verbs each is an MR (registered
@@ -128,6 +131,9 @@ class MessengerConfig:
     staging_slot_kib: int = 1024  # prefill: one copy job's slot (a layer's pages are cut to fit)
     staging_max_pending: int = 64  # prefill: copies waiting for a free slot; beyond, the request fails
     tls: TLSConfig = field(default_factory=TLSConfig)  # empty: control connections in clear
+    # tcp: encrypt and authenticate the data streams too (AES-256-GCM records keyed from the
+    # authenticated control session; needs a cluster secret and libcrypto). Both nodes alike.
+    tls_data: bool = False
 
 
 @dataclass(frozen=True)

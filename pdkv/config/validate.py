@@ -86,7 +86,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(not ms.rank_nics or len(ms.rank_nics) == pc.tp, "messenger.rank_nics",
          f"one name per TP rank: {pc.tp} (parallel.tp)", list(ms.rank_nics))
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
-    need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
+    need(1 <= ms.num_streams <= 64, "messenger.num_streams", "an integer in 1..64", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
     need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)
     need(0 <= ms.control_port <= 65535, "messenger.control_port", "a TCP port in 0..65535", ms.control_port)
@@ -100,8 +100,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)
-    for name in ("max_control_conns", "max_control_per_source", "max_setups", "max_grants_per_request",
-                 "max_grants_per_peer"):
+    for name in ("max_control_conns", "max_handshakes", "max_control_per_source", "max_setups",
+                 "max_grants_per_request", "max_grants_per_peer"):
         need(getattr(ms, name) > 0, f"messenger.{name}", "a positive integer", getattr(ms, name))
     tls = {"cert": ms.tls.cert, "key": ms.tls.key, "ca": ms.tls.ca}
     if any(tls.values()):
@@ -113,6 +113,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         if check_paths:
             for name, path in tls.items():
                 need(Path(path).is_file(), f"messenger.tls.{name}", "a PEM file that exists", path)
+    need(not ms.tls_data or ms.transport == "tcp", "messenger.tls_data",
+         "false with transport verbs (encrypted data streams are tcp's; RDMA has none)", ms.tls_data)
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:

@@ -52,7 +52,7 @@ static int validate(const pdkv_page_batch *b, char *err) {
 
 int64_t pdkv_core_post_internal(pdkv_core *c, uint32_t conn, const pdkv_page_batch *b, uint64_t tag,
                                 int event_on_failure, char *err) {
-    char why[PDKV_REASON_MAX];
+    char why[PDKV_ERR_MAX];
     int rc = validate(b, why);
     uint64_t wr_id;
     pthread_mutex_lock(&c->mu);

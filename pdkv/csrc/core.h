@@ -10,7 +10,7 @@
  * Results reach Python as pdkv_event records behind an eventfd (asyncio add_reader + drain).
  *
  * All functions are thread-safe and never touch Python; error codes are negative errno values
- * with a reason written into `err` (PDKV_REASON_MAX bytes).
+ * with a reason written into `err` (PDKV_ERR_MAX bytes).
  */
 #ifndef PDKV_CORE_H
 #define PDKV_CORE_H

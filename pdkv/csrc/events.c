@@ -14,7 +14,7 @@ void pdkv_core_seterr(char *err, const char *fmt, ...) {
     if (!err) return;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err, PDKV_REASON_MAX, fmt, ap);
+    vsnprintf(err, PDKV_ERR_MAX, fmt, ap);
     va_end(ap);
 }
 

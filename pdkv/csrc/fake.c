@@ -51,7 +51,7 @@ typedef struct fake_t {
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static fake_t *g_all;
 static uint64_t g_next_id = 1;
-static __thread char tls_err[PDKV_REASON_MAX];
+static __thread char tls_err[PDKV_ERR_MAX];
 
 static int ferr(int code, const char *fmt, ...) {
     va_list ap;

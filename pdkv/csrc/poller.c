@@ -60,7 +60,7 @@ static int check_counters(pdkv_core *c) {
     }
     pthread_mutex_unlock(&c->mu);
     int n = 0;
-    char err[PDKV_REASON_MAX];
+    char err[PDKV_ERR_MAX];
     while (ready) {
         queued_batch *q = ready;
         ready = q->next;

@@ -31,22 +31,22 @@
 /* ---- vtable ---- */
 
 static int t_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
-    return pdkv_regions_add(&((tcp_t *)bt)->regions, addr, len, key, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_add(&((tcp_t *)bt)->regions, addr, len, key, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static int t_grant(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t *key_out) {
     if (key_out) *key_out = key;
-    return pdkv_regions_grant(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_grant(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static int t_revoke(pdkv_transport *bt, uint64_t key, uint64_t peer) {
-    return pdkv_regions_revoke(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_revoke(&((tcp_t *)bt)->regions, key, peer, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static int t_grant_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
                          uint64_t *key_out) {
     if (key_out) *key_out = key;
-    return pdkv_regions_grant_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_grant_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static int t_revoke_range(pdkv_transport *bt, uint64_t key, uint64_t peer, uint64_t off, uint64_t len) {
-    return pdkv_regions_revoke_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_revoke_range(&((tcp_t *)bt)->regions, key, peer, off, len, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static void t_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
     tcp_t *t = (tcp_t *)bt;
@@ -56,7 +56,7 @@ static void t_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
     out->rx_threads = __atomic_load_n(&t->rx_threads, __ATOMIC_RELAXED);
 }
 static int t_dereg(pdkv_transport *bt, uint64_t key) {
-    return pdkv_regions_remove(&((tcp_t *)bt)->regions, key, tcp_errbuf(), PDKV_REASON_MAX);
+    return pdkv_regions_remove(&((tcp_t *)bt)->regions, key, tcp_errbuf(), PDKV_ERR_MAX);
 }
 static int t_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
     tcp_t *t = (tcp_t *)bt;
@@ -78,7 +78,7 @@ static int t_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
     tcp_op *ops = n <= 256 ? stack_ops : malloc((size_t)n * sizeof(*ops));
     const uint8_t **src = n <= 256 ? stack_src : malloc((size_t)n * sizeof(*src));
     int rc = (!ops || !src) ? tcp_err(-ENOMEM, "out of memory")
-                            : pdkv_regions_pin_writes(&t->regions, w, n, src, tcp_errbuf(), PDKV_REASON_MAX);
+                            : pdkv_regions_pin_writes(&t->regions, w, n, src, tcp_errbuf(), PDKV_ERR_MAX);
     if (rc < 0) {
         if (ops != stack_ops) free(ops);
         if (src != stack_src) free(src);
@@ -195,6 +195,7 @@ static const pdkv_transport_ops tcp_ops = {
     .name = "tcp", .reg = t_reg, .grant = t_grant, .revoke = t_revoke, .grant_range = t_grant_range,
     .revoke_range = t_revoke_range, .dereg = t_dereg, .prepare = tcp_prepare, .complete = tcp_complete,
     .set_token = tcp_set_token,
+    .set_data_key = tcp_set_data_key,
     .disconnect = tcp_disconnect, .post = t_post, .poll = t_poll, .event_fd = t_event_fd,
     .last_error = t_last_error, .counters = t_counters, .destroy = t_destroy,
 };

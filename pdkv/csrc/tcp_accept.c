@@ -6,6 +6,8 @@
  *     no whole hello within handshake_ms or closed early;
  *   - at most max_pending sockets wait at once, at most max_per_source of them from one address
  *     (one noisy host cannot take every slot); one more is closed at accept;
+ *   - a connection takes exactly the streams its first accepted hello agreed (num_streams, at most
+ *     TCP_MAX_STREAMS, each index once): a valid token opens no more receiver threads than that;
  *   - only an accepted hello gets an ACK and a receiver thread (tcp_rx.c).
  * Refusals are counted (refused_conns) and reported as ERROR completions, at most REPORT_BURST
  * per second: a flood of bad connections cannot flood the layer above (or its log) in turn.
@@ -91,30 +93,63 @@ static void send_ack(int fd, const char *reason) {
     (void)r;
 }
 
+/* The stream a hello names, on connection c: 0, or -EPROTO with the reason (listener thread). */
+static int take_stream(tcp_conn *c, const tcp_hello *h, char *why, size_t n) {
+    uint32_t agreed = c->rx_num_streams ? c->rx_num_streams : h->num_streams;
+    if (h->num_streams < 1 || h->num_streams > TCP_MAX_STREAMS) {
+        snprintf(why, n, "hello for connection %u says %u streams (1..%d)", c->id, h->num_streams, TCP_MAX_STREAMS);
+        return -EPROTO;
+    }
+    if (h->num_streams != agreed) {
+        snprintf(why, n, "hello for connection %u says %u streams, its first stream said %u", c->id,
+                 h->num_streams, agreed);
+        return -EPROTO;
+    }
+    if (h->stream >= agreed) {
+        snprintf(why, n, "stream %u of connection %u is outside its %u streams", h->stream, c->id, agreed);
+        return -EPROTO;
+    }
+    if (c->rx_streams_seen & (1ull << h->stream)) {
+        snprintf(why, n, "stream %u of connection %u was accepted already", h->stream, c->id);
+        return -EPROTO;
+    }
+    c->rx_num_streams = agreed;
+    c->rx_streams_seen |= 1ull << h->stream;
+    return 0;
+}
+
 /* A whole hello arrived: start its receiver or refuse it. The socket is consumed either way. */
 static void finish(tcp_t *t, limiter *l, pending *p) {
     tcp_hello h;
     memcpy(&h, p->buf, sizeof(h));
     char why[PDKV_REASON_MAX];
     uint32_t conn = 0;
-    int status = -EACCES;
+    uint8_t key[TCP_DATA_KEY_LEN];
+    int sealed = 0, status = -EACCES;
     if (h.magic != TCP_HELLO_MAGIC || h.version != TCP_VERSION) {
         snprintf(why, sizeof(why), "not a pdkv tcp v%u hello (magic 0x%08x version %u)", TCP_VERSION, h.magic,
                  h.version);
         status = -EPROTO;
     } else {
+        /* NOTE: the read lock is enough for rx_*: only this thread touches them */
         pthread_rwlock_rdlock(&t->lock);
         tcp_conn *c = tcp_conn_by_token(t, h.node_id, h.token);
-        if (c) conn = c->id;
+        if (c && (status = take_stream(c, &h, why, sizeof(why))) == 0) {
+            conn = c->id;
+            if ((sealed = c->sealed)) memcpy(key, c->data_key, sizeof(key));
+        }
         pthread_rwlock_unlock(&t->lock);
-        if (!c)
+        if (!c) {
             snprintf(why, sizeof(why), "connection from node %llu with a token this node did not give it",
                      (unsigned long long)h.node_id);
+            status = -EACCES;
+        }
     }
     if (conn) {
         tcp_sockopts(p->fd);
         send_ack(p->fd, NULL);
-        if (tcp_rx_start(t, p->fd, h.node_id, conn) == 0) return; /* the receiver owns the fd now */
+        if (tcp_rx_start(t, p->fd, h.node_id, conn, h.stream, sealed ? key : NULL) == 0)
+            return; /* the receiver owns the fd now */
         snprintf(why, sizeof(why), "cannot start a receiver thread");
         status = -ENOMEM;
     } else {

@@ -72,6 +72,30 @@ int tcp_set_token(pdkv_transport *bt, uint32_t id, const void *token, uint32_t l
     return rc;
 }
 
+/* messenger.tls_data: every stream of connection `id` is sealed with keys derived from `key`
+ * (TCP_DATA_KEY_LEN bytes both nodes derived from their control session). Before complete(). */
+int tcp_set_data_key(pdkv_transport *bt, uint32_t id, const void *key, uint32_t len) {
+    tcp_t *t = (tcp_t *)bt;
+    if (!tcp_seal_available())
+        return tcp_err(-ENOTSUP, "messenger.tls_data: pdkv was built without libcrypto (install libssl-dev and "
+                                 "rebuild: make install)");
+    if (len != TCP_DATA_KEY_LEN)
+        return tcp_err(-EINVAL, "a data key must be %d bytes, got %u", TCP_DATA_KEY_LEN, len);
+    pthread_rwlock_wrlock(&t->lock);
+    tcp_conn *c = tcp_conn_get(t, id);
+    int rc = 0;
+    if (!c)
+        rc = tcp_err(-ENOENT, "unknown connection %u", id);
+    else if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_PREPARED || c->streams)
+        rc = tcp_err(-EISCONN, "connection %u is already complete or dead: set its data key before complete()", id);
+    else {
+        memcpy(c->data_key, key, len);
+        c->sealed = 1;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return rc;
+}
+
 static int dial(const tcp_conninfo *info, char *why, size_t n) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICHOST}, *res;
     char port[8];
@@ -127,7 +151,7 @@ int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blo
         pthread_mutex_unlock(&c->mu);
         return tcp_err(-ENOMEM, "out of memory");
     }
-    char why[PDKV_REASON_MAX];
+    char why[PDKV_ERR_MAX]; /* what complete() raises: the peer's refusal is up to TCP_MAX_REASON */
     int rc = 0;
     uint32_t i;
     for (i = 0; i < c->num_streams; i++) {
@@ -167,6 +191,18 @@ int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blo
         struct timeval tv = {0, 0};
         setsockopt(s->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
         setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        if (c->sealed) {
+            rc = tcp_seal_init(&s->seal, c->data_key, t->base.node_id, c->peer, i, 1, why, sizeof(why));
+            s->scratch = rc ? NULL : malloc(TCP_SEAL_CHUNK + sizeof(tcp_frame) + 2 * TCP_TAG_LEN);
+            if (!rc && !s->scratch) {
+                snprintf(why, sizeof(why), "out of memory");
+                rc = -ENOMEM;
+            }
+            if (rc) {
+                close(s->fd);
+                break;
+            }
+        }
         s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         s->qcap = 256;
         s->q = malloc(s->qcap * sizeof(*s->q));
@@ -197,6 +233,8 @@ int tcp_complete(pdkv_transport *bt, uint32_t id, const void *blob, uint32_t blo
             }
             if (s->wake_fd >= 0) close(s->wake_fd);
             free(s->q);
+            free(s->scratch);
+            tcp_seal_free(&s->seal);
             pthread_mutex_destroy(&s->mu);
         }
         free(ss);
@@ -217,6 +255,8 @@ void tcp_conn_free(tcp_t *t, tcp_conn *c) {
         if (s->fd >= 0) close(s->fd);
         if (s->wake_fd >= 0) close(s->wake_fd);
         free(s->q);
+        free(s->scratch);
+        tcp_seal_free(&s->seal);
         pthread_mutex_destroy(&s->mu);
     }
     free(c->streams);

@@ -13,7 +13,7 @@
 #define SOCK_BUF (4 << 20) /* per socket and direction: fewer wake-ups per MiB on loopback */
 
 /* Per thread, so the poller and a Python thread posting at once don't mix their reasons. */
-static __thread char tls_err[PDKV_REASON_MAX];
+static __thread char tls_err[PDKV_ERR_MAX];
 
 int tcp_err(int code, const char *fmt, ...) {
     va_list ap;

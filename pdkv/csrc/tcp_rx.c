@@ -9,6 +9,13 @@
  * NOTE: the region stays pinned while its payload is being received, so dereg() is -EBUSY then.
  * Payload reads use readv([rest of payload, next header]) so a stream of small pages costs about
  * one syscall per page instead of two.
+ *
+ * A sealed stream (tls_data, tcp_seal.c) carries each frame as a header record and a payload
+ * record: the header is decrypted and its tag checked before anything is looked up; the payload
+ * is decrypted into the granted range chunk by chunk and counted (its imm) only once its tag
+ * checked. A record that fails its tag breaks the stream; what it left in the range is as
+ * undefined as a torn RDMA write, and the request it was for never completes. A plain BYE at a
+ * record boundary (the writer's teardown, sent by any thread) ends the stream quietly.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -108,9 +115,85 @@ static void frames(tcp_rx *rx) {
     }
 }
 
+static int sealed_record(tcp_rx *rx, uint8_t *out, const uint8_t *in, size_t len, uint8_t *tag) {
+    return tcp_seal_begin(&rx->seal) || tcp_seal_update(&rx->seal, out, in, len) || tcp_seal_end(&rx->seal, tag);
+}
+
+static void closed(tcp_rx *rx, int r, const char *what) {
+    if (quiet(rx)) return;
+    pdkv_cq_pushf(&rx->t->cq, PDKV_CQ_ERROR, 0, rx->peer, 0, r < 0 ? r : -ECONNRESET, 0,
+                  "peer %llu closed the connection%s", (unsigned long long)rx->peer, what);
+}
+
+static void frames_sealed(tcp_rx *rx) {
+    tcp_t *t = rx->t;
+    uint8_t rec[sizeof(tcp_frame) + TCP_TAG_LEN];
+    char why[PDKV_REASON_MAX];
+    static const char *forged = "a data record failed its authentication check (altered, injected, or not "
+                                "sealed with this connection's key): dropping the stream";
+    for (;;) {
+        tcp_frame f;
+        int r = tcp_recv_all(rx->fd, rec, sizeof(tcp_frame));
+        if (r <= 0) {
+            closed(rx, r, "");
+            return;
+        }
+        if (tcp_frame_parse(rec, &f, why, sizeof(why)) == 0 && f.type == TCP_FR_BYE) return;
+        if ((r = tcp_recv_all(rx->fd, rec + sizeof(tcp_frame), TCP_TAG_LEN)) <= 0) {
+            closed(rx, r, " in the middle of a record");
+            return;
+        }
+        if (sealed_record(rx, (uint8_t *)&f, rec, sizeof(tcp_frame), rec + sizeof(tcp_frame))) {
+            reject(rx, -EPROTO, 0, forged);
+            return;
+        }
+        int rc = tcp_frame_parse(&f, &f, why, sizeof(why));
+        if (rc == 0 && f.type == TCP_FR_BYE) return;
+        if (rc == 0 && f.type != TCP_FR_DATA) {
+            snprintf(why, sizeof(why), "unexpected frame type %u on a write stream", f.type);
+            rc = -EPROTO;
+        }
+        uint8_t *dst = NULL;
+        uint64_t ticket = 0;
+        if (rc == 0)
+            rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, &ticket, why, sizeof(why));
+        if (rc < 0) {
+            if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
+            reject(rx, rc, rc == -EPROTO ? 0 : f.imm, why);
+            return;
+        }
+        int ok = !f.len || tcp_seal_begin(&rx->seal) == 0;
+        for (uint64_t got = 0; ok && got < f.len;) {
+            size_t chunk = f.len - got < TCP_SEAL_CHUNK ? (size_t)(f.len - got) : TCP_SEAL_CHUNK;
+            r = tcp_recv_all(rx->fd, rx->scratch, chunk);
+            ok = r > 0 && tcp_seal_update(&rx->seal, dst + got, rx->scratch, chunk) == 0;
+            got += chunk;
+        }
+        uint8_t tag[TCP_TAG_LEN];
+        if (ok && f.len) ok = (r = tcp_recv_all(rx->fd, tag, sizeof(tag))) > 0 && tcp_seal_end(&rx->seal, tag) == 0;
+        pdkv_regions_unpin_remote(&t->regions, f.key, rx->peer, ticket);
+        if (!ok && r <= 0) {
+            closed(rx, r, " in the middle of a write");
+            return;
+        }
+        if (!ok) {
+            reject(rx, -EPROTO, 0, forged);
+            return;
+        }
+        if (f.flags & TCP_FL_IMM)
+            pdkv_cq_pushf(&t->cq, PDKV_CQ_IMM, 0, rx->peer, f.len, 0, f.imm, NULL);
+    }
+}
+
 static void *rx_main(void *arg) {
     tcp_rx *rx = arg;
-    frames(rx);
+    if (rx->sealed)
+        frames_sealed(rx);
+    else
+        frames(rx);
+    tcp_seal_free(&rx->seal);
+    free(rx->scratch);
+    rx->scratch = NULL;
     pthread_mutex_lock(&rx->t->rxmu);
     if (rx->fd >= 0) {
         shutdown(rx->fd, SHUT_RDWR);
@@ -161,13 +244,23 @@ void tcp_rx_stop(tcp_t *t, uint32_t conn, int all) {
     }
 }
 
-int tcp_rx_start(tcp_t *t, int fd, uint64_t peer, uint32_t conn) {
+int tcp_rx_start(tcp_t *t, int fd, uint64_t peer, uint32_t conn, uint32_t stream, const uint8_t *data_key) {
     tcp_rx *rx = calloc(1, sizeof(*rx));
     if (!rx) return -ENOMEM;
     rx->t = t;
     rx->fd = fd;
     rx->peer = peer;
     rx->conn = conn;
+    if (data_key) {
+        char why[PDKV_REASON_MAX];
+        rx->sealed = 1;
+        if (tcp_seal_init(&rx->seal, data_key, peer, t->base.node_id, stream, 0, why, sizeof(why)) < 0 ||
+            !(rx->scratch = malloc(TCP_SEAL_CHUNK))) {
+            tcp_seal_free(&rx->seal);
+            free(rx);
+            return -ENOMEM;
+        }
+    }
     pthread_mutex_lock(&t->rxmu);
     reap(t);
     __atomic_add_fetch(&t->rx_threads, 1, __ATOMIC_RELAXED);
@@ -175,6 +268,8 @@ int tcp_rx_start(tcp_t *t, int fd, uint64_t peer, uint32_t conn) {
     if (rc) {
         __atomic_sub_fetch(&t->rx_threads, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&t->rxmu);
+        tcp_seal_free(&rx->seal);
+        free(rx->scratch);
         free(rx);
         return -rc;
     }

@@ -25,6 +25,7 @@
 #define TCP_INFO_MAGIC 0x494b4450u  /* "PDKI" */
 #define TCP_VERSION 2u
 #define TCP_TOKEN_LEN 32
+#define TCP_MAX_STREAMS 64 /* streams per connection (one bit each in the receiver's tcp_conn) */
 
 enum tcp_frame_type { TCP_FR_DATA = 1, TCP_FR_ERROR = 2, TCP_FR_BYE = 3, TCP_FR_ACK = 4 };
 #define TCP_FL_IMM 1u

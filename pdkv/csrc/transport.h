@@ -30,6 +30,10 @@ extern "C" {
 #define PDKV_INFO_MAX 65536  /* largest connection-info blob (verbs: one per NIC pair) */
 #define PDKV_MAX_NICS 16     /* NICs of one verbs transport (prepare_pairs' row length) */
 #define PDKV_REASON_MAX 160  /* longest error reason in a completion */
+/* longest error reason of a call (the err buffers of core calls, a transport's last_error): the
+ * longest message is verbs_multi_mr.c's region still registered on busy NICs, which names up to
+ * PDKV_MAX_NICS NICs of up to 63 bytes each (~1.2 KB) */
+#define PDKV_ERR_MAX 1280
 
 enum pdkv_cq_kind {
     PDKV_CQ_WRITE_DONE = 1, /* a local write (wr_id) completed: the source may be reused */
@@ -109,6 +113,10 @@ typedef struct pdkv_transport_ops {
      * session, before complete() and before the info is sent: the peer's streams must present
      * it in their first frame or are closed unread; it is never put in the info blob. */
     int (*set_token)(pdkv_transport *t, uint32_t conn, const void *token, uint32_t len);
+    /* Optional (NULL: not offered). tcp: seal every stream of conn (AES-256-GCM records, keys
+     * derived from this 32-byte key both nodes derived from their control session); before
+     * complete(). -ENOTSUP when built without libcrypto. */
+    int (*set_data_key)(pdkv_transport *t, uint32_t conn, const void *key, uint32_t len);
     /* Drop a connection: pending writes complete with ERROR; nothing is left running for it. */
     int (*disconnect)(pdkv_transport *t, uint32_t conn);
 
@@ -188,6 +196,7 @@ pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const 
                                       const pdkv_verbs_opts *verbs, char *err, size_t errlen);
 /* 1 if this build has the verbs transport (libibverbs headers were found at build time). */
 int pdkv_have_verbs(void);
+int pdkv_have_crypto(void); /* tcp sealed streams (messenger.tls_data) built in: libcrypto */
 /* The port a tcp transport listens on (logs and tests); -1 for any other transport. */
 int pdkv_tcp_port(pdkv_transport *t);
 

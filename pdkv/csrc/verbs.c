@@ -170,8 +170,9 @@ static void vb_destroy(pdkv_transport *base)
         if (t->domains[i].used)
             vb_domain_free(t, &t->domains[i]); /* grants and local MRs, SRQ, PD */
     for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
-        if (t->regions[i].mr) {
-            ibv_dereg_mr(t->regions[i].mr);
+        if (t->regions[i].mr || t->regions[i].dying) { /* dying: its own MR is gone already */
+            if (t->regions[i].mr)
+                ibv_dereg_mr(t->regions[i].mr);
             if (t->regions[i].dmabuf)
                 close(t->regions[i].dmabuf_fd);
         }

@@ -65,7 +65,7 @@ static vb_domain *create(vb_transport *t, vb_domain *d, uint64_t peer)
         return NULL;
     }
     for (uint32_t i = 0; i < t->num_regions; i++)
-        if (t->regions[i].key && vb_domain_add_region(t, d, i)) {
+        if (t->regions[i].key && !t->regions[i].dying && vb_domain_add_region(t, d, i)) {
             vb_domain_free(t, d);
             return NULL;
         }
@@ -100,25 +100,31 @@ void vb_domain_tidy(vb_transport *t, vb_domain *d)
         vb_domain_free(t, d);
 }
 
-void vb_domain_drop_region(vb_transport *t, uint32_t i)
+/* Deregister every MR of region i in the peers' domains (grants, local MRs); one the device
+ * still uses (EBUSY) stays in place for the next call. Returns how many stayed. */
+uint32_t vb_domain_drop_region(vb_transport *t, uint32_t i)
 {
+    uint32_t busy = 0;
     for (uint32_t k = 0; t->isolate && k < VB_MAX_DOMAINS; k++) {
         vb_domain *d = &t->domains[k];
         if (!d->used)
             continue;
+        uint32_t here = 0;
         for (uint32_t g = 0; g < d->num_grants;) {
-            if (d->grants[g].region == i) {
-                ibv_dereg_mr(d->grants[g].mr);
+            if (d->grants[g].region == i && !vb_dereg_busy(ibv_dereg_mr(d->grants[g].mr))) {
                 d->grants[g] = d->grants[--d->num_grants];
             } else {
+                here += d->grants[g].region == i;
                 g++;
             }
         }
-        if (d->lmr[i]) {
-            ibv_dereg_mr(d->lmr[i]);
+        if (d->lmr[i] && !vb_dereg_busy(ibv_dereg_mr(d->lmr[i])))
             d->lmr[i] = NULL;
-        }
-        vb_domain_tidy(t, d);
+        here += d->lmr[i] != NULL;
+        if (!here) /* NOTE: a domain holding a busy MR stays: freeing it would drop the MR unchecked */
+            vb_domain_tidy(t, d);
+        busy += here;
     }
+    return busy;
 }
 #endif /* PDKV_HAVE_VERBS */

@@ -33,6 +33,9 @@ typedef struct vb_region {
     uint8_t *addr;
     uint64_t key, len, pgoff; /* key 0: free slot */
     uint32_t inflight; /* local writes from this region not yet completed */
+    /* its own MR is gone but a per-peer or grant MR said EBUSY (verbs_mr.c vb_dereg): it takes
+     * no new write or grant, and the next dereg deregisters what is left */
+    int dying;
     /* GPU memory registered through a dma-buf (verbs_gpudirect.c): every MR of the region (its
      * own, per-peer local MRs, grants) is an ibv_reg_dmabuf_mr of this fd (our dup, closed at
      * dereg) at dmabuf_off + the MR's offset; addr is then the device pointer (never touched) */
@@ -145,6 +148,12 @@ void vb_push(vb_transport *t, const pdkv_completion *c); /* caller holds t->mu *
 void vb_push_error(vb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 
+/* ibv_dereg_mr's result says the device still uses the MR (providers return EBUSY or -1 + errno) */
+static inline int vb_dereg_busy(int e)
+{
+    return e == EBUSY || (e < 0 && errno == EBUSY);
+}
+
 /* verbs_setup.c: device, PD, CQ, SRQ */
 int vb_open_device(vb_transport *t, const pdkv_verbs_opts *o);
 int vb_set_nonblock(int fd);
@@ -154,7 +163,8 @@ int vb_post_recvs(struct ibv_srq *srq, int n);
 vb_domain *vb_domain_get(vb_transport *t, uint64_t peer, int create); /* NULL + vb_fail */
 void vb_domain_tidy(vb_transport *t, vb_domain *d); /* free it once no conn or grant uses it */
 int vb_domain_add_region(vb_transport *t, vb_domain *d, uint32_t region); /* its local MR */
-void vb_domain_drop_region(vb_transport *t, uint32_t region); /* every grant and local MR of it */
+/* every grant and local MR of it; one the device still uses (EBUSY) stays: returns how many */
+uint32_t vb_domain_drop_region(vb_transport *t, uint32_t region);
 void vb_domain_free(vb_transport *t, vb_domain *d);
 uint32_t vb_lkey(vb_transport *t, const vb_conn *c, const vb_region *r); /* for c's QPs */
 

@@ -147,8 +147,7 @@ static int drop_grant(vb_transport *t, vb_region *r, uint64_t peer, int whole, u
         if (x->region == i && x->whole == whole && (whole || (x->off == off && x->len == len))) {
             /* after this returns the NIC refuses every access through the grant's rkey; a
              * provider still using the MR says EBUSY: the grant stays, the caller retries */
-            int e = ibv_dereg_mr(x->mr);
-            if (e == EBUSY || (e < 0 && errno == EBUSY)) {
+            if (vb_dereg_busy(ibv_dereg_mr(x->mr))) {
                 vb_fail(t, "verbs: the grant's MR is still in use by the device (EBUSY): revoke again");
                 return -EBUSY;
             }
@@ -166,13 +165,19 @@ static int drop_grant(vb_transport *t, vb_region *r, uint64_t peer, int whole, u
     return -ENOENT;
 }
 
-/* Common checks of the grant calls; caller holds t->mu. NULL + rc when refused. */
-static vb_region *grantable(vb_transport *t, uint64_t key, int narrow, uint64_t off, uint64_t len, int *rc)
+/* Common checks of the grant calls (add: a grant, not a revoke); caller holds t->mu. NULL + rc
+ * when refused. */
+static vb_region *grantable(vb_transport *t, uint64_t key, int add, int narrow, uint64_t off, uint64_t len,
+                            int *rc)
 {
     vb_region *r = vb_find_region(t, key);
     *rc = 0;
     if (!r) {
         vb_fail(t, "verbs: grant of unknown key 0x%llx", (unsigned long long)key);
+        *rc = -ENOENT;
+    } else if (add && r->dying) {
+        vb_fail(t, "verbs: region 0x%llx is being deregistered (an MR was busy; deregister it again)",
+                (unsigned long long)r->key);
         *rc = -ENOENT;
     } else if (narrow && !t->isolate) {
         vb_fail(t, "verbs: narrow grants need isolate_peers (a protection domain per peer): in shared "
@@ -192,7 +197,7 @@ int vb_grant(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t *key_ou
     uint64_t out = key;
     int rc;
     pthread_mutex_lock(&t->mu);
-    vb_region *r = grantable(t, key, 0, 0, 0, &rc);
+    vb_region *r = grantable(t, key, 1, 0, 0, 0, &rc);
     if (r && t->isolate)
         rc = add_grant(t, r, peer, 1, 0, r->len, &out);
     pthread_mutex_unlock(&t->mu);
@@ -206,7 +211,7 @@ int vb_revoke(pdkv_transport *base, uint64_t key, uint64_t peer)
     vb_transport *t = (vb_transport *)base;
     int rc;
     pthread_mutex_lock(&t->mu);
-    vb_region *r = grantable(t, key, 0, 0, 0, &rc);
+    vb_region *r = grantable(t, key, 0, 0, 0, 0, &rc);
     if (r && t->isolate)
         rc = drop_grant(t, r, peer, 1, 0, 0);
     else if (r) { /* shared mode cannot take a key back from a peer that holds it */
@@ -224,7 +229,7 @@ int vb_grant_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t o
     uint64_t out = 0;
     int rc;
     pthread_mutex_lock(&t->mu);
-    vb_region *r = grantable(t, key, 1, off, len, &rc);
+    vb_region *r = grantable(t, key, 1, 1, off, len, &rc);
     if (r)
         rc = add_grant(t, r, peer, 0, off, len, &out);
     pthread_mutex_unlock(&t->mu);
@@ -239,7 +244,7 @@ int vb_revoke_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t 
     vb_transport *t = (vb_transport *)base;
     int rc;
     pthread_mutex_lock(&t->mu);
-    vb_region *r = grantable(t, key, 1, off, len, &rc);
+    vb_region *r = grantable(t, key, 0, 1, off, len, &rc);
     if (r)
         rc = drop_grant(t, r, peer, 0, off, len);
     pthread_mutex_unlock(&t->mu);
@@ -261,9 +266,11 @@ int vb_dereg(pdkv_transport *base, uint64_t key)
         rc = -EBUSY;
     } else {
         /* the region's own MR first: a provider that is still using it says EBUSY, and then
-         * nothing has changed (its grants too are still in place): the caller retries */
-        int e = ibv_dereg_mr(r->mr);
-        if (e == EBUSY || (e < 0 && errno == EBUSY)) {
+         * nothing has changed (its grants too are still in place): the caller retries. Then
+         * its per-peer and grant MRs: one still in use stays, the region dies (no new write or
+         * grant) and the next call deregisters what is left */
+        int e = r->dying ? 0 : ibv_dereg_mr(r->mr);
+        if (vb_dereg_busy(e)) {
             vb_fail(t, "verbs: ibv_dereg_mr of region 0x%llx: the device is still using it (EBUSY)",
                     (unsigned long long)key);
             rc = -EBUSY;
@@ -272,10 +279,19 @@ int vb_dereg(pdkv_transport *base, uint64_t key)
                 vb_fail(t, "verbs: ibv_dereg_mr failed: %s", strerror(e > 0 ? e : errno));
                 rc = -EIO;
             }
-            vb_domain_drop_region(t, (uint32_t)(r - t->regions)); /* its grants end here too */
-            if (r->dmabuf)
-                close(r->dmabuf_fd);
-            memset(r, 0, sizeof *r);
+            r->mr = NULL;
+            uint32_t busy = vb_domain_drop_region(t, (uint32_t)(r - t->regions));
+            if (busy) {
+                r->dying = 1;
+                vb_fail(t, "verbs: ibv_dereg_mr of %u per-peer or grant MR(s) of region 0x%llx: the device "
+                           "is still using them (EBUSY); the region takes no new writes or grants: "
+                           "deregister it again to finish", busy, (unsigned long long)key);
+                rc = -EBUSY;
+            } else {
+                if (r->dmabuf)
+                    close(r->dmabuf_fd);
+                memset(r, 0, sizeof *r);
+            }
         }
     }
     pthread_mutex_unlock(&t->mu);

@@ -219,7 +219,6 @@ int vm_dereg(pdkv_transport *base, uint64_t key)
         failed = failed ? failed : e;
     }
     if (r && !rc && busy[0]) {
-        /* short: the messenger's error buffer is 160 bytes */
         vb_fail(NULL, "verbs: region 0x%llx is still registered on NIC(s) %s (busy); gone from the "
                       "others, no new writes: deregister it again to finish", (unsigned long long)key, busy);
         rc = -EBUSY;

@@ -26,6 +26,11 @@ static int check_writes(vb_transport *t, const pdkv_write *w, int n)
                     (unsigned long long)w[i].lkey);
             return -ENOENT;
         }
+        if (r->dying) {
+            vb_fail(t, "verbs: write %d: local region 0x%llx is being deregistered (an MR was busy; "
+                       "deregister it again)", i, (unsigned long long)r->key);
+            return -ENOENT;
+        }
         if (w[i].len > r->len || w[i].loff > r->len - w[i].len || w[i].len > (1ull << 31)) {
             vb_fail(t, "verbs: write %d: [%llu, +%llu) is outside the local region of %llu bytes",
                     i, (unsigned long long)w[i].loff, (unsigned long long)w[i].len,

@@ -13,7 +13,7 @@
 
 /* Per thread, so the progress thread and a Python thread posting at once don't mix their
  * reasons (the same rule as tcp_net.c). */
-static __thread char tls_err[640]; /* room for reg_device naming both attempts */
+static __thread char tls_err[PDKV_ERR_MAX]; /* the longest: a busy dereg naming every NIC */
 
 const char *vb_errbuf(void) { return tls_err; }
 void vb_clear_error(void) { tls_err[0] = 0; }

@@ -7,11 +7,14 @@ imm_done arrives the KV and hidden state have landed and the engine gets RemoteK
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
 and exactly those landed, or after the data connection to a dead peer was torn down. Dialling,
-the handshake and redialling a dead peer live in peers.py.
+the handshake and redialling a dead peer live in peers.py; granting a request's pages and
+sending its PREFILL in decode_send.py.
 
 The slot's state machine is drawn in decode_slots.py.
 
-Threads: everything here runs on the event loop. The engine thread reaches it only through
+Threads: everything here runs on the event loop, except making a request's grants (on verbs an
+MR registration per range): one grant thread, before its PREFILL leaves (decode_send.py). The
+engine thread reaches it only through
 the decode connector's posts (send_prefill, client_aborted); this object reaches the engine
 only through ``commands`` (the engine loop's queue: RemoteKVReady, FailRequest, ReleasePages).
 """
@@ -23,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -30,19 +34,18 @@ from pdkv.control import ControlError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector
 from pdkv.disagg.decode_memory import DecodeMemory
+from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
-from pdkv.disagg.writes import expected_writes
 from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
-from pdkv.shard import request_seed
 
 log = logging.getLogger(__name__)
 
 
-class DecodeCoordinator:
+class DecodeCoordinator(PrefillSender):
     def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True,
                  secret: bytes | None = None):
         """``commands``: the engine loop's EngineLoop.put. Installs the decode connector on ``engine``."""
@@ -60,6 +63,9 @@ class DecodeCoordinator:
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
+        # NOTE: grants are made in one thread, never on the event loop (verbs: an MR per range)
+        self._grant_pool = ThreadPoolExecutor(1, thread_name_prefix="pdkv-decode-grant")
+        self._granting: dict[str, bool] = {}  # rid -> its client left while the grant thread ran
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
@@ -78,7 +84,7 @@ class DecodeCoordinator:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative,
-                                  hello_rank_nics(self.m))  # which NICs carry each rank's pages
+                                  hello_rank_nics(self.m), tls_data=self.mcfg.tls_data)  # which NICs carry each rank's pages
         if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
@@ -86,6 +92,7 @@ class DecodeCoordinator:
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()
+        self._grant_pool.shutdown(wait=False, cancel_futures=True)
         if self.landing is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.landing.copy.close)
 
@@ -103,97 +110,6 @@ class DecodeCoordinator:
             pass
 
     # ---- requests (loop thread) ------------------------------------------------------------
-    def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, peer: Peer | None,
-                     cached: int = 0, spec: dict | None = None) -> None:
-        """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
-        ``peer`` for it (the connector; a peer that died since is replaced by another). This node
-        holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
-        are the pages for the rest, the only ones the prefill node is granted and writes (staged:
-        it writes the landing slots reserved for them instead); ``spec``: PREFILL's speculative
-        hand-off fields (spec_pages, next_token), or None."""
-        spec = spec or {}
-        dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
-        if peer is None or peer.dead or peer.channel is None:
-            if peer is not None:
-                self.chooser.unreserve(peer, len(tokens))
-            peer = self.chooser.pick(tokens)
-        if peer is None:
-            self.rows.give_back(row)
-            if self.landing is not None:
-                self.landing.release(rid)
-            self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
-                                           "prefill peers; retry shortly)", 503, 2))
-            self.commands(ReleasePages(rid))  # nothing was sent: no write can land
-            return
-        need = self.memory.grants_needed(dst, spec.get("spec_pages"))
-        if need > self.mcfg.max_grants_per_request:
-            self.chooser.unreserve(peer, len(tokens))
-            self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
-                              f"pages; messenger.max_grants_per_request is {self.mcfg.max_grants_per_request})")
-            return
-        if not self._has_room(peer, need):  # the chooser's pick holds too many grants: another live one
-            self.chooser.unreserve(peer, len(tokens))
-            peer = next((p for p in self.links.live() if self._has_room(p, need)), None)
-            if peer is None:
-                self._refuse(rid, row, f"every prefill node holds too many grants for another {need} "
-                                  f"(messenger.max_grants_per_peer {self.mcfg.max_grants_per_peer}); retry shortly", 2)
-                return
-        grantee = peer.channel.peer.node_id
-        plan, seed = peer.plan, request_seed(rid)
-        t0 = time.perf_counter()
-        try:  # NOTE: before PREFILL leaves: the peer may write these pages and this row only
-            granted, spec_granted = self.memory.grant(grantee, dst, row, seed, spec.get("spec_pages"))
-        except Exception as e:  # noqa: BLE001 - a grant the transport refused: nothing was sent
-            log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
-            self.chooser.unreserve(peer, len(tokens))
-            self.rows.give_back(row)
-            if self.landing is not None:
-                self.landing.release(rid)
-            self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
-            self.commands(ReleasePages(rid))
-            return
-        self.held[grantee] = self.held.get(grantee, 0) + len(granted) + len(spec_granted)
-        self.metrics.grant_time.observe(time.perf_counter() - t0)
-        self.metrics.grants.inc(len(granted) + len(spec_granted))
-        imm = next(self._imms) & 0xFFFFFFFF
-        num_layers = self.engine.kv.num_layers
-        slot = Slot(imm, rid, peer, len(pages), row, expected_writes(plan, len(pages), num_layers), time.perf_counter())
-        seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
-        slot.nbytes = len(pages) * seg_bytes * num_layers + self.hidden_nbytes
-        if "spec_pages" in spec:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
-            writes, nbytes = self.spec.expected_writes(len(spec["spec_pages"]), seed)
-            slot.expected += writes
-            slot.nbytes += nbytes
-        slot.grantee, slot.grants = grantee, tuple(granted) + tuple(spec_granted)
-        slot.skip = cached // self.engine.kv.page_size
-        slot.kv_pages = tuple(pages)
-        self.slots[imm] = slot
-        self.by_rid[rid] = slot
-        peer.slots[imm] = slot
-        self.m.expect(imm, slot.expected)
-        slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
-        self.chooser.sent(peer, len(tokens))
-        # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
-        spec_keys = self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {}
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": tokens, "cached": cached, "pages": dst,
-                          "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes, "expected": slot.expected,
-                          "seed": seed, **self.grants.fields(dst, granted), **spec, **spec_keys})
-
-    def _has_room(self, peer: Peer, need: int) -> bool:
-        """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
-        return (peer.channel is not None
-                and self.held.get(peer.channel.peer.node_id, 0) + need <= self.mcfg.max_grants_per_peer)
-
-    def _refuse(self, rid: str, row: int, reason: str, retry_after: int | None = None) -> None:
-        """Nothing was granted or sent: the client gets 503 naming the limit."""
-        self._rlog.warning("grant_limit", "decode: refusing %s: %s", rid, reason)  # may repeat under load
-        self.metrics.failed("grant_limit")
-        self.rows.give_back(row)
-        if self.landing is not None:
-            self.landing.release(rid)
-        self.commands(FailRequest(rid, reason, 503, retry_after))
-        self.commands(ReleasePages(rid))
-
     def _send(self, peer: Peer, msg: dict) -> None:
         async def send():
             try:
@@ -267,6 +183,10 @@ class DecodeCoordinator:
 
     def client_aborted(self, rid: str) -> None:
         """The engine quarantined rid's pages because its client left."""
+        if rid in self._granting:  # its grants are being made: _granted revokes them, nothing is sent
+            self.metrics.failed("cancelled")
+            self._granting[rid] = True
+            return
         slot = self.by_rid.get(rid)
         if slot is None and self.landing is not None and self.landing.copying(rid):
             self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
@@ -287,6 +207,7 @@ class DecodeCoordinator:
 
     def _cancel(self, slot: Slot) -> None:
         slot.state = SlotState.CANCELLING
+        self._bound(slot)
         self._send(slot.peer, {"type": P.CANCEL, "req": slot.rid})
 
     def _on_message(self, peer: Peer, msg: dict) -> None:
@@ -325,8 +246,27 @@ class DecodeCoordinator:
         if slot.all_landed or got >= posted:
             self._free(slot, release=True)
         else:
+            if slot.state is not SlotState.CANCELLING:  # FAIL{posted}: the request ends here
+                self._bound(slot)
             slot.state = SlotState.DRAINING
             self.m.expect(slot.imm, posted - got)
+
+    def _bound(self, slot: Slot) -> None:
+        """slot's request ended: its grants outlive it by one lease at most (a peer that keeps
+        heartbeating but never answers CANCEL, or whose posted writes never land)."""
+        if slot.timer is not None:
+            slot.timer.cancel()
+        slot.timer = self.loop.call_later(self.mcfg.lease_s, self._lease_over, slot)
+
+    def _lease_over(self, slot: Slot) -> None:
+        if self.slots.get(slot.imm) is not slot or slot.state not in (SlotState.CANCELLING, SlotState.DRAINING):
+            return
+        self._rlog.warning(f"unanswered:{slot.peer.host}:{slot.peer.port}", "decode: prefill node at %s:%d "
+                           "left %s %s for %.1f s (messenger.lease_s): its grants are revoked (later writes "
+                           "are refused) and the pages return", slot.peer.host, slot.peer.port, slot.rid,
+                           "unanswered" if slot.state is SlotState.CANCELLING else "short of its posted writes",
+                           self.mcfg.lease_s)
+        self._free(slot, release=True)  # NOTE: the revoke fences every write; the pages go back after it
 
     def _peer_dead(self, peer: Peer, reason: str) -> None:
         if peer.dead and peer.channel is None:
@@ -352,7 +292,8 @@ class DecodeCoordinator:
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
                 what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
-                self.commands(FailRequest(slot.rid, f"{what} ({reason})"))
+                # NOTE: transient, not the client's doing: 503 + Retry-After, as with no prefill node
+                self.commands(FailRequest(slot.rid, f"{what} ({reason}); retry shortly", 503, 2))
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)
@@ -378,11 +319,8 @@ class DecodeCoordinator:
         if busy:
             self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
             return
-        held = self.held.get(slot.grantee, 0) - len(slot.grants) if slot.grants else None
-        if held is not None:
-            self.held[slot.grantee] = held
-            if held <= 0:
-                del self.held[slot.grantee]
+        if slot.grants:
+            self._hold(slot.grantee, -len(slot.grants))
         slot.grants = ()
         # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
         self.rows.give_back(slot.hidden_row)

@@ -7,6 +7,8 @@ A slot's state machine::
       ├──timeout / client gone──► CANCELLING ──CANCEL_ACK / FAIL / DONE_AT{posted}──► DRAINING
       └──FAIL{posted}─────────────────────────────────────────────────────────────► DRAINING
     DRAINING ──exactly ``posted`` writes landed (at once if they already had)──► RELEASED
+    CANCELLING / DRAINING ──no answer / not every posted write within messenger.lease_s of the
+      request's end──► RELEASED (its grants revoked first: the peer's later writes are refused)
     (a dead peer: every slot RELEASED at once, after its data connection was torn down)
 
 Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop.

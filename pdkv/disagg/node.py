@@ -56,6 +56,16 @@ class _Node:
         if self.cfg.role == "prefill":
             listeners["messenger.control_host"] = ms.control_host
         auth.check_exposure(listeners, self.secret, ms.insecure)
+        if ms.tls_data:  # the data keys derive from the authenticated session: a secret is needed
+            from pdkv._messenger import HAVE_CRYPTO
+
+            if self.secret is None:
+                raise auth.AuthError("messenger.tls_data needs a cluster secret ($PDKV_CLUSTER_SECRET or "
+                                     "messenger.secret_file): the data streams' keys derive from the "
+                                     "authenticated control session")
+            if not HAVE_CRYPTO:
+                raise auth.AuthError("messenger.tls_data: pdkv was built without libcrypto (install libssl-dev "
+                                     "and rebuild: make install)")
         if self.secret is None:
             log.info("node %#x: no cluster secret: control connections are not authenticated (loopback only)",
                      self.node_id)

@@ -94,15 +94,17 @@ class PrefillPeers:
             plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
-                                                                                    ch.peer.extra))
+                                                                                    ch.peer.extra),
+                                        data_key=ch.data_key if self.mcfg.tls_data else None)
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key
             await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
                            "hidden_key": hidden_key, **({"spec_key": spec_key} if spec_key is not None else {})})
             msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
-            if msg["type"] == P.REFUSE:
-                raise HandshakeRefused(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
+            if msg["type"] == P.REFUSE:  # "busy": the prefill node is full now (worth a redial)
+                exc = ControlError if msg.get("busy") is True else HandshakeRefused
+                raise exc(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
             if msg["type"] != P.CONNECTED:
                 raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
             if not isinstance(msg.get("info"), bytes):

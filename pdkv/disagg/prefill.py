@@ -112,7 +112,7 @@ class PrefillCoordinator(LoopEvents):
         """Start the engine thread and the control listener; returns the control port."""
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative,
-                                  hello_rank_nics(self.m))  # which NICs carry each rank's pages
+                                  hello_rank_nics(self.m), tls_data=self.cfg.messenger.tls_data)  # which NICs carry each rank's pages
         self.engine_loop.start()
         self.port = await self.listener.start(self.hello)
         return self.port

@@ -1,8 +1,9 @@
 """The prefill node's control listener: decode nodes connect, authenticate, agree on a shard
 plan and a data path, and each becomes a :class:`Link` whose messages go to the coordinator.
 
-Everything a remote party can make this node hold here is bounded: control connections per
-listener and per source address (messenger.max_control_conns, max_control_per_source), the
+Everything a remote party can make this node hold here is bounded: connections still
+handshaking and established links, each with its own budget and a cap per source address
+(pdkv/disagg/control_admission.py: a stranger never takes a link's place), the
 time from accept to CONNECT (handshake_timeout_s), and data-path set-ups running at once
 (max_setups): ``Messenger.complete()`` connects sockets / QPs and may block for seconds (bounded
 in C by the transport's connect timeout), so it runs in a set-up thread, never on the event loop.
@@ -11,13 +12,13 @@ in C by the transport's connect timeout), so it runs in a set-up thread, never o
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg import protocol as P
+from pdkv.disagg.control_admission import ControlAdmission, Place
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import check_keys, link_pairs, plan_link
 from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields
@@ -62,7 +63,7 @@ class DecodeLinks:
         self._server: asyncio.AbstractServer | None = None
         # messenger.tls, or None; a connection is upgraded only after it was counted (see _accept)
         self.tls = server_context(mcfg.tls)
-        self._by_source: collections.Counter = collections.Counter()  # control connections held per source
+        self.admission = ControlAdmission(mcfg.max_handshakes, mcfg.max_control_conns, mcfg.max_control_per_source)
         self._setups = ThreadPoolExecutor(mcfg.max_setups, thread_name_prefix="pdkv-prefill-setup")
         self._setups_busy = 0
         self._rlog = RateLimitedLog(log)
@@ -83,32 +84,44 @@ class DecodeLinks:
         self._setups.shutdown(wait=False, cancel_futures=True)
 
     async def _accept(self, reader, writer) -> None:
-        """One decode node's control connection: bounded per listener and per source address,
-        authenticated and handshaken within messenger.handshake_timeout_s, then served."""
+        """One decode node's control connection: admitted (or refused, or taking an older
+        handshaking connection's place), authenticated and handshaken within
+        messenger.handshake_timeout_s, then served as a link."""
         peername = writer.get_extra_info("peername") or ("?", 0)
         source = peername[0]
-        if (sum(self._by_source.values()) >= self.mcfg.max_control_conns
-                or self._by_source[source] >= self.mcfg.max_control_per_source):
-            self._rlog.warning(f"refuse:{source}", "prefill: refusing a control connection from %s: %d held "
-                               "(messenger.max_control_conns %d, max_control_per_source %d)", source,
-                               self._by_source[source], self.mcfg.max_control_conns,
-                               self.mcfg.max_control_per_source)
+        task = asyncio.current_task()
+
+        def evict():  # NOTE: only while handshaking: no data-path set-up can be running for it
+            writer.transport.abort()
+            task.cancel()
+        ticket = self.admission.admit(source, evict)
+        if isinstance(ticket, str):
+            self._rlog.warning(f"refuse:{source}", "prefill: refusing a control connection from %s: %s",
+                               source, ticket)
             writer.close()
             return
-        self._by_source[source] += 1
         try:
-            await self._serve(reader, writer, source)
+            await self._serve(reader, writer, source, ticket)
+        except asyncio.CancelledError:
+            # NOTE: only our own eviction is swallowed (Task.cancelling: Python 3.11+)
+            if ticket.state is not Place.GONE or getattr(task, "cancelling", lambda: 1)() > 1:
+                raise
+            self._rlog.warning(f"evict:{source}", "prefill: closed a handshaking control connection from %s "
+                               "to make room for a newer one (messenger.max_handshakes %d)", source,
+                               self.mcfg.max_handshakes)
         finally:
-            self._by_source[source] -= 1
-            if self._by_source[source] <= 0:
-                del self._by_source[source]
+            self.admission.release(ticket)
 
-    async def _serve(self, reader, writer, source: str) -> None:
+    async def _serve(self, reader, writer, source: str, ticket) -> None:
         timeout = self.mcfg.handshake_timeout_s
         ch = None
         try:
             ch = await ControlChannel.accept(reader, writer, self._hello, timeout, secret=self.secret,
                                              max_frame=self.mcfg.max_frame_bytes, ssl=self.tls)
+            refused = self.admission.establish(ticket)
+            if refused is not None:
+                await ch.send({"type": P.REFUSE, "reason": f"prefill node is full: {refused}", "busy": True})
+                raise ControlError(refused)
             try:
                 plan = plan_link(self.kv_spec, "prefill", ch.peer.extra)
             except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
@@ -123,8 +136,10 @@ class DecodeLinks:
             rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
             spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.handoff_on else None
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
+            # messenger.tls_data: the data streams sealed with the session's key (HELLO agreed on it)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
-                                                                                    ch.peer.extra))
+                                                                                    ch.peer.extra),
+                                        data_key=ch.data_key if self.mcfg.tls_data else None)
             try:
                 await self._complete(conn, info_in)
             except BaseException:

@@ -9,7 +9,8 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key[, spec_key]}  data-path set-up
                      (prepare/complete); kv_keys: one region key per decode rank (kv_key =
                      kv_keys[0]); spec_key: the proposer cache with a speculative hand-off
-  prefill -> decode  CONNECTED{info} | REFUSE{reason}  (REFUSE: the shard plan cannot serve the pair)
+  prefill -> decode  CONNECTED{info} | REFUSE{reason[, busy]}  (REFUSE: the shard plan cannot serve the pair;
+                                     busy: the node is full, redial later)
   decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
                              runs, kv_rkeys, hidden_rkey[, spec_pages, next_token, spec_runs, spec_rkeys]}
                      tokens: the prompt minus its last token (the decode node computes that one);
@@ -158,7 +159,8 @@ def draft_fingerprint(path: Path) -> str:
     return model_fingerprint(read_json(path / "config.json"), folder_shapes(path))
 
 
-def make_hello(engine, node_id: int, role: str, transport: str, speculative=None, extra=None) -> Hello:
+def make_hello(engine, node_id: int, role: str, transport: str, speculative=None, extra=None,
+               tls_data: bool = False) -> Hello:
     """What this node tells its peer. Model, dtype, layout and page size must match
     (pdkv.control refuses naming every difference), and so must the speculative hand-off
     (``speculative``: this node's SpeculativeConfig, see spec_handoff); ``extra`` carries this side's KV byte
@@ -177,7 +179,7 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
     return Hello(node_id=node_id, role=role,
                  model_fingerprint=model_fingerprint(engine.config, checkpoint_shapes(engine)),
                  dtype=dtype_name(engine), kv_layout=kv.layout, page_size=kv.page_size,
-                 parallel=dict(PARALLEL), transport={"name": transport},
+                 parallel=dict(PARALLEL), transport={"name": transport, **({"tls_data": True} if tls_data else {})},
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),

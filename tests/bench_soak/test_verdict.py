@@ -117,6 +117,18 @@ def test_only_failures_in_an_outage_are_excused():
     assert not V.failures(outs[:2] + outs[3:], restarts, 0.0)["ok"]  # b came 0.6 s after recovery
 
 
+def test_a_failure_between_the_scheduled_and_the_recorded_kill_is_excused():
+    """soak-802: failed at 270.027 s by the dying node; the kill, scheduled at 270.0 s, was
+    recorded at 270.034 s (after it returned)."""
+    restarts = [{"node": "prefill", "scheduled_s": 270.0, "kill_s": 270.034, "ready_s": 290.0}]
+    o = {"id": "soak-802", "kind": "short", "stream": False, "status": "failed", "sent_s": 269.5,
+         "end_s": 270.027, "error": "HTTP 503: the prefill node died during the KV transfer"}
+    early = {**o, "id": "soak-801", "end_s": 269.99}  # ended before the kill was issued: not excused
+    f = V.failures([o, early], restarts, slack_s=1.0)
+    assert [x["id"] for x in f["failed"] if x["hit_by_restart"]] == ["soak-802"], f["failed"]
+    assert V.outages_of(restarts, 400.0) == [(270.0, 290.0)]
+
+
 def test_svg_plot_without_matplotlib(tmp_path):
     rep = {"samples": samples(n=20), "restarts": [{"kill_s": 30.0, "ready_s": 45.0}], "minutes": 1.0}
     path = _svg(rep, tmp_path / "soak.svg")

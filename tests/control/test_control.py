@@ -102,6 +102,37 @@ def test_oversized_and_garbage_frames_are_clear_errors():
     assert "not a map" in got[2]
 
 
+def _read(data: bytes, limit: int):
+    async def main():
+        r = asyncio.StreamReader()
+        r.feed_data(struct.pack(">I", len(data)) + data)
+        r.feed_eof()
+        return await read_frame(r, None, limit)
+    return asyncio.run(main())
+
+
+def test_decoded_frames_are_bounded_and_a_refused_frame_leaves_nothing_alive():
+    """Containers decode to at most limit // 8 elements in all (each one's length checked before
+    it is built), and the error's traceback holds neither the frame's bytes nor what they decoded
+    to (a refused 16 MiB frame's ~128 MB list lived until the collector ran)."""
+    limit = 64 << 10  # 8192 elements
+    assert len(_read(msgpack.packb({"type": "P", "tokens": list(range(8000))}), limit)["tokens"]) == 8000
+    cases = [(msgpack.packb([None] * 60000), "exceeds max_array_len"),  # nils in place of a map
+             (msgpack.packb({"type": "P", "a": [[]] * 5000, "b": [[]] * 5000}), "elements in all"),
+             (msgpack.packb({"type": "P", "a": [0] * 5000, "b": [None] * 5000}), "elements in all"),
+             (msgpack.packb([0] * 5000), "not a map")]
+    for data, words in cases:
+        with pytest.raises(ControlError, match=words) as info:
+            _read(data, limit)
+        tb = info.value.__traceback__
+        while tb is not None:
+            mine = "/pdkv/" in tb.tb_frame.f_code.co_filename  # the test's own frames hold `data`
+            for name, v in (tb.tb_frame.f_locals.items() if mine else ()):
+                size = len(v) if isinstance(v, (bytes, bytearray, memoryview, list, dict)) else 0
+                assert size < 1024, f"{tb.tb_frame.f_code.co_name}: {name} ({size}) alive in the traceback"
+            tb = tb.tb_next
+
+
 class FakeClock:
     """pdkv.control's view of time.monotonic, moved by the test: a lease then expires because
     the test says so, never because a loaded machine was slow (asyncio keeps the real clock)."""

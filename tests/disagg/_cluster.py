@@ -10,15 +10,17 @@ from pdkv.config import config_from_dict
 from server.app import NODE
 
 
-def post_completion(url, body, timeout=30):
-    """POST /v1/completions -> (HTTP status, JSON body), errors included."""
+def post_completion(url, body, timeout=30, headers=False):
+    """POST /v1/completions -> (HTTP status, JSON body), errors included; with ``headers``
+    (HTTP status, JSON body, response headers)."""
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            out = r.status, json.loads(r.read()), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        out = e.code, json.loads(e.read()), e.headers
+    return out if headers else out[:2]
 
 
 def node_config(model_dir, role: str, **over):

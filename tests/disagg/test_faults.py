@@ -205,3 +205,54 @@ def test_data_connection_lost_mid_transfer_fails_clearly_and_drains_what_landed(
         assert not c.coordinator.slots
     finally:
         c.stop()
+
+
+class SlowGrants:
+    """FAULT INJECTION: the decode node's messenger as its grants see it, with every grant_range
+    taking ``delay_s`` (what registering a large MR costs on verbs); records the threads it ran on."""
+
+    def __init__(self, m, delay_s: float):
+        self.m, self.delay_s, self.threads = m, delay_s, set()
+
+    def grant_range(self, *args):
+        import time
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        return self.m.grant_range(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.m, name)
+
+
+def test_grants_are_made_off_the_event_loop_and_a_client_leaving_meanwhile_gets_them_revoked(tiny_model_dir):
+    """Slow grant registrations run in the grant thread: /health and the decode node's loop answer
+    meanwhile. A client that leaves while its grants are made is never sent; its grants are
+    revoked and its pages return; the next request is served as colocated."""
+    import time
+
+    c = Cluster(tiny_model_dir, prefill_faults=[("delay", 0, 0, 1000)])
+    try:
+        grants = c.coordinator.memory.grants
+        slow = grants.m = SlowGrants(grants.m, 0.3)  # a range per layer and run, and the hidden row
+        name = c.model_name()
+        prompt = list(range(7, 30))
+        t, box = _in_thread(_post, c.url, _greedy(name, prompt))
+        wait_for(lambda: c.coordinator._granting, 10, "the grant thread at work")
+        t0 = time.monotonic()
+        with urllib.request.urlopen(c.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        assert time.monotonic() - t0 < 0.5 and c.coordinator._granting  # answered mid-grant
+        t.join(30)
+        assert _tokens(box["r"]) == _want(tiny_model_dir, tuple(prompt), 4)
+        assert slow.threads == {"pdkv-decode-grant_0"}, slow.threads
+        link = c.prefill.app[NODE].coordinator.links[0]
+        sent = link.num_prefills
+        _send_and_leave(c.url, _greedy(name, list(range(40, 60))), lambda: c.coordinator._granting)
+        wait_for(lambda: not c.coordinator._granting, 10, "the grants made")
+        wait_for(c.pools_full, 10, "both page pools back to full")
+        assert not c.coordinator.slots and not c.coordinator.held  # revoked, nothing in flight
+        time.sleep(0.3)
+        assert link.num_prefills == sent  # the PREFILL never left
+    finally:
+        c.stop()

@@ -54,7 +54,7 @@ def test_decode_node_sigstopped_mid_transfer_says_it_was_frozen(tiny_model_dir, 
             t.join(30)
             status, body = box["r"]
             msg = body["error"]["message"]
-            assert status == 500, body
+            assert status == 503, body  # transient: retry shortly (the node redials)
             assert "this decode node was frozen for" in msg and "lease" in msg, msg
             assert "prefill node died" not in msg, msg
             # no page leaked on either side: the decode node's pool is whole, nothing quarantined

@@ -31,16 +31,18 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             pre.signal(signal.SIGSTOP)
             box = {}
             t = threading.Thread(target=lambda: box.setdefault("r", _post(dec.url, {
-                "model": name, "prompt": list(range(5, 40)), "max_tokens": 4})))
+                "model": name, "prompt": list(range(5, 40)), "max_tokens": 4}, headers=True)))
             t.start()
             wait_for(lambda: coord.slots, 10, "PREFILL sent")
             assert eng.allocator.num_free < eng.allocator.num_total
             t0 = time.monotonic()
             pre.signal(signal.SIGKILL)
             t.join(20)
-            status, body = box["r"]
+            status, body, headers = box["r"]
             assert time.monotonic() - t0 < 5
-            assert status == 500 and "prefill node died" in body["error"]["message"], body
+            # transient, not the client's fault: 503 + Retry-After, as for "no prefill node"
+            assert status == 503 and "prefill node died" in body["error"]["message"], body
+            assert headers["Retry-After"] == "2"
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
             health = json.loads(urllib.request.urlopen(dec.url + "/health").read())
             assert health["prefill_peers"][0]["connected"] is False
@@ -160,8 +162,10 @@ def test_frozen_prefill_past_its_lease_is_dead(tiny_model_dir, tmp_path):
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
             pre.signal(signal.SIGSTOP)
             t0 = time.monotonic()
-            status, body = _post(dec.url, {"model": name, "prompt": list(range(5, 40)), "max_tokens": 4})
-            assert status == 500 and "prefill node died" in body["error"]["message"], body
+            status, body, headers = _post(dec.url, {"model": name, "prompt": list(range(5, 40)), "max_tokens": 4},
+                                          headers=True)
+            assert status == 503 and "prefill node died" in body["error"]["message"], body
+            assert headers["Retry-After"] == "2"
             assert "lease 1.0 s" in body["error"]["message"]
             assert time.monotonic() - t0 < 5
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")

@@ -111,3 +111,58 @@ def test_a_batch_queued_from_another_nics_key_holds_the_regions_dereg(spawn, con
     assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
     assert b.read("dst") == a.read("src")
     a.m("deregister", key)
+
+
+@pytest.mark.parametrize("busy_mr", ["grant", "local"])
+def test_a_busy_per_peer_mr_during_dereg_keeps_the_region_dying_until_a_retry(spawn, connect, busy_mr):
+    """With isolate_peers a region has an MR per peer (local, for our writes) and one per grant
+    besides its own: ibv_dereg_mr of one of them saying EBUSY during the region's deregistration
+    is not ignored. The busy MR stays registered (and accounted for), the region takes no new
+    grant, and the next deregister finishes; only then is the grant's key refused by the NIC."""
+    rng = 4096  # the narrow grant's MR: its length picks it out for the hook
+    faults = {"grant": f"dereg_busy_nic=2,dereg_busy_len={rng}",
+              # the region's own MR (the first of its length on lo_b) goes, its per-peer MR is busy
+              "local": f"dereg_busy_nic=2,dereg_busy_len={SIZE},dereg_busy_skip=1"}[busy_mr]
+    b = spawn(2, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS), "PDKV_LOOPBACK_FAULTS": faults},
+              nics=NICS, isolate_peers=True)
+    a = spawn(1, env_extra={"PDKV_LOOPBACK_NICS": ",".join(NICS)}, nics=NICS, isolate_peers=True)
+    a.alloc("src", SIZE, seed=3)
+    b.alloc("dst", SIZE)
+    lkey = a.m("nic_key", a.register("src"), 1)
+    before = _mrs(b)
+    key = b.register("dst")
+    key1 = b.m("nic_key", key, 1)
+    wkey = b.m("grant_range", key1, 1, 0, rng)
+    ca, _ = connect(a, b)
+    a.m("write", ca, lkey, 0, wkey, 0, rng, imm=3, tag=1)
+    assert [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"] == [0]
+    b.m("revoke_range", key1, 1, 0, rng) if busy_mr == "local" else None  # only the local MR is left
+    with pytest.raises(Exception, match=r"RegionBusyError.*still registered on NIC\(s\) lo_b \(busy\)"):
+        b.m("deregister", key)
+    now = _mrs(b)
+    assert now["lo_a"] == before["lo_a"] and now["lo_c"] == before["lo_c"], (before, now)  # gone there
+    assert now["lo_b"] == before["lo_b"] + 1, (before, now)  # the busy MR: still registered, still known
+    with pytest.raises(Exception, match="being deregistered"):
+        b.m("grant_range", key1, 1, 0, rng)
+    b.m("deregister", key)  # the retry takes what was left
+    assert _mrs(b) == before
+    a.m("write", ca, lkey, 0, wkey, 0, 64, imm=3, tag=2)
+    done = [e[6] for e in a.wait("batch_done") if e[0] == "batch_done"]
+    assert len(done) == 1 and done[0] != 0, done  # the grant's key opens nothing any more
+
+
+def test_the_longest_error_reaches_python_whole(spawn):
+    """The longest C message: a region still registered on 16 busy NICs of 63-byte names (the
+    messenger's error buffer held 160 bytes and cut it after the first name)."""
+    names = [f"lo_{i:02d}_" + "n" * 57 for i in range(16)]
+    a = spawn(1, env_extra={"PDKV_LOOPBACK_NICS": ",".join(names),
+                            "PDKV_LOOPBACK_FAULTS": f"dereg_busy_nic=-1,dereg_busy_len={SIZE},dereg_busy_times=16"},
+              nics=names, isolate_peers=True)
+    a.alloc("src", SIZE)
+    key = a.register("src")
+    with pytest.raises(Exception) as info:
+        a.m("deregister", key)
+    msg = str(info.value)
+    assert len(msg) > 1100 and "RegionBusyError" in msg, (len(msg), msg)
+    assert ", ".join(names) + " (busy)" in msg and msg.rstrip("')\"").endswith("deregister it again to finish")
+    a.m("deregister", key)

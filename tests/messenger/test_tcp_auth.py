@@ -27,10 +27,11 @@ def transport():  # these tests are about the tcp receiver only
     return "tcp"
 
 
-def _dial(info: dict, node_id: int, token: bytes, timeout: float = 5.0) -> bytes:
+def _dial(info: dict, node_id: int, token: bytes, stream: int = 0, num_streams: int = 1,
+          timeout: float = 5.0) -> bytes:
     """Pose as node_id with `token`; returns the receiver's refusal reason (b"" if accepted)."""
     with socket.create_connection((info["host"], info["port"]), timeout=timeout) as s:
-        s.sendall(tcp_hello(node_id, token))
+        s.sendall(tcp_hello(node_id, token, stream, num_streams))
         f = tcp_parse_frame(s.recv(40, socket.MSG_WAITALL))
         return s.recv(f["len"], socket.MSG_WAITALL) if f["len"] else b""
 
@@ -47,15 +48,47 @@ def test_session_token_binds_the_data_connection(spawn):
     # the info's random token no longer opens b's connection, nor does a wrong session token
     assert b"token" in _dial(info, 1, info["token"])
     assert b"token" in _dial(info, 1, TOKEN[:-1] + b"\x00")
-    assert _dial(info, 1, TOKEN) == b""  # the session token is accepted (then the socket closes)
-    errs = [e[8] for e in b.wait("error", count=3, timeout=5) if e[0] == "error"]
+    errs = [e[8] for e in b.wait("error", count=2, timeout=5) if e[0] == "error"]
     assert sum("rejected a connection" in r and "token" in r for r in errs) == 2, errs
-    a.m("complete", ca, ib)
+    a.m("complete", ca, ib)  # the session token opens the connection's one stream
     b.m("complete", cb, ia)
     b.m("expect", 5, 1)
     a.m("write", ca, lkey, 0, rkey, 0, 512, imm=5)
     assert any(e[0] == "imm_done" for e in b.wait("imm_done"))
     assert b.read("dst", 0, 512) == a.read("src", 0, 512)
+
+
+def test_a_valid_token_opens_only_the_agreed_streams(spawn):
+    """Each index of the agreed num_streams once: 40 more hellos with the live token (as the
+    probe sent) are refused at accept, counted, and start no receiver thread."""
+    a, b = spawn(1, num_streams=2), spawn(2, num_streams=2)
+    b.alloc("dst", SIZE)
+    rkey = b.register("dst")
+    b.m("grant", rkey, 1)
+    ca, ia = a.m("prepare", 2, TOKEN)
+    cb, ib = b.m("prepare", 1, TOKEN)
+    a.m("complete", ca, ib)
+    b.m("complete", cb, ia)
+    info = tcp_decode_info(ib)
+    deadline = time.monotonic() + 10
+    while b.m("stats")["rx_threads"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    before = b.m("stats")
+    assert before["rx_threads"] == 2, before
+    reasons = [_dial(info, 1, TOKEN, stream=i % 2, num_streams=2) for i in range(2)]  # taken already
+    reasons += [_dial(info, 1, TOKEN, stream=2 + i, num_streams=42) for i in range(38)]  # more streams
+    reasons += [_dial(info, 1, TOKEN, stream=5, num_streams=2), _dial(info, 1, TOKEN, 0, num_streams=65)]
+    assert all(b"accepted already" in r for r in reasons[:2]), reasons[:2]
+    assert all(b"says 42 streams, its first stream said 2" in r for r in reasons[2:40]), reasons[2]
+    assert b"stream 5 of connection" in reasons[40] and b"outside its 2 streams" in reasons[40]
+    assert b"says 65 streams (1..64)" in reasons[41]
+    after = b.m("stats")
+    assert after["rx_threads"] == 2 and after["refused_conns"] == before["refused_conns"] + 42, after
+    b.m("expect", 7, 1)  # the two real streams still carry writes
+    a.alloc("src", SIZE, seed=4)
+    a.m("write", ca, a.register("src"), 0, rkey, 0, 1024, imm=7)
+    assert any(e[0] == "imm_done" for e in b.wait("imm_done"))
+    assert b.read("dst", 0, 1024) == a.read("src", 0, 1024)
 
 
 def test_a_peer_without_the_session_token_is_refused(spawn):

@@ -64,10 +64,19 @@ class Receiver:
         self.key = self.m.register(self.region)
         self.m.grant(self.key, 1)
         self.other = self.m.register(np.zeros(64, dtype=np.uint8))  # granted to nobody
-        _, info = self.m.prepare(1)
+        self.conn = None
+        self.fresh()
+
+    def fresh(self) -> None:
+        """A new prepared connection (its one stream can be opened once), the last one dropped."""
+        if self.conn is not None:
+            self.m.disconnect(self.conn)
+        self.conn, info = self.m.prepare(1)
         self.info = tcp_decode_info(info)
 
     def dial(self, token=None) -> socket.socket:
+        if token is None:
+            self.fresh()
         s = socket.create_connection((self.info["host"], self.info["port"]))
         s.sendall(tcp_hello(1, self.info["token"] if token is None else token))
         ack = s.recv(HDR, socket.MSG_WAITALL)

@@ -12,7 +12,7 @@ from _cluster import Cluster, post_completion, wait_for
 from _hostile import HostileDecode, blackhole_info, closed_by_peer, proc_counts
 
 from pdkv.auth import write_secret_file
-from pdkv.control import AuthenticationFailed, ControlError
+from pdkv.control import AuthenticationFailed, ControlChannel, ControlError
 from pdkv.disagg import protocol as P
 from server.app import NODE
 
@@ -148,7 +148,8 @@ def test_flood_of_idle_control_connections_is_bounded(cluster):
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
-    assert sum(cluster.pc.listener._by_source.values()) == len(cluster.pc.links) == 1  # only the real pair is held
+    adm = cluster.pc.listener.admission
+    assert adm.num_handshaking == 0 and adm.num_links == len(cluster.pc.links) == 1  # only the real pair is held
 
 
 def test_oversized_frame_before_authentication_costs_no_memory(cluster):
@@ -163,6 +164,42 @@ def test_oversized_frame_before_authentication_costs_no_memory(cluster):
     for s in socks:
         s.close()
     assert proc_counts()["rss_kb"] - before["rss_kb"] < 64 << 10  # < 64 MiB grown in all
+    still_serves(cluster)
+
+
+def test_refused_large_frames_after_authentication_are_freed_without_the_collector(cluster):
+    """A member holding the secret sends 16 MiB sealed frames of nils in place of CONNECT: each is
+    refused, and with the garbage collector off the node's RSS stays flat (four grew it ~590 MB)."""
+    import gc
+
+    port = cluster.prefill.app[NODE].control_port
+    n = cluster.pc.listener.mcfg.max_frame_bytes - 16
+    body = b"\xdd" + (n - 5).to_bytes(4, "big") + b"\xc0" * (n - 5)  # msgpack: an array of n-5 nils
+
+    async def refused():
+        h = HostileDecode(cluster.pc)
+        try:
+            ch = await ControlChannel.connect("127.0.0.1", port, h.hello(), 5, secret=cluster.secret)
+            sealed = body + ch._out.tag(body)
+            ch.writer.write(len(sealed).to_bytes(4, "big") + sealed)
+            del sealed
+            await ch.writer.drain()
+            with pytest.raises(ControlError):
+                await asyncio.wait_for(ch.recv(), 10)  # the node drops the connection
+            ch.close()
+        finally:
+            h.close()
+    asyncio.run(refused())  # warm-up: buffers the first frame grows stay with the process
+    gc.collect()
+    gc.disable()
+    try:
+        before = proc_counts()["rss_kb"]
+        for _ in range(4):
+            asyncio.run(refused())
+        grown_mb = (proc_counts()["rss_kb"] - before) / 1024
+    finally:
+        gc.enable()
+    assert grown_mb < 100, f"RSS grew {grown_mb:.0f} MB over four refused frames"
     still_serves(cluster)
 
 

@@ -161,13 +161,14 @@ def test_flood_of_plain_text_connections_to_the_tls_listener_is_bounded(cluster)
         socks.append(s)
     still_serves(cluster)
     assert proc_counts()["threads"] <= before["threads"] + 4
-    assert sum(cluster.pc.listener._by_source.values()) <= 8 + 1
+    adm = cluster.pc.listener.admission
+    assert adm.num_handshaking <= 8 and adm.num_links == 1
 
     wait_for(lambda: all(closed_by_peer(s) for s in socks), 10, "every flood connection closed by the node")
     for s in socks:
         s.close()
     wait_for(lambda: proc_counts()["fds"] <= before["fds"] + 2, 10, "fds back to their level")
-    wait_for(lambda: sum(cluster.pc.listener._by_source.values()) == 1, 5, "only the real pair held")
+    wait_for(lambda: adm.num_handshaking == 0 and adm.num_links == 1, 5, "only the real pair held")
     still_serves(cluster)
 
 

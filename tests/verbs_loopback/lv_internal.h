@@ -26,10 +26,12 @@
  *   poll_error_after=N   after N completions ibv_poll_cq on that CQ returns -EIO;
  *   flush_signaled_only  a broken QP flushes only its signaled WRs (as some providers do: an
  *                        unsignaled WR then gets no completion at all);
- *   dereg_busy_nic=K     ibv_dereg_mr of an MR on the K-th device (1-based) fails with EBUSY and
+ *   dereg_busy_nic=K     ibv_dereg_mr of an MR on the K-th device (1-based; -1: any) fails with EBUSY and
  *                        leaves it registered (what a provider says while it still uses the MR),
  *                        dereg_busy_times=T times (default 1), only for MRs of dereg_busy_len=L
- *                        bytes when that is given;
+ *                        bytes when that is given, after the first dereg_busy_skip=S such
+ *                        deregistrations succeeded (default 0: e.g. 1 spares a region's own MR
+ *                        and hits its per-peer MR of the same length);
  *   port_down=K          the K-th device's port (1-based) reports DOWN / Disabled;
  *   reg_enomem_len=L     registering exactly L bytes fails with ENOMEM (what the kernel says
  *                        when it cannot pin the pages: RLIMIT_MEMLOCK, a memory cgroup).

@@ -51,7 +51,7 @@ static void init_devices(void)
     if (g_num_devices >= 0)
         return;
     const char *env = getenv("PDKV_LOOPBACK_NICS");
-    char buf[256];
+    char buf[LV_MAX_DEVICES * 65]; /* up to 16 names of up to 63 bytes */
     snprintf(buf, sizeof buf, "%s", env && *env ? env : "lo_verbs0");
     g_num_devices = 0;
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && g_num_devices < LV_MAX_DEVICES;
@@ -335,12 +335,20 @@ int ibv_dereg_mr(struct ibv_mr *mr)
 {
     struct lv_mr *m = (struct lv_mr *)mr;
     pthread_mutex_lock(&g_mu);
-    static long busy_left = -1; /* FAULT INJECTION: dereg_busy_nic / _times / _len (lv_internal.h) */
+    /* FAULT INJECTION: dereg_busy_nic / _times / _len / _skip (lv_internal.h) */
+    static long busy_left = -1, skip_left = -1;
     long nic = lv_fault("dereg_busy_nic"), len = lv_fault("dereg_busy_len");
-    if (busy_left < 0)
+    if (busy_left < 0) {
         busy_left = lv_fault("dereg_busy_times") > 0 ? lv_fault("dereg_busy_times") : 1;
-    if (nic > 0 && nic <= LV_MAX_DEVICES && mr->context->device == &g_devices[nic - 1] && busy_left > 0 &&
-        (!len || (size_t)len == mr->length)) {
+        skip_left = lv_fault("dereg_busy_skip") > 0 ? lv_fault("dereg_busy_skip") : 0;
+    }
+    int on_nic = nic == -1 || (nic > 0 && nic <= LV_MAX_DEVICES && mr->context->device == &g_devices[nic - 1]);
+    int match = on_nic && busy_left > 0 && (!len || (size_t)len == mr->length);
+    if (match && skip_left > 0) {
+        skip_left--;
+        match = 0;
+    }
+    if (match) {
         busy_left--;
         pthread_mutex_unlock(&g_mu);
         errno = EBUSY;

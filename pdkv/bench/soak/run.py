@@ -100,7 +100,8 @@ class Soak:
                 return
             if at > self.now():
                 await asyncio.sleep(at - self.now())
-            r = {"node": self.prefill.name, "scheduled_s": at}
+            # the kill is issued now: "scheduled_s" is never before it (the verdict's outage starts here)
+            r = {"node": self.prefill.name, "scheduled_s": min(at, self.now())}
             await asyncio.to_thread(self.prefill.kill)
             r["kill_s"] = self.now()
             self.restarts.append(r)

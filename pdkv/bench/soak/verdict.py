@@ -17,9 +17,11 @@ bytes per request is below any bound a 30-minute run can resolve on a shared mac
 catches is the kind that matters in operation: per-request or per-reconnect growth of memory,
 descriptors or threads.
 
-**Failures.** A failed request is *excused* when its lifetime overlaps a restart's outage (the
-kill until the decode node was connected again, plus ``slack_s``); every other failure counts
-against the run.
+**Failures.** A failed request is *excused* when its lifetime overlaps a restart's outage (from
+the kill's scheduled time, when the kill was issued, until the decode node was connected again,
+plus ``slack_s``); every other failure counts against the run. The outage starts at the
+scheduled time, not the kill's recorded one: that is taken after the kill returned, and a request
+the dying node failed in between was hit by the restart all the same.
 """
 
 from __future__ import annotations
@@ -80,8 +82,13 @@ def windows(samples: list[dict], duration_s: float, restarted: bool,
     return out
 
 
+def down_from(r: dict) -> float:
+    """When a restart's outage starts: its scheduled kill (never later than the recorded one)."""
+    return min(r.get("scheduled_s", r["kill_s"]), r["kill_s"])
+
+
 def outages_of(restarts: list[dict], end_s: float) -> list[tuple[float, float]]:
-    return [(r["kill_s"], r["ready_s"] if r.get("ready_s") is not None else end_s) for r in restarts]
+    return [(down_from(r), r["ready_s"] if r.get("ready_s") is not None else end_s) for r in restarts]
 
 
 def flatness(samples: list[dict], duration_s: float, restarted_nodes: set[str],
@@ -112,7 +119,7 @@ def hit_by_restart(o: dict, restarts: list[dict], slack_s: float) -> bool:
     for r in restarts:
         back = r.get("ready_s")
         back = float("inf") if back is None else back + slack_s
-        if o["sent_s"] <= back and end >= r["kill_s"]:
+        if o["sent_s"] <= back and end >= down_from(r):
             return True
     return False
 
