@@ -115,6 +115,9 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     elif cfg.transport == "verbs":
         # a protection domain per peer: only a connected, granted peer can write (pdkv/disagg/grants.py)
         kwargs.update(nics=list(where.nics), isolate_peers=True, remote_nics=cfg.remote_nics)
+    elif cfg.transport == "libfabric":
+        # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain
+        kwargs.update(provider=cfg.libfabric.provider, domains=list(cfg.libfabric.domains))
     m = Messenger(cfg.transport, node_id, **kwargs)
     m.rank_nics = where.rank_nics
     return m

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH,
-                                  MAX_SPEC_TOKENS, ROLES,
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS, MAX_AFFINITY_PAGES,
+                                  MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
@@ -86,6 +86,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(not ms.rank_nics or len(ms.rank_nics) == pc.tp, "messenger.rank_nics",
          f"one name per TP rank: {pc.tp} (parallel.tp)", list(ms.rank_nics))
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
+    one_of("messenger.libfabric.provider", ms.libfabric.provider, LIBFABRIC_PROVIDERS)
+    need(len(ms.libfabric.domains) <= 1 and all(d.strip() for d in ms.libfabric.domains),
+         "messenger.libfabric.domains", "at most one fabric domain name (empty: the provider's first)",
+         list(ms.libfabric.domains))
     need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
     need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)

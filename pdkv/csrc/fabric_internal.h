@@ -1,0 +1,179 @@
+/* Internal state of the libfabric transport (fabric*.c; the call order is below).
+ * Only compiled when the libfabric headers are present (PDKV_HAVE_LIBFABRIC). */
+#ifndef PDKV_FABRIC_INTERNAL_H
+#define PDKV_FABRIC_INTERNAL_H
+
+#include "cq.h"
+#include "transport.h"
+
+#include <pthread.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define FB_MAX_CONNS 1024
+#define FB_MAX_REGIONS 1024   /* registered regions (16 bits of the key hold the index) */
+#define FB_MAX_DOMAINS 256    /* peers with a domain of their own */
+#define FB_MAX_GRANTS 32767   /* live grants of one peer domain (a 15-bit tag each) */
+#define FB_TX_DEPTH 1024      /* writes outstanding on one endpoint (capped by tx_attr->size) */
+#define FB_ADDR_MAX 256       /* an endpoint name (fi_getname) */
+#define FB_INFO_MAGIC 0x62666b70u /* "pkfb" */
+#define FB_INFO_VERSION 1
+#define FB_IMM_BYTES 4        /* the remote CQ data pdkv's immediates need */
+
+/* Region keys (what reg() returns, local handles): [63:48] index + 1 | [47:32] generation. */
+#define FB_RKEY(idx, gen) ((uint64_t)((idx) + 1) << 48 | (uint64_t)((gen) & 0xffff) << 32)
+#define FB_RKEY_INDEX(key) ((uint32_t)((key) >> 48)) /* index + 1, 0: none */
+
+/* Write keys (what grant returns; the peer names them): the libfabric MR key itself, which we
+ * choose (requested_key): [62:48] a tag unique among the domain's live grants | [47:0] base
+ * (bit 63 marks the keys of local-only MRs: FB_LKEY).
+ * The writer aims at base + roff when the target's MRs are addressed by virtual address
+ * (FI_MR_VIRT_ADDR: base = the region's address), else at roff - base (offsets into the MR:
+ * base = the grant's offset in its region). 48 bits hold any user-space address of x86-64 and
+ * aarch64 (refused otherwise). */
+#define FB_WKEY(tag, base) ((uint64_t)(tag) << 48 | ((base) & 0xffffffffffffull))
+#define FB_WKEY_BASE(key) ((key) & 0xffffffffffffull)
+#define FB_LKEY(idx) (1ull << 63 | (uint64_t)(idx)) /* a region's local MR in a peer domain */
+#define FB_INFO_VIRT 1u       /* info flag: the sender's MRs take virtual addresses */
+
+typedef struct fb_region {
+    uint8_t *addr;
+    uint64_t key, len; /* key 0: free slot */
+    uint32_t inflight; /* local writes from this region not yet completed */
+} fb_region;
+
+/* A registration of (part of) a region that one peer may write: the grant itself (the provider
+ * checks key, access and bounds). off/len are region offsets; whole: the entire region. */
+typedef struct fb_grant_mr {
+    struct fid_mr *mr;
+    uint32_t region;
+    int whole;
+    uint64_t off, len, wkey;
+} fb_grant_mr;
+
+/* One fabric domain per peer (libfabric MR keys are domain-wide, so a peer's domain holds only
+ * its grants and our local registrations: another peer's key opens nothing in it). */
+typedef struct fb_domain {
+    int used;
+    uint64_t peer;
+    struct fid_domain *dom;
+    struct fid_mr **lmr; /* [FB_MAX_REGIONS] local-only MRs (sources of our writes), by index */
+    fb_grant_mr *grants;
+    uint32_t num_grants, grants_cap;
+    uint32_t num_conns;
+    uint64_t tag_seed;   /* tags are drawn from a sequence that starts here (random) */
+} fb_domain;
+
+/* A posted write: its context (the provider hands it back with the completion). */
+typedef struct fb_pending {
+    struct fi_context2 ctx; /* first: FI_CONTEXT / FI_CONTEXT2 providers own these bytes */
+    uint64_t wr_id, len;
+    uint32_t region;
+    int used;
+} fb_pending;
+
+typedef struct fb_conn {
+    int used, ready, broken;
+    uint64_t peer;
+    uint32_t domain;       /* index into t->domains */
+    struct fid_ep *ep;     /* an endpoint of its own: closing it ends everything of the conn */
+    struct fid_av *av;
+    struct fid_cq *cq;
+    fi_addr_t dest;
+    int peer_virt;         /* the peer's MRs take virtual addresses (its info's flag) */
+    fb_pending *slots;     /* [t->tx_depth] */
+    uint32_t outstanding;
+    uint32_t next_slot;    /* search start for a free slot */
+    pdkv_write *backlog;   /* accepted writes not yet handed to the provider (ring) */
+    uint32_t bl_head, bl_count, bl_cap;
+} fb_conn;
+
+/* Connection data exchanged through the messenger's control channel. */
+typedef struct fb_info {
+    uint32_t magic, version;
+    uint64_t node_id;
+    uint32_t flags;        /* FB_INFO_VIRT */
+    uint32_t addr_len;
+    char provider[32];     /* both ends must run the same provider */
+    uint8_t addr[FB_ADDR_MAX];
+} fb_info;
+
+typedef struct fb_transport {
+    pdkv_transport base;
+    pthread_mutex_t mu;    /* every libfabric call and all state below (FI_THREAD_DOMAIN) */
+    struct fi_info *info;  /* the provider and domain chosen at create */
+    struct fid_fabric *fabric;
+    char provider[32], domain_name[64];
+    int virt;              /* FI_MR_VIRT_ADDR: remote addresses are virtual addresses */
+    int mr_local;          /* FI_MR_LOCAL: descriptors on every write */
+    uint64_t complete_flag; /* FI_DELIVERY_COMPLETE, or 0 (shm: FI_TRANSMIT_COMPLETE) */
+    uint32_t tx_depth;
+    fb_region *regions;
+    uint32_t num_regions, gen;
+    fb_domain *domains;    /* [FB_MAX_DOMAINS] */
+    fb_conn *conns;
+    uint32_t conns_hi;     /* conns[conns_hi..] have never been used: loops stop there */
+    pdkv_cq cq;            /* completions for the core, behind its eventfd */
+    int cq_ready;
+    pthread_t thread;
+    int thread_started, stop;
+    uint64_t refused_writes;
+} fb_transport;
+
+/* Call order (each file calls only files below it):
+ *   fabric.c (function table, create, destroy) -> fabric_progress.c (the progress thread)
+ *   -> fabric_conn.c (endpoints) -> fabric_post.c (backlog, posting) -> fabric_mr.c (regions,
+ *   grants, domains) -> fabric_setup.c (provider choice, fabric, per-peer objects)
+ *   -> fabric_report.c (errors, completions for the core). */
+
+/* fabric_report.c */
+int fb_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *fb_errbuf(void); /* this thread's last failure reason */
+void fb_clear_error(void);
+void fb_push_error(fb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt,
+                   ...) __attribute__((format(printf, 5, 6)));
+int fb_errno(int fi_rc); /* a libfabric return code as a negative errno */
+
+/* fabric_setup.c */
+int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o);
+int fb_open_domain(fb_transport *t, struct fid_domain **out);
+int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c);
+void fb_close_endpoint(fb_conn *c);
+int fb_mr_reg(fb_transport *t, struct fid_domain *dom, void *addr, uint64_t len, uint64_t access,
+              uint64_t key, struct fid_mr **out);
+
+/* fabric_mr.c: regions, per-peer domains, grants (caller holds t->mu unless named a vtable op) */
+int fb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+int fb_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
+int fb_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
+int fb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,
+                   uint64_t *key_out);
+int fb_revoke_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
+int fb_dereg(pdkv_transport *t, uint64_t key);
+fb_region *fb_find_region(fb_transport *t, uint64_t key);
+fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create); /* NULL + fb_fail */
+void fb_domain_tidy(fb_transport *t, fb_domain *d); /* free it once no conn or grant uses it */
+void fb_domain_free(fb_transport *t, fb_domain *d);
+
+/* fabric_post.c */
+int fb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+int fb_pump(fb_transport *t, fb_conn *c); /* hand backlog to the provider; returns how many */
+void fb_flush_backlog(fb_transport *t, fb_conn *c, int status, const char *why);
+void fb_fail_outstanding(fb_transport *t, fb_conn *c, int status, const char *why);
+
+/* fabric_conn.c */
+int fb_prepare(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
+               uint32_t *conn_out);
+int fb_complete(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
+int fb_disconnect(pdkv_transport *t, uint32_t conn);
+void fb_drop_conn(fb_transport *t, fb_conn *c, const char *why);
+
+/* fabric_progress.c */
+int fb_start_progress(fb_transport *t);
+void fb_stop_progress(fb_transport *t);
+
+#endif
