@@ -15,28 +15,30 @@
 #include <rdma/fi_rma.h>
 
 #define FB_MAX_CONNS 1024
-#define FB_MAX_REGIONS 1024   /* registered regions (16 bits of the key hold the index) */
+#define FB_MAX_REGIONS 1023   /* registered regions (10 bits of the key hold the index + 1) */
 #define FB_MAX_DOMAINS 256    /* peers with a domain of their own */
-#define FB_MAX_GRANTS 32767   /* live grants of one peer domain (a 15-bit tag each) */
+#define FB_MAX_GRANTS 65536   /* live grants of one peer domain */
 #define FB_TX_DEPTH 1024      /* writes outstanding on one endpoint (capped by tx_attr->size) */
 #define FB_ADDR_MAX 256       /* an endpoint name (fi_getname) */
 #define FB_INFO_MAGIC 0x62666b70u /* "pkfb" */
 #define FB_INFO_VERSION 1
 #define FB_IMM_BYTES 4        /* the remote CQ data pdkv's immediates need */
 
-/* Region keys (what reg() returns, local handles): [63:48] index + 1 | [47:32] generation. */
-#define FB_RKEY(idx, gen) ((uint64_t)((idx) + 1) << 48 | (uint64_t)((gen) & 0xffff) << 32)
-#define FB_RKEY_INDEX(key) ((uint32_t)((key) >> 48)) /* index + 1, 0: none */
-
-/* Write keys (what grant returns; the peer names them): the libfabric MR key itself, which we
- * choose (requested_key): [62:48] a tag unique among the domain's live grants | [47:0] base
- * (bit 63 marks the keys of local-only MRs: FB_LKEY).
- * The writer aims at base + roff when the target's MRs are addressed by virtual address
- * (FI_MR_VIRT_ADDR: base = the region's address), else at roff - base (offsets into the MR:
- * base = the grant's offset in its region). 48 bits hold any user-space address of x86-64 and
- * aarch64 (refused otherwise). */
+/* Keys are libfabric MR keys we choose (requested_key), and a write key says where to aim:
+ *   [63] 0 | [62] narrow | [61:48] tag | [47:0] base
+ * The writer aims at base + roff when the target's MRs take virtual addresses (FI_MR_VIRT_ADDR:
+ * base = the region's address), else at roff - base (offsets into the MR: base = where the MR
+ * starts in its region). 48 bits hold any user-space address of x86-64 and aarch64.
+ * A region's own key (what reg() returns) has tag = index + 1 | generation << 10 and the base of
+ * the whole region: a whole-region grant is an MR under exactly that key in the peer's domain,
+ * so the region's key is what the peer writes with (as on tcp). A narrow grant's MR gets bit 62
+ * and a random tag (unique with its base among the domain's live MRs: not secret, only another
+ * name; another peer's domain has none of them). Bit 63 marks local-only MRs (FB_LKEY). */
 #define FB_WKEY(tag, base) ((uint64_t)(tag) << 48 | ((base) & 0xffffffffffffull))
 #define FB_WKEY_BASE(key) ((key) & 0xffffffffffffull)
+#define FB_NARROW (1u << 14)
+#define FB_RKEY(idx, gen, base) FB_WKEY(((idx) + 1) | ((gen) & 0xf) << 10, base)
+#define FB_RKEY_INDEX(key) ((uint32_t)((key) >> 48) & 0x3ff) /* index + 1, 0: none */
 #define FB_LKEY(idx) (1ull << 63 | (uint64_t)(idx)) /* a region's local MR in a peer domain */
 #define FB_INFO_VIRT 1u       /* info flag: the sender's MRs take virtual addresses */
 

@@ -111,7 +111,8 @@ int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
     if (i == t->num_regions)
         t->num_regions++;
     fb_region *r = &t->regions[i];
-    *r = (fb_region){.addr = addr, .len = len, .key = FB_RKEY(i, ++t->gen)};
+    *r = (fb_region){.addr = addr, .len = len,
+                     .key = FB_RKEY(i, ++t->gen, t->virt ? (uint64_t)(uintptr_t)addr : 0)};
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
             rc = add_local(t, &t->domains[k], i);
@@ -128,18 +129,20 @@ out:
     return rc;
 }
 
-/* A tag no live grant of d has (the 15 bits make the key hard to guess, not secret). */
-static uint32_t new_tag(fb_domain *d)
+/* A narrow grant's key: a random tag with `base`, unused by the domain's live grants. */
+static int new_key(fb_domain *d, uint64_t base, uint64_t *out)
 {
-    for (;;) {
+    for (int tries = 0; tries < 1 << 20; tries++) {
         d->tag_seed = d->tag_seed * 6364136223846793005ull + 1442695040888963407ull;
-        uint32_t tag = (uint32_t)(d->tag_seed >> 49) & 0x7fff;
-        int taken = !tag;
+        uint64_t key = FB_WKEY(FB_NARROW | ((uint32_t)(d->tag_seed >> 50) & 0x3fff), base);
+        int taken = 0;
         for (uint32_t i = 0; i < d->num_grants && !taken; i++)
-            taken = (uint32_t)(d->grants[i].wkey >> 48) == tag;
+            taken = d->grants[i].wkey == key;
         if (!taken)
-            return tag;
+            return *out = key, 0;
     }
+    return fb_fail(-ENOSPC, "libfabric: no free key for another grant of peer %llu",
+                   (unsigned long long)d->peer);
 }
 
 static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, uint64_t off,
@@ -156,10 +159,11 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
         d->grants = g, d->grants_cap = cap;
     }
     fb_region *r = &t->regions[region];
-    uint64_t base = t->virt ? (uint64_t)(uintptr_t)r->addr : off;
-    uint64_t wkey = FB_WKEY(new_tag(d), base);
+    uint64_t wkey = r->key;
+    int rc = whole ? 0 : new_key(d, t->virt ? (uint64_t)(uintptr_t)r->addr : off, &wkey);
     struct fid_mr *mr = NULL;
-    int rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, wkey, &mr);
+    if (!rc)
+        rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, wkey, &mr);
     if (rc)
         return rc;
     d->grants[d->num_grants++] = (fb_grant_mr){mr, region, whole, off, len, wkey};

@@ -45,14 +45,16 @@ static void on_entry(fb_transport *t, fb_conn *c, const struct fi_cq_data_entry 
     pdkv_completion cp;
     memset(&cp, 0, sizeof cp);
     cp.peer = c->peer;
-    if (e->flags & FI_REMOTE_CQ_DATA) {
+    /* our context first: some providers (sockets) flag the writer's own completion of a write
+     * with data FI_REMOTE_CQ_DATA too; a peer's write carries no context of ours */
+    fb_pending *p = our_slot(t, c, e->op_context);
+    if (!p && (e->flags & FI_REMOTE_CQ_DATA)) {
         cp.kind = PDKV_CQ_IMM;
         cp.imm = (uint32_t)e->data;
         cp.len = e->len;
         pdkv_cq_push(&t->cq, &cp);
         return;
     }
-    fb_pending *p = our_slot(t, c, e->op_context);
     if (!p)
         return; /* a completion we did not ask for (a provider's own): nothing to report */
     cp.kind = PDKV_CQ_WRITE_DONE;
