@@ -18,12 +18,13 @@ from pathlib import Path
 import msgpack
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fabrics import FABRIC_DOMAINS, fabric_params  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 LOOPBACK_NIC = "lo_verbs0"
 RPC_TIMEOUT = 60.0  # a peer call that takes longer is a hang: the peer is killed, the test fails
-FABRIC_PROVIDERS = ("tcp;ofi_rxm", "sockets", "shm")  # libfabric's software providers
-FABRIC_DOMAINS = {"tcp;ofi_rxm": ["lo"], "sockets": ["lo"]}  # real sockets on the loopback only
 
 
 class RemoteError(Exception):
@@ -110,37 +111,6 @@ def _transports() -> list:
     skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
     verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
     return ["tcp", verbs] + fabric_params()
-
-
-def fabric_providers() -> list[str]:
-    """The software providers that can make a libfabric transport here (printed once), [] when
-    pdkv was built without libfabric. Under PDKV_REQUIRE_LIBFABRIC=1 (.ci/run) a missing one
-    fails the tests that use it instead of leaving them out."""
-    global _FOUND
-    if _FOUND is None:
-        from pdkv._messenger import HAVE_LIBFABRIC, Messenger
-
-        _FOUND = []
-        for p in FABRIC_PROVIDERS if HAVE_LIBFABRIC else ():
-            try:
-                Messenger("libfabric", 1, provider=p, domains=FABRIC_DOMAINS.get(p, [])).close()
-                _FOUND.append(p)
-            except Exception as e:  # noqa: BLE001 - reported, and the provider left out
-                print(f"libfabric provider {p!r} not usable here: {e}", file=sys.stderr)
-        print(f"libfabric providers found: {_FOUND or 'none'} (HAVE_LIBFABRIC={HAVE_LIBFABRIC})",
-              file=sys.stderr)
-    return _FOUND
-
-
-_FOUND = None
-
-
-def fabric_params(providers=FABRIC_PROVIDERS) -> list:
-    found = fabric_providers()
-    need = os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1"
-    return [pytest.param(f"libfabric:{p}", marks=pytest.mark.skipif(
-        p not in found and not need, reason=f"libfabric provider {p} not available"))
-        for p in providers]
 
 
 @pytest.fixture(params=_transports())

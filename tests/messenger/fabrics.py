@@ -1,0 +1,53 @@
+"""The libfabric side of the messenger tests: which software providers work here, the
+``transport`` parameters for them ("libfabric:<provider>"), and what each reports of a refused
+write. Imported by conftest.py and the tests (tests/messenger is on sys.path)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+FABRIC_PROVIDERS = ("tcp;ofi_rxm", "sockets", "shm")  # libfabric's software providers
+FABRIC_DOMAINS = {"tcp;ofi_rxm": ["lo"], "sockets": ["lo"]}  # real sockets on the loopback only
+_FOUND = None
+
+
+def refusal_reported(transport: str) -> tuple[bool, bool]:
+    """(the writer, the receiver) learn of a remote write the target refused. tcp and verbs: both
+    (the receiver's check, the NIC's access error breaking the QP). libfabric: the target's
+    provider refuses it with no event to the target application; tcp;ofi_rxm (under
+    FI_DELIVERY_COMPLETE) and sockets fail the writer's completion, shm drops it silently (the
+    write reports done; the immediate the target waits for never arrives). Nothing lands on any."""
+    if not transport.startswith("libfabric:"):
+        return True, True
+    return transport != "libfabric:shm", False
+
+
+def fabric_providers() -> list[str]:
+    """The software providers that can make a libfabric transport here (printed once), [] when
+    pdkv was built without libfabric. Under PDKV_REQUIRE_LIBFABRIC=1 (.ci/run) a missing one
+    fails the tests that use it instead of leaving them out."""
+    global _FOUND
+    if _FOUND is None:
+        from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+
+        _FOUND = []
+        for p in FABRIC_PROVIDERS if HAVE_LIBFABRIC else ():
+            try:
+                Messenger("libfabric", 1, provider=p, domains=FABRIC_DOMAINS.get(p, [])).close()
+                _FOUND.append(p)
+            except Exception as e:  # noqa: BLE001 - reported, and the provider left out
+                print(f"libfabric provider {p!r} not usable here: {e}", file=sys.stderr)
+        print(f"libfabric providers found: {_FOUND or 'none'} (HAVE_LIBFABRIC={HAVE_LIBFABRIC})",
+              file=sys.stderr)
+    return _FOUND
+
+
+
+def fabric_params(providers=FABRIC_PROVIDERS) -> list:
+    found = fabric_providers()
+    need = os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1"
+    return [pytest.param(f"libfabric:{p}", marks=pytest.mark.skipif(
+        p not in found and not need, reason=f"libfabric provider {p} not available"))
+        for p in providers]
