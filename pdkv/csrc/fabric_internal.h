@@ -23,6 +23,8 @@
 #define FB_INFO_MAGIC 0x62666b70u /* "pkfb" */
 #define FB_INFO_VERSION 1
 #define FB_IMM_BYTES 4        /* the remote CQ data pdkv's immediates need */
+#define FB_STALL_MS 5000      /* writes waiting with no progress this long: the peer is gone
+                               * (providers may never fail them), the connection breaks */
 
 /* Keys are libfabric MR keys we choose (requested_key), and a write key says where to aim:
  *   [63] 0 | [62] narrow | [61:48] tag | [47:0] base
@@ -90,6 +92,8 @@ typedef struct fb_conn {
     fb_pending *slots;     /* [t->tx_depth] */
     uint32_t outstanding;
     uint32_t next_slot;    /* search start for a free slot */
+    uint64_t last_ns;      /* when its writes last made progress (accepted while idle, handed
+                            * to the provider, or completed): the stall clock */
     pdkv_write *backlog;   /* accepted writes not yet handed to the provider (ring) */
     uint32_t bl_head, bl_count, bl_cap;
 } fb_conn;
@@ -133,6 +137,7 @@ typedef struct fb_transport {
  *   -> fabric_report.c (errors, completions for the core). */
 
 /* fabric_report.c */
+uint64_t fb_now_ns(void);
 int fb_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *fb_errbuf(void); /* this thread's last failure reason */
 void fb_clear_error(void);

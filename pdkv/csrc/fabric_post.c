@@ -111,6 +111,7 @@ int fb_pump(fb_transport *t, fb_conn *c)
         p->used = 1;
         p->wr_id = w->wr_id, p->len = w->len, p->region = idx;
         c->outstanding++;
+        c->last_ns = fb_now_ns();
         n++;
     }
     return n;
@@ -149,6 +150,8 @@ int fb_post(pdkv_transport *base, uint32_t conn, const pdkv_write *w, int n)
     else if (!(rc = check_writes(t, w, n)) && grow_backlog(c, (uint32_t)n))
         rc = fb_fail(-ENOMEM, "libfabric: out of memory");
     if (!rc) {
+        if (!c->bl_count && !c->outstanding)
+            c->last_ns = fb_now_ns(); /* the stall clock starts with work */
         for (int i = 0; i < n; i++) {
             c->backlog[(c->bl_head + c->bl_count++) % c->bl_cap] = w[i];
             fb_find_region(t, w[i].lkey)->inflight++;

@@ -5,6 +5,9 @@
  * context a local write done -- and pumps backlogs that met FI_EAGAIN. An error entry is read
  * with fi_cq_readerr and reported with the provider's text (fi_cq_strerror); the connection is
  * then broken, as a verbs QP in error would be: its later writes fail, the caller reconnects.
+ * Writes outstanding (or refused with FI_EAGAIN) with no progress for FB_STALL_MS break the
+ * connection too (a peer that died: tcp;ofi_rxm may never fail them, nor finish connecting to
+ * it), as the verbs NIC's retry limit would.
  * It spins briefly after work, then sleeps in growing steps up to FB_IDLE_MAX_US (software
  * providers offer no wait object every provider shares; a sleeping thread costs no CPU to speak
  * of, and the first entry after idling waits at most one step).
@@ -23,6 +26,7 @@
 #define FB_SPIN_PASSES 2000   /* empty passes (yielding) before sleeping */
 #define FB_IDLE_MIN_US 20
 #define FB_IDLE_MAX_US 1000
+#define FB_FINAL_PASSES 20    /* at destroy, 1 ms apart */
 
 static fb_pending *our_slot(fb_transport *t, fb_conn *c, void *ctx)
 {
@@ -91,6 +95,20 @@ static void on_error(fb_transport *t, fb_conn *c)
     }
 }
 
+/* The peer stopped completing our writes (it died or hangs; a provider may never fail them):
+ * close the endpoint -- nothing of it can complete after that -- and fail what was outstanding.
+ * The connection stays, broken, until disconnect(). */
+static void stalled(fb_transport *t, fb_conn *c)
+{
+    char why[96];
+    snprintf(why, sizeof why, "no completion from the peer in %d ms (it died or hangs)",
+             FB_STALL_MS);
+    fb_close_endpoint(c);
+    fb_fail_outstanding(t, c, -ETIMEDOUT, why);
+    c->broken = 1;
+    fb_flush_backlog(t, c, -ETIMEDOUT, why);
+}
+
 /* One pass over every connection; called with t->mu held. Returns the work it found. */
 static int pass(fb_transport *t)
 {
@@ -118,11 +136,14 @@ static int pass(fb_transport *t)
             for (ssize_t k = 0; k < n; k++)
                 on_entry(t, c, &e[k]);
             work += (int)n;
+            c->last_ns = fb_now_ns();
             if (n < FB_BURST)
                 break;
         }
         if (c->bl_count && !c->broken)
             work += fb_pump(t, c);
+        if ((c->outstanding || c->bl_count) && fb_now_ns() - c->last_ns > FB_STALL_MS * 1000000ull)
+            stalled(t, c);
     }
     return work;
 }
@@ -165,5 +186,14 @@ void fb_stop_progress(fb_transport *t)
     __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE);
     pthread_join(t->thread, NULL);
     t->thread_started = 0;
+    /* a few last passes: manual-progress providers retire the connections a peer just closed
+     * only while their CQs are read (tcp;ofi_rxm otherwise keeps such a socket past fi_close) */
+    for (int i = 0; i < FB_FINAL_PASSES; i++) {
+        pthread_mutex_lock(&t->mu);
+        pass(t);
+        pthread_mutex_unlock(&t->mu);
+        struct timespec ts = {0, 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
 }
 #endif /* PDKV_HAVE_LIBFABRIC */
