@@ -62,6 +62,7 @@ cdef extern from "transport.h" nogil:
     ctypedef struct pdkv_libfabric_opts:
         const char *provider
         const char *const *domains
+        int table_keys
 
     pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                           const pdkv_verbs_opts *verbs, char *err, size_t errlen)

@@ -75,7 +75,8 @@ cdef class Messenger:
     """A node's end of the KV messenger.
 
     transport: "libfabric" (provider: "efa", "tcp;ofi_rxm", "sockets", "shm" or "auto"; domains:
-    fabric domain names, [] for the provider's first; a fabric domain per peer enforces grants),
+    fabric domain names, [] for the provider's first; a fabric domain per peer enforces grants;
+    fabric_table_keys: the provider-key path EFA takes, on a provider that lets us choose keys),
     "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
     a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
     accept, max_per_source: of them from one IP address, 0: a quarter of max_pending; none of
@@ -100,7 +101,7 @@ cdef class Messenger:
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None,
-                 str provider="auto", domains=()):
+                 str provider="auto", domains=(), bint fabric_table_keys=False):
         cdef char err[256]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -129,6 +130,7 @@ cdef class Messenger:
         prov_b = provider.encode()
         fabric.provider = prov_b
         fabric.domains = dom_ptrs
+        fabric.table_keys = fabric_table_keys
         host_b = host.encode()
         name_b = transport.encode()
         tcp.host = host_b

@@ -41,7 +41,8 @@ int fb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
         rc = fb_fail(-ENOMEM, "libfabric: out of memory");
     } else if (!(rc = fb_open_endpoint(t, d->dom, c))) {
         fb_info info = {.magic = FB_INFO_MAGIC, .version = FB_INFO_VERSION,
-                        .node_id = t->base.node_id, .flags = t->virt ? FB_INFO_VIRT : 0};
+                        .node_id = t->base.node_id,
+                        .flags = (t->virt ? FB_INFO_VIRT : 0) | (t->table ? FB_INFO_TABLE : 0)};
         snprintf(info.provider, sizeof info.provider, "%s", t->provider);
         size_t len = sizeof info.addr;
         int e = fi_getname(&c->ep->fid, info.addr, &len);
@@ -51,8 +52,13 @@ int fb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
                          fi_strerror(-e), e == -FI_ETOOSMALL ? " (address too long)" : "");
         } else {
             info.addr_len = (uint32_t)len;
+            /* provider keys: the writer aims through our regions' addresses */
+            uint64_t *table = (uint64_t *)((char *)info_out + sizeof info);
+            for (uint32_t k = 0; t->table && k < t->num_regions; k++)
+                table[k] = t->regions[k].key ? (uint64_t)(uintptr_t)t->regions[k].addr : 0;
+            info.num_regions = t->table ? t->num_regions : 0;
             memcpy(info_out, &info, sizeof info);
-            *info_len = sizeof info;
+            *info_len = (uint32_t)(sizeof info + info.num_regions * sizeof(uint64_t));
         }
     }
     if (rc) {
@@ -75,10 +81,13 @@ int fb_complete(pdkv_transport *base, uint32_t conn, const void *blob, uint32_t 
 {
     fb_transport *t = (fb_transport *)base;
     fb_info info;
-    if (len != sizeof info)
-        return fb_fail(-EINVAL, "libfabric: connection info of %u bytes, expected %zu (not from a "
-                                "libfabric transport of this version?)", len, sizeof info);
+    if (len < sizeof info)
+        return fb_fail(-EINVAL, "libfabric: connection info of %u bytes, expected at least %zu (not "
+                                "from a libfabric transport of this version?)", len, sizeof info);
     memcpy(&info, blob, sizeof info);
+    if (info.num_regions > FB_MAX_REGIONS || len != sizeof info + info.num_regions * 8ull)
+        return fb_fail(-EINVAL, "libfabric: connection info of %u bytes for %u regions", len,
+                       info.num_regions);
     if (info.magic != FB_INFO_MAGIC || info.version != FB_INFO_VERSION)
         return fb_fail(-EPROTO, "libfabric: connection info has magic 0x%x version %u, expected "
                                 "0x%x version %u", info.magic, info.version, FB_INFO_MAGIC,
@@ -108,6 +117,14 @@ int fb_complete(pdkv_transport *base, uint32_t conn, const void *blob, uint32_t 
                          (unsigned long long)c->peer, t->provider,
                          n < 0 ? fi_strerror(-n) : "not inserted");
     }
+    if (!rc && (info.flags & FB_INFO_TABLE)) {
+        c->peer_table = malloc(info.num_regions * sizeof(uint64_t) + 1);
+        if (!c->peer_table)
+            rc = fb_fail(-ENOMEM, "libfabric: out of memory");
+        else
+            memcpy(c->peer_table, (const char *)blob + sizeof info, info.num_regions * 8ull);
+        c->peer_table_n = info.num_regions;
+    }
     if (!rc) {
         c->peer_virt = !!(info.flags & FB_INFO_VIRT);
         c->ready = 1;
@@ -124,6 +141,7 @@ void fb_drop_conn(fb_transport *t, fb_conn *c, const char *why)
     fb_fail_outstanding(t, c, -ECONNRESET, why);
     free(c->slots);
     free(c->backlog);
+    free(c->peer_table);
     fb_domain *d = &t->domains[c->domain];
     memset(c, 0, sizeof *c);
     if (d->num_conns)

@@ -43,6 +43,16 @@
 #define FB_RKEY_INDEX(key) ((uint32_t)((key) >> 48) & 0x3ff) /* index + 1, 0: none */
 #define FB_LKEY(idx) (1ull << 63 | (uint64_t)(idx)) /* a region's local MR in a peer domain */
 #define FB_INFO_VIRT 1u       /* info flag: the sender's MRs take virtual addresses */
+#define FB_INFO_TABLE 2u      /* ... its keys are provider keys: aim through its region table */
+
+/* Provider keys (FI_MR_PROV_KEY, e.g. EFA: 32-bit keys of the device's MRs): the provider picks
+ * each MR's key, so a key cannot carry the base. A grant's key is then
+ *   [63:32] the provider's key | [15] 1 | [9:0] region index + 1
+ * and the writer aims at the region's address (from the target's region table, sent in its
+ * connection info: the regions registered before it prepared the connection) + roff. A region
+ * registered later is not in a connection's table: a write into it fails, naming that. */
+#define FB_TABLE_FLAG (1u << 15)
+#define FB_TKEY(pkey, idx) ((uint64_t)(pkey) << 32 | FB_TABLE_FLAG | ((idx) + 1))
 
 typedef struct fb_region {
     uint8_t *addr;
@@ -89,6 +99,8 @@ typedef struct fb_conn {
     struct fid_cq *cq;
     fi_addr_t dest;
     int peer_virt;         /* the peer's MRs take virtual addresses (its info's flag) */
+    uint64_t *peer_table;  /* the peer's provider keys: its regions' addresses by index, or NULL */
+    uint32_t peer_table_n;
     fb_pending *slots;     /* [t->tx_depth] */
     uint32_t outstanding;
     uint32_t next_slot;    /* search start for a free slot */
@@ -102,10 +114,12 @@ typedef struct fb_conn {
 typedef struct fb_info {
     uint32_t magic, version;
     uint64_t node_id;
-    uint32_t flags;        /* FB_INFO_VIRT */
+    uint32_t flags;        /* FB_INFO_VIRT | FB_INFO_TABLE */
     uint32_t addr_len;
     char provider[32];     /* both ends must run the same provider */
     uint8_t addr[FB_ADDR_MAX];
+    uint32_t num_regions;  /* FB_INFO_TABLE: then num_regions uint64 region addresses follow */
+    uint32_t pad;
 } fb_info;
 
 typedef struct fb_transport {
@@ -115,6 +129,8 @@ typedef struct fb_transport {
     struct fid_fabric *fabric;
     char provider[32], domain_name[64];
     int virt;              /* FI_MR_VIRT_ADDR: remote addresses are virtual addresses */
+    int table;             /* provider keys (FI_MR_PROV_KEY, or the table_keys stand-in) */
+    int prov_key;          /* ... chosen by the provider (not the stand-in) */
     int mr_local;          /* FI_MR_LOCAL: descriptors on every write */
     uint64_t complete_flag; /* FI_DELIVERY_COMPLETE, or 0 (shm: FI_TRANSMIT_COMPLETE) */
     uint32_t tx_depth;

@@ -112,7 +112,7 @@ int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
         t->num_regions++;
     fb_region *r = &t->regions[i];
     *r = (fb_region){.addr = addr, .len = len,
-                     .key = FB_RKEY(i, ++t->gen, t->virt ? (uint64_t)(uintptr_t)addr : 0)};
+                     .key = FB_RKEY(i, ++t->gen, t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0)};
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
             rc = add_local(t, &t->domains[k], i);
@@ -145,6 +145,34 @@ static int new_key(fb_domain *d, uint64_t base, uint64_t *out)
                    (unsigned long long)d->peer);
 }
 
+/* Provider keys: register, then name the MR by the key the provider gave it (the stand-in picks
+ * a random 32-bit one as a provider would; the real thing ignores what we ask for). */
+static int add_table_grant(fb_transport *t, fb_domain *d, uint32_t region, uint64_t off,
+                           uint64_t len, struct fid_mr **mr, uint64_t *wkey)
+{
+    fb_region *r = &t->regions[region];
+    uint64_t want = 0;
+    for (int taken = 1; !t->prov_key && taken;) {
+        d->tag_seed = d->tag_seed * 6364136223846793005ull + 1442695040888963407ull;
+        want = (d->tag_seed >> 32) | 1;
+        taken = 0;
+        for (uint32_t i = 0; i < d->num_grants && !taken; i++)
+            taken = d->grants[i].wkey >> 32 == want;
+    }
+    int rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, want, mr);
+    if (rc)
+        return rc;
+    uint64_t key = fi_mr_key(*mr);
+    if (key == FI_KEY_NOTAVAIL || key > UINT32_MAX) {
+        fi_close(&(*mr)->fid);
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' gave an MR key of more than 32 bits "
+                                    "(0x%llx): pdkv's keys carry 32", t->provider,
+                       (unsigned long long)key);
+    }
+    *wkey = FB_TKEY(key, region);
+    return 0;
+}
+
 static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, uint64_t off,
                      uint64_t len, uint64_t *key_out)
 {
@@ -160,10 +188,15 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
     }
     fb_region *r = &t->regions[region];
     uint64_t wkey = r->key;
-    int rc = whole ? 0 : new_key(d, t->virt ? (uint64_t)(uintptr_t)r->addr : off, &wkey);
     struct fid_mr *mr = NULL;
-    if (!rc)
-        rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, wkey, &mr);
+    int rc;
+    if (t->table) {
+        rc = add_table_grant(t, d, region, off, len, &mr, &wkey);
+    } else {
+        rc = whole ? 0 : new_key(d, t->virt ? (uint64_t)(uintptr_t)r->addr : off, &wkey);
+        if (!rc)
+            rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, wkey, &mr);
+    }
     if (rc)
         return rc;
     d->grants[d->num_grants++] = (fb_grant_mr){mr, region, whole, off, len, wkey};

@@ -73,6 +73,23 @@ static fb_pending *take_slot(fb_transport *t, fb_conn *c)
     return NULL;
 }
 
+/* Where a write goes on the peer: the key's base (our requested keys), or the peer's region
+ * table (provider keys). -1 when a provider key names no region of the table. */
+static int aim(const fb_conn *c, const pdkv_write *w, struct fi_rma_iov *rma)
+{
+    if (!c->peer_table) {
+        uint64_t base = FB_WKEY_BASE(w->rkey);
+        rma->addr = c->peer_virt ? base + w->roff : w->roff - base;
+        return 0;
+    }
+    uint32_t idx = (uint32_t)(w->rkey & 0x3ff);
+    if (!(w->rkey & FB_TABLE_FLAG) || !idx || idx > c->peer_table_n || !c->peer_table[idx - 1])
+        return -1;
+    rma->addr = c->peer_table[idx - 1] + w->roff;
+    rma->key = w->rkey >> 32;
+    return 0;
+}
+
 /* Called with t->mu held. Returns how many writes the provider took. */
 int fb_pump(fb_transport *t, fb_conn *c)
 {
@@ -85,11 +102,19 @@ int fb_pump(fb_transport *t, fb_conn *c)
         fb_pending *p = take_slot(t, c);
         if (!p)
             break;
-        uint64_t base = FB_WKEY_BASE(w->rkey);
+        struct fi_rma_iov rma = {.len = w->len, .key = w->rkey};
+        if (aim(c, w, &rma)) {
+            c->bl_head = (c->bl_head + 1) % c->bl_cap;
+            c->bl_count--;
+            if (r->inflight)
+                r->inflight--;
+            fb_push_error(t, w->wr_id, c->peer, -EINVAL, "libfabric: key 0x%llx names no region "
+                          "of peer %llu's table (registered after this connection was made? "
+                          "reconnect)", (unsigned long long)w->rkey, (unsigned long long)c->peer);
+            continue;
+        }
         struct iovec iov = {.iov_base = r->addr + w->loff, .iov_len = w->len};
         void *desc = d->lmr[idx] ? fi_mr_desc(d->lmr[idx]) : NULL;
-        struct fi_rma_iov rma = {.addr = c->peer_virt ? base + w->roff : w->roff - base,
-                                 .len = w->len, .key = w->rkey};
         memset(&p->ctx, 0, sizeof p->ctx);
         struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = c->dest,
                                  .rma_iov = &rma, .rma_iov_count = 1, .context = p,

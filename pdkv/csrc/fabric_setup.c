@@ -2,7 +2,7 @@
  * objects each peer gets (a domain; per connection an RDM endpoint with its AV and CQ).
  *
  * The hints name what pdkv needs -- FI_EP_RDM, FI_RMA with FI_WRITE / FI_REMOTE_WRITE, remote CQ
- * data -- and every MR mode we can live with (LOCAL, VIRT_ADDR, ALLOCATED): a provider
+ * data -- and every MR mode we can live with (LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY): a provider
  * that demands another one is not chosen. A provider that is missing, or present without a
  * capability we need, is a clear error naming it and the capability (asked again with fewer
  * hints to tell which).
@@ -17,7 +17,7 @@
 #include <string.h>
 
 #define FB_API FI_VERSION(1, 9) /* fi_writemsg with FI_MORE, fi_context2 */
-#define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED)
+#define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
 
 static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
 {
@@ -27,7 +27,7 @@ static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
     h->caps = caps;
     h->ep_attr->type = FI_EP_RDM;
     h->mode = FI_CONTEXT | FI_CONTEXT2; /* every write's context is an fb_pending */
-    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : (int)(FB_MR_MODES | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM);
+    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : (int)(FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM);
     h->domain_attr->threading = FI_THREAD_DOMAIN; /* t->mu serializes every call */
     h->tx_attr->msg_order = FI_ORDER_NONE;
     if (prov && *prov && strcmp(prov, "auto"))
@@ -65,8 +65,8 @@ static int explain(const char *prov, int rc)
                        name);
     fi_freeinfo(i);
     return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' demands an MR mode pdkv does not "
-                                "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED; FI_MR_ENDPOINT "
-                                "and FI_MR_PROV_KEY are not supported yet)", name);
+                                "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY; "
+                                "FI_MR_ENDPOINT and FI_MR_HMEM are not supported yet)", name);
 }
 
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
@@ -117,7 +117,13 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     /* shm drops a refused write without ever completing it at delivery: transmit completion
      * there (the write is then reported done; the immediate the target waits for never comes) */
     t->complete_flag = strcmp(t->provider, "shm") ? FI_DELIVERY_COMPLETE : 0;
-    if (t->info->domain_attr->mr_key_size && t->info->domain_attr->mr_key_size < 8)
+    t->prov_key = !!(mode & FI_MR_PROV_KEY);
+    t->table = t->prov_key || (o && o->table_keys);
+    if (t->table && !t->virt)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' picks MR keys (FI_MR_PROV_KEY) "
+                                    "without FI_MR_VIRT_ADDR: not supported", t->provider);
+    if (!t->prov_key && t->info->domain_attr->mr_key_size &&
+        t->info->domain_attr->mr_key_size < (t->table ? 4 : 8))
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' takes %zu-byte MR keys; pdkv's "
                                     "requested keys are 8 bytes", t->provider,
                        t->info->domain_attr->mr_key_size);

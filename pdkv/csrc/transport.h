@@ -187,6 +187,9 @@ typedef struct pdkv_libfabric_opts {
                                  * first provider offering RDM endpoints with RMA and CQ data */
     const char *const *domains; /* fabric domain names (EFA: the device, e.g. "rdmap16s27-rdm";
                                  * tcp: the interface), NULL-terminated; NULL/empty: the first */
+    int table_keys;             /* the FI_MR_PROV_KEY key path (per-peer keys, the region table in
+                                 * the connection info) on a provider that takes requested keys:
+                                 * the CPU stand-in for EFA's provider keys (tests) */
 } pdkv_libfabric_opts;
 /* Defined only when built with libfabric (PDKV_HAVE_LIBFABRIC), see fabric.c. */
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *opts, char *err,
