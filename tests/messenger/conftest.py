@@ -2,9 +2,9 @@
 
 `transport` is "tcp" always, "verbs" when pdkv was built with libibverbs AND the loopback
 verbs device (tests/verbs_loopback) builds here (verbs endpoints get LD_LIBRARY_PATH pointing
-at that device, only in their own processes), and "libfabric:<provider>" for each software
-provider libfabric offers here with what the transport needs (tcp;ofi_rxm, sockets, shm; the
-tcp-based ones on the loopback interface).
+at that device, only in their own processes), and "libfabric:tcp;ofi_rxm" when libfabric's
+provider is there (on the loopback interface); test_transfer.py adds sockets and shm
+(`every_transport`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabrics import FABRIC_DOMAINS, fabric_params  # noqa: E402
+from fabrics import FABRIC_DOMAINS, transport_params  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -103,17 +103,7 @@ def _connect(a: Peer, b: Peer) -> tuple[int, int]:
     return ca, cb
 
 
-def _transports() -> list:
-    from pdkv._messenger import HAVE_VERBS
-
-    # Under PDKV_REQUIRE_VERBS=1 (.ci/run) a missing verbs build fails these (in the
-    # loopback_verbs_dir fixture) instead of skipping them.
-    skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
-    verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
-    return ["tcp", verbs] + fabric_params()
-
-
-@pytest.fixture(params=_transports())
+@pytest.fixture(params=transport_params())
 def transport(request):
     return request.param
 

@@ -1,6 +1,6 @@
-"""The libfabric side of the messenger tests: which software providers work here, the
-``transport`` parameters for them ("libfabric:<provider>"), and what each reports of a refused
-write. Imported by conftest.py and the tests (tests/messenger is on sys.path)."""
+"""The transports the messenger tests run over (``transport_params``), the libfabric software
+providers that work here ("libfabric:<provider>"), and what each reports of a refused write.
+Imported by conftest.py and the tests (tests/messenger is on sys.path)."""
 from __future__ import annotations
 
 import os
@@ -44,10 +44,22 @@ def fabric_providers() -> list[str]:
     return _FOUND
 
 
-
 def fabric_params(providers=FABRIC_PROVIDERS) -> list:
     found = fabric_providers()
     need = os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1"
     return [pytest.param(f"libfabric:{p}", marks=pytest.mark.skipif(
         p not in found and not need, reason=f"libfabric provider {p} not available"))
         for p in providers]
+
+
+def transport_params(providers=("tcp;ofi_rxm",)) -> list:
+    """tcp, verbs, and libfabric over `providers` (the whole suite: tcp;ofi_rxm, the software
+    provider closest to EFA -- RDM emulated over connections, manual progress; test_transfer.py
+    runs over every provider: transport_params(FABRIC_PROVIDERS))."""
+    from pdkv._messenger import HAVE_VERBS
+
+    # Under PDKV_REQUIRE_VERBS=1 (.ci/run) a missing verbs build fails these (in the
+    # loopback_verbs_dir fixture) instead of skipping them.
+    skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
+    verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
+    return ["tcp", verbs] + fabric_params(providers)
