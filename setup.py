@@ -41,7 +41,9 @@ def extensions():
     if have_libfabric() and "fabric.c" in csrc:
         sources += [os.path.join("pdkv/csrc", f) for f in csrc if f.startswith("fabric")]
         macros.append(("PDKV_HAVE_LIBFABRIC", "1"))
-        libraries.append("fabric")
+        # not linked: fabric_dl.c loads libfabric when a libfabric transport is made, so
+        # importing pdkv loads no provider library (nor the system libibverbs through them)
+        libraries.append("dl")
     ext = Extension(
         "pdkv._messenger",
         sources=sources,

@@ -88,7 +88,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
     one_of("messenger.libfabric.provider", ms.libfabric.provider, LIBFABRIC_PROVIDERS)
     need(len(ms.libfabric.domains) <= 1 and all(d.strip() for d in ms.libfabric.domains),
-         "messenger.libfabric.domains", "at most one fabric domain name (empty: the provider's first)",
+         "messenger.libfabric.domains", "at most one fabric domain name (empty: the provider's first; "
+         "[auto]: the EFA device nearest the GPU)", list(ms.libfabric.domains))
+    need(ms.libfabric.domains != ("auto",) or ms.libfabric.provider == "efa", "messenger.libfabric.domains",
+         "[auto] only with provider efa (it picks an EFA device from the topology); name the domain",
          list(ms.libfabric.domains))
     need(ms.num_streams > 0, "messenger.num_streams", "a positive integer", ms.num_streams)
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)

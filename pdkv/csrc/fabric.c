@@ -117,7 +117,7 @@ static void fb_destroy(pdkv_transport *base)
     if (t->fabric)
         fi_close(&t->fabric->fid);
     if (t->info)
-        fi_freeinfo(t->info);
+        fbl_freeinfo(t->info);
     if (t->cq_ready)
         pdkv_cq_destroy(&t->cq);
     pthread_mutex_destroy(&t->mu);

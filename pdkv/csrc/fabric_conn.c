@@ -49,7 +49,7 @@ int fb_prepare(pdkv_transport *base, uint64_t peer, void *info_out, uint32_t *in
         if (e) {
             fb_close_endpoint(c);
             rc = fb_fail(fb_errno(e), "libfabric: fi_getname on %s: %s%s", t->provider,
-                         fi_strerror(-e), e == -FI_ETOOSMALL ? " (address too long)" : "");
+                         fbl_strerror(-e), e == -FI_ETOOSMALL ? " (address too long)" : "");
         } else {
             info.addr_len = (uint32_t)len;
             /* provider keys: the writer aims through our regions' addresses */
@@ -115,7 +115,7 @@ int fb_complete(pdkv_transport *base, uint32_t conn, const void *blob, uint32_t 
             rc = fb_fail(n < 0 ? fb_errno(n) : -EINVAL, "libfabric: fi_av_insert of peer %llu's "
                                                         "address on %s: %s",
                          (unsigned long long)c->peer, t->provider,
-                         n < 0 ? fi_strerror(-n) : "not inserted");
+                         n < 0 ? fbl_strerror(-n) : "not inserted");
     }
     if (!rc && (info.flags & FB_INFO_TABLE)) {
         c->peer_table = malloc(info.num_regions * sizeof(uint64_t) + 1);

@@ -150,7 +150,16 @@ typedef struct fb_transport {
  *   fabric.c (function table, create, destroy) -> fabric_progress.c (the progress thread)
  *   -> fabric_conn.c (endpoints) -> fabric_post.c (backlog, posting) -> fabric_mr.c (regions,
  *   grants, domains) -> fabric_setup.c (provider choice, fabric, per-peer objects)
- *   -> fabric_report.c (errors, completions for the core). */
+ *   -> fabric_dl.c (libfabric loaded at run time) -> fabric_report.c (errors, completions). */
+
+/* fabric_dl.c (leaf): libfabric's entry points, loaded at the first create (never linked) */
+int fbl_load(void); /* 0, or -ENODEV + fb_fail naming why */
+int fbl_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+                const struct fi_info *hints, struct fi_info **info);
+void fbl_freeinfo(struct fi_info *info);
+struct fi_info *fbl_dupinfo(const struct fi_info *info);
+int fbl_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context);
+const char *fbl_strerror(int errnum);
 
 /* fabric_report.c */
 uint64_t fb_now_ns(void);

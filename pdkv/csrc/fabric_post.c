@@ -130,7 +130,7 @@ int fb_pump(fb_transport *t, fb_conn *c)
                 r->inflight--;
             fb_push_error(t, w->wr_id, c->peer, fb_errno((int)rc),
                           "libfabric: fi_writemsg to peer %llu: %s", (unsigned long long)c->peer,
-                          fi_strerror((int)-rc));
+                          fbl_strerror((int)-rc));
             continue;
         }
         p->used = 1;

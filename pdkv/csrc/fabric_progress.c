@@ -82,12 +82,12 @@ static void on_error(fb_transport *t, fb_conn *c)
         uint64_t wr_id = p->wr_id;
         done(t, c, p);
         fb_push_error(t, wr_id, c->peer, status, "libfabric: write to peer %llu failed: %s (%s)",
-                      (unsigned long long)c->peer, fi_strerror(err.err), prov ? prov : "");
+                      (unsigned long long)c->peer, fbl_strerror(err.err), prov ? prov : "");
     } else {
         /* not one of our writes: the target side of a peer's write (refused by the provider) */
         t->refused_writes++;
         fb_push_error(t, 0, c->peer, status, "libfabric: a write from peer %llu failed here: %s "
-                      "(%s)", (unsigned long long)c->peer, fi_strerror(err.err), prov ? prov : "");
+                      "(%s)", (unsigned long long)c->peer, fbl_strerror(err.err), prov ? prov : "");
     }
     if (!c->broken) {
         c->broken = 1;
@@ -129,7 +129,7 @@ static int pass(fb_transport *t)
             }
             if (n < 0) {
                 fb_push_error(t, 0, c->peer, fb_errno((int)n), "libfabric: fi_cq_read for peer "
-                              "%llu: %s", (unsigned long long)c->peer, fi_strerror((int)-n));
+                              "%llu: %s", (unsigned long long)c->peer, fbl_strerror((int)-n));
                 c->broken = 1;
                 break;
             }

@@ -21,7 +21,7 @@
 
 static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
 {
-    struct fi_info *h = fi_allocinfo();
+    struct fi_info *h = fbl_dupinfo(NULL);
     if (!h)
         return NULL;
     h->caps = caps;
@@ -40,8 +40,8 @@ static int get(const char *prov, uint64_t caps, int mr_modes, struct fi_info **o
     struct fi_info *h = hints_for(prov, caps, mr_modes);
     if (!h)
         return -FI_ENOMEM;
-    int rc = fi_getinfo(FB_API, NULL, NULL, 0, h, out);
-    fi_freeinfo(h);
+    int rc = fbl_getinfo(FB_API, NULL, NULL, 0, h, out);
+    fbl_freeinfo(h);
     return rc;
 }
 
@@ -52,18 +52,18 @@ static int explain(const char *prov, int rc)
     struct fi_info *i = NULL;
     if (get(prov, 0, 0, &i) || !i)
         return fb_fail(-ENODEV, "libfabric: provider '%s' is not available here (fi_getinfo: %s; "
-                                "see `fi_info -l`)", name, fi_strerror(-rc));
-    fi_freeinfo(i);
+                                "see `fi_info -l`)", name, fbl_strerror(-rc));
+    fbl_freeinfo(i);
     i = NULL;
     if (get(prov, FI_RMA, 0, &i) || !i)
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' lacks FI_RMA on RDM endpoints "
                                     "(one-sided writes)", name);
-    fi_freeinfo(i);
+    fbl_freeinfo(i);
     i = NULL;
     if (get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, 0, &i) || !i)
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' lacks FI_WRITE / FI_REMOTE_WRITE",
                        name);
-    fi_freeinfo(i);
+    fbl_freeinfo(i);
     return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' demands an MR mode pdkv does not "
                                 "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY; "
                                 "FI_MR_ENDPOINT and FI_MR_HMEM are not supported yet)", name);
@@ -71,6 +71,8 @@ static int explain(const char *prov, int rc)
 
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
 {
+    if (fbl_load())
+        return -ENODEV;
     const char *prov = o ? o->provider : NULL;
     const char *want = o && o->domains && o->domains[0] && *o->domains[0] ? o->domains[0] : NULL;
     if (want && o->domains[1])
@@ -80,7 +82,7 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     int rc = get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, 1, &all);
     if (rc || !all) {
         if (all)
-            fi_freeinfo(all);
+            fbl_freeinfo(all);
         return explain(prov, rc ? rc : -FI_ENODATA);
     }
     struct fi_info *pick = NULL, *short_data = NULL;
@@ -102,11 +104,11 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
             rc = fb_fail(-ENODEV, "libfabric: provider '%s' has no domain '%s' (its domains: "
                                   "%s%s)", name, want, all->domain_attr->name,
                          all->next ? ", ..." : "");
-        fi_freeinfo(all);
+        fbl_freeinfo(all);
         return rc;
     }
-    t->info = fi_dupinfo(pick);
-    fi_freeinfo(all);
+    t->info = fbl_dupinfo(pick);
+    fbl_freeinfo(all);
     if (!t->info)
         return fb_fail(-ENOMEM, "libfabric: out of memory");
     snprintf(t->provider, sizeof t->provider, "%s", t->info->fabric_attr->prov_name);
@@ -129,9 +131,9 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
                        t->info->domain_attr->mr_key_size);
     size_t depth = t->info->tx_attr->size;
     t->tx_depth = depth && depth < FB_TX_DEPTH ? (uint32_t)depth : FB_TX_DEPTH;
-    rc = fi_fabric(t->info->fabric_attr, &t->fabric, NULL);
+    rc = fbl_fabric(t->info->fabric_attr, &t->fabric, NULL);
     if (rc)
-        return fb_fail(fb_errno(rc), "libfabric: fi_fabric(%s): %s", t->provider, fi_strerror(-rc));
+        return fb_fail(fb_errno(rc), "libfabric: fbl_fabric(%s): %s", t->provider, fbl_strerror(-rc));
     return 0;
 }
 
@@ -140,7 +142,7 @@ int fb_open_domain(fb_transport *t, struct fid_domain **out)
     int rc = fi_domain(t->fabric, t->info, out, NULL);
     if (rc)
         return fb_fail(fb_errno(rc), "libfabric: fi_domain(%s, %s): %s", t->provider,
-                       t->domain_name, fi_strerror(-rc));
+                       t->domain_name, fbl_strerror(-rc));
     return 0;
 }
 
@@ -150,7 +152,7 @@ int fb_mr_reg(fb_transport *t, struct fid_domain *dom, void *addr, uint64_t len,
     int rc = fi_mr_reg(dom, addr, len, access, 0, key, 0, out, NULL);
     if (rc)
         return fb_fail(fb_errno(rc), "libfabric: fi_mr_reg(%llu bytes) on %s: %s",
-                       (unsigned long long)len, t->provider, fi_strerror(-rc));
+                       (unsigned long long)len, t->provider, fbl_strerror(-rc));
     (void)t;
     return 0;
 }
@@ -185,7 +187,7 @@ int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c)
     if (rc) {
         fb_close_endpoint(c);
         return fb_fail(fb_errno(rc), "libfabric: %s on %s: %s", what, t->provider,
-                       fi_strerror(-rc));
+                       fbl_strerror(-rc));
     }
     return 0;
 }

@@ -24,23 +24,39 @@ def refusal_reported(transport: str) -> tuple[bool, bool]:
     return transport != "libfabric:shm", False
 
 
+_PROBE = """
+import json, sys
+from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+found, why = [], {}
+for p, domains in json.loads(sys.argv[1]):
+    try:
+        Messenger("libfabric", 1, provider=p, domains=domains).close()
+        found.append(p)
+    except Exception as e:
+        why[p] = str(e)
+print(json.dumps([HAVE_LIBFABRIC, found, why]))
+"""
+
+
 def fabric_providers() -> list[str]:
-    """The software providers that can make a libfabric transport here (printed once), [] when
-    pdkv was built without libfabric. Under PDKV_REQUIRE_LIBFABRIC=1 (.ci/run) a missing one
-    fails the tests that use it instead of leaving them out."""
+    """The software providers that can make a libfabric transport here, [] when pdkv was built
+    without libfabric; asked once, in a child process (libfabric and its provider libraries
+    are never loaded into the test process for this), and printed with the reasons for the
+    others. Under PDKV_REQUIRE_LIBFABRIC=1 (.ci/run) a missing one fails the tests that use it
+    instead of leaving them out."""
     global _FOUND
     if _FOUND is None:
-        from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+        import json
+        import subprocess
+        from pathlib import Path
 
-        _FOUND = []
-        for p in FABRIC_PROVIDERS if HAVE_LIBFABRIC else ():
-            try:
-                Messenger("libfabric", 1, provider=p, domains=FABRIC_DOMAINS.get(p, [])).close()
-                _FOUND.append(p)
-            except Exception as e:  # noqa: BLE001 - reported, and the provider left out
-                print(f"libfabric provider {p!r} not usable here: {e}", file=sys.stderr)
-        print(f"libfabric providers found: {_FOUND or 'none'} (HAVE_LIBFABRIC={HAVE_LIBFABRIC})",
-              file=sys.stderr)
+        arg = json.dumps([[p, FABRIC_DOMAINS.get(p, [])] for p in FABRIC_PROVIDERS])
+        r = subprocess.run([sys.executable, "-c", _PROBE, arg], capture_output=True, text=True,
+                           timeout=60, cwd=str(Path(__file__).resolve().parents[2]))
+        have, _FOUND, why = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else \
+            (False, [], {"probe": r.stderr[-500:]})
+        print(f"libfabric providers found: {_FOUND or 'none'} (built with libfabric: {have})"
+              + "".join(f"; {p}: {w}" for p, w in why.items()), file=sys.stderr)
     return _FOUND
 
 
