@@ -82,8 +82,9 @@ int fb_complete(pdkv_transport *base, uint32_t conn, const void *blob, uint32_t 
     fb_transport *t = (fb_transport *)base;
     fb_info info;
     if (len < sizeof info)
-        return fb_fail(-EINVAL, "libfabric: connection info of %u bytes, expected at least %zu (not "
-                                "from a libfabric transport of this version?)", len, sizeof info);
+        return fb_fail(-EINVAL, "libfabric: connection info of %u bytes, expected at least %zu "
+                                "(not from a libfabric transport of this version?)", len,
+                       sizeof info);
     memcpy(&info, blob, sizeof info);
     if (info.num_regions > FB_MAX_REGIONS || len != sizeof info + info.num_regions * 8ull)
         return fb_fail(-EINVAL, "libfabric: connection info of %u bytes for %u regions", len,

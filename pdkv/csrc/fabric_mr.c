@@ -112,7 +112,8 @@ int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
         t->num_regions++;
     fb_region *r = &t->regions[i];
     *r = (fb_region){.addr = addr, .len = len,
-                     .key = FB_RKEY(i, ++t->gen, t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0)};
+                     .key = FB_RKEY(i, ++t->gen,
+                                    t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0)};
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
             rc = add_local(t, &t->domains[k], i);
@@ -265,7 +266,8 @@ int fb_grant_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t o
     fb_region *r = fb_find_region(t, key);
     fb_domain *d = NULL;
     if (!r)
-        rc = fb_fail(-ENOENT, "libfabric: grant_range: unknown key 0x%llx", (unsigned long long)key);
+        rc = fb_fail(-ENOENT, "libfabric: grant_range: unknown key 0x%llx",
+                     (unsigned long long)key);
     else if (!len || off > r->len || len > r->len - off)
         rc = fb_fail(-ERANGE, "libfabric: grant_range [%llu, +%llu) is outside the region of "
                               "%llu bytes", (unsigned long long)off, (unsigned long long)len,

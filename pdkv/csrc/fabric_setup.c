@@ -27,7 +27,8 @@ static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
     h->caps = caps;
     h->ep_attr->type = FI_EP_RDM;
     h->mode = FI_CONTEXT | FI_CONTEXT2; /* every write's context is an fb_pending */
-    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : (int)(FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM);
+    int every = FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM; /* explain(): any mode at all */
+    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : every;
     h->domain_attr->threading = FI_THREAD_DOMAIN; /* t->mu serializes every call */
     h->tx_attr->msg_order = FI_ORDER_NONE;
     if (prov && *prov && strcmp(prov, "auto"))
@@ -133,7 +134,8 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     t->tx_depth = depth && depth < FB_TX_DEPTH ? (uint32_t)depth : FB_TX_DEPTH;
     rc = fbl_fabric(t->info->fabric_attr, &t->fabric, NULL);
     if (rc)
-        return fb_fail(fb_errno(rc), "libfabric: fbl_fabric(%s): %s", t->provider, fbl_strerror(-rc));
+        return fb_fail(fb_errno(rc), "libfabric: fi_fabric(%s): %s", t->provider,
+                       fbl_strerror(-rc));
     return 0;
 }
 

@@ -28,7 +28,8 @@ static pdkv_transport *open_verbs(uint64_t id, const void *o, char *err, size_t 
     const pdkv_verbs_opts *verbs = o;
     for (const char *const *nic = verbs ? verbs->nics : NULL; nic && *nic; nic++)
         if (!strcmp(*nic, "auto")) {
-            snprintf(err, n, "verbs NIC 'auto' must be resolved to device names before the transport is created");
+            snprintf(err, n, "verbs NIC 'auto' must be resolved to device names before the "
+                             "transport is created");
             return NULL;
         }
     return pdkv_verbs_multi_create(id, verbs, err, n);
