@@ -52,7 +52,22 @@ static void fb_counters(pdkv_transport *base, pdkv_transport_counters *out)
     pthread_mutex_unlock(&t->mu);
 }
 
-/* What the one "NIC" (the fabric domain) carried is not tracked per device yet: one path. */
+/* One "NIC": the fabric domain (an EFA device, an interface), for /metrics as verbs' NICs. */
+static int fb_nic_stats(pdkv_transport *base, pdkv_nic_stats *out, int max)
+{
+    fb_transport *t = (fb_transport *)base;
+    if (max < 1)
+        return 1;
+    pthread_mutex_lock(&t->mu);
+    *out = t->nic;
+    snprintf(out->name, sizeof out->name, "%s", t->domain_name);
+    out->qps = 0;
+    for (uint32_t i = 0; i < t->conns_hi; i++)
+        out->qps += t->conns[i].used && t->conns[i].ep; /* endpoints, verbs' queue pairs */
+    pthread_mutex_unlock(&t->mu);
+    return 1;
+}
+
 static const pdkv_transport_ops fb_ops = {
     .name = "libfabric",
     .reg = fb_reg,
@@ -70,6 +85,7 @@ static const pdkv_transport_ops fb_ops = {
     .last_error = fb_last_error,
     .counters = fb_counters,
     .destroy = fb_destroy,
+    .nic_stats = fb_nic_stats,
 };
 
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *o, char *err,

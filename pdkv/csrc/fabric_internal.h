@@ -144,6 +144,7 @@ typedef struct fb_transport {
     pthread_t thread;
     int thread_started, stop;
     uint64_t refused_writes;
+    pdkv_nic_stats nic;    /* what the domain (the "NIC": an EFA device, an interface) carried */
 } fb_transport;
 
 /* Call order (each file calls only files below it):

@@ -135,6 +135,7 @@ int fb_pump(fb_transport *t, fb_conn *c)
         }
         p->used = 1;
         p->wr_id = w->wr_id, p->len = w->len, p->region = idx;
+        t->nic.writes++, t->nic.bytes += w->len;
         c->outstanding++;
         c->last_ns = fb_now_ns();
         n++;

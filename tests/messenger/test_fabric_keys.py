@@ -47,6 +47,10 @@ def test_provider_keys_name_each_grant_and_nothing_else(pair, connect):
     assert not _write(a, b, ca, lkey, whole, 0, 64, imm=5)  # revoked: the MR is gone
     assert b.read("dst", 0, 100) == bytes(100) and b.read("dst", 3 * PAGE - 8, 8) == bytes(8)
     assert b.guards_ok("dst")
+    # the domain's counts, as a verbs NIC's (/metrics): what landed at b, what a wrote
+    (nb,), (na,) = b.m("nic_stats"), a.m("nic_stats")
+    assert nb["name"] == na["name"] == "shm" and nb["imms"] == 2 and nb["imm_bytes"] == 364
+    assert na["writes_done"] >= 2 and na["bytes_done"] >= 364 and na["qps"] == 1
 
 
 def test_a_region_registered_after_the_connection_is_named(pair, connect):
