@@ -667,7 +667,7 @@ cdef class Messenger:
         imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
         before landing), refused_conns (incoming connections closed before they were accepted),
         pending_conns (incoming connections not yet authenticated), rx_threads (receive threads);
-        verbs: nics, what each NIC carried (nic_stats())."""
+        verbs, libfabric: nics, what each NIC (libfabric: the fabric domain) carried (nic_stats())."""
         cdef pdkv_core_stats s
         cdef pdkv_transport_counters tc
         self._check()
