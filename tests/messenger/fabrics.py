@@ -17,8 +17,9 @@ def refusal_reported(transport: str) -> tuple[bool, bool]:
     """(the writer, the receiver) learn of a remote write the target refused. tcp and verbs: both
     (the receiver's check, the NIC's access error breaking the QP). libfabric: the target's
     provider refuses it with no event to the target application; tcp;ofi_rxm (under
-    FI_DELIVERY_COMPLETE) and sockets fail the writer's completion, shm drops it silently (the
-    write reports done; the immediate the target waits for never arrives). Nothing lands on any."""
+    FI_DELIVERY_COMPLETE; a key the target lacks: never completed, failed by the transport's
+    stall clock) and sockets fail the writer's completion, shm drops it silently (the write
+    reports done; the immediate the target waits for never arrives). Nothing lands on any."""
     if not transport.startswith("libfabric:"):
         return True, True
     return transport != "libfabric:shm", False
