@@ -150,7 +150,8 @@ typedef struct fb_transport {
 /* Call order (each file calls only files below it):
  *   fabric.c (function table, create, destroy) -> fabric_progress.c (the progress thread)
  *   -> fabric_conn.c (endpoints) -> fabric_post.c (backlog, posting) -> fabric_mr.c (regions,
- *   grants, domains) -> fabric_setup.c (provider choice, fabric, per-peer objects)
+ *   grants, domains) -> fabric_keys.c (grant keys) -> fabric_setup.c (provider choice, fabric,
+ *   per-peer objects)
  *   -> fabric_dl.c (libfabric loaded at run time) -> fabric_report.c (errors, completions). */
 
 /* fabric_dl.c (leaf): libfabric's entry points, loaded at the first create (never linked) */
@@ -191,6 +192,11 @@ fb_region *fb_find_region(fb_transport *t, uint64_t key);
 fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create); /* NULL + fb_fail */
 void fb_domain_tidy(fb_transport *t, fb_domain *d); /* free it once no conn or grant uses it */
 void fb_domain_free(fb_transport *t, fb_domain *d);
+
+/* fabric_keys.c: grant keys (caller holds t->mu) */
+int fb_narrow_key(fb_domain *d, uint64_t base, uint64_t *out); /* our requested keys */
+int fb_table_grant(fb_transport *t, fb_domain *d, uint32_t region, uint64_t off, uint64_t len,
+                   struct fid_mr **mr, uint64_t *wkey); /* provider keys: register, then name */
 
 /* fabric_post.c */
 int fb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
