@@ -24,10 +24,12 @@ def pair(spawn, connect):
     return a, b, a.register("src"), b.register("dst")
 
 
-def _write(a, b, conn, lkey, key, roff, length, imm):
+def _write(a, b, conn, lkey, key, roff, length, imm, timeout=5.0):
+    """Did the write land (its immediate arrive within `timeout`)? Refusals are waited for
+    briefly: the immediate of a refused write never comes."""
     b.m("expect", imm, 1)
     a.m("write", conn, lkey, 0, key, roff, length, imm=imm)
-    return any(e[0] == "imm_done" for e in b.wait("imm_done", imm=imm, timeout=2.0))
+    return any(e[0] == "imm_done" for e in b.wait("imm_done", imm=imm, timeout=timeout))
 
 
 def test_provider_keys_name_each_grant_and_nothing_else(pair, connect):
@@ -41,10 +43,11 @@ def test_provider_keys_name_each_grant_and_nothing_else(pair, connect):
     assert _write(a, b, ca, lkey, narrow, 2 * PAGE + 8, 64, imm=2)
     src = a.read("src", 0, 300)
     assert b.read("dst", 100, 300) == src and b.read("dst", 2 * PAGE + 8, 64) == src[:64]
-    assert not _write(a, b, ca, lkey, narrow, 3 * PAGE - 8, 64, imm=3)  # crosses the range's end
-    assert not _write(a, b, ca, lkey, region, 0, 64, imm=4)  # the region's own key opens nothing
+    # across the range's end; then the region's own key, which opens nothing under provider keys
+    assert not _write(a, b, ca, lkey, narrow, 3 * PAGE - 8, 64, imm=3, timeout=0.5)
+    assert not _write(a, b, ca, lkey, region, 0, 64, imm=4, timeout=0.5)
     b.m("revoke", region, 1)
-    assert not _write(a, b, ca, lkey, whole, 0, 64, imm=5)  # revoked: the MR is gone
+    assert not _write(a, b, ca, lkey, whole, 0, 64, imm=5, timeout=0.5)  # revoked: the MR is gone
     assert b.read("dst", 0, 100) == bytes(100) and b.read("dst", 3 * PAGE - 8, 8) == bytes(8)
     assert b.guards_ok("dst")
     # the domain's counts, as a verbs NIC's (/metrics): what landed at b, what a wrote
@@ -72,3 +75,38 @@ def test_provider_keys_need_virtual_addresses():
         pytest.skip("pdkv built without libfabric")
     with pytest.raises(TransportUnavailableError, match="without FI_MR_VIRT_ADDR"):
         Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo"], fabric_table_keys=True)
+
+
+@pytest.mark.parametrize("provider", ["sockets", "shm"])
+def test_the_other_providers_enforce_grants_too(provider, spawn, connect):
+    """tcp;ofi_rxm runs the whole grant suite (test_grants.py, test_bad_writes.py); here what
+    docs/TRANSPORTS.md states of sockets and shm: a write outside its range, across its end or
+    under another peer's key lands nothing, and the writer is told where the provider says so."""
+    from fabrics import fabric_providers, refusal_reported
+
+    if provider not in fabric_providers():
+        pytest.skip(f"libfabric provider {provider} not available")
+    a, c, b = (spawn(n, provider=provider, domains=["lo"] if provider == "sockets" else [])
+               for n in (1, 3, 2))
+    for w in (a, c):
+        w.alloc("src", SIZE, seed=w.node_id)
+    b.alloc("dst", SIZE)
+    region = b.register("dst")
+    key = b.m("grant_range", region, 1, 2 * PAGE, 2 * PAGE)
+    ca, _ = connect(a, b)
+    cc, _ = connect(c, b)
+    lk_a, lk_c = a.register("src"), c.register("src")
+    assert _write(a, b, ca, lk_a, key, 2 * PAGE, 128, imm=1)
+    told = refusal_reported(f"libfabric:{provider}")[0]
+    for w, conn, lk, roff, imm in ((a, ca, lk_a, PAGE, 2), (a, ca, lk_a, 4 * PAGE - 64, 3),
+                                   (c, cc, lk_c, 2 * PAGE + 512, 4)):
+        if w is a and imm == 3:
+            ca, _ = connect(a, b)  # a refusal may have broken the connection
+            conn = ca
+        assert not _write(w, b, conn, lk, key, roff, 128, imm=imm, timeout=0.5)
+        if told:
+            assert any(e[0] == "error" or (e[0] == "batch_done" and e[6] > 0)
+                       for e in w.wait("failed", timeout=5))
+    dst = b.read("dst")
+    assert dst[2 * PAGE:2 * PAGE + 128] == a.read("src", 0, 128)
+    assert dst[:2 * PAGE] == bytes(2 * PAGE) and dst[2 * PAGE + 128:] == bytes(SIZE - 2 * PAGE - 128)
