@@ -18,9 +18,13 @@ $(PY):
 # out of date -- a header's own mtime cannot say that: dpkg keeps the package's old mtime.
 VERBS_HEADERS ?= /usr/include/infiniband/verbs.h /usr/local/include/infiniband/verbs.h
 HAVE_VERBS := $(if $(PDKV_NO_VERBS),no,$(if $(wildcard $(VERBS_HEADERS)),yes,no))
-VERBS_STAMP := $(VENV)/.verbs-$(HAVE_VERBS)
+# The same for the libfabric transport (libfabric-dev, PDKV_NO_LIBFABRIC): both answers name the file.
+FABRIC_HEADERS ?= /usr/include/rdma/fabric.h /usr/local/include/rdma/fabric.h
+HAVE_FABRIC := $(if $(PDKV_NO_LIBFABRIC),no,$(if $(wildcard $(FABRIC_HEADERS)),yes,no))
+VERBS_STAMP := $(VENV)/.verbs-$(HAVE_VERBS)-fabric-$(HAVE_FABRIC)
 VERBS_PY := $(if $(filter yes,$(HAVE_VERBS)),True,False)
-CHECK_VERBS := $(PY) -c 'import sys, pdkv._messenger as m; sys.exit(m.HAVE_VERBS is not $(VERBS_PY))'
+FABRIC_PY := $(if $(filter yes,$(HAVE_FABRIC)),True,False)
+CHECK_VERBS := $(PY) -c 'import sys, pdkv._messenger as m; sys.exit(m.HAVE_VERBS is not $(VERBS_PY) or m.HAVE_LIBFABRIC is not $(FABRIC_PY))'
 
 $(VERBS_STAMP): | $(PY)
 	mkdir -p $(@D)
@@ -33,7 +37,7 @@ $(STAMP): $(PY) $(VERBS_STAMP) requirements.txt requirements-dev.txt setup.py $(
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	$(CHECK_VERBS) || $(PY) setup.py -q build_ext --inplace --force
-	@$(CHECK_VERBS) || { echo "pdkv._messenger.HAVE_VERBS is not $(VERBS_PY) after the build"; exit 1; }
+	@$(CHECK_VERBS) || { echo "pdkv._messenger.HAVE_VERBS is not $(VERBS_PY) or HAVE_LIBFABRIC not $(FABRIC_PY) after the build"; exit 1; }
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,9 @@
 """Builds pdkv and its messenger extension.
 
 pdkv._messenger is Cython over C transports in pdkv/csrc/. The verbs transport is compiled in
-when the libibverbs headers are present (Debian: libibverbs-dev); otherwise only tcp is built
-and asking for verbs is a clear error at run time. The tcp transport's sealed data streams
+when the libibverbs headers are present (Debian: libibverbs-dev), the libfabric transport when the
+libfabric headers are (Debian: libfabric-dev); a transport whose headers are missing is left out and
+asking for it is a clear error at run time. The tcp transport's sealed data streams
 (messenger.tls_data) need libcrypto's headers (Debian: libssl-dev), likewise.
 """
 
@@ -26,13 +27,20 @@ def have_crypto() -> bool:
     return any(os.path.exists(os.path.join(d, "openssl", "evp.h")) for d in ("/usr/include", "/usr/local/include"))
 
 
+def have_libfabric() -> bool:
+    if os.environ.get("PDKV_NO_LIBFABRIC"):
+        return False
+    return any(os.path.exists(os.path.join(d, "rdma", "fabric.h"))
+               for d in ("/usr/include", "/usr/local/include"))
+
+
 def extensions():
     from Cython.Build import cythonize
 
     sources = ["pdkv/_messenger.pyx"]
     csrc = sorted(f for f in os.listdir("pdkv/csrc") if f.endswith(".c"))
-    # verbs*.c need libibverbs; every other C file is transport-blind or tcp/fake.
-    sources += [os.path.join("pdkv/csrc", f) for f in csrc if not f.startswith("verbs")]
+    # verbs*.c need libibverbs, fabric*.c libfabric; every other C file is transport-blind or tcp/fake.
+    sources += [os.path.join("pdkv/csrc", f) for f in csrc if not f.startswith(("verbs", "fabric"))]
     macros, libraries = [], ["pthread"]
     if have_verbs() and "verbs.c" in csrc:
         sources += [os.path.join("pdkv/csrc", f) for f in csrc if f.startswith("verbs")]
@@ -41,6 +49,12 @@ def extensions():
     if have_crypto():
         macros.append(("PDKV_HAVE_CRYPTO", "1"))
         libraries.append("crypto")
+    if have_libfabric() and "fabric.c" in csrc:
+        sources += [os.path.join("pdkv/csrc", f) for f in csrc if f.startswith("fabric")]
+        macros.append(("PDKV_HAVE_LIBFABRIC", "1"))
+        # not linked: fabric_dl.c loads libfabric when a libfabric transport is made, so
+        # importing pdkv loads no provider library (nor the system libibverbs through them)
+        libraries.append("dl")
     ext = Extension(
         "pdkv._messenger",
         sources=sources,

@@ -61,8 +61,16 @@ cdef extern from "transport.h" nogil:
         int isolate_peers
         uint32_t remote_nics
 
+    ctypedef struct pdkv_libfabric_opts:
+        const char *provider
+        const char *const *domains
+        int table_keys
+
     pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                           const pdkv_verbs_opts *verbs, char *err, size_t errlen)
+    pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
+                                        size_t errlen)
+    int pdkv_transport_available(const char *name)
     int pdkv_have_verbs()
     int pdkv_have_crypto()
     int pdkv_tcp_port(pdkv_transport *t)

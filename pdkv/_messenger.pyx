@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The messenger core: one-sided page writes with immediates over tcp, verbs or a fake.
+"""The messenger core: one-sided page writes with immediates over tcp, verbs, libfabric or a fake.
 
 A ``Messenger`` owns one transport and one poller thread (C, no GIL) that counts incoming
 immediates, sums local write completions per batch and posts page batches when watched int64
@@ -26,11 +26,13 @@ include "_messenger_errors.pxi"
 
 HAVE_VERBS = bool(pdkv_have_verbs())
 HAVE_CRYPTO = bool(pdkv_have_crypto())  # tcp sealed data streams (messenger.tls_data)
+HAVE_LIBFABRIC = bool(pdkv_transport_available(b"libfabric"))
+_KNOWN = ("tcp", "verbs", "libfabric", "fake")
 
 
 def transports():
     """Names of the transports this build can create."""
-    return ["tcp", "verbs", "fake"] if HAVE_VERBS else ["tcp", "fake"]
+    return [n for n in _KNOWN if pdkv_transport_available(n.encode())]
 
 
 _CAP_IPC_LOCK = 14
@@ -73,7 +75,10 @@ cdef inline uint64_t _u64(object v, str name) except? 0:
 cdef class Messenger:
     """A node's end of the KV messenger.
 
-    transport: "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
+    transport: "libfabric" (provider: "efa", "tcp;ofi_rxm", "sockets", "shm" or "auto"; domains:
+    fabric domain names, [] for the provider's first; a fabric domain per peer enforces grants;
+    fabric_table_keys: the provider-key path EFA takes, on a provider that lets us choose keys),
+    "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
     a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
     accept, max_per_source: of them from one IP address, 0: a quarter of max_pending; none of
     them gets a thread), "verbs" (nics, port_num, gid_index,
@@ -96,13 +101,16 @@ cdef class Messenger:
     def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None):
+                 bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None,
+                 str provider="auto", domains=(), bint fabric_table_keys=False):
         cdef char err[PDKV_ERR_MAX]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
         cdef pdkv_core_opts copts
         cdef int cpu_list[64]
         cdef const char *nic_ptrs[17]
+        cdef const char *dom_ptrs[17]
+        cdef pdkv_libfabric_opts fabric
         if not 0 <= port <= 65535:
             raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {port}")
         if num_streams < 1 or qps_per_peer < 1 or spin_us < 0 or yield_us < 0 or sleep_us < 0:
@@ -114,6 +122,16 @@ cdef class Messenger:
         for i, nb in enumerate(nic_bytes):
             nic_ptrs[i] = nb
         nic_ptrs[len(nic_bytes)] = NULL
+        dom_bytes = [str(d).encode() for d in domains]
+        if len(dom_bytes) > 16:
+            raise InvalidRequestError(_errno.EINVAL, "at most 16 fabric domains")
+        for i, db in enumerate(dom_bytes):
+            dom_ptrs[i] = db
+        dom_ptrs[len(dom_bytes)] = NULL
+        prov_b = provider.encode()
+        fabric.provider = prov_b
+        fabric.domains = dom_ptrs
+        fabric.table_keys = fabric_table_keys
         host_b = host.encode()
         name_b = transport.encode()
         tcp.host = host_b
@@ -141,10 +159,14 @@ cdef class Messenger:
         err[0] = 0
         cdef const char *name_p = name_b
         cdef pdkv_transport *t
+        cdef bint is_fabric = transport == "libfabric"
         with nogil:
-            t = pdkv_transport_create(name_p, node_id, &tcp, &verbs, err, sizeof(err))
+            if is_fabric:
+                t = pdkv_transport_open(name_p, node_id, &fabric, err, sizeof(err))
+            else:
+                t = pdkv_transport_create(name_p, node_id, &tcp, &verbs, err, sizeof(err))
         if t == NULL:
-            cls = InvalidRequestError if transport not in ("tcp", "verbs", "fake") else TransportUnavailableError
+            cls = InvalidRequestError if transport not in _KNOWN else TransportUnavailableError
             raise cls(_errno.ENODEV, f"cannot create transport {transport!r}: {err.decode('utf-8', 'replace')}")
         with nogil:
             self.core = pdkv_core_create(t, &copts, err, sizeof(err))
@@ -676,7 +698,7 @@ cdef class Messenger:
         imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
         before landing), refused_conns (incoming connections closed before they were accepted),
         pending_conns (incoming connections not yet authenticated), rx_threads (receive threads);
-        verbs: nics, what each NIC carried (nic_stats())."""
+        verbs, libfabric: nics, what each NIC (libfabric: the fabric domain) carried (nic_stats())."""
         cdef pdkv_core_stats s
         cdef pdkv_transport_counters tc
         self._check()

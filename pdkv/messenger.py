@@ -47,6 +47,8 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
     default ``[gpu_bus_id]`` then unknown for ranks 1.. . Raises ``topo.TopologyError`` (a
     ValueError) naming the problem: ``auto`` on a host without RDMA devices, ``auto`` mixed with
     names, a rank NIC that does not exist."""
+    if cfg.transport == "libfabric":
+        return _fabric_placement(cfg, gpu_bus_ids[0] if gpu_bus_ids else gpu_bus_id, sysfs_root)
     if cfg.transport != "verbs":
         return MessengerPlacement(cfg.transport, (), (), f"{cfg.transport}: no NIC choice")
     num_ranks = max(num_ranks, len(cfg.rank_nics), len(gpu_bus_ids or ()), 1)
@@ -84,6 +86,27 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
     return MessengerPlacement("verbs", tuple(nics), tuple(usable), reason, tuple(per_rank))
 
 
+def _fabric_placement(cfg: MessengerConfig, gpu: str | None, sysfs_root: str) -> MessengerPlacement:
+    """libfabric: ``domains: [auto]`` on EFA takes the EFA device nearest the (rank 0) GPU, as
+    ``nics: [auto]`` does for verbs (EFA devices are RDMA devices in sysfs; libfabric names a
+    device's RDM domain ``<device>-rdm``). One domain per transport: with several nearest (an
+    AWS p5 has four EFA devices per GPU) the first is taken and the reason says so. Explicit
+    names pass as they are; the poller is pinned near the GPU when sysfs knows it."""
+    lf = cfg.libfabric
+    if list(lf.domains) != ["auto"]:
+        return MessengerPlacement("libfabric", tuple(lf.domains), (),
+                                  f"libfabric {lf.provider}: domains {list(lf.domains) or 'the first'}")
+    if lf.provider != "efa":
+        raise topo.TopologyError(f"messenger.libfabric.domains [auto] picks an EFA device from the "
+                                 f"topology: it needs provider efa, not {lf.provider!r} (name the domain)")
+    p = topo.placement(topo.discover(sysfs_root), gpu, ["auto"])
+    domain = f"{p.nics[0]}-rdm"
+    unused = f"; {len(p.nics) - 1} more as near unused (one domain per transport)" if len(p.nics) > 1 else ""
+    usable = sorted(set(p.cpus) & os.sched_getaffinity(0))
+    return MessengerPlacement("libfabric", (domain,), tuple(usable),
+                              f"libfabric efa: domain {domain} ({p.reason}){unused}")
+
+
 def _spread(num_nics: int, num_ranks: int) -> list[tuple[int, ...]]:
     """NICs without a GPU to go by, dealt to ranks in turn: rank r gets NICs r, r + tp, ... (each
     NIC used by one rank when there are at least as many NICs as ranks), else NIC r mod n."""
@@ -115,6 +138,9 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     elif cfg.transport == "verbs":
         # a protection domain per peer: only a connected, granted peer can write (pdkv/disagg/grants.py)
         kwargs.update(nics=list(where.nics), isolate_peers=True, remote_nics=cfg.remote_nics)
+    elif cfg.transport == "libfabric":
+        # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain
+        kwargs.update(provider=cfg.libfabric.provider, domains=list(where.nics))
     m = Messenger(cfg.transport, node_id, **kwargs)
     m.rank_nics = where.rank_nics
     return m

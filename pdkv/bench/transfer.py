@@ -7,9 +7,11 @@ For each page size it measures, in the same run:
   raw-N    the same over N sockets (N = the transport's stream count), one thread per socket;
   memcpy   numpy copy bandwidth of the same bytes (the ceiling of any in-memory transfer);
   nixl / mooncake  when importable (optional; skipped with a message otherwise).
-Numbers are GB/s (1e9 bytes/s) and writes/s; `ratio` is pdkv / raw-N.
+Numbers are GB/s (1e9 bytes/s) and writes/s; `ratio` is pdkv / raw-N. ``--transport libfabric``
+also measures the tcp transport in the same run and prints libfabric / tcp per page size.
 
     python -m pdkv.bench transfer [--sizes 4K,16K,...] [--streams 2] [--seconds 0.5]
+                                  [--transport libfabric --provider P [--domain D]]
                                   [--peers-python /path/to/venv/bin/python] [--no-peers]
                                   [--staged [--device auto|cpu|cuda]]
 
@@ -47,8 +49,13 @@ def num_writes(size: int, seconds: float) -> int:
 
 # ---- pdkv ----
 
-def _messenger_kwargs(transport: str, streams: int, nic: str | None) -> dict:
-    """Messenger options of one bench endpoint: tcp streams, or the verbs NIC (both ends use it)."""
+def _messenger_kwargs(transport: str, streams: int, nic: str | None, provider: str = "auto",
+                      domain: str | None = None) -> dict:
+    """Messenger options of one bench endpoint: tcp streams, the verbs NIC (both ends use it), or
+    the libfabric provider and domain (default for tcp-based providers: the loopback interface)."""
+    if transport == "libfabric":
+        dom = domain if domain is not None else ("" if provider in ("shm", "efa", "auto") else "lo")
+        return {"provider": provider, "domains": [dom] if dom else []}
     if transport == "verbs":
         if not nic:
             raise SystemExit("--transport verbs needs --nic NAME (an RDMA device, e.g. mlx5_0; `ibv_devices` lists them)")
@@ -88,11 +95,12 @@ def _pdkv_receiver(conn, transport: str, kwargs: dict, data_key: bytes | None = 
 
 
 def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int,
-               nic: str | None = None, data_key: bytes | None = None) -> dict[int, tuple[float, float]]:
+               nic: str | None = None, data_key: bytes | None = None,
+               **fabric) -> dict[int, tuple[float, float]]:
     """``data_key``: tcp streams sealed with it (messenger.tls_data) at both ends."""
     from pdkv._messenger import Messenger
 
-    kwargs = _messenger_kwargs(transport, streams, nic)
+    kwargs = _messenger_kwargs(transport, streams, nic, **fabric)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, kwargs, data_key), daemon=True)
@@ -225,8 +233,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sizes", default=SIZES, help=f"page sizes (default {SIZES})")
     ap.add_argument("--streams", type=int, default=2, help="tcp streams per peer (default 2)")
     ap.add_argument("--seconds", type=float, default=0.5, help="target seconds per measurement at 2 GB/s")
-    ap.add_argument("--transport", default="tcp", help="tcp (default) or verbs")
+    ap.add_argument("--transport", default="tcp", help="tcp (default), verbs or libfabric (then also tcp, same run)")
     ap.add_argument("--nic", default=None, help="verbs: the RDMA device both endpoints use (e.g. mlx5_0)")
+    ap.add_argument("--provider", default="auto", help="libfabric: efa, tcp;ofi_rxm, sockets, shm, auto")
+    ap.add_argument("--domain", default=None, help="libfabric: the fabric domain (default: lo for tcp-based providers)")
     ap.add_argument("--no-peers", action="store_true", help="skip NIXL / Mooncake even if installed")
     ap.add_argument("--staged", action="store_true", help="also measure the staging pipeline (copy engines, rings)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -242,17 +252,22 @@ def main(argv: list[str]) -> int:
     memcpy = bench_memcpy()
     if a.transport == "verbs":
         _messenger_kwargs(a.transport, a.streams, a.nic)  # a missing --nic fails before any work
-    pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic)
+    fabric = {"provider": a.provider, "domain": a.domain} if a.transport == "libfabric" else {}
+    if fabric:
+        print(f"libfabric provider {a.provider}, domain {_messenger_kwargs(a.transport, 0, None, **fabric)['domains']}")
+    pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic, **fabric)
+    # libfabric: the tcp transport beside it, same run, same machine state
+    over_tcp = bench_pdkv(sizes, a.seconds, "tcp", a.streams) if fabric else None
     if a.staged:
         from pdkv.bench._staged import _device, bench_staged
 
         # alternating rounds, best of each: on a busy machine one measurement each would compare
         # two different moments of the other load, not the two paths
-        kw = _messenger_kwargs(a.transport, a.streams, a.nic)
+        kw = _messenger_kwargs(a.transport, a.streams, a.nic, **fabric)
         staged = bench_staged(sizes, a.seconds, a.transport, kw, a.device, REGION, num_writes)
         for _ in range(a.rounds - 1):
             memcpy = max(memcpy, bench_memcpy())
-            pdkv = _best(pdkv, bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic))
+            pdkv = _best(pdkv, bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic, **fabric))
             staged = _best(staged, bench_staged(sizes, a.seconds, a.transport, kw, a.device, REGION, num_writes))
     sealed = None
     if a.tls_data:  # alternating rounds, best of each (the same reason as --staged)
@@ -279,6 +294,12 @@ def main(argv: list[str]) -> int:
     for p, r in peers.items():
         if p not in ok_peers:
             print(f"{p}: {r}")
+    if over_tcp:
+        print(f"{a.transport} ({a.provider}) vs the tcp transport, same run:")
+        print(f"{'page':>6} {a.transport + ' GB/s':>15} {'writes/s':>10} {'tcp GB/s':>9} {'writes/s':>10} {'ratio':>6}")
+        for s in sizes:
+            (g, w), (tg, tw) = pdkv[s], over_tcp[s]
+            print(f"{fmt(s):>6} {g:15.2f} {w:10.0f} {tg:9.2f} {tw:10.0f} {g / tg:6.2f}")
     big = [pdkv[s][0] / rawn[s][0] for s in sizes if s >= 64 << 10]
     if big:
         print(f"target: pdkv >= 0.85 x raw-{a.streams} at >= 64K: min ratio {min(big):.2f}")

@@ -10,10 +10,11 @@
 
 from pdkv.config.loader import _read_yaml, config_from_dict, config_to_dict, load_config
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_SPEC_TOKENS, ROLES, SPEC_METHODS,
-                                  TRANSPORTS, Config, ConfigError, DisaggConfig, DraftModelConfig, KVCacheConfig, MessengerConfig,
+                                  TRANSPORTS, Config, ConfigError, DisaggConfig, DraftModelConfig, KVCacheConfig, LibfabricConfig,
+                                  MessengerConfig,
                                   ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig, SpeculativeConfig)
 from pdkv.config.validate import validate
 
 __all__ = ["ATTENTION_BACKENDS", "DTYPES", "LAYOUTS", "MAX_SPEC_TOKENS", "ROLES", "SPEC_METHODS", "TRANSPORTS",
-           "Config", "ConfigError", "DisaggConfig", "DraftModelConfig", "KVCacheConfig", "MessengerConfig", "ModelConfig",
+           "Config", "ConfigError", "DisaggConfig", "DraftModelConfig", "KVCacheConfig", "LibfabricConfig", "MessengerConfig", "ModelConfig",
            "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig", "_read_yaml", "config_from_dict", "config_to_dict", "load_config", "validate"]

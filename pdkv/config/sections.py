@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("tcp", "verbs")
+TRANSPORTS = ("tcp", "verbs", "libfabric")
+LIBFABRIC_PROVIDERS = ("auto", "efa", "tcp;ofi_rxm", "sockets", "shm")
 STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -83,9 +84,18 @@ class TLSConfig:
 
 
 @dataclass(frozen=True)
+class LibfabricConfig:
+    # messenger.transport libfabric (pdkv/csrc/fabric.c): the provider ("auto": the first with RDM
+    # endpoints, RMA and remote CQ data) and its fabric domain (EFA: the device, e.g.
+    # "rdmap16s27-rdm"; tcp;ofi_rxm / sockets: the interface, e.g. "lo"); empty: the first.
+    provider: str = "auto"  # auto | efa | tcp;ofi_rxm | sockets | shm
+    domains: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class MessengerConfig:
     # Reserved for the disaggregation issues: filled in as they land.
-    transport: str = "tcp"  # tcp | verbs
+    transport: str = "tcp"  # tcp | verbs | libfabric
     host: str = "127.0.0.1"
     port: int = 0
     nics: tuple[str, ...] = ("auto",)
@@ -134,6 +144,7 @@ class MessengerConfig:
     # tcp: encrypt and authenticate the data streams too (AES-256-GCM records keyed from the
     # authenticated control session; needs a cluster secret and libcrypto). Both nodes alike.
     tls_data: bool = False
+    libfabric: LibfabricConfig = field(default_factory=LibfabricConfig)
 
 
 @dataclass(frozen=True)

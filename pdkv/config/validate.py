@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH,
-                                  MAX_SPEC_TOKENS, ROLES,
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS, MAX_AFFINITY_PAGES,
+                                  MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
@@ -87,6 +87,13 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          f"one name per TP rank: {pc.tp} (parallel.tp)", list(ms.rank_nics))
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
     need(1 <= ms.num_streams <= 64, "messenger.num_streams", "an integer in 1..64", ms.num_streams)
+    one_of("messenger.libfabric.provider", ms.libfabric.provider, LIBFABRIC_PROVIDERS)
+    need(len(ms.libfabric.domains) <= 1 and all(d.strip() for d in ms.libfabric.domains),
+         "messenger.libfabric.domains", "at most one fabric domain name (empty: the provider's first; "
+         "[auto]: the EFA device nearest the GPU)", list(ms.libfabric.domains))
+    need(ms.libfabric.domains != ("auto",) or ms.libfabric.provider == "efa", "messenger.libfabric.domains",
+         "[auto] only with provider efa (it picks an EFA device from the topology); name the domain",
+         list(ms.libfabric.domains))
     need(ms.spin_us >= 0, "messenger.spin_us", "zero or positive", ms.spin_us)
     need(0 <= ms.node_id < 2**63, "messenger.node_id", "an integer in [0, 2**63) (0: random)", ms.node_id)
     need(0 <= ms.control_port <= 65535, "messenger.control_port", "a TCP port in 0..65535", ms.control_port)
@@ -171,9 +178,9 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         # (pdkv.disagg.staged.staging_mode), not here: validation imports no GPU module.
         need(ms.staging != "cpu", "messenger.staging", "auto or off with model.device cuda ('cpu' runs "
              "the staging pipeline on host KV through the CPU copy engine)", ms.staging)
-        need(not (ms.staging == "off" and ms.transport == "tcp"), "messenger.staging",
-             "auto with model.device cuda and messenger.transport tcp (tcp sends and receives host memory: "
-             "GPU KV must be staged through pinned host memory)", ms.staging)
+        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric")), "messenger.staging",
+             f"auto with model.device cuda and messenger.transport {ms.transport} ({ms.transport} moves host "
+             "memory: GPU KV must be staged through pinned host memory)", ms.staging)
     if cfg.role == "decode":
         need(bool(ms.prefill_peers), "messenger.prefill_peers",
              "at least one host:port for role decode (the prefill nodes to use)", list(ms.prefill_peers))

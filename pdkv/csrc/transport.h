@@ -83,7 +83,7 @@ typedef struct pdkv_transport_counters {
 } pdkv_transport_counters;
 
 typedef struct pdkv_transport_ops {
-    const char *name; /* "tcp", "verbs", "fake" */
+    const char *name; /* "tcp", "verbs", "libfabric", "fake" */
 
     /* Register [addr, addr+len). *key_out is what a peer names in its writes. */
     int (*reg)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
@@ -189,6 +189,32 @@ pdkv_transport *pdkv_verbs_create(uint64_t node_id, const pdkv_verbs_opts *opts,
 /* One transport over every NIC of opts->nics (1..16), see verbs_multi.h: what "verbs" makes. */
 pdkv_transport *pdkv_verbs_multi_create(uint64_t node_id, const pdkv_verbs_opts *opts, char *err,
                                         size_t errlen);
+
+typedef struct pdkv_libfabric_opts {
+    const char *provider;       /* "efa", "tcp;ofi_rxm", "sockets", "shm"; NULL or "auto": the
+                                 * first provider offering RDM endpoints with RMA and CQ data */
+    const char *const *domains; /* fabric domain names (EFA: the device, e.g. "rdmap16s27-rdm";
+                                 * tcp: the interface), NULL-terminated; NULL/empty: the first */
+    int table_keys;             /* the FI_MR_PROV_KEY key path (per-peer keys, the region table in
+                                 * the connection info) on a provider that takes requested keys:
+                                 * the CPU stand-in for EFA's provider keys (tests) */
+} pdkv_libfabric_opts;
+/* Defined only when built with libfabric (PDKV_HAVE_LIBFABRIC), see fabric.c. */
+pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *opts, char *err,
+                                      size_t errlen);
+
+/* The transport seam: a table of (name, constructor taking that transport's options struct)
+ * in transports.c. A transport is added by one row there (and its options struct here); names
+ * a build lacks stay in the table with the reason, so asking for them is a clear error. */
+typedef pdkv_transport *(*pdkv_transport_ctor)(uint64_t node_id, const void *opts, char *err,
+                                               size_t errlen);
+/* By name with that transport's options (NULL: its defaults where it has any). NULL with a reason
+ * in err for an unknown or unavailable name. */
+pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
+                                    size_t errlen);
+/* 1 if `name` is in the table and built in; names of every built-in transport, comma-separated. */
+int pdkv_transport_available(const char *name);
+const char *pdkv_transport_names(void);
 
 /* By name ("tcp", "verbs", "fake"), so callers need no #ifdefs (transports.c): the options of the
  * other transports are ignored. NULL with a reason in err for an unknown or unavailable name. */

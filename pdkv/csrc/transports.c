@@ -1,4 +1,4 @@
-/* Transport construction by name, so the Cython layer needs no #ifdefs. */
+/* Transport construction by name (the transport seam), so the Cython layer needs no #ifdefs. */
 #include <stdio.h>
 #include <string.h>
 
@@ -13,25 +13,79 @@ int pdkv_have_verbs(void) {
 #endif
 }
 
+static pdkv_transport *open_tcp(uint64_t id, const void *o, char *err, size_t n) {
+    static const pdkv_tcp_opts dflt = {.host = "127.0.0.1", .num_streams = 2};
+    return pdkv_tcp_create(id, o ? o : &dflt, err, n);
+}
+
+static pdkv_transport *open_fake(uint64_t id, const void *o, char *err, size_t n) {
+    (void)o;
+    return pdkv_fake_create(id, err, n);
+}
+
+#ifdef PDKV_HAVE_VERBS
+static pdkv_transport *open_verbs(uint64_t id, const void *o, char *err, size_t n) {
+    const pdkv_verbs_opts *verbs = o;
+    for (const char *const *nic = verbs ? verbs->nics : NULL; nic && *nic; nic++)
+        if (!strcmp(*nic, "auto")) {
+            snprintf(err, n, "verbs NIC 'auto' must be resolved to device names before the "
+                             "transport is created");
+            return NULL;
+        }
+    return pdkv_verbs_multi_create(id, verbs, err, n);
+}
+#else
+#define open_verbs NULL
+#endif
+
+#ifdef PDKV_HAVE_LIBFABRIC
+static pdkv_transport *open_libfabric(uint64_t id, const void *o, char *err, size_t n) {
+    return pdkv_libfabric_create(id, o, err, n);
+}
+#else
+#define open_libfabric NULL
+#endif
+
+/* One row per transport; a NULL constructor: not in this build, `missing` says how to get it. */
+static const struct {
+    const char *name;
+    pdkv_transport_ctor create;
+    const char *missing;
+} TABLE[] = {
+    {"tcp", open_tcp, NULL},
+    {"verbs", open_verbs, "pdkv was built without libibverbs headers (install libibverbs-dev / "
+                          "rdma-core and rebuild)"},
+    {"libfabric", open_libfabric, "pdkv was built without libfabric headers (install "
+                                  "libfabric-dev and rebuild)"},
+    {"fake", open_fake, NULL},
+};
+#define NUM_TRANSPORTS (sizeof TABLE / sizeof TABLE[0])
+
+pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
+                                    size_t errlen) {
+    for (size_t i = 0; i < NUM_TRANSPORTS; i++) {
+        if (strcmp(name, TABLE[i].name)) continue;
+        if (TABLE[i].create) return TABLE[i].create(node_id, opts, err, errlen);
+        snprintf(err, errlen, "transport '%s' is not available: %s", name, TABLE[i].missing);
+        return NULL;
+    }
+    snprintf(err, errlen, "unknown transport '%s' (expected %s)", name, pdkv_transport_names());
+    return NULL;
+}
+
+int pdkv_transport_available(const char *name) {
+    for (size_t i = 0; i < NUM_TRANSPORTS; i++)
+        if (!strcmp(name, TABLE[i].name)) return TABLE[i].create != NULL;
+    return 0;
+}
+
+const char *pdkv_transport_names(void) {
+    return "tcp, verbs, libfabric, fake"; /* TABLE's names, in its order */
+}
+
 pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
                                       const pdkv_verbs_opts *verbs, char *err, size_t errlen) {
-    if (!strcmp(name, "tcp")) return pdkv_tcp_create(node_id, tcp, err, errlen);
-    if (!strcmp(name, "fake")) return pdkv_fake_create(node_id, err, errlen);
-    if (!strcmp(name, "verbs")) {
-#ifdef PDKV_HAVE_VERBS
-        for (const char *const *n = verbs->nics; n && *n; n++)
-            if (!strcmp(*n, "auto")) {
-                snprintf(err, errlen, "verbs NIC 'auto' must be resolved to device names before the transport is created");
-                return NULL;
-            }
-        return pdkv_verbs_multi_create(node_id, verbs, err, errlen);
-#else
-        (void)verbs;
-        snprintf(err, errlen, "transport 'verbs' is not available: pdkv was built without libibverbs headers "
-                              "(install libibverbs-dev / rdma-core and rebuild)");
-        return NULL;
-#endif
-    }
-    snprintf(err, errlen, "unknown transport '%s' (expected tcp, verbs or fake)", name);
-    return NULL;
+    const void *opts = !strcmp(name, "tcp") ? (const void *)tcp
+                       : !strcmp(name, "verbs") ? (const void *)verbs : NULL;
+    return pdkv_transport_open(name, node_id, opts, err, errlen);
 }

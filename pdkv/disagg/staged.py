@@ -67,10 +67,10 @@ def staging_mode(cfg, *, gpu_reason=None, gpudirect=None, can_register_gpu=None)
     reason = gpu_reason()
     if reason is not None:
         raise ConfigError(f"{where}: CUDA is not available here: {reason}")
-    if ms.transport == "tcp":
+    if ms.transport in ("tcp", "libfabric"):  # libfabric: FI_MR_HMEM registration is not built yet
         if ms.staging == "off":
-            raise ConfigError(f"{where}: messenger.staging off cannot work with messenger.transport tcp "
-                              "(tcp sends and receives host memory); use messenger.staging auto")
+            raise ConfigError(f"{where}: messenger.staging off cannot work with messenger.transport "
+                              f"{ms.transport} ({ms.transport} moves host memory only); use messenger.staging auto")
         return StagingMode.CUDA
     if gpudirect is None:
         from pdkv.gpu.gpudirect import gpudirect_possible, host_gpudirect_facts  # noqa: PLC0415

@@ -59,15 +59,18 @@ def test_pages_to_send_covers_each_page_once_whatever_the_chunking():
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False), (64, False)])
-def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout):
+def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout, messenger=None):
+    """``messenger``: overrides of both nodes' messenger section (default: tcp)."""
     want_tokens, want_hidden = _colocated(tiny_model_dir)
     want_kv = colocated_kv(tiny_model_dir, PROMPTS)  # HND: read_kv compares layouts position by position
     over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise, "kv_cache__layout": layout}
+    both = {f"messenger__{k}": v for k, v in (messenger or {}).items()}
     # NOTE: the decode node's prefix cache off: these prompts share prefixes and arrive together,
     # so with it on, how many pages move depends on which lands first (the exact counts below
     # would not hold); the prefill node's stays on (the pages it reuses are sent too)
-    c = Cluster(tiny_model_dir, prefill_over=over,
-                decode_over={"kv_cache__layout": layout, "kv_cache__prefix_caching": False})
+    c = Cluster(tiny_model_dir, prefill_over={**over, **both},
+                decode_over={"kv_cache__layout": layout, "kv_cache__prefix_caching": False, **both})
+    assert c.decode.app[NODE].messenger.transport == (messenger or {}).get("transport", "tcp")
     landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
     try:
         name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
@@ -188,3 +191,30 @@ def test_decode_admission_waits_for_pages(tiny_model_dir):
     finally:
         c.stop()
     assert c.pools_full()
+
+
+def libfabric_messenger(provider: str) -> dict:
+    """The messenger section of a node on libfabric ``provider`` (tcp-based ones on the loopback
+    interface); skipped where this build or host lacks it (failed under PDKV_REQUIRE_LIBFABRIC=1)."""
+    import os
+
+    from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+
+    domains = [] if provider == "shm" else ["lo"]
+    try:
+        if not HAVE_LIBFABRIC:
+            raise RuntimeError("pdkv built without libfabric")
+        Messenger("libfabric", 1, provider=provider, domains=domains).close()
+    except Exception as e:  # noqa: BLE001 - the reason is the skip's
+        if os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1":
+            raise
+        pytest.skip(f"libfabric provider {provider}: {e}")
+    return {"transport": "libfabric", "libfabric": {"provider": provider, "domains": domains}}
+
+
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_greedy_tokens_hidden_and_kv_equal_colocated_over_libfabric(tiny_model_dir, provider):
+    """The same equality over the libfabric transport: every page a write of its own MR's range
+    (one per request, layer and run of pages), immediates as remote CQ data."""
+    test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, 4, True, "HND",
+                                                     messenger=libfabric_messenger(provider))

@@ -35,6 +35,12 @@ def test_modes_on_hosts_that_can(role):
         is StagingMode.CUDA
     assert staging_mode(verbs, **GPU_OK, gpudirect=lambda: (True, ""), can_register_gpu=lambda: False) \
         is StagingMode.CUDA
+    # libfabric registers host memory only (no FI_MR_HMEM yet): GPU KV is staged, off is refused
+    fabric = _cfg(role, "cuda", transport="libfabric")
+    assert staging_mode(fabric, **GPU_OK, gpudirect=lambda: (True, ""), can_register_gpu=lambda: True) \
+        is StagingMode.CUDA
+    with pytest.raises(ConfigError, match="must be auto with model.device cuda and messenger.transport libfabric"):
+        staging_mode(_cfg(role, "cuda", transport="libfabric", staging="off"), **GPU_OK)
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="this host has a GPU")

@@ -1,8 +1,10 @@
 """Fixtures for the messenger tests: the transport parameter and child-process endpoints.
 
-`transport` is "tcp" always and "verbs" when pdkv was built with libibverbs AND the loopback
-verbs device (tests/verbs_loopback) builds here; verbs endpoints get LD_LIBRARY_PATH pointing
-at that device, only in their own processes.
+`transport` is "tcp" always, "verbs" when pdkv was built with libibverbs AND the loopback
+verbs device (tests/verbs_loopback) builds here (verbs endpoints get LD_LIBRARY_PATH pointing
+at that device, only in their own processes), and "libfabric:tcp;ofi_rxm" when libfabric's
+provider is there (on the loopback interface); test_transfer.py adds sockets and shm
+(`every_transport`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from pathlib import Path
 
 import msgpack
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fabrics import FABRIC_DOMAINS, transport_params  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -40,7 +45,12 @@ class Peer:
         self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
         if transport == "verbs":
             kwargs.setdefault("nics", [LOOPBACK_NIC])
-        self.rpc("create", transport, node_id, kwargs)
+        name = transport
+        if transport.startswith("libfabric:"):
+            name, provider = transport.split(":", 1)
+            kwargs.setdefault("provider", provider)
+            kwargs.setdefault("domains", FABRIC_DOMAINS.get(provider, []))
+        self.rpc("create", name, node_id, kwargs)
 
     def rpc(self, op: str, *args, **kwargs):
         self.proc.stdin.write(msgpack.packb([op, list(args), kwargs], use_bin_type=True))
@@ -93,17 +103,7 @@ def _connect(a: Peer, b: Peer) -> tuple[int, int]:
     return ca, cb
 
 
-def _transports() -> list:
-    from pdkv._messenger import HAVE_VERBS
-
-    # Under PDKV_REQUIRE_VERBS=1 (.ci/run) a missing verbs build fails these (in the
-    # loopback_verbs_dir fixture) instead of skipping them.
-    skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
-    verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
-    return ["tcp", verbs]
-
-
-@pytest.fixture(params=_transports())
+@pytest.fixture(params=transport_params())
 def transport(request):
     return request.param
 

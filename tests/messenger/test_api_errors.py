@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdkv._messenger import (HAVE_VERBS, InvalidRequestError, Messenger, MessengerError,
+from fabrics import fabric_params
+from pdkv._messenger import (HAVE_LIBFABRIC, HAVE_VERBS, InvalidRequestError, Messenger, MessengerError,
                              PeerConnectionError, TransportUnavailableError, transports)
 
 
@@ -24,6 +25,27 @@ def test_unknown_transport_and_bad_options():
     with pytest.raises(TransportUnavailableError, match="not a numeric IP"):
         Messenger("tcp", 1, host="not-an-ip")
     assert "tcp" in transports() and "fake" in transports()
+
+
+@pytest.mark.skipif(not HAVE_LIBFABRIC, reason="built without libfabric")
+def test_libfabric_names_a_missing_provider_or_domain():
+    """A provider libfabric lacks, or a domain the provider lacks, is a clear error naming it
+    (never another transport); the config's choices are checked before (pdkv.config)."""
+    with pytest.raises(TransportUnavailableError, match="provider 'psm2' is not available here"):
+        Messenger("libfabric", 1, provider="psm2")
+    with pytest.raises(TransportUnavailableError, match="has no domain 'nodev0'"):
+        Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["nodev0"])
+    with pytest.raises(TransportUnavailableError, match="one domain per transport"):
+        Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo", "eth0"])
+    m = Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo"])
+    with pytest.raises(InvalidRequestError, match="connection info of 3 bytes"):
+        m.complete(m.prepare(2)[0], b"abc")
+    with pytest.raises(PeerConnectionError, match="not connected"):
+        m.write(m.prepare(2)[0], m.register(bytearray(64)), 0, 1, 0, 8)
+    with pytest.raises(InvalidRequestError, match="unknown key"):
+        m.grant(12345, 2)
+    m.close()
+    assert "libfabric" in transports()
 
 
 def host_rdma_devices() -> list[str]:
@@ -101,8 +123,9 @@ import json, sys, threading, time
 import numpy as np
 from pdkv._messenger import Messenger, MessengerError
 
-transport = sys.argv[1]
-kw = {"nics": ["lo_verbs0"]} if transport == "verbs" else {}
+transport, _, provider = sys.argv[1].partition(":")
+kw = ({"nics": ["lo_verbs0"]} if transport == "verbs" else
+      {"provider": provider, "domains": ["lo"]} if transport == "libfabric" else {})
 a, b = Messenger(transport, 1, **kw), Messenger(transport, 2, **kw)
 src, dst = np.ones(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
 lkey, rkey = a.register(src), b.register(dst)
@@ -144,7 +167,8 @@ print(json.dumps({"alive": sum(t.is_alive() for t in threads), "errors": errors,
 """
 
 CLOSE_TRANSPORTS = ["fake", "tcp", pytest.param("verbs", marks=pytest.mark.skipif(
-    not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1", reason="pdkv built without libibverbs"))]
+    not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1", reason="pdkv built without libibverbs")),
+    *fabric_params(["tcp;ofi_rxm"])]
 
 
 @pytest.mark.parametrize("transport", CLOSE_TRANSPORTS)

@@ -33,3 +33,15 @@ def test_verbs_bench_runs_on_the_named_nic(loopback_verbs_dir):
 def test_verbs_bench_without_a_nic_says_what_is_missing():
     r = _bench("--transport", "verbs")
     assert r.returncode != 0 and "--nic" in r.stderr, r.stderr[-2000:]
+
+
+def test_libfabric_bench_measures_tcp_beside_it():
+    from pdkv._messenger import HAVE_LIBFABRIC
+
+    if not HAVE_LIBFABRIC and os.environ.get("PDKV_REQUIRE_LIBFABRIC") != "1":
+        pytest.skip("pdkv built without libfabric")
+    r = _bench("--transport", "libfabric", "--provider", "tcp;ofi_rxm")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "libfabric provider tcp;ofi_rxm, domain ['lo']" in r.stdout, r.stdout
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.strip().startswith("4K")]
+    assert len(rows) == 2 and float(rows[1][1]) > 0 and float(rows[1][3]) > 0, r.stdout  # both measured

@@ -85,3 +85,27 @@ def test_verbs_transport_opens_the_chosen_nic(loopback_verbs_dir, device_list, n
         assert r.returncode != 0
         wanted = "mlx5_2" if nics == "auto" else nics
         assert wanted in r.stderr and "not found" in r.stderr, r.stderr
+
+
+def test_libfabric_auto_takes_the_efa_device_nearest_the_gpu():
+    from pdkv.config import LibfabricConfig
+    from pdkv.topo import discover
+
+    p5 = str(FIXTURES / "aws-p5")
+    t = discover(p5)
+    efa = LibfabricConfig(provider="efa", domains=("auto",))
+    for gpu in (t.gpus[0], t.gpus[5]):
+        p = plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), gpu.bus_id, p5)
+        (domain,) = p.nics
+        dev = domain.removesuffix("-rdm")
+        nic = next(n for n in t.rdma if n.name == dev)
+        assert nic.hca_type == "efa" or "efa" in nic.name or nic.pci.vendor == "0x1d0f", nic
+        assert nic.pci.path[:3] == gpu.pci.path[:3] and "same PCIe switch" in p.reason, p.reason
+        assert "3 more as near unused" in p.reason, p.reason
+    assert plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), t.gpus[0].bus_id, p5).nics != \
+        plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), t.gpus[5].bus_id, p5).nics
+    named = LibfabricConfig(provider="tcp;ofi_rxm", domains=("lo",))
+    assert plan_placement(MessengerConfig(transport="libfabric", libfabric=named)).nics == ("lo",)
+    with pytest.raises(TopologyError, match="needs provider efa"):
+        plan_placement(MessengerConfig(transport="libfabric",
+                                       libfabric=LibfabricConfig(provider="shm", domains=("auto",))))

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from fabrics import FABRIC_PROVIDERS, transport_params
 
 MIB = 1 << 20
+
+
+@pytest.fixture(params=transport_params(FABRIC_PROVIDERS))
+def transport(request):  # conftest's, with every libfabric provider: byte-exact writes on each
+    return request.param
 
 
 def _segments(rng, size: int, n: int) -> list[tuple[int, int]]:

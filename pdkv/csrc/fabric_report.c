@@ -1,0 +1,60 @@
+/* pdkv libfabric transport, leaf: the per-thread error reason, libfabric codes as errno values,
+ * and error completions for the core. Every other fabric file calls these; they call nothing.
+ * Compiled into the extension only with libfabric (PDKV_HAVE_LIBFABRIC); see fabric.c. */
+#ifdef PDKV_HAVE_LIBFABRIC
+#define _GNU_SOURCE
+#include "fabric_internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+uint64_t fb_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Per thread, so the progress thread and a Python thread posting at once don't mix reasons. */
+static __thread char tls_err[512];
+
+const char *fb_errbuf(void) { return tls_err; }
+void fb_clear_error(void) { tls_err[0] = 0; }
+
+int fb_fail(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tls_err, sizeof tls_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int fb_errno(int fi_rc)
+{
+    /* FI_E* below FI_ERRNO_OFFSET are errno values already; the libfabric-only ones map to the
+     * nearest errno the Python layer knows */
+    int e = fi_rc < 0 ? -fi_rc : fi_rc;
+    if (e < FI_ERRNO_OFFSET)
+        return -e;
+    return e == FI_ETRUNC ? -EOVERFLOW : -EIO;
+}
+
+void fb_push_error(fb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
+{
+    pdkv_completion c;
+    memset(&c, 0, sizeof c);
+    c.kind = PDKV_CQ_ERROR;
+    c.wr_id = wr_id;
+    c.peer = peer;
+    c.status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c.reason, sizeof c.reason, fmt, ap);
+    va_end(ap);
+    pdkv_cq_push(&t->cq, &c);
+}
+#endif /* PDKV_HAVE_LIBFABRIC */

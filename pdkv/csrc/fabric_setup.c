@@ -1,0 +1,196 @@
+/* pdkv libfabric transport: choosing the provider and domain (fi_getinfo), the fabric, and the
+ * objects each peer gets (a domain; per connection an RDM endpoint with its AV and CQ).
+ *
+ * The hints name what pdkv needs -- FI_EP_RDM, FI_RMA with FI_WRITE / FI_REMOTE_WRITE, remote CQ
+ * data -- and every MR mode we can live with (LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY): a provider
+ * that demands another one is not chosen. A provider that is missing, or present without a
+ * capability we need, is a clear error naming it and the capability (asked again with fewer
+ * hints to tell which).
+ * Compiled into the extension only with libfabric (PDKV_HAVE_LIBFABRIC); see fabric.c. */
+#ifdef PDKV_HAVE_LIBFABRIC
+#define _GNU_SOURCE
+#include "fabric_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FB_API FI_VERSION(1, 9) /* fi_writemsg with FI_MORE, fi_context2 */
+#define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
+
+static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
+{
+    struct fi_info *h = fbl_dupinfo(NULL);
+    if (!h)
+        return NULL;
+    h->caps = caps;
+    h->ep_attr->type = FI_EP_RDM;
+    h->mode = FI_CONTEXT | FI_CONTEXT2; /* every write's context is an fb_pending */
+    int every = FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM; /* explain(): any mode at all */
+    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : every;
+    h->domain_attr->threading = FI_THREAD_DOMAIN; /* t->mu serializes every call */
+    h->tx_attr->msg_order = FI_ORDER_NONE;
+    if (prov && *prov && strcmp(prov, "auto"))
+        h->fabric_attr->prov_name = strdup(prov);
+    return h;
+}
+
+static int get(const char *prov, uint64_t caps, int mr_modes, struct fi_info **out)
+{
+    struct fi_info *h = hints_for(prov, caps, mr_modes);
+    if (!h)
+        return -FI_ENOMEM;
+    int rc = fbl_getinfo(FB_API, NULL, NULL, 0, h, out);
+    fbl_freeinfo(h);
+    return rc;
+}
+
+/* Why fi_getinfo found nothing for `prov`: asked again with one requirement dropped at a time. */
+static int explain(const char *prov, int rc)
+{
+    const char *name = prov && *prov ? prov : "auto";
+    struct fi_info *i = NULL;
+    if (get(prov, 0, 0, &i) || !i)
+        return fb_fail(-ENODEV, "libfabric: provider '%s' is not available here (fi_getinfo: %s; "
+                                "see `fi_info -l`)", name, fbl_strerror(-rc));
+    fbl_freeinfo(i);
+    i = NULL;
+    if (get(prov, FI_RMA, 0, &i) || !i)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' lacks FI_RMA on RDM endpoints "
+                                    "(one-sided writes)", name);
+    fbl_freeinfo(i);
+    i = NULL;
+    if (get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, 0, &i) || !i)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' lacks FI_WRITE / FI_REMOTE_WRITE",
+                       name);
+    fbl_freeinfo(i);
+    return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' demands an MR mode pdkv does not "
+                                "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY; "
+                                "FI_MR_ENDPOINT and FI_MR_HMEM are not supported yet)", name);
+}
+
+int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
+{
+    if (fbl_load())
+        return -ENODEV;
+    const char *prov = o ? o->provider : NULL;
+    const char *want = o && o->domains && o->domains[0] && *o->domains[0] ? o->domains[0] : NULL;
+    if (want && o->domains[1])
+        return fb_fail(-EINVAL, "libfabric: one domain per transport (got several; run a node "
+                                "per device group)");
+    struct fi_info *all = NULL;
+    int rc = get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, 1, &all);
+    if (rc || !all) {
+        if (all)
+            fbl_freeinfo(all);
+        return explain(prov, rc ? rc : -FI_ENODATA);
+    }
+    struct fi_info *pick = NULL, *short_data = NULL;
+    for (struct fi_info *i = all; i && !pick; i = i->next) {
+        if (want && strcmp(i->domain_attr->name, want))
+            continue;
+        if (i->domain_attr->cq_data_size < FB_IMM_BYTES)
+            short_data = i;
+        else
+            pick = i;
+    }
+    if (!pick) {
+        const char *name = prov && *prov ? prov : "auto";
+        if (short_data)
+            rc = fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' carries %zu bytes of remote CQ "
+                                      "data; pdkv's immediates need %d", name,
+                         short_data->domain_attr->cq_data_size, FB_IMM_BYTES);
+        else
+            rc = fb_fail(-ENODEV, "libfabric: provider '%s' has no domain '%s' (its domains: "
+                                  "%s%s)", name, want, all->domain_attr->name,
+                         all->next ? ", ..." : "");
+        fbl_freeinfo(all);
+        return rc;
+    }
+    t->info = fbl_dupinfo(pick);
+    fbl_freeinfo(all);
+    if (!t->info)
+        return fb_fail(-ENOMEM, "libfabric: out of memory");
+    snprintf(t->provider, sizeof t->provider, "%s", t->info->fabric_attr->prov_name);
+    snprintf(t->domain_name, sizeof t->domain_name, "%s", t->info->domain_attr->name);
+    int mode = t->info->domain_attr->mr_mode;
+    t->virt = !!(mode & FI_MR_VIRT_ADDR);
+    t->mr_local = !!(mode & FI_MR_LOCAL);
+    /* shm drops a refused write without ever completing it at delivery: transmit completion
+     * there (the write is then reported done; the immediate the target waits for never comes) */
+    t->complete_flag = strcmp(t->provider, "shm") ? FI_DELIVERY_COMPLETE : 0;
+    t->prov_key = !!(mode & FI_MR_PROV_KEY);
+    t->table = t->prov_key || (o && o->table_keys);
+    if (t->table && !t->virt)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' picks MR keys (FI_MR_PROV_KEY) "
+                                    "without FI_MR_VIRT_ADDR: not supported", t->provider);
+    if (!t->prov_key && t->info->domain_attr->mr_key_size &&
+        t->info->domain_attr->mr_key_size < (t->table ? 4 : 8))
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' takes %zu-byte MR keys; pdkv's "
+                                    "requested keys are 8 bytes", t->provider,
+                       t->info->domain_attr->mr_key_size);
+    size_t depth = t->info->tx_attr->size;
+    t->tx_depth = depth && depth < FB_TX_DEPTH ? (uint32_t)depth : FB_TX_DEPTH;
+    rc = fbl_fabric(t->info->fabric_attr, &t->fabric, NULL);
+    if (rc)
+        return fb_fail(fb_errno(rc), "libfabric: fi_fabric(%s): %s", t->provider,
+                       fbl_strerror(-rc));
+    return 0;
+}
+
+int fb_open_domain(fb_transport *t, struct fid_domain **out)
+{
+    int rc = fi_domain(t->fabric, t->info, out, NULL);
+    if (rc)
+        return fb_fail(fb_errno(rc), "libfabric: fi_domain(%s, %s): %s", t->provider,
+                       t->domain_name, fbl_strerror(-rc));
+    return 0;
+}
+
+int fb_mr_reg(fb_transport *t, struct fid_domain *dom, void *addr, uint64_t len, uint64_t access,
+              uint64_t key, struct fid_mr **out)
+{
+    int rc = fi_mr_reg(dom, addr, len, access, 0, key, 0, out, NULL);
+    if (rc)
+        return fb_fail(fb_errno(rc), "libfabric: fi_mr_reg(%llu bytes) on %s: %s",
+                       (unsigned long long)len, t->provider, fbl_strerror(-rc));
+    (void)t;
+    return 0;
+}
+
+void fb_close_endpoint(fb_conn *c)
+{
+    /* the endpoint first: once it is closed nothing of this connection lands or completes */
+    if (c->ep)
+        fi_close(&c->ep->fid);
+    if (c->cq)
+        fi_close(&c->cq->fid);
+    if (c->av)
+        fi_close(&c->av->fid);
+    c->ep = NULL, c->cq = NULL, c->av = NULL;
+}
+
+int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c)
+{
+    struct fi_cq_attr cqa = {.size = t->tx_depth * 2, .format = FI_CQ_FORMAT_DATA,
+                             .wait_obj = FI_WAIT_NONE};
+    struct fi_av_attr ava = {.type = FI_AV_TABLE, .count = 4};
+    const char *what = "fi_cq_open";
+    int rc = fi_cq_open(dom, &cqa, &c->cq, NULL);
+    if (!rc && (what = "fi_av_open", rc = fi_av_open(dom, &ava, &c->av, NULL)) == 0)
+        what = "fi_endpoint", rc = fi_endpoint(dom, t->info, &c->ep, NULL);
+    if (!rc)
+        what = "fi_ep_bind(av)", rc = fi_ep_bind(c->ep, &c->av->fid, 0);
+    if (!rc)
+        what = "fi_ep_bind(cq)", rc = fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV);
+    if (!rc)
+        what = "fi_enable", rc = fi_enable(c->ep);
+    if (rc) {
+        fb_close_endpoint(c);
+        return fb_fail(fb_errno(rc), "libfabric: %s on %s: %s", what, t->provider,
+                       fbl_strerror(-rc));
+    }
+    return 0;
+}
+#endif /* PDKV_HAVE_LIBFABRIC */
