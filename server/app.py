@@ -87,7 +87,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[METRICS] = metrics
     app[NODE] = node
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
-                          cfg.server.max_prompts_x_n)
+                          cfg.server.max_prompts_x_n, cfg.server)
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
@@ -97,7 +97,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         if aengine is not None:
             aengine.start()
             app[ASYNC_ENGINE] = aengine
-            routes.aengine = aengine
+            routes.set_engine(aengine)
 
     async def stop_engine(app: web.Application) -> None:
         aengine = app.get(ASYNC_ENGINE)

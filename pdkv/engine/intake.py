@@ -42,10 +42,10 @@ class Intake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        bad = next((t for t in params.token_ids_used() if t >= self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"logit_bias / bad_words / allowed_token_ids: token id {bad} is outside "
-                                 f"the vocabulary [0, {self.vocab_size})")
+        for name, ids in params.token_ids_used().items():
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self.check_prompt(prompt_token_ids, params.max_tokens)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:

@@ -110,7 +110,7 @@ class SamplingParams:
             if v is not None and (not _int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, v, f"an integer in [0, {MAX_LOGPROBS}] or null")
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id these parameters name (the engine checks them against its vocabulary)."""
-        ids = list(self.logit_bias) + [t for w in self.bad_words_ids for t in w]
-        return ids + list(self.allowed_token_ids or [])
+    def token_ids_used(self) -> dict[str, list[int]]:
+        """The token ids these parameters name, by field (checked against the vocabulary)."""
+        return {"logit_bias": list(self.logit_bias), "bad_words": [t for w in self.bad_words_ids for t in w],
+                "allowed_token_ids": list(self.allowed_token_ids or [])}
