@@ -35,6 +35,7 @@ CONFIG = web.AppKey("pdkv.config", Config)
 ASYNC_ENGINE = web.AppKey("pdkv.async_engine", AsyncEngine)
 METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
 NODE = web.AppKey("pdkv.node", object)  # the disaggregated node (role prefill/decode), else None
+ROUTES = web.AppKey("pdkv.routes", object)  # the OpenAIRoutes (its grammars, parsers)
 
 
 def served_model_name(cfg: Config, engine) -> str:
@@ -88,6 +89,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[NODE] = node
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
                           cfg.server.max_prompts_x_n, cfg.server)
+    app[ROUTES] = routes
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
@@ -103,6 +105,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         aengine = app.get(ASYNC_ENGINE)
         if aengine is not None:
             await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+        if routes.grammars is not None:
+            routes.grammars.close()
         if node is not None:
             await node.stop()
 

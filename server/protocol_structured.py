@@ -55,7 +55,7 @@ def _schema_text(v: Any, name: str) -> str:
             raise APIError(f"'{name}' is not valid JSON: {e}", 400, param=name) from None
     if not isinstance(v, (dict, bool)):
         raise _bad(name, "a JSON schema object", v)
-    return json.dumps(v, sort_keys=True, ensure_ascii=False)
+    return json.dumps(v, ensure_ascii=False)  # property order is output order: kept
 
 
 def _one(kind: str, v: Any, name: str) -> StructuredSpec:

@@ -25,7 +25,6 @@ from pdkv.errors import InvalidRequest
 
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema / regex / grammar longer than this is refused
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:line: " of xgrammar's errors
-MAX_ROLLBACK_TOKENS = 64  # drafts a matcher can undo (speculative.num_tokens is at most this)
 
 
 def _vocab_type(tokenizer) -> int:
@@ -56,8 +55,7 @@ class GrammarMask:
     def __init__(self, constraint: Constraint, counter: GrammarCache):
         import xgrammar as xgr  # noqa: PLC0415
 
-        self.matcher = xgr.GrammarMatcher(constraint.compiled, override_stop_tokens=constraint.stop_token_ids,
-                                          max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(constraint.compiled, override_stop_tokens=constraint.stop_token_ids)
         self.counter = counter
         counter.opened(1)
 
