@@ -36,6 +36,14 @@ class LogprobsFormatter:
         return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, v) for i, v in r.top]}
                             for r in records]}
 
+    def _top_map(self, top) -> dict:
+        """{text: logprob}, best first; tokens that decode alike (pieces of one UTF-8
+        character) share a key, which keeps the best of them."""
+        out: dict = {}
+        for i, v in top:
+            out.setdefault(self.text(i), _finite(v))
+        return out
+
     def completion(self, records: list, offset: int = 0, prompt_ids: list[int] | None = None,
                    prompt_records: list | None = None) -> dict:
         """``prompt_ids`` / ``prompt_records``: the echoed prompt first (records for tokens 1..)."""
@@ -46,7 +54,7 @@ class LogprobsFormatter:
             t = self.text(tid)
             tokens.append(t)
             lps.append(None if lp is None else _finite(lp))
-            tops.append(None if top is None else {self.text(i): _finite(v) for i, v in top})
+            tops.append(None if top is None else self._top_map(top))
             offsets.append(offset)
             offset += len(t)
 

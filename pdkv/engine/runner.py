@@ -126,7 +126,7 @@ class ModelRunner:
         """Appends to each request's ``prompt_logprobs`` the prompt token after each of ``rows``
         ((row of ``hidden``, request, position)), from the model's raw distribution; a position
         already scored (a preempted request's recomputation) is skipped."""
-        rows = [(r, req, pos) for r, req, pos in rows if len(req.prompt_logprobs) == pos]
+        rows = [(r, req, pos) for r, req, pos in rows if pos >= len(req.prompt_logprobs)]
         if not rows:
             return
         idx = torch.tensor([r for r, _, _ in rows], device=hidden.device)
