@@ -113,6 +113,8 @@ class OpenAIRoutes:
                            f"the output", 400, param=req.structured.field)
         spec = spec or req.structured
         constraint = await self.grammars.constraint(spec) if spec is not None else None
+        if constraint is not None and req.chat and self.parsers.reasoning:  # the answer only
+            constraint = self.grammars.after_reasoning(constraint)
         gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens)
         gen.prepare()
         try:

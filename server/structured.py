@@ -44,6 +44,15 @@ class Grammars:
             raise APIError(f"{spec.field}: structured output needs the xgrammar package, which this "
                            f"server does not have (pip install xgrammar)", 400, param=spec.field) from None
 
+    def after_reasoning(self, constraint):
+        """``constraint`` applied after the model's ``</think>`` (server.reasoning_parser on)."""
+        from pdkv.engine.structured import AfterReasoning  # noqa: PLC0415
+        from server.reasoning import END, START  # noqa: PLC0415
+
+        tok = self.engine.tokenizer
+        return AfterReasoning(constraint, tok.encode(START, add_special_tokens=False),
+                              tok.encode(END, add_special_tokens=False))
+
     @property
     def num_live_masks(self) -> int:
         return 0 if self.cache is None else self.cache.num_live_masks

@@ -136,5 +136,6 @@ class Intake:
             self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
             raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
         if params.constraint is not None and not plan.prefill_only:
-            req.mask = params.constraint.new_mask()  # closed when the request leaves (LLMEngine._left)
+            # closed when the request leaves (LLMEngine._left)
+            req.mask = params.constraint.new_mask(req.prompt_token_ids)
         self.requests[req.request_id] = req

@@ -45,8 +45,59 @@ class Constraint:
     def __init__(self, compiled, stop_token_ids: list[int], counter: GrammarCache):
         self.compiled, self.stop_token_ids, self.counter = compiled, stop_token_ids, counter
 
-    def new_mask(self) -> GrammarMask:
+    def new_mask(self, prompt_token_ids=()) -> GrammarMask:
         return GrammarMask(self, self.counter)
+
+
+class AfterReasoning:
+    """A constraint for the answer only: its masks allow any token until the reasoning has ended
+    (``end_ids``, the tokens of ``</think>``, in the output, or in the prompt after its last
+    ``start_ids``: a template that closed the think itself), then are ``inner``'s."""
+
+    def __init__(self, inner, start_ids: list[int], end_ids: list[int]):
+        self.inner, self.start_ids, self.end_ids = inner, list(start_ids), list(end_ids)
+
+    def new_mask(self, prompt_token_ids=()) -> ReasoningGate:
+        ids = list(prompt_token_ids)
+        last_start = max((i for i in range(len(ids)) if ids[i:i + len(self.start_ids)] == self.start_ids),
+                         default=-1)
+        tail = ids[last_start + 1:] if last_start >= 0 else []
+        ended = last_start >= 0 and any(tail[i:i + len(self.end_ids)] == self.end_ids for i in range(len(tail)))
+        return ReasoningGate(self.inner.new_mask(), self.end_ids, ended)
+
+
+class ReasoningGate:
+    """The TokenMask of AfterReasoning."""
+
+    def __init__(self, inner, end_ids: list[int], opened: bool):
+        self.inner, self.end_ids = inner, end_ids
+        self.tokens: list[int] = []  # accepted so far (what rollback undoes)
+        self.opened_at = 0 if opened else None  # len(tokens) when the answer began
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.opened_at is None:
+            bitmask[row] = -1
+        else:
+            self.inner.fill(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        if self.opened_at is not None and not self.inner.accept(token_id):
+            return False
+        self.tokens.append(token_id)
+        if self.opened_at is None and self.tokens[-len(self.end_ids):] == self.end_ids:
+            self.opened_at = len(self.tokens)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            if self.opened_at is not None and len(self.tokens) > self.opened_at:
+                self.inner.rollback(1)
+            elif self.opened_at is not None and self.opened_at == len(self.tokens) and self.opened_at > 0:
+                self.opened_at = None  # the token that ended the reasoning is undone
+            self.tokens.pop()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class GrammarMask:
@@ -83,13 +134,19 @@ class GrammarMask:
 class GrammarCache:
     """Compiles constraints for one vocabulary and keeps the last ``max_entries`` compiled."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_entries: int = 64, num_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, max_entries: int = 64, num_threads: int = 1,
+                 encoded_vocab: list[str] | None = None):
+        """``tokenizer``: a pdkv.tokenizer.Tokenizer (its token strings, how they encode bytes,
+        its EOS ids); ``vocab_size``: the logits' width. ``encoded_vocab``: token strings
+        instead of the tokenizer's (byte-level; benchmarks of large vocabularies)."""
         import xgrammar as xgr  # noqa: PLC0415
 
-        vocab = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
+        if encoded_vocab is None:
+            vocab, kind = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)], _vocab_type(tokenizer)
+        else:
+            vocab, kind = encoded_vocab, xgr.VocabType.BYTE_LEVEL
         self.stop_token_ids = sorted(tokenizer.eos_token_ids)
-        info = xgr.TokenizerInfo(vocab, _vocab_type(tokenizer), vocab_size=vocab_size,
-                                 stop_token_ids=self.stop_token_ids)
+        info = xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
         # NOTE: xgrammar's own cache is off: this LRU bounds how many compiled grammars stay.
         self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self.max_entries = max_entries
@@ -131,8 +188,8 @@ class GrammarCache:
     def _compile(self, kind: str, value: str):
         if kind == "json":
             return self.compiler.compile_json_schema(value, any_whitespace=False)
-        if kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's json_object is an object (xgrammar's builtin: any value)
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return self.compiler.compile_regex(value)
         if kind == "grammar":
