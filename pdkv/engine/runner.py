@@ -39,6 +39,7 @@ class ModelRunner:
         """``followers``: with tensor parallelism, the pdkv.tp.TPLeader that ranks 1.. follow
         (``run_step`` announces each forward pass, which they then run with us); None: one rank."""
         self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
+        self.eos_token_ids = sampler.eos_token_ids  # what min_tokens holds back (pdkv/engine/logits.py)
         self.followers = followers
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
@@ -150,7 +151,7 @@ class ModelRunner:
         self.last_sampled_ids = [s.request.request_id for s in sampled]
         groups = [(s.request, s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else [])
                   for s in sampled]
-        processed = proc.process(logits, groups, self.sampler.eos_token_ids)
+        processed = proc.process(logits, groups, self.eos_token_ids)
         if processed is not logits:
             logits = processed
             last_rows = logits[torch.tensor(last, device=logits.device)]
