@@ -15,10 +15,32 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte alphabet, inverted: the character a byte-level token spells byte b with -> b."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class LogprobsFormatter:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self._text: dict[int, str] = {}
+        self._bytes = _byte_level_decoder() if getattr(tokenizer, "byte_encoding", "") == "ByteLevel" else None
+
+    def raw_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes (a piece of a UTF-8 character has no text of its own)."""
+        piece = self.tok.id_to_token(token_id) if self._bytes is not None else None
+        if piece is not None and all(c in self._bytes for c in piece):
+            return [self._bytes[c] for c in piece]
+        return list(text.encode("utf-8"))
 
     def text(self, token_id: int) -> str:
         t = self._text.get(token_id)
@@ -31,7 +53,7 @@ class LogprobsFormatter:
     def chat(self, records: list) -> dict:
         def entry(tid: int, lp: float) -> dict:
             t = self.text(tid)
-            return {"token": t, "logprob": _finite(lp), "bytes": list(t.encode("utf-8"))}
+            return {"token": t, "logprob": _finite(lp), "bytes": self.raw_bytes(tid, t)}
 
         return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, v) for i, v in r.top]}
                             for r in records]}

@@ -31,12 +31,8 @@ def _vocab_type(tokenizer) -> int:
     """xgrammar's name for how token strings encode bytes, from tokenizer.json's decoder."""
     import xgrammar as xgr  # noqa: PLC0415
 
-    dec = json.dumps(json.loads(tokenizer._tok.to_str()).get("decoder"))
-    if "ByteLevel" in dec:
-        return xgr.VocabType.BYTE_LEVEL
-    if "ByteFallback" in dec:
-        return xgr.VocabType.BYTE_FALLBACK
-    return xgr.VocabType.RAW
+    return {"ByteLevel": xgr.VocabType.BYTE_LEVEL, "ByteFallback": xgr.VocabType.BYTE_FALLBACK}.get(
+        getattr(tokenizer, "byte_encoding", ""), xgr.VocabType.RAW)
 
 
 class Constraint:

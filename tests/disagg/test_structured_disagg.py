@@ -38,10 +38,10 @@ def _schema_body(n=3):
             "response_format": {"type": "json_schema", "json_schema": {"name": "rec", "schema": SCHEMA}}}
 
 
-def _remote(url) -> float:
+def _remote(url, where: str = "remote") -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return sum(float(x.split()[-1]) for x in text.splitlines()
-               if x.startswith("pdkv_disagg_prefill_decisions_total{") and 'where="remote"' in x)
+               if x.startswith("pdkv_disagg_prefill_decisions_total{") and f'where="{where}"' in x)
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +84,12 @@ def test_logprobs_and_echo_equal_transformers(cluster, hf):
     ref = hf(PROMPT + ids)
     got = body["choices"][0]["logprobs"]["token_logprobs"]
     assert max(abs(g - float(ref[len(PROMPT) - 1 + j, t])) for j, (g, t) in enumerate(zip(got, ids))) < 1e-4
+    local = _remote(cluster.url, "local_prompt_logprobs")
     status, echo = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
                                                  "logprobs": 1, "echo": True, "ignore_eos": True})
     assert status == 200, echo
     lps = echo["choices"][0]["logprobs"]["token_logprobs"]
-    assert lps[0] is None
+    assert lps[0] is None and _remote(cluster.url, "local_prompt_logprobs") == local + 1
     assert max(abs(lps[i] - float(ref[i - 1, PROMPT[i]])) for i in range(1, len(PROMPT))) < 1e-4
     wait_for(cluster.pools_full, what="every page back on both nodes")
 

@@ -68,6 +68,8 @@ def test_chat_top_logprobs_streamed_equal_whole_and_transformers(api, served, hf
     prompt = body["prompt_token_ids"][0]
     ref = hf(prompt + ids)
     assert len(content) == len(ids)
+    text = body["choices"][0]["message"]["content"]  # bytes: each token's own, pieces of characters too
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", errors="replace") == text
     for j, (e, t) in enumerate(zip(content, ids)):
         assert abs(e["logprob"] - float(ref[len(prompt) - 1 + j, t])) < 1e-4
         assert len(e["top_logprobs"]) == 4 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][-1]["logprob"]

@@ -132,3 +132,20 @@ def test_openai_client_parse_with_pydantic(served):
                                       seed=3, extra_body={"top_k": 8})
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and isinstance(pet.owner, Owner), r
+
+
+def test_a_client_leaving_mid_stream_leaves_no_matcher(api, served):
+    import asyncio
+
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(served.url + "/v1/completions", json={
+                    "prompt": "x", "max_tokens": 400, "stream": True, "guided_json": {"type": "string"}}) as r:
+                assert r.status == 200
+                await r.content.readline()  # the first chunk: the request is decoding under its mask
+                assert _live_masks(served) == 1
+    asyncio.run(go())
+    served.wait_idle()
+    assert _live_masks(served) == 0
