@@ -131,8 +131,7 @@ class Generation:
                 c.text.append(out.new_text)
                 c.token_ids.extend(out.new_token_ids)
                 c.num_output_tokens = out.num_output_tokens
-                if out.logprobs:
-                    c.logprobs = out.logprobs
+                c.logprobs.extend(out.new_logprobs)
                 if out.prompt_logprobs is not None:
                     c.prompt_logprobs = out.prompt_logprobs
                 if out.finished:

@@ -62,41 +62,57 @@ def _engine(path, B):
                      SchedulerConfig(max_num_seqs=max(B, 8)))
 
 
-def step_times(engine, B: int, constraint, steps: int) -> list[float]:
-    """Seconds of each engine step in which all B requests decode (none prefilling, none new)."""
+def _start(engine, B: int, constraint, steps: int) -> list[str]:
     from pdkv.engine import SamplingParams  # noqa: PLC0415
 
     eos = next(iter(engine.tokenizer.eos_token_ids))
-    params = SamplingParams(max_tokens=steps + 4, temperature=1.0, logit_bias={eos: -100.0}, constraint=constraint)
+    params = SamplingParams(max_tokens=steps + 8, temperature=1.0, logit_bias={eos: -100.0}, constraint=constraint)
     ids = [f"b{i}-{time.monotonic_ns()}" for i in range(B)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, [3 + i % 50, 7, 9, 11], params)
-    times = []
-    while engine.has_unfinished():
-        decoding = all(engine.requests.get(r) is not None and engine.requests[r].output_token_ids for r in ids)
-        t0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t0
-        if decoding and not any(o.finished for o in outs):
-            times.append(dt)
-    return times
+    return ids
+
+
+def _decoding(engine, ids) -> bool:
+    return all(engine.requests.get(r) is not None and engine.requests[r].output_token_ids for r in ids)
+
+
+def _timed_step(engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
 
 
 def bench_model(label: str, path, cache, Bs, steps: int, rounds: int) -> list[dict]:
+    """Two engines of the model, one decoding B plain requests, one B constrained ones, stepped
+    in turn: each pair of steps meets the same machine load, and the ratio is taken per pair."""
     rows = []
+    constraint = cache.get("json", json.dumps(SCHEMA))
     for B in Bs:
-        engine = _engine(path, B)
-        constraint = cache.get("json", json.dumps(SCHEMA))
-        step_times(engine, B, None, 3)  # warm-up (thread tuner, allocator)
-        plain, struct = [], []
+        plain_e, struct_e = _engine(path, B), _engine(path, B)
+        plain, struct, ratios = [], [], []
         for _ in range(rounds):
-            plain += step_times(engine, B, None, steps)
-            struct += step_times(engine, B, constraint, steps)
-        p, s = statistics.median(plain), statistics.median(struct)
+            a, b = _start(plain_e, B, None, steps), _start(struct_e, B, constraint, steps)
+            for _ in range(3):  # prefill and warm-up
+                plain_e.step()
+                struct_e.step()
+            for _ in range(steps):
+                if not (_decoding(plain_e, a) and _decoding(struct_e, b)):
+                    break
+                tp, ts = _timed_step(plain_e), _timed_step(struct_e)
+                if _decoding(plain_e, a) and _decoding(struct_e, b):
+                    plain.append(tp)
+                    struct.append(ts)
+                    ratios.append(ts / tp)
+            for e, ids in ((plain_e, a), (struct_e, b)):
+                for r in ids:
+                    e.abort(r)
+                e.step()
+        p, s, r = statistics.median(plain), statistics.median(struct), statistics.median(ratios)
         rows.append({"model": label, "B": B, "plain_ms": p * 1e3, "structured_ms": s * 1e3,
-                     "overhead_pct": 100 * (s - p) / p, "mask_us_per_token": 1e6 * (s - p) / B})
-        print(f"{label:>22}  B={B:<3} step {p * 1e3:8.2f} ms plain, {s * 1e3:8.2f} ms structured: "
-              f"{100 * (s - p) / p:+6.1f}%  ({1e6 * (s - p) / B:7.1f} us per token)", flush=True)
+                     "overhead_pct": 100 * (r - 1)})
+        print(f"{label:>22}  B={B:<3} step {p * 1e3:8.2f} ms plain, {s * 1e3:8.2f} ms structured "
+              f"(medians of {len(ratios)} steps); paired ratio {100 * (r - 1):+6.1f}%", flush=True)
     return rows
 
 
@@ -120,6 +136,7 @@ def mask_cost(label: str, cache, vocab: int, Bs, reps: int = 15) -> None:
         logits = torch.randn(B, vocab)
         bitmask = torch.empty(B, bitmask_width(vocab), dtype=torch.int32)
         full, fills = [], []
+        process(logits, groups)  # warm-up
         for _ in range(reps):
             t0 = time.perf_counter()
             process(logits, groups)

@@ -249,11 +249,14 @@ class LLMEngine:
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {r: [] for r in ids}
         while len(final) < len(ids):
             for out in self.step():
+                if out.request_id in logprobs:
+                    logprobs[out.request_id] += out.new_logprobs
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
-        return [final[r].whole() for r in ids]
+        return [final[r].whole(logprobs[r]) for r in ids]
 
     def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[RequestOutput]:
         """Yields this request's deltas as steps run; closing the iterator early aborts it.

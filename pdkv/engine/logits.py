@@ -163,10 +163,29 @@ def _mask(logits: torch.Tensor, groups: list) -> None:
             if advanced:
                 mask.rollback(advanced)
         r += len(drafts) + 1
+    kernel = _cpu_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is not None:  # xgrammar's C++ loop: ~5x the torch ops below on a CPU
+        kernel(logits, bitmask, indices=masked)
+        return
     idx = torch.tensor(masked, dtype=torch.long)
     allowed = allowed_from_bitmask(bitmask[idx], V).to(logits.device)
     dev_idx = idx.to(logits.device)
     logits[dev_idx] = logits[dev_idx].masked_fill(~allowed, NEG_INF)
+
+
+_KERNEL: list = []
+
+
+def _cpu_kernel():
+    """xgrammar's apply_token_bitmask_inplace where xgrammar is installed (structured output
+    needs it anyway), else None: the torch ops serve any TokenMask."""
+    if not _KERNEL:
+        try:
+            from xgrammar import apply_token_bitmask_inplace  # noqa: PLC0415
+        except ImportError:
+            apply_token_bitmask_inplace = None
+        _KERNEL.append(apply_token_bitmask_inplace)
+    return _KERNEL[0]
 
 
 def logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -129,19 +129,15 @@ class RequestOutput:
     num_output_tokens: int
     output_token_ids: list[int]  # all output tokens so far
     text: str = ""  # all output text so far (stop-truncated)
-    logprobs: list = field(default_factory=list)  # a TokenLogprob per output token so far (if asked)
+    new_logprobs: list = field(default_factory=list)  # a TokenLogprob per new token (if asked)
     prompt_logprobs: list | None = None  # a TokenLogprob per prompt token after the first (if asked)
-
-    @property
-    def new_logprobs(self) -> list:
-        return self.logprobs[len(self.logprobs) - len(self.new_token_ids):] if self.logprobs else []
 
     @classmethod
     def delta(cls, req: Request, new_ids: list[int]) -> RequestOutput:
         """What ``req`` adds now: ``new_ids`` and the text they complete (once it is done, the
         text the detokenizer held back too)."""
         done = req.status.is_done
-        lps = list(req.logprobs) if req.params.logprobs is not None else []
+        lps = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None and new_ids else []
         prompt_lps = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
         return cls(req.request_id, new_ids, req.detok.flush(done), done, req.finish_reason, req.num_prompt_tokens,
                    len(req.output_token_ids), list(req.output_token_ids), req.detok.text, lps, prompt_lps)
@@ -151,8 +147,9 @@ class RequestOutput:
         """The end of a prefill-only request (no tokens, no text)."""
         return cls(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "")
 
-    def whole(self) -> RequestOutput:
-        """This final output as one delta holding everything (what ``LLMEngine.generate`` returns)."""
+    def whole(self, logprobs: list | None = None) -> RequestOutput:
+        """This final output as one delta holding everything (what ``LLMEngine.generate`` returns);
+        ``logprobs``: the request's, gathered from its deltas."""
         return RequestOutput(self.request_id, list(self.output_token_ids), self.text, True, self.finish_reason,
                              self.num_prompt_tokens, self.num_output_tokens, self.output_token_ids, self.text,
-                             self.logprobs, self.prompt_logprobs)
+                             list(logprobs or []), self.prompt_logprobs)
