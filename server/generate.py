@@ -40,8 +40,10 @@ class Generation:
     """The choices of one HTTP request, submitted to the engine together."""
 
     def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str, constraint=None,
-                 max_prompt_logprobs_tokens: int = 2048):
-        """``constraint``: the compiled output constraint (server/structured.py), or None."""
+                 max_prompt_logprobs_tokens: int = 2048, keep_special_tokens: bool = False):
+        """``constraint``: the compiled output constraint (server/structured.py), or None;
+        ``keep_special_tokens``: the text keeps special tokens (a tool parser reads its own)."""
+        self.keep_special_tokens = keep_special_tokens
         self.aengine = aengine
         self.req = req
         self.constraint = constraint
@@ -86,6 +88,7 @@ class Generation:
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     seed=None if req.seed is None else req.seed + j, stop=list(req.stop),
                     stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                    skip_special_tokens=not self.keep_special_tokens,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
                     min_tokens=req.min_tokens, bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,

@@ -115,7 +115,9 @@ class OpenAIRoutes:
         constraint = await self.grammars.constraint(spec) if spec is not None else None
         if constraint is not None and req.chat and self.parsers.reasoning:  # the answer only
             constraint = self.grammars.after_reasoning(constraint)
-        gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens)
+        # As vLLM: tool-call markers may be special tokens, which the parser must see.
+        parsing = req.tools is not None and req.tools.choice == "auto" and self.parsers.tools is not None
+        gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens, parsing)
         gen.prepare()
         try:
             if req.stream:

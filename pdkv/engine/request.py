@@ -106,10 +106,11 @@ class Request:
             if self.mask is not None:
                 self.mask.accept(token)
             self.output_token_ids.append(token)
-            self.detok.add(token)
+            ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
+                self.detok.add(token)
             new.append(token)
-            if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                    or self.detok.stopped_on is not None:
+            if ends or self.detok.stopped_on is not None:
                 reason = "stop"
             elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
                 reason = "length"

@@ -138,7 +138,8 @@ class GrammarCache:
         import xgrammar as xgr  # noqa: PLC0415
 
         if encoded_vocab is None:
-            vocab, kind = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)], _vocab_type(tokenizer)
+            vocab = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
+            kind = _vocab_type(tokenizer)
         else:
             vocab, kind = encoded_vocab, xgr.VocabType.BYTE_LEVEL
         self.stop_token_ids = sorted(tokenizer.eos_token_ids)

@@ -133,6 +133,10 @@ def test_min_tokens_holds_back_eos(engines):
     [out] = plain.generate([PROMPT], p)
     assert len(out.output_token_ids) == 6 and out.output_token_ids[-1] == eos
     assert out.finish_reason == "stop"
+    p.skip_special_tokens = False  # (as with a tool parser) special tokens in the text, yet not the EOS
+    [kept] = plain.generate([PROMPT], p)
+    assert kept.output_token_ids == out.output_token_ids and kept.text == out.text
+    assert plain.tokenizer.decode([eos], skip_special_tokens=False) not in kept.text
 
 
 @pytest.mark.parametrize("field,value,named", [
