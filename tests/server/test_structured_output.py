@@ -149,3 +149,23 @@ def test_a_client_leaving_mid_stream_leaves_no_matcher(api, served):
     asyncio.run(go())
     served.wait_idle()
     assert _live_masks(served) == 0
+
+
+def test_a_compile_over_the_time_limit_is_400_and_the_worker_goes_on(api, server_model_dir):
+    import time
+
+    s = api.Served(api.make_config(server_model_dir, "server.grammar_compile_timeout_s=0.05"))
+    try:
+        # the first constrained request also builds the vocabulary's tables: far over 50 ms
+        status, err = api.http("POST", s.url + "/v1/completions", {"prompt": "x", "guided_regex": "[ab]+"})
+        assert status == 400 and err["error"]["param"] == "guided_regex", err
+        assert "server.grammar_compile_timeout_s" in err["error"]["message"]
+        deadline = time.monotonic() + 30
+        while status != 200 and time.monotonic() < deadline:  # the worker finished it in the background
+            time.sleep(0.2)
+            status, body = api.http("POST", s.url + "/v1/completions", {"prompt": "x", "max_tokens": 40,
+                                                                      "guided_regex": "[ab]+"})
+        assert status == 200 and re.fullmatch("[ab]+", body["choices"][0]["text"]), body
+        s.wait_idle()
+    finally:
+        s.close()
