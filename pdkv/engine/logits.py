@@ -42,6 +42,43 @@ class TokenMask(Protocol):
         """The request left: let go of what the mask holds."""
 
 
+class BothMasks:
+    """Two TokenMasks at once (a token is allowed where both allow it): how a second restriction
+    (token healing's first token) joins a request that already has one (structured output)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.first.fill(bitmask, row)
+        mine = bitmask[row].clone()
+        self.second.fill(bitmask, row)
+        bitmask[row] &= mine
+
+    def accept(self, token_id: int) -> bool:
+        if not self.first.accept(token_id):
+            return False
+        if not self.second.accept(token_id):
+            self.first.rollback(1)
+            return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.first.rollback(num_tokens)
+        self.second.rollback(num_tokens)
+
+    def close(self) -> None:
+        self.first.close()
+        self.second.close()
+
+
+def join_masks(current, new):
+    """``Request.mask`` with ``new`` added (None: nothing to add)."""
+    if new is None:
+        return current
+    return new if current is None else BothMasks(current, new)
+
+
 def bitmask_width(vocab: int) -> int:
     return (vocab + 31) // 32
 

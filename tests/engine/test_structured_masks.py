@@ -78,3 +78,48 @@ def test_reasoning_gate_constrains_the_answer_only(base_engine, cache):
     closed = gated.new_mask(start + tok.encode("\n\n", add_special_tokens=False) + end)  # the template closed it
     assert _allowed(closed, V) == brace
     closed.close()
+
+
+class OnlyTokens:
+    """A test stand-in TokenMask (as token healing's first-token restriction would be): the
+    given ids for its first token, anything after."""
+
+    def __init__(self, ids):
+        self.ids, self.n = set(ids), 0
+
+    def fill(self, bitmask, row):
+        if self.n:
+            bitmask[row] = -1
+            return
+        bitmask[row] = 0
+        for t in self.ids:
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+
+    def accept(self, t):
+        if self.n == 0 and t not in self.ids:
+            return False
+        self.n += 1
+        return True
+
+    def rollback(self, k):
+        self.n -= k
+
+    def close(self):
+        pass
+
+
+def test_two_masks_allow_what_both_allow(base_engine, cache):
+    from pdkv.engine.logits import join_masks
+
+    tok, V = base_engine.tokenizer, base_engine.vocab_size
+    grammar = cache.get("regex", "[a-z]+").new_mask()
+    letters = _allowed(grammar, V)
+    some = sorted(letters)[:3] + [t for t in range(V) if t not in letters][:3]
+    both = join_masks(join_masks(None, grammar), OnlyTokens(some))
+    assert _allowed(both, V) == set(some) & letters and len(set(some) & letters) == 3
+    outside = next(t for t in some if t not in letters)
+    assert not both.accept(outside) and both.accept(sorted(letters)[0])
+    assert _allowed(both, V) == _allowed(grammar, V)  # the first token's restriction is done
+    both.rollback(1)
+    assert _allowed(both, V) == set(some) & letters
+    both.close()
