@@ -39,7 +39,7 @@ class ModelRunner:
         """``followers``: with tensor parallelism, the pdkv.tp.TPLeader that ranks 1.. follow
         (``run_step`` announces each forward pass, which they then run with us); None: one rank."""
         self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
-        self.eos_token_ids = sampler.eos_token_ids  # what min_tokens holds back (pdkv/engine/logits.py)
+        self.eos_token_ids = getattr(sampler, "eos_token_ids", ())  # what min_tokens holds back
         self.followers = followers
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
