@@ -186,3 +186,20 @@ def test_tools_render_as_transformers_apply_chat_template(tmp_path, server_model
     theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
         hf_messages, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)
     assert ours == theirs and '"arguments": {"city": "Rome", "days": 2}' in ours and "sunny" in ours
+
+
+def test_the_openai_client_reads_the_streamed_calls(scripted):
+    import openai
+
+    client = openai.OpenAI(base_url=scripted.url + "/v1", api_key="none", max_retries=0)
+    calls, reasons = {}, []
+    for ch in client.chat.completions.create(model=scripted.model, messages=[{"role": "user", "content": "w?"}],
+                                             tools=[WEATHER, TIME], max_tokens=200, stream=True):
+        for c in ch.choices:
+            reasons.append(c.finish_reason)
+            for tc in c.delta.tool_calls or []:
+                calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
+    assert [calls[i] for i in sorted(calls)] == CALLS and reasons[-1] == "tool_calls"
+    r = client.chat.completions.create(model=scripted.model, messages=[{"role": "user", "content": "w?"}],
+                                       tools=[WEATHER, TIME], max_tokens=200)
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == CALLS
