@@ -35,6 +35,7 @@ $(VERBS_STAMP): | $(PY)
 # install may keep an up-to-date-looking extension built the other way: rebuild it then.
 $(STAMP): $(PY) $(VERBS_STAMP) requirements.txt requirements-dev.txt setup.py $(wildcard */__init__.py pdkv/*.pyx pdkv/*.pxd pdkv/*.pxi pdkv/csrc/*.c pdkv/csrc/*.h pdkv/kernels/*.c pdkv/kernels/*.h)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps xgrammar
 	$(PY) -m pip install -q --no-build-isolation -e .
 	$(CHECK_VERBS) || $(PY) setup.py -q build_ext --inplace --force
 	@$(CHECK_VERBS) || { echo "pdkv._messenger.HAVE_VERBS is not $(VERBS_PY) or HAVE_LIBFABRIC not $(FABRIC_PY) after the build"; exit 1; }

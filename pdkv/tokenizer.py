@@ -48,6 +48,10 @@ class Tokenizer:
         self.eos_token_ids: set[int] = eos
         self.vocab_size = self._tok.get_vocab_size()
         self._template = None
+        # How token strings spell bytes (tokenizer.json's decoder): "ByteLevel" (GPT-2's byte
+        # alphabet), "ByteFallback" (sentencepiece's <0xNN>), or "" (plain text).
+        decoder = json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        self.byte_encoding = next((k for k in ("ByteLevel", "ByteFallback") if k in decoder), "")
 
     @staticmethod
     def _read_optional(path: Path) -> dict:

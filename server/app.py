@@ -35,6 +35,7 @@ CONFIG = web.AppKey("pdkv.config", Config)
 ASYNC_ENGINE = web.AppKey("pdkv.async_engine", AsyncEngine)
 METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
 NODE = web.AppKey("pdkv.node", object)  # the disaggregated node (role prefill/decode), else None
+ROUTES = web.AppKey("pdkv.routes", object)  # the OpenAIRoutes (its grammars, parsers)
 
 
 def served_model_name(cfg: Config, engine) -> str:
@@ -87,7 +88,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[METRICS] = metrics
     app[NODE] = node
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
-                          cfg.server.max_prompts_x_n)
+                          cfg.server.max_prompts_x_n, cfg.server)
+    app[ROUTES] = routes
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
@@ -97,12 +99,14 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         if aengine is not None:
             aengine.start()
             app[ASYNC_ENGINE] = aengine
-            routes.aengine = aengine
+            routes.set_engine(aengine)
 
     async def stop_engine(app: web.Application) -> None:
         aengine = app.get(ASYNC_ENGINE)
         if aengine is not None:
             await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+        if routes.grammars is not None:
+            routes.grammars.close()
         if node is not None:
             await node.stop()
 

@@ -32,14 +32,22 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # pdkv.engine.request.TokenLogprob per output token
+    prompt_logprobs: list | None = None  # per prompt token after the first (echo + logprobs)
 
 
 class Generation:
     """The choices of one HTTP request, submitted to the engine together."""
 
-    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str):
+    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str, constraint=None,
+                 max_prompt_logprobs_tokens: int = 2048, keep_special_tokens: bool = False):
+        """``constraint``: the compiled output constraint (server/structured.py), or None;
+        ``keep_special_tokens``: the text keeps special tokens (a tool parser reads its own)."""
+        self.keep_special_tokens = keep_special_tokens
         self.aengine = aengine
         self.req = req
+        self.constraint = constraint
+        self.max_prompt_logprobs_tokens = max_prompt_logprobs_tokens
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.perf_counter()
@@ -54,8 +62,9 @@ class Generation:
         engine, req = self.aengine.engine, self.req
         tok = engine.tokenizer
         if req.chat:
+            extra = {"tools": [dict(t) for t in req.tools.tools]} if req.tools is not None else {}
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True, **extra)
             except Exception as e:  # noqa: BLE001 - a template that refuses these messages
                 raise APIError(f"the model's chat template cannot render these messages: {e}", 400,
                                param="messages") from None
@@ -64,7 +73,13 @@ class Generation:
         else:
             self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
                                      for p in req.prompts]
+        bad_words = [w for word in req.bad_words for w in _word_ids(tok, word)]
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         for i, ids in enumerate(self.prompt_token_ids):
+            if prompt_logprobs is not None and len(ids) > self.max_prompt_logprobs_tokens:
+                raise APIError(f"echo with logprobs: the prompt has {len(ids)} tokens, the limit is "
+                               f"{self.max_prompt_logprobs_tokens} (server.max_prompt_logprobs_tokens)",
+                               400, param="echo")
             for j in range(req.n):
                 max_tokens = req.max_tokens
                 if max_tokens is None:  # chat default: whatever the context has room for
@@ -72,7 +87,12 @@ class Generation:
                 params = SamplingParams(
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     seed=None if req.seed is None else req.seed + j, stop=list(req.stop),
-                    stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                    stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                    skip_special_tokens=not self.keep_special_tokens,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
+                    min_tokens=req.min_tokens, bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,
+                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint)
                 try:
                     params.validate()
                     engine.validate_request(ids, params)
@@ -114,6 +134,9 @@ class Generation:
                 c.text.append(out.new_text)
                 c.token_ids.extend(out.new_token_ids)
                 c.num_output_tokens = out.num_output_tokens
+                c.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     self._open.discard(c.rid)
@@ -137,9 +160,17 @@ def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
         return list(tok.encode(text))
 
 
+def _word_ids(tok, word: str) -> list[list[int]]:
+    """A bad word's token sequences, as vLLM bans them: the word alone and after a space."""
+    seqs = [_encode(tok, word, add_special_tokens=False), _encode(tok, " " + word, add_special_tokens=False)]
+    return [s for i, s in enumerate(seqs) if s and s not in seqs[:i]]
+
+
 def _param_of(message: str) -> str | None:
     """The request field an engine message is about, for the ``param`` of the error JSON."""
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "prompt"):
+    for name in ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "prompt_logprobs", "logprobs",
+                 "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "prompt"):
         if name in message:
             return name
     return None

@@ -22,22 +22,40 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from server.async_engine import EngineFailure
+from server.chat_output import ChatOutput, OutputParsers
 from server.errors import APIError, error_body
 from server.generate import Choice, Generation
+from server.logprobs_format import LogprobsFormatter
 from server.protocol import GenerateRequest, parse_chat, parse_completion
+from server.protocol_structured import tool_call_schema
+from server.structured import Grammars
 
 log = logging.getLogger(__name__)
 
 
 class OpenAIRoutes:
     def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int,
-                 max_prompts_x_n: int = 256):
+                 max_prompts_x_n: int = 256, server_config=None):
+        """``server_config``: the ServerConfig (grammar cache, prompt logprobs bound, parsers)."""
+        from pdkv.config import ServerConfig  # noqa: PLC0415
+
+        self.sc = server_config or ServerConfig()
+        self.grammars: Grammars | None = None  # set with the engine (set_engine)
+        self.parsers: OutputParsers | None = None
+        self.formatter: LogprobsFormatter | None = None
         self.aengine = aengine
         self.max_prompts_x_n = max_prompts_x_n
         self.model_name = model_name
         self.model_root = model_root
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+
+    def set_engine(self, aengine) -> None:
+        self.aengine = aengine
+        engine = aengine.engine
+        self.grammars = Grammars(engine, self.sc.grammar_cache_size, self.sc.grammar_compile_timeout_s)
+        self.parsers = OutputParsers.build(self.sc, engine)
+        self.formatter = LogprobsFormatter(engine.tokenizer)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -89,7 +107,17 @@ class OpenAIRoutes:
                            f"{self.max_prompts_x_n} (server.max_prompts_x_n)", 400, param="n")
         if not self.aengine.is_alive():
             raise APIError("the engine is not running", 503)
-        gen = Generation(self.aengine, req, prefix)
+        spec = tool_call_schema(req.tools) if req.tools is not None else None
+        if spec is not None and req.structured is not None:
+            raise APIError(f"tool_choice {req.tools.choice!r} and {req.structured.field} cannot both constrain "
+                           f"the output", 400, param=req.structured.field)
+        spec = spec or req.structured
+        constraint = await self.grammars.constraint(spec) if spec is not None else None
+        if constraint is not None and req.chat and self.parsers.reasoning:  # the answer only
+            constraint = self.grammars.after_reasoning(constraint)
+        # As vLLM: tool-call markers may be special tokens, which the parser must see.
+        parsing = req.tools is not None and req.tools.choice == "auto" and self.parsers.tools is not None
+        gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens, parsing)
         gen.prepare()
         try:
             if req.stream:
@@ -104,15 +132,24 @@ class OpenAIRoutes:
                 pass
         except EngineFailure as e:
             raise _api_error(e) from None
-        chat = gen.req.chat
+        chat, req = gen.req.chat, gen.req
         choices = []
         for c in gen.choices:
             text = "".join(c.text)
             choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                out = ChatOutput(self.parsers, req)
+                choice["message"] = out.message(text)
+                choice["finish_reason"] = out.finish_reason(c.finish_reason)
+                if req.logprobs is not None:
+                    choice["logprobs"] = self.formatter.chat(c.logprobs)
             else:
-                choice["text"] = text
+                prompt = self._echo(gen, c)
+                choice["text"] = prompt + text
+                if req.logprobs is not None:
+                    choice["logprobs"] = self.formatter.completion(
+                        c.logprobs, 0, gen.prompt_token_ids[c.prompt_index] if req.echo else None,
+                        c.prompt_logprobs)
             if gen.req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -121,6 +158,12 @@ class OpenAIRoutes:
         if gen.req.return_token_ids:
             body["prompt_token_ids"] = gen.prompt_token_ids
         return web.json_response(body)
+
+    def _echo(self, gen: Generation, c: Choice) -> str:
+        if not gen.req.echo:
+            return ""
+        p = gen.req.prompts[c.prompt_index]
+        return p if isinstance(p, str) else self.aengine.engine.tokenizer.decode(p)
 
     async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         events = gen.outputs()
@@ -151,6 +194,9 @@ class OpenAIRoutes:
         chat, req = gen.req.chat, gen.req
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
+        outs = {c.index: ChatOutput(self.parsers, req) for c in gen.choices} if chat else {}
+        sent_lps = {c.index: 0 for c in gen.choices}  # logprob records already sent per choice
+        offsets = {c.index: 0 for c in gen.choices}
 
         async def send(payload: dict[str, Any] | str) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -164,11 +210,26 @@ class OpenAIRoutes:
             return body
 
         def choice_of(c: Choice, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
+            records = c.logprobs[sent_lps[c.index]:len(c.logprobs)] if req.logprobs is not None else []
+            sent_lps[c.index] = len(c.logprobs)
             if chat:
-                ch = {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                      "finish_reason": finish}
+                out = outs[c.index]
+                delta = out.delta(text)
+                if finish is not None:
+                    delta = out.merge(delta, out.end())
+                    finish = out.finish_reason(finish)
+                ch = {"index": c.index, "delta": delta, "finish_reason": finish,
+                      "logprobs": self.formatter.chat(records) if req.logprobs is not None else None}
             else:
-                ch = {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+                first = c.index not in started
+                echo = self._echo(gen, c) if first else ""
+                lps = None
+                if req.logprobs is not None:
+                    lps = self.formatter.completion(
+                        records, offsets[c.index], gen.prompt_token_ids[c.prompt_index] if req.echo and first
+                        else None, c.prompt_logprobs)
+                    offsets[c.index] += len(echo) + len(text)
+                ch = {"index": c.index, "text": echo + text, "logprobs": lps, "finish_reason": finish}
             if req.return_token_ids:
                 ch["token_ids"] = token_ids
                 if c.index not in started:

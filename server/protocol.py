@@ -4,15 +4,20 @@ Both endpoints reduce to the same thing: some prompts (a string or token ids eac
 choices per prompt, and sampling parameters. Checking every field here, before anything reaches
 the engine, is what lets bad input get a 400 while nothing is queued and no page is taken.
 Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras such as
-``user``); fields pdkv cannot honour (logprobs, penalties, tools, ...) are refused, not dropped.
+``user``); fields pdkv cannot honour (``suffix``, ``best_of``) are refused, not dropped.
+Penalties, biases and logprobs are parsed in server/protocol_sampling.py, output constraints
+and tools in server/protocol_structured.py.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.errors import APIError
+from server.protocol_sampling import parse_sampling
+from server.protocol_structured import StructuredSpec, ToolsSpec, parse_structured, parse_tools
 
 MAX_N = 16  # most choices per prompt
 MAX_STOP = 16  # most stop strings
@@ -25,7 +30,7 @@ class GenerateRequest:
     chat: bool
     model: str | None
     prompts: list[str | list[int]]
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict] | None = None
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -38,6 +43,17 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None  # None: no logprobs; N: the sampled token's and N alternatives
+    echo: bool = False  # completions: the prompt's text (and with logprobs its logprobs) first
+    structured: StructuredSpec | None = None
+    tools: ToolsSpec | None = None
 
 
 def _type_name(v: Any) -> str:
@@ -109,17 +125,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         if name in body and body[name] is not None and not ok(body[name]):
             raise APIError(f"'{name}' is not supported by this server (got {body[name]!r})", 400, param=name)
 
-    off("logprobs", lambda v: v is False or (not chat and v == 0))
-    off("top_logprobs", lambda v: v == 0)
-    off("echo", lambda v: v is False)
     off("suffix", lambda v: v == "")
     off("best_of", lambda v: v == body.get("n", 1))
-    off("presence_penalty", lambda v: v == 0)
-    off("frequency_penalty", lambda v: v == 0)
-    off("logit_bias", lambda v: v == {})
-    off("tools", lambda v: v == [])
-    off("functions", lambda v: v == [])
-    off("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
+    if not chat:
+        off("tools", lambda v: v == [])
 
 
 def _common(body: dict, chat: bool) -> dict[str, Any]:
@@ -139,7 +148,12 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
     else:
         max_tokens = _int(body, "max_tokens", None if chat else 16, lo=1, nullable=True)
     top_k = _int(body, "top_k", -1, lo=-1)
+    tools = parse_tools(body) if chat else None
+    structured = parse_structured(body)
     return dict(
+        **parse_sampling(body, chat),
+        structured=structured,
+        tools=tools,
         model=model,
         n=_int(body, "n", 1, lo=1, hi=MAX_N),
         stream=_bool(body, "stream", False),
@@ -196,6 +210,27 @@ def _content(msg: dict, i: int) -> str:
     raise _bad(f"messages[{i}].content", "a string or a list of text parts", c)
 
 
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls, with each call's ``arguments`` as an object: chat
+    templates render them with ``tojson`` (Hugging Face's semantics, as vLLM passes them)."""
+    name = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(name, "a list of tool calls", calls)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{name}[{j}]", "{'id', 'type': 'function', 'function': {'name', 'arguments'}}", c)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise _bad(f"{name}[{j}].function.arguments", "a JSON object (as a string)", args) from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def parse_chat(body: Any) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` is a non-empty list of {role, content}."""
     if not isinstance(body, dict):
@@ -213,5 +248,17 @@ def parse_chat(body: Any) -> GenerateRequest:
         if role not in _ROLES:
             raise APIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", 400,
                            param=f"messages[{i}].role")
-        messages.append({"role": role, "content": _content(m, i)})
+        msg = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            if m.get("content") is None:
+                msg["content"] = None
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str) or not tid:
+                raise _bad(f"messages[{i}].tool_call_id", "a non-empty string (the call it answers)", tid)
+            msg["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        messages.append(msg)
     return GenerateRequest(chat=True, prompts=[], messages=messages, **_common(body, chat=True))

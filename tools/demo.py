@@ -62,11 +62,15 @@ def stream_completion(host: str, port: int, endpoint: str, body: dict) -> dict:
     """POST a streamed (chat) completion and print each piece of text as it arrives; returns the
     usage."""
     conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.connect()
+    # NOTE: timed from the request, not from the response headers: the server sends those with
+    # the first token, so timing from them would miss the whole time to first token.
+    t0 = time.perf_counter()
     conn.request("POST", endpoint, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise SystemExit(f"demo: HTTP {resp.status}: {resp.read().decode()}")
-    usage, t0, first = {}, time.perf_counter(), None
+    usage, first = {}, None
     while True:
         line = resp.readline()
         if not line:

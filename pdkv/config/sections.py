@@ -71,6 +71,16 @@ class ServerConfig:
     max_connections: int = 1024  # beyond it, idle connections are closed oldest first
     max_prompts_x_n: int = 256  # prompts x n of one request (each is an engine request); more is a 400
     max_waiting_requests: int = 4096  # engine requests waiting for admission; beyond: 503 + Retry-After
+    # Structured output (server/structured.py): compiled grammars kept, and how long one compile
+    # may take before the request is refused (it is compiled off the event loop).
+    grammar_cache_size: int = 64
+    grammar_compile_timeout_s: float = 10.0
+    max_prompt_logprobs_tokens: int = 2048  # echo + logprobs: longer prompts are refused (a 400)
+    # Chat output parsers (server/reasoning.py, server/tools/): reasoning_parser deepseek_r1 |
+    # qwen3 | null (reasoning_content off); tool_parser qwen3_coder | hermes | deepseek_v3 |
+    # auto (from the model's architecture) | null (tool calls are not parsed)
+    reasoning_parser: str | None = None
+    tool_parser: str | None = "auto"
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,15 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.max_connections > 0, "server.max_connections", "a positive integer", sv.max_connections)
     need(sv.max_waiting_requests > 0, "server.max_waiting_requests", "a positive integer", sv.max_waiting_requests)
     need(sv.max_prompts_x_n > 0, "server.max_prompts_x_n", "a positive integer", sv.max_prompts_x_n)
+    need(sv.grammar_cache_size > 0, "server.grammar_cache_size", "a positive integer", sv.grammar_cache_size)
+    need(sv.grammar_compile_timeout_s > 0, "server.grammar_compile_timeout_s", "a positive number of seconds",
+         sv.grammar_compile_timeout_s)
+    need(sv.max_prompt_logprobs_tokens >= 0, "server.max_prompt_logprobs_tokens", "zero or positive",
+         sv.max_prompt_logprobs_tokens)
+    need(sv.reasoning_parser in (None, "deepseek_r1", "qwen3"), "server.reasoning_parser",
+         "deepseek_r1, qwen3 or null", sv.reasoning_parser)
+    need(sv.tool_parser in (None, "auto", "qwen3_coder", "hermes", "deepseek_v3"), "server.tool_parser",
+         "qwen3_coder, hermes, deepseek_v3, auto or null", sv.tool_parser)
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)

@@ -50,6 +50,9 @@ class DecodeConnector(KVConnector):
         if req.num_prompt_tokens <= 1:
             self._decided = (rid, Where.LOCAL_SHORT)
             return LOCAL  # a one-token prompt has no KV to compute before its decode
+        if req.params.prompt_logprobs is not None:
+            self._decided = (rid, Where.LOCAL_PROMPT_LOGPROBS)
+            return LOCAL  # the prompt's logprobs come from this node's own forward passes
         cached = self._cached(req)  # whole pages, at most n - 1 tokens
         if cached >= req.num_prompt_tokens - 1:  # every page before the last token is here
             self._decided = (rid, Where.LOCAL_SHORT)

@@ -147,7 +147,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                             cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
     backend.use_cpu_kernel &= model.cpu_kernels
-    runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
+    tokenizer = Tokenizer(path, arch.eos_token_id)
+    runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed, tokenizer.eos_token_ids), num_threads,
+                         followers=tp)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
         from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415
 
@@ -155,7 +157,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                                             model.cuda_graph_batch_sizes, device)
     sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
                       scheduler.max_num_seqs, prefix_cache=cache)
-    return EngineParts(model, kv_cache, scheduler, loaded, Tokenizer(path, arch.eos_token_id),
+    return EngineParts(model, kv_cache, scheduler, loaded, tokenizer,
                        model.served_name or loaded.path.resolve().name, max_model_len, kv, allocator,
                        runner, sched, tp)
 

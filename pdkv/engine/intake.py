@@ -42,6 +42,10 @@ class Intake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        for name, ids in params.token_ids_used().items():
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self.check_prompt(prompt_token_ids, params.max_tokens)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:
@@ -66,7 +70,8 @@ class Intake:
     def add(self, request_id: str, prompt, params: SamplingParams, arrival: float | None) -> None:
         req = self._new_request(request_id, prompt, params, arrival)
         self.check_prompt(req.prompt_token_ids, 0)  # before hashing it
-        req.num_cached_tokens = self.scheduler.cached_prefix(req)  # what admission may reuse (a peek)
+        # Prompt logprobs need every prompt position's logits: nothing is taken from the cache.
+        req.num_cached_tokens = 0 if params.prompt_logprobs is not None else self.scheduler.cached_prefix(req)
         self._admit(req, self.connector().admission(req))
 
     def add_remote(self, request_id: str, prompt, params: SamplingParams, reuse_cached: bool) -> list[int]:
@@ -114,6 +119,7 @@ class Intake:
             req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens)
         reuse = plan.reuse_cached if plan.reuse_cached is not None else \
             not (plan.prefill_only or plan.num_external_tokens)
+        reuse = reuse and params.prompt_logprobs is None
         req.reuse_cache = reuse
         num_cached = req.num_cached_tokens if reuse else 0
         req.num_cached_tokens = num_cached
@@ -129,4 +135,7 @@ class Intake:
         if not self.connector().admit(req):
             self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
             raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
+        if params.constraint is not None and not plan.prefill_only:
+            # closed when the request leaves (LLMEngine._left)
+            req.mask = params.constraint.new_mask(req.prompt_token_ids)
         self.requests[req.request_id] = req

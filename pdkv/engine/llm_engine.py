@@ -198,7 +198,8 @@ class LLMEngine:
             if req.prefill_only and req.num_computed_tokens == req.num_prompt_tokens:
                 outputs.append(self._finish(req, "prefilled"))
             elif req.request_id in sampled:
-                outputs.append(self._append(req, sampled[req.request_id]))
+                outputs.append(self._append(req, sampled[req.request_id],
+                                            self.runner.last_logprobs.get(req.request_id)))
                 if s.num_draft and not req.status.is_done:
                     # KV of the rejected drafts goes (the last new token is never in the cache)
                     self.scheduler.truncate_computed(req, req.num_tokens - 1)
@@ -219,9 +220,9 @@ class LLMEngine:
         self._left(req)
         return RequestOutput.prefilled(req) if req.prefill_only else RequestOutput.delta(req, [])
 
-    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _append(self, req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         """Appends the step's new tokens up to the first that ends the request (Request.append)."""
-        new, reason = req.append(tokens, self.tokenizer.eos_token_ids, self.max_model_len)
+        new, reason = req.append(tokens, self.tokenizer.eos_token_ids, self.max_model_len, logprobs)
         if reason is not None:
             if len(tokens) > 1:  # accepted drafts: their KV is final now, cache it before the pages go
                 self.scheduler.truncate_computed(req, req.num_tokens - 1)
@@ -236,6 +237,9 @@ class LLMEngine:
         self.connector.finished(req)
         if self.spec is not None:
             self.spec.finished(req)
+        if req.mask is not None:
+            req.mask.close()
+            req.mask = None
 
     # ---- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -245,11 +249,14 @@ class LLMEngine:
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {r: [] for r in ids}
         while len(final) < len(ids):
             for out in self.step():
+                if out.request_id in logprobs:
+                    logprobs[out.request_id] += out.new_logprobs
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
-        return [final[r].whole() for r in ids]
+        return [final[r].whole(logprobs[r]) for r in ids]
 
     def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[RequestOutput]:
         """Yields this request's deltas as steps run; closing the iterator early aborts it.

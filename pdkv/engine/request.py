@@ -35,6 +35,15 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability and the ``top`` alternatives ((token id, logprob), best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple = ()
+
+
 @dataclass
 class Request:
     request_id: str
@@ -60,6 +69,11 @@ class Request:
     reuse_cache: bool = True  # take cached pages when scheduled (Admission.reuse_cached)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages, memoized
     num_published_pages: int = 0  # leading pages already offered to the prefix cache
+    mask: object = None  # a pdkv.engine.logits.TokenMask: the tokens it may take next (None: any)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per output token (params.logprobs)
+    # a TokenLogprob per prompt token after the first (params.prompt_logprobs), filled by the
+    # forward passes over the prompt, or by the prefill node (disaggregated)
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,19 +90,27 @@ class Request:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
-    def append(self, tokens: list[int], eos_token_ids, max_model_len: int) -> tuple[list[int], str | None]:
+    def append(self, tokens: list[int], eos_token_ids, max_model_len: int,
+               logprobs: list | None = None) -> tuple[list[int], str | None]:
         """Appends one step's sampled ``tokens`` (several when drafts were accepted) in order, up
         to the first that ends the request (EOS, a stop token or string, max_tokens, the context):
         the rest are dropped, as if they had been decoded one by one. Returns the tokens kept and
-        the finish reason they reached ("stop", "length", or None: the request goes on)."""
+        the finish reason they reached ("stop", "length", or None: the request goes on).
+        ``logprobs``: a TokenLogprob per token (kept for the tokens kept); the request's
+        ``mask`` advances past each kept token."""
         p = self.params
         new, reason = [], None
-        for token in tokens:
+        for i, token in enumerate(tokens):
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            if self.mask is not None:
+                self.mask.accept(token)
             self.output_token_ids.append(token)
-            self.detok.add(token)
+            ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
+                self.detok.add(token)
             new.append(token)
-            if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                    or self.detok.stopped_on is not None:
+            if ends or self.detok.stopped_on is not None:
                 reason = "stop"
             elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
                 reason = "length"
@@ -108,21 +130,27 @@ class RequestOutput:
     num_output_tokens: int
     output_token_ids: list[int]  # all output tokens so far
     text: str = ""  # all output text so far (stop-truncated)
+    new_logprobs: list = field(default_factory=list)  # a TokenLogprob per new token (if asked)
+    prompt_logprobs: list | None = None  # a TokenLogprob per prompt token after the first (if asked)
 
     @classmethod
     def delta(cls, req: Request, new_ids: list[int]) -> RequestOutput:
         """What ``req`` adds now: ``new_ids`` and the text they complete (once it is done, the
         text the detokenizer held back too)."""
         done = req.status.is_done
+        lps = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None and new_ids else []
+        prompt_lps = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
         return cls(req.request_id, new_ids, req.detok.flush(done), done, req.finish_reason, req.num_prompt_tokens,
-                   len(req.output_token_ids), list(req.output_token_ids), req.detok.text)
+                   len(req.output_token_ids), list(req.output_token_ids), req.detok.text, lps, prompt_lps)
 
     @classmethod
     def prefilled(cls, req: Request) -> RequestOutput:
         """The end of a prefill-only request (no tokens, no text)."""
         return cls(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "")
 
-    def whole(self) -> RequestOutput:
-        """This final output as one delta holding everything (what ``LLMEngine.generate`` returns)."""
+    def whole(self, logprobs: list | None = None) -> RequestOutput:
+        """This final output as one delta holding everything (what ``LLMEngine.generate`` returns);
+        ``logprobs``: the request's, gathered from its deltas."""
         return RequestOutput(self.request_id, list(self.output_token_ids), self.text, True, self.finish_reason,
-                             self.num_prompt_tokens, self.num_output_tokens, self.output_token_ids, self.text)
+                             self.num_prompt_tokens, self.num_output_tokens, self.output_token_ids, self.text,
+                             list(logprobs or []), self.prompt_logprobs)

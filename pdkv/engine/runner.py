@@ -13,7 +13,9 @@ import time
 import torch
 
 from models.attention import AttentionBatch
+from pdkv.engine import logits as proc
 from pdkv.engine.connector import BatchEntry, ForwardBatch, KVConnector
+from pdkv.engine.request import TokenLogprob
 from pdkv.engine.sampler import Sampler
 from pdkv.engine.scheduler import ScheduledSeq
 from pdkv.engine.threads import ThreadTuner
@@ -37,6 +39,7 @@ class ModelRunner:
         """``followers``: with tensor parallelism, the pdkv.tp.TPLeader that ranks 1.. follow
         (``run_step`` announces each forward pass, which they then run with us); None: one rank."""
         self.model, self.backend, self.device, self.sampler = model, backend, torch.device(device), sampler
+        self.eos_token_ids = getattr(sampler, "eos_token_ids", ())  # what min_tokens holds back
         self.followers = followers
         self.num_threads = num_threads or torch.get_num_threads()
         self.tuner = ThreadTuner(self.num_threads)
@@ -44,6 +47,8 @@ class ModelRunner:
         # decoding is on (pdkv.engine.spec.SpecDecoder.verify)
         self.verify = None
         self.last_forward = None  # (ForwardBatch, hidden [T, H]) of the last forward pass
+        # {request_id: [TokenLogprob per new token]} of the last step's requests that ask for them
+        self.last_logprobs: dict[str, list[TokenLogprob]] = {}
         # pdkv.engine.cuda_graphs.DecodeGraphs (model.cuda_graphs): decode-only steps replay a
         # captured graph; None: every step runs eagerly
         self.graphs = None
@@ -62,8 +67,14 @@ class ModelRunner:
         seqs = sorted(seqs, key=lambda s: len(s.token_ids))  # stable: decodes first, then verifications
         num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
         ids, positions, q_lens, kv_lens, sample_rows, sampled, entries = [], [], [], [], [], [], []
+        prompt_rows = []  # (row, request, position): rows scoring the prompt token after them
+        self.last_logprobs = {}
         for s in seqs:
             n = len(s.token_ids)
+            if s.request.params.prompt_logprobs is not None:
+                last = s.request.num_prompt_tokens - 1  # that row scores the first output token
+                prompt_rows += [(len(ids) + j, s.request, s.start_pos + j)
+                                for j in range(n) if s.start_pos + j < last]
             entries.append(BatchEntry(s.request, s.start_pos, n, len(ids), s.sample, s.num_draft))
             ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + n))
@@ -99,6 +110,8 @@ class ModelRunner:
             raise
         connector.after_forward(layout, hidden)
         self.last_forward = (layout, hidden)  # the MTP proposer reads the target's hidden states
+        if prompt_rows:
+            self.prompt_logprobs(hidden, prompt_rows)
         if not sampled:
             return {}
         if len(sample_rows) != hidden.shape[0]:
@@ -109,6 +122,18 @@ class ModelRunner:
             # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
             self.tuner.record(threads, time.perf_counter() - t0)
         return tokens
+
+    def prompt_logprobs(self, hidden: torch.Tensor, rows: list) -> None:
+        """Appends to each request's ``prompt_logprobs`` the prompt token after each of ``rows``
+        ((row of ``hidden``, request, position)), from the model's raw distribution; a position
+        already scored (a preempted request's recomputation) is skipped."""
+        rows = [(r, req, pos) for r, req, pos in rows if pos >= len(req.prompt_logprobs)]
+        if not rows:
+            return
+        idx = torch.tensor([r for r, _, _ in rows], device=hidden.device)
+        lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1).cpu()
+        for j, (_, req, pos) in enumerate(rows):
+            req.prompt_logprobs.append(_record(lp[j], req.prompt_token_ids[pos + 1], req.params.prompt_logprobs))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -124,10 +149,18 @@ class ModelRunner:
         else:
             self.last_logits = logits  # kept for tests and debugging (each request's last row only)
         self.last_sampled_ids = [s.request.request_id for s in sampled]
+        groups = [(s.request, s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else [])
+                  for s in sampled]
+        processed = proc.process(logits, groups, self.eos_token_ids)
+        if processed is not logits:
+            logits = processed
+            last_rows = logits[torch.tensor(last, device=logits.device)]
+        else:
+            last_rows = self.last_logits
         plain = [i for i, s in enumerate(sampled) if not s.num_draft]
         out = {}
         if plain:
-            rows = self.last_logits if len(plain) == len(sampled) else self.last_logits[plain]
+            rows = last_rows if len(plain) == len(sampled) else last_rows[plain]
             for i, t in zip(plain, self.sampler(rows, [sampled[i].request for i in plain])):
                 out[sampled[i].request.request_id] = [t]
         verifying = [(s, end) for s, end in zip(sampled, last) if s.num_draft]
@@ -140,4 +173,20 @@ class ModelRunner:
                 out[s.request.request_id] = self.verify(logits[end - s.num_draft:end + 1], s.request,
                                                         s.token_ids[-s.num_draft:])
             self._set_threads(threads)
+        for s, end in zip(sampled, last):
+            p = s.request.params
+            if p.logprobs is not None:  # row j scored new token j (the drafts accepted before it)
+                tokens = out[s.request.request_id]
+                lp = proc.logprobs(logits[end - s.num_draft:end - s.num_draft + len(tokens)], p.temperature).cpu()
+                self.last_logprobs[s.request.request_id] = [_record(lp[j], t, p.logprobs)
+                                                            for j, t in enumerate(tokens)]
         return out
+
+
+def _record(lp: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """lp: [V] log-probabilities -> ``token``'s and the ``num_top`` best."""
+    top = ()
+    if num_top:
+        v, i = torch.topk(lp, num_top)
+        top = tuple(zip(i.tolist(), v.tolist()))
+    return TokenLogprob(token, float(lp[token]), top)

@@ -30,11 +30,14 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids=()):
+        """``eos_token_ids``: what min_tokens holds back (pdkv/engine/logits.py)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, requests: list) -> list[int]:
-        """logits: [N, V] float32, row i for requests[i] → N token ids."""
+        """logits: [N, V] float32, row i for requests[i], already processed by the requests'
+        penalties and masks (pdkv/engine/logits.py) → N token ids."""
         greedy = logits.argmax(-1).tolist()
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from _cluster import make_engine, node_config
+from test_structured_disagg import check_schema_choices
 from _procs import NodeProc, free_port, node_dict
 from pdkv.engine import SamplingParams
 
@@ -76,6 +77,8 @@ def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loop
         assert got[:done] == want[:done]
         if staging == "auto":  # the ring's slots need not fragment within a few waves
             assert _grants_total(dec.url) > single * done, "no request's pages were fragmented into several runs"
+        if staging == "auto":  # structured output: the decode node's masks over a verbs transfer
+            check_schema_choices(dec.url)
         assert pre.health()["num_pages_free"] == pre.health()["num_pages_total"]
         h = dec.health()
         assert h["num_pages_free"] == h["num_pages_total"] and h["prefill_peers"][0]["connected"]

@@ -54,9 +54,24 @@ def test_chat_messages_and_content_parts():
     ({"prompt": "a", "stream": "yes"}, "stream", "'stream' must be true or false"),
     ({"prompt": "a", "seed": 1.5}, "seed", "'seed' must be an integer"),
     ({"prompt": "a", "model": 3}, "model", "'model' must be a string"),
-    ({"prompt": "a", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "a", "echo": True}, "echo", "not supported"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs", "'logprobs' must be an integer in [0, 20]"),
+    ({"prompt": "a", "logprobs": True}, "logprobs", "'logprobs' must be an integer"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "'presence_penalty' must be a number in"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "in (0.0, 100.0]"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "keyed by token ids"),
+    ({"prompt": "a", "logit_bias": {"5": 200}}, "logit_bias[5]", "in [-100, 100]"),
+    ({"prompt": "a", "min_tokens": -1}, "min_tokens", "'min_tokens' must be an integer"),
+    ({"prompt": "a", "bad_words": [""]}, "bad_words", "non-empty strings"),
+    ({"prompt": "a", "echo": "yes"}, "echo", "'echo' must be true or false"),
+    ({"prompt": "a", "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": "a", "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"prompt": "a", "response_format": {"type": "yaml"}}, "response_format.type", "'json_schema'"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format.json_schema", "'schema'"),
+    ({"prompt": "a", "guided_json": "{nope"}, "guided_json", "not valid JSON"),
+    ({"prompt": "a", "guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of"),
+    ({"prompt": "a", "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "only one output constraint"),
     ({"prompt": "a", "stream_options": 1}, "stream_options", "'stream_options' must be an object"),
 ])
 def test_completion_errors(body, param, needle):
@@ -64,6 +79,9 @@ def test_completion_errors(body, param, needle):
         parse_completion(body)
     assert e.value.status == 400 and e.value.param == param
     assert needle in e.value.message
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.mark.parametrize("body, param, needle", [
@@ -75,7 +93,19 @@ def test_completion_errors(body, param, needle):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string or a list"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content", "parts must be"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]",
+     "'tools[0]' must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope', which is not in 'tools'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL, _TOOL]}, "tools[1].function.name",
+     "given twice"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "in [0, 20]"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "the call it answers"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "a JSON object"),
 ])
 def test_chat_errors(body, param, needle):
     with pytest.raises(APIError) as e:
@@ -93,3 +123,24 @@ def test_error_body_has_openai_shape():
     assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "x", "code": None}}
     assert error_body("who", 401)["error"]["type"] == "authentication_error"
     assert error_body("boom", 500)["error"]["type"] == "server_error"
+
+
+def test_new_fields_parse():
+    r = parse_completion({"prompt": "a", "logprobs": 3, "echo": True, "presence_penalty": 0.5,
+                          "frequency_penalty": -1, "repetition_penalty": 1.2, "logit_bias": {"7": -5},
+                          "min_tokens": 2, "bad_words": "x", "guided_regex": "[ab]+"})
+    assert (r.logprobs, r.echo, r.presence_penalty, r.frequency_penalty) == (3, True, 0.5, -1.0)
+    assert (r.repetition_penalty, r.logit_bias, r.min_tokens, r.bad_words) == (1.2, {7: -5.0}, 2, ["x"])
+    assert (r.structured.kind, r.structured.value, r.structured.field) == ("regex", "[ab]+", "guided_regex")
+    c = parse_chat({"messages": [{"role": "user", "content": "x"},
+                                 {"role": "assistant", "content": None, "tool_calls": [
+                                     {"id": "c1", "type": "function",
+                                      "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                                 {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+                    "logprobs": True, "top_logprobs": 4, "tools": [_TOOL],
+                    "tool_choice": {"type": "function", "function": {"name": "f"}},
+                    "response_format": {"type": "text"}})
+    assert c.logprobs == 4 and c.structured is None and c.tools.choice == "named" and c.tools.name == "f"
+    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # an object, for templates
+    assert c.messages[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).logprobs is None

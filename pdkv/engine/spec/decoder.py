@@ -53,7 +53,7 @@ class SpecDecoder:
             return
         drafts = self.proposer.propose([r for r, _ in asked], [n for _, n in asked])
         for (r, n), d in zip(asked, drafts):
-            r.spec_token_ids = list(d[:n])
+            r.spec_token_ids = _allowed_prefix(r, list(d[:n]))
 
     def verify(self, logits: torch.Tensor, req: Request, drafts: list[int]) -> list[int]:
         """logits: [len(drafts) + 1, V] → the tokens the step emits (accepted drafts + one)."""
@@ -64,6 +64,19 @@ class SpecDecoder:
     def finished(self, req: Request) -> None:
         req.spec_token_ids = []
         self.proposer.finished(req)
+
+
+def _allowed_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts up to the first that ``req.mask`` (structured output) refuses: a refused draft
+    would be rejected in verification anyway, and its rows would cost a forward pass."""
+    if req.mask is None or not drafts:
+        return drafts
+    n = 0
+    while n < len(drafts) and req.mask.accept(drafts[n]):
+        n += 1
+    if n:
+        req.mask.rollback(n)
+    return drafts[:n]
 
 
 def check_config(sc: SpeculativeConfig) -> None:
