@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: `import pdkv.d
 from pdkv.default_model import (BOS, EOS, SPECIAL_TOKENS, heldout_loss, heldout_windows,  # noqa: E402
                                 model_card_numbers)
 from default_model_card import model_card, save_png  # noqa: E402 - beside this script in tools/
+from default_model_eval import score as prompt_score  # noqa: E402
 
 # Top-level stdlib entries left out: the test suite (half the stdlib, and odd code on purpose),
 # codec tables, generated doc strings and the 2to3 fixers' fixtures.
@@ -72,6 +73,10 @@ class Recipe:
     eval_every: int = 100
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    # "newline-apart": every "\n" is a pre-token of its own, so a newline never merges with the
+    # indentation after it and a prompt ending in "\n" ends on a token training saw before
+    # indented lines too. "gpt2": the plain byte-level split ("\n    " one token).
+    pre_tokenizer: str = "newline-apart"
     extra: dict = field(default_factory=dict)
 
 
@@ -127,7 +132,13 @@ def train_tokenizer(texts: list[str], r: Recipe):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if r.pre_tokenizer == "newline-apart":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"), byte_level])
+    elif r.pre_tokenizer == "gpt2":
+        tok.pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"Recipe.pre_tokenizer: {r.pre_tokenizer!r} is not 'newline-apart' or 'gpt2'")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=r.vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -236,9 +247,10 @@ def train(model, stream, r: Recipe, checkpoint):
     return curve
 
 
-def write_folder(out: Path, model, tok, heldout_text: str, record: dict) -> float:
+def write_folder(out: Path, model, tok, heldout_text: str, record: dict):
     """Saves the HF folder with bfloat16 weights; returns the held-out loss of those weights
-    (re-read from disk, so the card's number is the shipped file's, not the float32 model's)."""
+    (re-read from disk, so the card's number is the shipped file's, not the float32 model's)
+    and the re-read model."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -264,7 +276,7 @@ def write_folder(out: Path, model, tok, heldout_text: str, record: dict) -> floa
     shipped = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     windows = shipped_heldout_windows(out)
     final = heldout_loss(shipped, windows)
-    return final
+    return final, shipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-png", default=str(ROOT / "docs" / "default_model_loss.png"))
     ap.add_argument("--steps", type=int, default=Recipe.steps)
     ap.add_argument("--batch-size", type=int, default=Recipe.batch_size)
+    ap.add_argument("--eval-every", type=int, default=Recipe.eval_every)
     ap.add_argument("--trial", type=float, default=0.0,
                     help="only measure: train this many seconds, print tokens/s, write nothing")
     a = ap.parse_args(argv)
     import torch
 
-    r = Recipe(steps=a.steps, batch_size=a.batch_size)
+    r = Recipe(steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
     torch.set_num_threads(r.threads)
     random.seed(r.seed)
     t_start = time.perf_counter()
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     evals: list[tuple[int, float]] = []
+    prompt_evals: list[tuple[int, int, int]] = []  # (step, line_end parsing, after_newline parsing)
     base = dict(recipe=asdict(r), parameters=n_params, corpus=dict(
         python=sys.version.split()[0], stdlib=sysconfig.get_path("stdlib"), sha256=corpus_sha,
         excluded_top_level=sorted(EXCLUDE_TOP), heldout_rule=f"crc32(path) % {HELDOUT_MOD} == 0",
@@ -327,17 +341,24 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         record = dict(base, steps_done=step, train_tokens=tokens, train_seconds=round(train_s, 1),
                       final_train_loss=round(sum(curve[-50:]) / len(curve[-50:]), 4), evals=list(evals))
-        h = write_folder(out, model, tok, heldout_text, record)
+        h, shipped = write_folder(out, model, tok, heldout_text, record)
         evals.append((step, round(h, 5)))
         record["evals"] = list(evals)
+        # the code prompts, scored on the saved weights too: the held-out loss alone does not say
+        # whether completions after a newline read as Python
+        s = prompt_score(shipped, tok)
+        prompt_evals.append((step, s["line_end"], s["after_newline"]))
+        record["prompt_evals"] = list(prompt_evals)
         (out / "training.json").write_text(json.dumps(dict(record, heldout_loss=round(h, 5),
+                                                           prompt_score=s,
                                                            heldout_tokens=int(heldout_ids.numel()),
                                                            weights_bytes=(out / "model.safetensors").stat().st_size),
                                                       indent=2) + "\n")
         (out / "README.md").write_text(model_card(json.loads((out / "training.json").read_text())))
         if a.loss_png:
             save_png(Path(a.loss_png), curve, evals, r)
-        print(f"saved {out} at step {step} ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"saved {out} at step {step}: prompts parse {s['line_end']}/8 line end, "
+              f"{s['after_newline']}/8 after newline ({time.perf_counter() - t:.0f} s)", flush=True)
         return h
 
     train(model, stream, r, checkpoint)

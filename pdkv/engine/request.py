@@ -60,6 +60,9 @@ class Request:
     reuse_cache: bool = True  # take cached pages when scheduled (Admission.reuse_cached)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages, memoized
     num_published_pages: int = 0  # leading pages already offered to the prefix cache
+    # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: what the
+    # next tokens must give back (the sampler's mask hook reads it); None: no constraint
+    healing: object = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +88,8 @@ class Request:
         new, reason = [], None
         for token in tokens:
             self.output_token_ids.append(token)
+            if self.healing is not None:
+                self.healing.advance(token)
             self.detok.add(token)
             new.append(token)
             if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
