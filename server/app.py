@@ -87,7 +87,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[METRICS] = metrics
     app[NODE] = node
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
-                          cfg.server.max_prompts_x_n)
+                          cfg.server.max_prompts_x_n, cfg.server.token_healing)
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()

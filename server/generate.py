@@ -37,13 +37,18 @@ class Choice:
 class Generation:
     """The choices of one HTTP request, submitted to the engine together."""
 
-    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str):
+    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str, token_healing: str | bool = "off"):
+        """``token_healing``: server.token_healing, for a request that does not say."""
         self.aengine = aengine
         self.req = req
+        self.token_healing = token_healing
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.prompt_token_ids: list[list[int]] = []
+        # prompt index -> the tokens the engine runs it with (fewer once token healing took
+        # some off): what usage and the returned prompt_token_ids count, as vLLM counts them
+        self.engine_prompt_tokens: dict[int, int] = {}
         self.choices: list[Choice] = []
         self._params: list[SamplingParams] = []
         self._sink: asyncio.Queue = asyncio.Queue()
@@ -65,6 +70,7 @@ class Generation:
             self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
                                      for p in req.prompts]
         for i, ids in enumerate(self.prompt_token_ids):
+            heal = self._heals(req.prompts[i] if not req.chat else None)
             for j in range(req.n):
                 max_tokens = req.max_tokens
                 if max_tokens is None:  # chat default: whatever the context has room for
@@ -72,7 +78,7 @@ class Generation:
                 params = SamplingParams(
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     seed=None if req.seed is None else req.seed + j, stop=list(req.stop),
-                    stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                    stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, token_healing=heal)
                 try:
                     params.validate()
                     engine.validate_request(ids, params)
@@ -82,9 +88,22 @@ class Generation:
                 self.choices.append(Choice(index, f"{self.id}-{index}", i))
                 self._params.append(params)
 
+    def _heals(self, prompt) -> bool:
+        """Whether a prompt is healed: the request's own field, else server.token_healing
+        (auto: a completion prompt given as text; chat and token ids are left as they are)."""
+        if self.req.token_healing is not None:
+            return self.req.token_healing
+        mode = {True: "on", False: "off"}.get(self.token_healing, self.token_healing)
+        return mode == "on" or (mode == "auto" and isinstance(prompt, str))
+
+    def engine_prompt(self, prompt_index: int) -> list[int]:
+        """The prompt's token ids as the engine runs them (without healed tokens)."""
+        ids = self.prompt_token_ids[prompt_index]
+        return ids[:self.engine_prompt_tokens.get(prompt_index, len(ids))]
+
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.prompt_token_ids)
+        return sum(len(self.engine_prompt(i)) for i in range(len(self.prompt_token_ids)))
 
     @property
     def num_completion_tokens(self) -> int:
@@ -113,6 +132,7 @@ class Generation:
                     raise out
                 c.text.append(out.new_text)
                 c.token_ids.extend(out.new_token_ids)
+                self.engine_prompt_tokens[c.prompt_index] = out.num_prompt_tokens
                 c.num_output_tokens = out.num_output_tokens
                 if out.finished:
                     c.finish_reason = out.finish_reason

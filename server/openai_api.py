@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 class OpenAIRoutes:
     def __init__(self, aengine, model_name: str, model_root: str, max_body_bytes: int,
-                 max_prompts_x_n: int = 256):
+                 max_prompts_x_n: int = 256, token_healing: str | bool = "auto"):
         self.aengine = aengine
+        self.token_healing = token_healing  # server.token_healing
         self.max_prompts_x_n = max_prompts_x_n
         self.model_name = model_name
         self.model_root = model_root
@@ -89,7 +90,7 @@ class OpenAIRoutes:
                            f"{self.max_prompts_x_n} (server.max_prompts_x_n)", 400, param="n")
         if not self.aengine.is_alive():
             raise APIError("the engine is not running", 503)
-        gen = Generation(self.aengine, req, prefix)
+        gen = Generation(self.aengine, req, prefix, self.token_healing)
         gen.prepare()
         try:
             if req.stream:
@@ -119,7 +120,7 @@ class OpenAIRoutes:
         body = {"id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": gen.created,
                 "model": self.model_name, "choices": choices, "usage": gen.usage()}
         if gen.req.return_token_ids:
-            body["prompt_token_ids"] = gen.prompt_token_ids
+            body["prompt_token_ids"] = [gen.engine_prompt(i) for i in range(len(gen.prompt_token_ids))]
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
@@ -172,7 +173,7 @@ class OpenAIRoutes:
             if req.return_token_ids:
                 ch["token_ids"] = token_ids
                 if c.index not in started:
-                    ch["prompt_token_ids"] = gen.prompt_token_ids[c.prompt_index]
+                    ch["prompt_token_ids"] = gen.engine_prompt(c.prompt_index)
             return ch
 
         try:

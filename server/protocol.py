@@ -38,6 +38,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    token_healing: bool | None = None  # extension (vLLM-style extra field); None: server.token_healing
 
 
 def _type_name(v: Any) -> str:
@@ -153,6 +154,7 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         stop=_stop(body),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
+        token_healing=_bool(body, "token_healing", None),
     )
 
 

@@ -70,6 +70,11 @@ class ServerConfig:
     max_connections: int = 1024  # beyond it, idle connections are closed oldest first
     max_prompts_x_n: int = 256  # prompts x n of one request (each is an engine request); more is a 400
     max_waiting_requests: int = 4096  # engine requests waiting for admission; beyond: 503 + Retry-After
+    # Token healing for requests that do not say (their "token_healing" field): auto = on for
+    # /v1/completions prompts given as text, off for chat (its template ends on special
+    # tokens) and for prompts given as token ids (the client's own tokenization); on; off.
+    # YAML reads a bare on/off as true/false: both spellings are taken.
+    token_healing: str | bool = "auto"
 
 
 @dataclass(frozen=True)

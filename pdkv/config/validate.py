@@ -97,6 +97,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.max_connections > 0, "server.max_connections", "a positive integer", sv.max_connections)
     need(sv.max_waiting_requests > 0, "server.max_waiting_requests", "a positive integer", sv.max_waiting_requests)
     need(sv.max_prompts_x_n > 0, "server.max_prompts_x_n", "a positive integer", sv.max_prompts_x_n)
+    need(sv.token_healing in ("auto", "on", "off") or isinstance(sv.token_healing, bool),
+         "server.token_healing", "auto, on or off", sv.token_healing)
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)
