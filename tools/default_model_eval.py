@@ -73,6 +73,31 @@ def score(model, tokenizer) -> dict:
     return dict(counts, total=sum(counts.values()), parsed=parsed)
 
 
+def engine_score(engine, token_healing: bool, n: int = NEW_TOKENS) -> dict:
+    """The same score from a pdkv engine's greedy completions (what a client of
+    ``/v1/completions`` gets: with healing, the text excludes what healing took off the
+    prompt, so ``prompt + text`` is what is parsed)."""
+    from pdkv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, token_healing=token_healing)
+    parsed, counts = {}, {}
+    for group, prompts in eval_prompts().items():
+        outs = engine.generate(prompts, params)
+        ok = [parses(p, o.text, o.finish_reason == "stop") for p, o in zip(prompts, outs)]
+        parsed.update(zip(prompts, ok))
+        counts[group] = sum(ok)
+    return dict(counts, total=sum(counts.values()), parsed=parsed)
+
+
+def _engine(folder):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+    from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+    from pdkv.engine import LLMEngine
+
+    return LLMEngine(ModelConfig(path=str(folder)), KVCacheConfig(page_size=16, num_pages=256),
+                     SchedulerConfig(), num_threads=1)
+
+
 def main(argv: list[str]) -> int:
     import torch
     from tokenizers import Tokenizer
@@ -88,7 +113,13 @@ def main(argv: list[str]) -> int:
             print(f"--- [{group}] {'PARSES' if parses(p, text, done) else 'fails'} "
                   f"{'(EOS)' if done else ''}\n{p}\033[1m{text}\033[0m")
     s = score(model, tok)
-    print(f"score: {s['total']}/16 (line_end {s['line_end']}/8, after_newline {s['after_newline']}/8)")
+    print(f"transformers, no healing: {s['total']}/16 (line_end {s['line_end']}/8, "
+          f"after_newline {s['after_newline']}/8)")
+    engine = _engine(folder)
+    for heal in (False, True):
+        s = engine_score(engine, heal)
+        print(f"pdkv, token_healing={heal}: {s['total']}/16 (line_end {s['line_end']}/8, "
+              f"after_newline {s['after_newline']}/8)")
     return 0
 
 
