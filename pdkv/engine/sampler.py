@@ -56,8 +56,11 @@ def constrain_allowed(logits: torch.Tensor, requests: list, drafts: list[int] | 
     otherwise ``logits`` are one request's [len(drafts) + 1, V] verification rows. Returns
     ``logits`` itself when nothing is constrained, else a masked copy."""
     if drafts is None:
-        masks = [allowed_next(r) for r in requests]
-        rows = [(i, m[0]) for i, m in enumerate(masks) if m is not None]
+        healing = [i for i, r in enumerate(requests) if getattr(r, "healing", None) is not None]
+        if not healing:  # the common case: one attribute check per row
+            return logits
+        masks = [(i, allowed_next(requests[i])) for i in healing]
+        rows = [(i, m[0]) for i, m in masks if m is not None]
     else:
         masks = allowed_next(requests[0], drafts)
         rows = [] if masks is None else [(i, m) for i, m in enumerate(masks) if m is not None]
