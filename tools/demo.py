@@ -30,8 +30,10 @@ from pathlib import Path
 from pdkv.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-# tests/default_model checks that their completions parse
-DEFAULT_PROMPTS = ("def fibonacci(n):", "def is_prime(n):\n")
+# tests/default_model checks that the model ends both (EOS) within the default max tokens and
+# that the results parse
+DEFAULT_PROMPTS = ("def read_lines(path):", "class Stack:\n    def __init__(self):\n")
+DEFAULT_MAX_TOKENS = 96
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     "for several (default: two function headers, which the default model continues)")
     ap.add_argument("--chat", action="store_true", help="send the prompt as a user message to "
                     "/v1/chat/completions (the chat template) instead of completing it")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     args = ap.parse_args(argv)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
 

@@ -30,3 +30,20 @@ def test_trained_completions_parse_with_and_without_healing(shipped_dir, hf_mode
     noise = LlamaForCausalLM(hf_model.config).eval()  # same shape and tokenizer, untrained
     random = score(noise, hf_tokenizer)
     assert random["total"] <= 1, random
+
+
+def test_the_demo_prompts_end_on_eos_and_parse(shipped_dir):
+    """What `make demo` shows: /v1/completions' default (token healing on for a text prompt),
+    greedy, within the demo's token budget."""
+    from demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPTS
+
+    from default_model_eval import parses
+    from pdkv.engine import SamplingParams
+
+    assert any(p.endswith("\n") for p in DEFAULT_PROMPTS) and not all(p.endswith("\n") for p in DEFAULT_PROMPTS)
+    engine = make_engine(node_config(shipped_dir, "colocated"))
+    outs = engine.generate(list(DEFAULT_PROMPTS), SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0,
+                                                                 token_healing=True))
+    for p, o in zip(DEFAULT_PROMPTS, outs):
+        assert o.finish_reason == "stop" and o.output_token_ids[-1] in engine.tokenizer.eos_token_ids, (p, o.text)
+        assert parses(p, o.text, True), p + o.text
