@@ -6,10 +6,10 @@ import torch
 
 from default_model_eval import complete_lines, parses  # noqa: F401 - the one scoring rule, in tools/
 
-# Fixed code prompts in the stdlib's style (the demo's is the first), each ending where a line
-# ends; test_plausible also asks for them after a newline, which the tokenizer keeps apart from
-# the next line's indentation. (The wider 16 prompts of tools/default_model_prompts.json are
-# test_eval_prompts': it is a tiny model, best at a top-level function's docstring.)
+# Fixed code prompts in the stdlib's style, each ending where its line ends; test_plausible also
+# asks for them after a newline, which the tokenizer keeps apart from the next line's
+# indentation. (The wider 16 prompts of tools/default_model_prompts.json are test_eval_prompts':
+# it is a tiny model, best at a top-level function's docstring.)
 CODE_PROMPTS = [
     "def fibonacci(n):",
     "def close(self):",
