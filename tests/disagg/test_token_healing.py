@@ -36,6 +36,14 @@ def test_disaggregated_with_ngram_equals_colocated(boundary_model_dir, tok):
     want = plain.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True,
                                                   token_healing=True))
     c = Cluster(boundary_model_dir, decode_over=NGRAM)
+    sent = []  # the prompts the prefill node was asked to prefill
+    real_add = c.prefill_engine.add_request
+
+    def add_request(request_id, prompt, params, arrival=None):
+        sent.append(list(prompt))
+        return real_add(request_id, prompt, params, arrival)
+
+    c.prefill_engine.add_request = add_request
     try:
         for p, w in zip(PROMPTS, want):
             short, h = tok.healer().heal(tok.encode(p))
@@ -45,7 +53,8 @@ def test_disaggregated_with_ngram_equals_colocated(boundary_model_dir, tok):
             assert status == 200, body  # healed by default (auto): a completion's text prompt
             ch = body["choices"][0]
             assert ch["token_ids"] == w.output_token_ids and ch["text"] == w.text
-            assert body["prompt_token_ids"] == [short]  # what the prefill node was sent, + held-back
+            assert body["prompt_token_ids"] == [short]
+            assert sent[-1] == short[:-1]  # the shortened prompt, its last token held back for decode
             assert body["usage"]["prompt_tokens"] == len(short)
             assert body["usage"]["completion_tokens"] == N
         wait_for(c.pools_full, 10, "every page back on both nodes")
