@@ -37,7 +37,8 @@ class Choice:
 class Generation:
     """The choices of one HTTP request, submitted to the engine together."""
 
-    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str, token_healing: str | bool = "off"):
+    def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str,
+                 token_healing: str | bool = "off"):
         """``token_healing``: server.token_healing, for a request that does not say."""
         self.aengine = aengine
         self.req = req

@@ -114,7 +114,8 @@ class Intake:
 
         healer = getattr(self.tokenizer, "healer", None)
         if healer is None:
-            raise InvalidRequest("token_healing: this engine's tokenizer has no vocabulary index to heal with")
+            raise InvalidRequest("token_healing: this engine's tokenizer has no vocabulary index "
+                                 "to heal with")
         index = healer()
         ids, done = index.heal(ids)
         return ids, None if done is None else HealingState(index, done)

@@ -40,10 +40,10 @@ def test_the_demo_prompts_end_on_eos_and_parse(shipped_dir):
     from default_model_eval import parses
     from pdkv.engine import SamplingParams
 
-    assert any(p.endswith("\n") for p in DEFAULT_PROMPTS) and not all(p.endswith("\n") for p in DEFAULT_PROMPTS)
+    assert sorted(p.endswith("\n") for p in DEFAULT_PROMPTS) == [False, True]
     engine = make_engine(node_config(shipped_dir, "colocated"))
-    outs = engine.generate(list(DEFAULT_PROMPTS), SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0,
-                                                                 token_healing=True))
-    for p, o in zip(DEFAULT_PROMPTS, outs):
-        assert o.finish_reason == "stop" and o.output_token_ids[-1] in engine.tokenizer.eos_token_ids, (p, o.text)
+    params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0, token_healing=True)
+    for p, o in zip(DEFAULT_PROMPTS, engine.generate(list(DEFAULT_PROMPTS), params)):
+        assert o.finish_reason == "stop", (p, o.text)
+        assert o.output_token_ids[-1] in engine.tokenizer.eos_token_ids, (p, o.text)
         assert parses(p, o.text, True), p + o.text
