@@ -14,6 +14,13 @@ What it writes is an ordinary Hugging Face Llama folder (config.json, bfloat16 s
 tokenizer.json + tokenizer_config.json with a ChatML template, generation_config.json), plus
 ``heldout.txt``: the held-out text the card's loss was measured on, shipped so the check does
 not depend on the machine's stdlib version. ``--loss-png`` saves the loss curve.
+
+The tokenizer's pre-tokenizer keeps every newline apart from the indentation after it
+(``Recipe.pre_tokenizer``): with GPT-2's split, ``"\\n    return"`` is ``ĊĠĠĠ`` ``Ġreturn``, so a
+prompt ending in a newline ends on a bare ``Ċ`` that training only ever saw before unindented
+text, and the model jumped back to column 0. Each checkpoint also scores the 16 code prompts of
+``tools/default_model_prompts.json`` (``tools/default_model_eval.py``; half end after a newline)
+and records it in ``training.json`` and the card.
 """
 
 from __future__ import annotations
