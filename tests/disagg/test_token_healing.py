@@ -77,6 +77,15 @@ def test_server_default_and_the_request_field(boundary_model_dir, tok):
         assert prompt_tokens({"prompt": PROMPTS[0], "token_healing": False}) == len(ids)
         assert prompt_tokens({"prompt": ids}) == len(ids)  # token ids: the client's tokenization
         assert prompt_tokens({"prompt": ids, "token_healing": True}) == len(ids) - 1
+        # streamed, the chunks add up to the same text (the given-back text is in none of them)
+        status, whole = post_completion(srv.url, {**base, "prompt": PROMPTS[1]})
+        assert status == 200, whole
+        req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(
+            {**base, "prompt": PROMPTS[1], "stream": True}).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]"]
+        assert "".join(chunks) == whole["choices"][0]["text"] and len(chunks) > 1
         status, out = post_completion(srv.url, {**base, "prompt": PROMPTS[0], "token_healing": "yes"})
         assert status == 400 and "token_healing" in out["error"]["message"], out
         messages = [{"role": "user", "content": "add"}]
