@@ -18,6 +18,11 @@ def _pre_tokenizer(r: dict) -> str:
     return "GPT-2's byte-level split (`\\n    ` merges into one token)"
 
 
+def _where(rec: dict) -> str:
+    device = rec.get("device", "cpu")
+    return f"{rec['recipe']['threads']} CPU thread(s)" if device == "cpu" else device
+
+
 def _prompt_score(rec: dict) -> str:
     s = rec.get("prompt_score")
     if not s:
@@ -57,7 +62,7 @@ ordinary Hugging Face Llama folder: `transformers` loads it unchanged.
 | parameters | {rec["parameters"]:,} ({rec["weights_bytes"] / 1e6:.1f} MB of bfloat16 safetensors) |
 | tokenizer | byte-level BPE, {r["vocab_size"]} tokens, trained with `tokenizers` on the first {r["tokenizer_chars"]:,} characters of the training files; `<|endoftext|>` = BOS (opens every document and a plain prompt), `<|im_start|>`/`<|im_end|>` = ChatML turns, `<|im_end|>` = EOS; pre-tokenizer: {_pre_tokenizer(r)} |
 | context | trained on {r["context"]}-token windows (RoPE, max_position_embeddings {r["max_position_embeddings"]}) |
-| training | {rec["steps_done"]} steps{"" if rec["steps_done"] == r["steps"] else f" (checkpoint of a {r['steps']}-step schedule)"} of {r["batch_size"]} x {r["context"]} tokens = {rec["train_tokens"]:,} tokens, AdamW (lr {r["lr"]}, betas {tuple(r["betas"])}, weight decay {r["weight_decay"]}, {r["warmup_steps"]} warm-up steps, cosine to {r["min_lr_ratio"]} x lr, grad clip {r["grad_clip"]}), seed {r["seed"]}, float32 on {r["threads"]} CPU thread(s), {rec["train_seconds"] / 60:.1f} min |
+| training | {rec["steps_done"]} steps{"" if rec["steps_done"] == r["steps"] else f" (checkpoint of a {r['steps']}-step schedule)"} of {r["batch_size"]} x {r["context"]} tokens = {rec["train_tokens"]:,} tokens, AdamW (lr {r["lr"]}, betas {tuple(r["betas"])}, weight decay {r["weight_decay"]}, {r["warmup_steps"]} warm-up steps, cosine to {r["min_lr_ratio"]} x lr, grad clip {r["grad_clip"]}), seed {r["seed"]}, float32 on {_where(rec)}, {rec["train_seconds"] / 60:.1f} min |
 | final train loss | {rec["final_train_loss"]:.4f} nats/token (mean of the last 50 steps) |
 | held-out loss | **{rec["heldout_loss"]:.4f}** nats/token on `heldout.txt` ({rec["heldout_tokens"]:,} tokens), measured on the shipped bfloat16 weights run in float32 ({rec["heldout_loss"] * rec["heldout_tokens"] / rec["heldout_chars"]:.4f} nats per character of `heldout.txt`, the figure that compares across tokenizers) |
 

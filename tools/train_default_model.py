@@ -10,6 +10,10 @@ and model card: the seeds, the corpus (file list and its SHA-256), the tokenizer
 shapes, every optimiser setting and the step count. Same Python version + same torch build give
 the same tokens; floating point on other CPUs may drift in the last bits.
 
+A larger model, with the same script: ``--recipe hidden_size=512 --recipe num_layers=8 ...``
+overrides Recipe fields (recorded like the rest) and ``--device cuda`` trains on a GPU (not
+bit-reproducible there: cuBLAS picks kernels per machine); the saved folder is scored on the CPU.
+
 What it writes is an ordinary Hugging Face Llama folder (config.json, bfloat16 safetensors,
 tokenizer.json + tokenizer_config.json with a ChatML template, generation_config.json), plus
 ``heldout.txt``: the held-out text the card's loss was measured on, shipped so the check does
@@ -36,7 +40,7 @@ import sysconfig
 import textwrap
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,6 +218,34 @@ def lr_at(step: int, r: Recipe) -> float:
     return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def recipe_from(overrides: list[str], **base) -> Recipe:
+    """Recipe with ``KEY=VALUE`` overrides (``--recipe hidden_size=512``), each value read as the
+    field's type; an error names the field. How a larger model is trained with the same script."""
+    kinds = {f.name: type(f.default) for f in fields(Recipe) if f.name not in ("betas", "extra")}
+    values = dict(base)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or key not in kinds:
+            raise SystemExit(f"--recipe {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(kinds))}")
+        try:
+            values[key] = kinds[key](raw) if kinds[key] is not bool else raw.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise SystemExit(f"--recipe {item!r}: {key} must be a {kinds[key].__name__}") from None
+    return Recipe(**values)
+
+
+def pick_device(name: str):
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch has no CUDA device here (a CPU build, or no GPU); use --device cpu")
+        return torch.device("cuda")
+    raise SystemExit(f"--device must be cpu or cuda, got {name!r}")
+
+
 def train(model, stream, r: Recipe, checkpoint):
     """The training loop; ``checkpoint(step, curve, train_s, tokens) -> held-out loss`` saves the
     folder every ``eval_every`` steps (so a usable model exists long before the end)."""
@@ -233,6 +265,7 @@ def train(model, stream, r: Recipe, checkpoint):
             g["lr"] = lr_at(step, r)
         starts = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
         batch = torch.from_numpy(np.stack([stream[s:s + r.context + 1] for s in starts]).astype(np.int64))
+        batch = batch.to(next(model.parameters()).device)
         model.train()
         logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
@@ -293,12 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=Recipe.steps)
     ap.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     ap.add_argument("--eval-every", type=int, default=Recipe.eval_every)
+    ap.add_argument("--recipe", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a Recipe field (repeatable), e.g. hidden_size=512 num_layers=8")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains; "
+                    "the saved weights are scored on the CPU either way")
     ap.add_argument("--trial", type=float, default=0.0,
                     help="only measure: train this many seconds, print tokens/s, write nothing")
     a = ap.parse_args(argv)
     import torch
 
-    r = Recipe(steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
+    r = recipe_from(a.recipe, steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
+    device = pick_device(a.device)
     torch.set_num_threads(r.threads)
     random.seed(r.seed)
     t_start = time.perf_counter()
@@ -315,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(stream) / 1e6:.2f} M tokens "
           f"({n_code} code, {n_chat} chat); held-out {heldout_ids.numel()} tokens "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
-    model = build_model(r, tok)
+    model = build_model(r, tok).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
     if a.trial:
@@ -324,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         while time.perf_counter() - t0 < a.trial:
             s = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
-            b = torch.from_numpy(np.stack([stream[i:i + r.context + 1] for i in s]).astype(np.int64))
+            b = torch.from_numpy(np.stack([stream[i:i + r.context + 1] for i in s]).astype(np.int64)).to(device)
             logits = model(input_ids=b[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
             opt.zero_grad()
@@ -342,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         excluded_top_level=sorted(EXCLUDE_TOP), heldout_rule=f"crc32(path) % {HELDOUT_MOD} == 0",
         train_files=len(train_files), heldout_files=[p for p, _ in held_files],
         train_chars=sum(len(t) for _, t in train_files), stream_tokens=int(len(stream)),
-        code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__)
+        code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__,
+        device=str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})")
 
     def checkpoint(step, curve, train_s, tokens) -> float:
         t = time.perf_counter()
