@@ -13,8 +13,13 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 skip_prefix: str = ""):
+        """``skip_prefix``: text the output starts with that is not the client's (token healing
+        took it off the prompt and the first tokens give it back): dropped, never emitted, and
+        not searched for stop strings."""
         self.tok = tokenizer
+        self.skip_prefix = skip_prefix
         self.skip = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -40,6 +45,14 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.skip_prefix:
+                k = 0  # the output gives skip_prefix back first; drop the part it matches
+                while k < min(len(new), len(self.skip_prefix)) and new[k] == self.skip_prefix[k]:
+                    k += 1
+                # a mismatch (a tokenizer whose decoding is not plain concatenation) ends the
+                # skipping: text is never dropped that the prefix does not account for
+                self.skip_prefix = self.skip_prefix[k:] if k == min(len(new), len(self.skip_prefix)) else ""
+                new = new[k:]
             before = len(self.text)
             self.text += new
             self._check_stop(before)

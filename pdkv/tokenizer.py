@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pdkv.detokenizer import IncrementalDetokenizer
 from pdkv.errors import InvalidRequest, ModelLoadError
+from pdkv.tokenizer_healing import TokenHealer
 
 
 def _token_str(value) -> str | None:
@@ -52,6 +53,7 @@ class Tokenizer:
         # alphabet), "ByteFallback" (sentencepiece's <0xNN>), or "" (plain text).
         decoder = json.dumps(json.loads(self._tok.to_str()).get("decoder"))
         self.byte_encoding = next((k for k in ("ByteLevel", "ByteFallback") if k in decoder), "")
+        self._healer: TokenHealer | None = None
 
     @staticmethod
     def _read_optional(path: Path) -> dict:
@@ -74,10 +76,17 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def healer(self) -> TokenHealer:
+        """The vocabulary index token healing uses (pdkv.tokenizer_healing), built on first use:
+        a server that never heals never pays for it."""
+        if self._healer is None:
+            self._healer = TokenHealer.for_tokenizer(self._tok)
+        return self._healer
+
     def detokenizer(self, prompt_ids: list[int] | None = None, stop: list[str] | None = None,
-                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+                    skip_special_tokens: bool = True, skip_prefix: str = "") -> IncrementalDetokenizer:
         """A per-request incremental detokenizer (see pdkv.detokenizer)."""
-        return IncrementalDetokenizer(self, prompt_ids or [], stop or [], skip_special_tokens)
+        return IncrementalDetokenizer(self, prompt_ids or [], stop or [], skip_special_tokens, skip_prefix)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders ``messages`` ([{"role": ..., "content": ...}]) to the prompt text."""

@@ -40,18 +40,24 @@ class Generation:
     """The choices of one HTTP request, submitted to the engine together."""
 
     def __init__(self, aengine: AsyncEngine, req: GenerateRequest, prefix: str, constraint=None,
-                 max_prompt_logprobs_tokens: int = 2048, keep_special_tokens: bool = False):
+                 max_prompt_logprobs_tokens: int = 2048, keep_special_tokens: bool = False,
+                 token_healing: str | bool = "off"):
         """``constraint``: the compiled output constraint (server/structured.py), or None;
-        ``keep_special_tokens``: the text keeps special tokens (a tool parser reads its own)."""
+        ``keep_special_tokens``: the text keeps special tokens (a tool parser reads its own);
+        ``token_healing``: server.token_healing, for a request that does not say."""
         self.keep_special_tokens = keep_special_tokens
         self.aengine = aengine
         self.req = req
         self.constraint = constraint
         self.max_prompt_logprobs_tokens = max_prompt_logprobs_tokens
+        self.token_healing = token_healing
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.prompt_token_ids: list[list[int]] = []
+        # prompt index -> the tokens the engine runs it with (fewer once token healing took
+        # some off): what usage and the returned prompt_token_ids count, as vLLM counts them
+        self.engine_prompt_tokens: dict[int, int] = {}
         self.choices: list[Choice] = []
         self._params: list[SamplingParams] = []
         self._sink: asyncio.Queue = asyncio.Queue()
@@ -80,6 +86,10 @@ class Generation:
                 raise APIError(f"echo with logprobs: the prompt has {len(ids)} tokens, the limit is "
                                f"{self.max_prompt_logprobs_tokens} (server.max_prompt_logprobs_tokens)",
                                400, param="echo")
+            # Healing would change the prompt an echo returns, and a constrained output must
+            # follow its grammar from the first token: neither is healed.
+            heal = (not req.echo and self.constraint is None
+                    and self._heals(req.prompts[i] if not req.chat else None))
             for j in range(req.n):
                 max_tokens = req.max_tokens
                 if max_tokens is None:  # chat default: whatever the context has room for
@@ -92,7 +102,8 @@ class Generation:
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
                     min_tokens=req.min_tokens, bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,
-                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint)
+                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint,
+                    token_healing=heal)
                 try:
                     params.validate()
                     engine.validate_request(ids, params)
@@ -102,9 +113,22 @@ class Generation:
                 self.choices.append(Choice(index, f"{self.id}-{index}", i))
                 self._params.append(params)
 
+    def _heals(self, prompt) -> bool:
+        """Whether a prompt is healed: the request's own field, else server.token_healing
+        (auto: a completion prompt given as text; chat and token ids are left as they are)."""
+        if self.req.token_healing is not None:
+            return self.req.token_healing
+        mode = {True: "on", False: "off"}.get(self.token_healing, self.token_healing)
+        return mode == "on" or (mode == "auto" and isinstance(prompt, str))
+
+    def engine_prompt(self, prompt_index: int) -> list[int]:
+        """The prompt's token ids as the engine runs them (without healed tokens)."""
+        ids = self.prompt_token_ids[prompt_index]
+        return ids[:self.engine_prompt_tokens.get(prompt_index, len(ids))]
+
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.prompt_token_ids)
+        return sum(len(self.engine_prompt(i)) for i in range(len(self.prompt_token_ids)))
 
     @property
     def num_completion_tokens(self) -> int:
@@ -133,6 +157,7 @@ class Generation:
                     raise out
                 c.text.append(out.new_text)
                 c.token_ids.extend(out.new_token_ids)
+                self.engine_prompt_tokens[c.prompt_index] = out.num_prompt_tokens
                 c.num_output_tokens = out.num_output_tokens
                 c.logprobs.extend(out.new_logprobs)
                 if out.prompt_logprobs is not None:

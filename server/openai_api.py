@@ -44,6 +44,7 @@ class OpenAIRoutes:
         self.parsers: OutputParsers | None = None
         self.formatter: LogprobsFormatter | None = None
         self.aengine = aengine
+        self.token_healing = self.sc.token_healing
         self.max_prompts_x_n = max_prompts_x_n
         self.model_name = model_name
         self.model_root = model_root
@@ -117,7 +118,8 @@ class OpenAIRoutes:
             constraint = self.grammars.after_reasoning(constraint)
         # As vLLM: tool-call markers may be special tokens, which the parser must see.
         parsing = req.tools is not None and req.tools.choice == "auto" and self.parsers.tools is not None
-        gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens, parsing)
+        gen = Generation(self.aengine, req, prefix, constraint, self.sc.max_prompt_logprobs_tokens, parsing,
+                         self.token_healing)
         gen.prepare()
         try:
             if req.stream:
@@ -156,7 +158,7 @@ class OpenAIRoutes:
         body = {"id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": gen.created,
                 "model": self.model_name, "choices": choices, "usage": gen.usage()}
         if gen.req.return_token_ids:
-            body["prompt_token_ids"] = gen.prompt_token_ids
+            body["prompt_token_ids"] = [gen.engine_prompt(i) for i in range(len(gen.prompt_token_ids))]
         return web.json_response(body)
 
     def _echo(self, gen: Generation, c: Choice) -> str:
@@ -233,7 +235,7 @@ class OpenAIRoutes:
             if req.return_token_ids:
                 ch["token_ids"] = token_ids
                 if c.index not in started:
-                    ch["prompt_token_ids"] = gen.prompt_token_ids[c.prompt_index]
+                    ch["prompt_token_ids"] = gen.engine_prompt(c.prompt_index)
             return ch
 
         try:

@@ -54,6 +54,7 @@ class GenerateRequest:
     echo: bool = False  # completions: the prompt's text (and with logprobs its logprobs) first
     structured: StructuredSpec | None = None
     tools: ToolsSpec | None = None
+    token_healing: bool | None = None  # extension (vLLM-style extra field); None: server.token_healing
 
 
 def _type_name(v: Any) -> str:
@@ -167,6 +168,7 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         stop=_stop(body),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
+        token_healing=_bool(body, "token_healing", None),
     )
 
 

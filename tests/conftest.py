@@ -41,6 +41,50 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
 
 
+# Code whose lines are indented: a byte-level BPE trained on it merges a newline with the
+# indentation after it, the boundary token healing is for.
+BOUNDARY_CORPUS = """def add(a, b):
+    return a + b
+
+
+def scale(values, factor):
+    result = []
+    for value in values:
+        result.append(value * factor)
+    return result
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def increment(self):
+        self.count += 1
+        return self.count
+"""
+
+
+@pytest.fixture(scope="session")
+def boundary_model_dir(tmp_path_factory):
+    """The tiny llama (random weights, vocab 512) with a byte-level BPE of 400 tokens trained on
+    indented code: "\\n    return" is ``ĊĠĠĠ`` + ``Ġreturn``, so a prompt ending in a newline
+    ends on a bare ``Ċ`` that a longer token extends."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pdkv.tiny_model import SPECIAL_TOKENS, make_tiny_model
+
+    out = make_tiny_model(tmp_path_factory.mktemp("boundary_llama"), arch="llama", seed=1)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([BOUNDARY_CORPUS] * 8, trainer)
+    assert tok.token_to_id("ĊĠĠĠ") is not None and tok.token_to_id("<|im_end|>") == 2
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
 # .ci/run sets PDKV_REQUIRE_VERBS=1: there the verbs tests must run, so whatever would skip them
 # (pdkv built without verbs, no compiler, no headers) fails the session instead.
 REQUIRE_VERBS = os.environ.get("PDKV_REQUIRE_VERBS") == "1"

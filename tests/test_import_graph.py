@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)
     ("pdkv.control_wire",),  # control frames, HELLO and the control errors
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)
-    ("pdkv.detokenizer", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
+    ("pdkv.detokenizer", "pdkv.tokenizer_healing", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
     ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv._kernels", "pdkv.auth", "pdkv.ports", "pdkv.app_thread", "pdkv"),  # leaves
     ("pdkv.cpus",),  # CPU-list parsing and pinning (the config validates parallel.cpus with it)
 ]

@@ -10,6 +10,35 @@ import sys
 from pathlib import Path
 
 
+def _pre_tokenizer(r: dict) -> str:
+    if r.get("pre_tokenizer", "gpt2") == "newline-apart":
+        return ("every `\\n` is a pre-token of its own (then GPT-2's byte-level split), so a newline "
+                "never merges with the next line's indentation: `\\n    return` is `Ċ` `ĠĠĠ` `Ġreturn`, "
+                "and a prompt ending in a newline ends on a token training saw before indented lines")
+    return "GPT-2's byte-level split (`\\n    ` merges into one token)"
+
+
+def _where(rec: dict) -> str:
+    device = rec.get("device", "cpu")
+    return f"{rec['recipe']['threads']} CPU thread(s)" if device == "cpu" else device
+
+
+def _prompt_score(rec: dict) -> str:
+    s = rec.get("prompt_score")
+    if not s:
+        return ""
+    curve = ", ".join(f"{step}: {a}+{b}" for step, a, b in rec.get("prompt_evals", []))
+    return f"""
+On the 16 code prompts of `tools/default_model_prompts.json` (written before any model's output
+on them was seen; 8 end where a line ends, 8 after a newline), the greedy completions (64 tokens,
+transformers, no token healing) of these weights parse as Python, cut after their last complete
+line, for **{s["total"]}/16**: {s["line_end"]}/8 ending where a line ends, {s["after_newline"]}/8
+after a newline (per checkpoint, step: line end + after newline: {curve}).
+`python tools/default_model_eval.py pdkv/data/pdkv-stdlib-coder` prints them, and the same
+score from pdkv with token healing on and off.
+"""
+
+
 def model_card(rec: dict) -> str:
     r, c = rec["recipe"], rec["corpus"]
     return f"""---
@@ -31,11 +60,11 @@ ordinary Hugging Face Llama folder: `transformers` loads it unchanged.
 |---|---|
 | architecture | `LlamaForCausalLM`, {r["num_layers"]} layers, hidden {r["hidden_size"]}, {r["num_heads"]} heads / {r["num_kv_heads"]} KV heads (GQA), MLP {r["intermediate_size"]}, tied embeddings |
 | parameters | {rec["parameters"]:,} ({rec["weights_bytes"] / 1e6:.1f} MB of bfloat16 safetensors) |
-| tokenizer | byte-level BPE, {r["vocab_size"]} tokens, trained with `tokenizers` on the first {r["tokenizer_chars"]:,} characters of the training files; `<|endoftext|>` = BOS (opens every document and a plain prompt), `<|im_start|>`/`<|im_end|>` = ChatML turns, `<|im_end|>` = EOS |
+| tokenizer | byte-level BPE, {r["vocab_size"]} tokens, trained with `tokenizers` on the first {r["tokenizer_chars"]:,} characters of the training files; `<|endoftext|>` = BOS (opens every document and a plain prompt), `<|im_start|>`/`<|im_end|>` = ChatML turns, `<|im_end|>` = EOS; pre-tokenizer: {_pre_tokenizer(r)} |
 | context | trained on {r["context"]}-token windows (RoPE, max_position_embeddings {r["max_position_embeddings"]}) |
-| training | {rec["steps_done"]} steps{"" if rec["steps_done"] == r["steps"] else f" (checkpoint of a {r['steps']}-step schedule)"} of {r["batch_size"]} x {r["context"]} tokens = {rec["train_tokens"]:,} tokens, AdamW (lr {r["lr"]}, betas {tuple(r["betas"])}, weight decay {r["weight_decay"]}, {r["warmup_steps"]} warm-up steps, cosine to {r["min_lr_ratio"]} x lr, grad clip {r["grad_clip"]}), seed {r["seed"]}, float32 on {r["threads"]} CPU thread(s), {rec["train_seconds"] / 60:.1f} min |
+| training | {rec["steps_done"]} steps{"" if rec["steps_done"] == r["steps"] else f" (checkpoint of a {r['steps']}-step schedule)"} of {r["batch_size"]} x {r["context"]} tokens = {rec["train_tokens"]:,} tokens, AdamW (lr {r["lr"]}, betas {tuple(r["betas"])}, weight decay {r["weight_decay"]}, {r["warmup_steps"]} warm-up steps, cosine to {r["min_lr_ratio"]} x lr, grad clip {r["grad_clip"]}), seed {r["seed"]}, float32 on {_where(rec)}, {rec["train_seconds"] / 60:.1f} min |
 | final train loss | {rec["final_train_loss"]:.4f} nats/token (mean of the last 50 steps) |
-| held-out loss | **{rec["heldout_loss"]:.4f}** nats/token on `heldout.txt` ({rec["heldout_tokens"]:,} tokens), measured on the shipped bfloat16 weights run in float32 |
+| held-out loss | **{rec["heldout_loss"]:.4f}** nats/token on `heldout.txt` ({rec["heldout_tokens"]:,} tokens), measured on the shipped bfloat16 weights run in float32 ({rec["heldout_loss"] * rec["heldout_tokens"] / rec["heldout_chars"]:.4f} nats per character of `heldout.txt`, the figure that compares across tokenizers) |
 
 ## Data
 
@@ -67,7 +96,7 @@ Greedy completions are Python in the stdlib's voice — mostly docstrings, often
 working code. `tests/default_model` checks that completions of fixed code prompts parse as
 Python (cut at their last complete line) for most of them, and that untrained weights of the
 same shape fail that check.
-
+{_prompt_score(rec)}
 ## License
 
 The training text is the Python standard library, © Python Software Foundation, under the

@@ -1,12 +1,14 @@
 """``make demo``: start a local disaggregated cluster (``pdkv up -c configs/local-disagg.yaml``:
-one prefill node + one decode node on loopback), stream one answer, stop the cluster.
+one prefill node + one decode node on loopback), stream the answers, stop the cluster.
 
 The cluster runs as real subprocesses (``python -m pdkv up``) and the request is real HTTP to
 the decode node, whose prompt KV is computed by the prefill node and streamed over tcp;
 tokens are printed the moment their Server-Sent Event arrives. The default model is the tiny
 code model shipped in pdkv/data/pdkv-stdlib-coder (trained on the Python standard library), so
-the request is one it can answer: complete a function from its header and docstring (the
-completions API; ``--chat`` sends the prompt as a user message through the chat template).
+the requests are ones it can answer: complete a function from its header, once ending where
+the line ends and once after the newline, as most code prompts end (the completions API, which
+heals the prompt's last token by default: see README "Token healing"; ``--chat`` sends the
+prompt as a user message through the chat template).
 Serve a real folder with another question:
 ``python tools/demo.py --set model.path=/models/Qwen2.5-0.5B-Instruct --chat --prompt "Hello!"``.
 """
@@ -28,7 +30,10 @@ from pathlib import Path
 from pdkv.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPT = "def fibonacci(n):"  # tests/default_model checks that its completion parses
+# tests/default_model checks that the model ends both (EOS) within the default max tokens and
+# that the results parse
+DEFAULT_PROMPTS = ("def read_lines(path):", "class Stack:\n    def __init__(self):\n")
+DEFAULT_MAX_TOKENS = 96
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -70,7 +75,7 @@ def stream_completion(host: str, port: int, endpoint: str, body: dict) -> dict:
     resp = conn.getresponse()
     if resp.status != 200:
         raise SystemExit(f"demo: HTTP {resp.status}: {resp.read().decode()}")
-    usage, first = {}, None
+    usage, first, finish = {}, None, None
     while True:
         line = resp.readline()
         if not line:
@@ -84,6 +89,7 @@ def stream_completion(host: str, port: int, endpoint: str, body: dict) -> dict:
         chunk = json.loads(data)
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
+            finish = choice.get("finish_reason") or finish
             text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
             if text:
                 first = first or time.perf_counter()
@@ -93,6 +99,7 @@ def stream_completion(host: str, port: int, endpoint: str, body: dict) -> dict:
     if first is not None:
         usage["time_to_first_token_s"] = round(first - t0, 4)
     usage["total_s"] = round(elapsed, 4)
+    usage["finish_reason"] = finish  # "stop": the model ended the text (EOS)
     return usage
 
 
@@ -101,12 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "local-disagg.yaml"),
                     help="a `pdkv up` cluster file (default: configs/local-disagg.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to complete (default: a function "
-                    "header, which the default model continues)")
+    ap.add_argument("--prompt", action="append", default=None, help="the text to complete; repeat it "
+                    "for several (default: two function headers, which the default model continues)")
     ap.add_argument("--chat", action="store_true", help="send the prompt as a user message to "
                     "/v1/chat/completions (the chat template) instead of completing it")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     args = ap.parse_args(argv)
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
 
     import tempfile
 
@@ -144,20 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_healthy(proc, host, port, timeout=300)
         ready.wait(30)
-        body = {"max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if args.chat:
-            endpoint, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
-            print(f"demo: POST http://{host}:{port}{endpoint} (stream), the user says:\n{args.prompt}", flush=True)
-            print("-" * 72, flush=True)
-        else:  # the answer continues the prompt: print the prompt, then the tokens as they come
-            endpoint, body["prompt"] = "/v1/completions", args.prompt
-            print(f"demo: POST http://{host}:{port}{endpoint} (stream), greedy, {args.max_tokens} tokens at most", flush=True)
-            print("-" * 72, flush=True)
-            print(args.prompt, end="", flush=True)
-        usage = stream_completion(host, port, endpoint, body)
-        print("-" * 72)
-        print("demo: usage", json.dumps(usage))
+        for prompt in prompts:
+            body = {"max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if args.chat:
+                endpoint, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+                print(f"demo: POST http://{host}:{port}{endpoint} (stream), the user says:\n{prompt}", flush=True)
+                print("-" * 72, flush=True)
+            else:  # the answer continues the prompt: print the prompt, then the tokens as they come
+                endpoint, body["prompt"] = "/v1/completions", prompt
+                print(f"demo: POST http://{host}:{port}{endpoint} (stream), greedy, {args.max_tokens} tokens "
+                      f"at most", flush=True)
+                print("-" * 72, flush=True)
+                print(prompt, end="", flush=True)
+            usage = stream_completion(host, port, endpoint, body)
+            print("-" * 72)
+            print("demo: usage", json.dumps(usage))
         return 0
     finally:
         if proc.poll() is None:

@@ -10,10 +10,21 @@ and model card: the seeds, the corpus (file list and its SHA-256), the tokenizer
 shapes, every optimiser setting and the step count. Same Python version + same torch build give
 the same tokens; floating point on other CPUs may drift in the last bits.
 
+A larger model, with the same script: ``--recipe hidden_size=512 --recipe num_layers=8 ...``
+overrides Recipe fields (recorded like the rest) and ``--device cuda`` trains on a GPU (not
+bit-reproducible there: cuBLAS picks kernels per machine); the saved folder is scored on the CPU.
+
 What it writes is an ordinary Hugging Face Llama folder (config.json, bfloat16 safetensors,
 tokenizer.json + tokenizer_config.json with a ChatML template, generation_config.json), plus
 ``heldout.txt``: the held-out text the card's loss was measured on, shipped so the check does
 not depend on the machine's stdlib version. ``--loss-png`` saves the loss curve.
+
+The tokenizer's pre-tokenizer keeps every newline apart from the indentation after it
+(``Recipe.pre_tokenizer``): with GPT-2's split, ``"\\n    return"`` is ``ĊĠĠĠ`` ``Ġreturn``, so a
+prompt ending in a newline ends on a bare ``Ċ`` that training only ever saw before unindented
+text, and the model jumped back to column 0. Each checkpoint also scores the 16 code prompts of
+``tools/default_model_prompts.json`` (``tools/default_model_eval.py``; half end after a newline)
+and records it in ``training.json`` and the card.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import sysconfig
 import textwrap
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +49,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: `import pdkv.d
 from pdkv.default_model import (BOS, EOS, SPECIAL_TOKENS, heldout_loss, heldout_windows,  # noqa: E402
                                 model_card_numbers)
 from default_model_card import model_card, save_png  # noqa: E402 - beside this script in tools/
+from default_model_eval import score as prompt_score  # noqa: E402
 
 # Top-level stdlib entries left out: the test suite (half the stdlib, and odd code on purpose),
 # codec tables, generated doc strings and the 2to3 fixers' fixtures.
@@ -72,6 +84,10 @@ class Recipe:
     eval_every: int = 100
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    # "newline-apart": every "\n" is a pre-token of its own, so a newline never merges with the
+    # indentation after it and a prompt ending in "\n" ends on a token training saw before
+    # indented lines too. "gpt2": the plain byte-level split ("\n    " one token).
+    pre_tokenizer: str = "newline-apart"
     extra: dict = field(default_factory=dict)
 
 
@@ -127,7 +143,13 @@ def train_tokenizer(texts: list[str], r: Recipe):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if r.pre_tokenizer == "newline-apart":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"), byte_level])
+    elif r.pre_tokenizer == "gpt2":
+        tok.pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"Recipe.pre_tokenizer: {r.pre_tokenizer!r} is not 'newline-apart' or 'gpt2'")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=r.vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -196,6 +218,34 @@ def lr_at(step: int, r: Recipe) -> float:
     return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def recipe_from(overrides: list[str], **base) -> Recipe:
+    """Recipe with ``KEY=VALUE`` overrides (``--recipe hidden_size=512``), each value read as the
+    field's type; an error names the field. How a larger model is trained with the same script."""
+    kinds = {f.name: type(f.default) for f in fields(Recipe) if f.name not in ("betas", "extra")}
+    values = dict(base)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or key not in kinds:
+            raise SystemExit(f"--recipe {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(kinds))}")
+        try:
+            values[key] = kinds[key](raw) if kinds[key] is not bool else raw.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise SystemExit(f"--recipe {item!r}: {key} must be a {kinds[key].__name__}") from None
+    return Recipe(**values)
+
+
+def pick_device(name: str):
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch has no CUDA device here (a CPU build, or no GPU); use --device cpu")
+        return torch.device("cuda")
+    raise SystemExit(f"--device must be cpu or cuda, got {name!r}")
+
+
 def train(model, stream, r: Recipe, checkpoint):
     """The training loop; ``checkpoint(step, curve, train_s, tokens) -> held-out loss`` saves the
     folder every ``eval_every`` steps (so a usable model exists long before the end)."""
@@ -215,6 +265,7 @@ def train(model, stream, r: Recipe, checkpoint):
             g["lr"] = lr_at(step, r)
         starts = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
         batch = torch.from_numpy(np.stack([stream[s:s + r.context + 1] for s in starts]).astype(np.int64))
+        batch = batch.to(next(model.parameters()).device)
         model.train()
         logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
@@ -236,9 +287,10 @@ def train(model, stream, r: Recipe, checkpoint):
     return curve
 
 
-def write_folder(out: Path, model, tok, heldout_text: str, record: dict) -> float:
+def write_folder(out: Path, model, tok, heldout_text: str, record: dict):
     """Saves the HF folder with bfloat16 weights; returns the held-out loss of those weights
-    (re-read from disk, so the card's number is the shipped file's, not the float32 model's)."""
+    (re-read from disk, so the card's number is the shipped file's, not the float32 model's)
+    and the re-read model."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -264,7 +316,7 @@ def write_folder(out: Path, model, tok, heldout_text: str, record: dict) -> floa
     shipped = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     windows = shipped_heldout_windows(out)
     final = heldout_loss(shipped, windows)
-    return final
+    return final, shipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,12 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-png", default=str(ROOT / "docs" / "default_model_loss.png"))
     ap.add_argument("--steps", type=int, default=Recipe.steps)
     ap.add_argument("--batch-size", type=int, default=Recipe.batch_size)
+    ap.add_argument("--eval-every", type=int, default=Recipe.eval_every)
+    ap.add_argument("--recipe", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a Recipe field (repeatable), e.g. hidden_size=512 num_layers=8")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains; "
+                    "the saved weights are scored on the CPU either way")
     ap.add_argument("--trial", type=float, default=0.0,
                     help="only measure: train this many seconds, print tokens/s, write nothing")
     a = ap.parse_args(argv)
     import torch
 
-    r = Recipe(steps=a.steps, batch_size=a.batch_size)
+    r = recipe_from(a.recipe, steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
+    device = pick_device(a.device)
     torch.set_num_threads(r.threads)
     random.seed(r.seed)
     t_start = time.perf_counter()
@@ -295,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(stream) / 1e6:.2f} M tokens "
           f"({n_code} code, {n_chat} chat); held-out {heldout_ids.numel()} tokens "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
-    model = build_model(r, tok)
+    model = build_model(r, tok).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
     if a.trial:
@@ -304,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         while time.perf_counter() - t0 < a.trial:
             s = rng.integers(0, len(stream) - r.context - 1, size=r.batch_size)
-            b = torch.from_numpy(np.stack([stream[i:i + r.context + 1] for i in s]).astype(np.int64))
+            b = torch.from_numpy(np.stack([stream[i:i + r.context + 1] for i in s]).astype(np.int64)).to(device)
             logits = model(input_ids=b[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
             opt.zero_grad()
@@ -316,28 +374,37 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     evals: list[tuple[int, float]] = []
+    prompt_evals: list[tuple[int, int, int]] = []  # (step, line_end parsing, after_newline parsing)
     base = dict(recipe=asdict(r), parameters=n_params, corpus=dict(
         python=sys.version.split()[0], stdlib=sysconfig.get_path("stdlib"), sha256=corpus_sha,
         excluded_top_level=sorted(EXCLUDE_TOP), heldout_rule=f"crc32(path) % {HELDOUT_MOD} == 0",
         train_files=len(train_files), heldout_files=[p for p, _ in held_files],
         train_chars=sum(len(t) for _, t in train_files), stream_tokens=int(len(stream)),
-        code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__)
+        code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__,
+        device=str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})")
 
     def checkpoint(step, curve, train_s, tokens) -> float:
         t = time.perf_counter()
         record = dict(base, steps_done=step, train_tokens=tokens, train_seconds=round(train_s, 1),
                       final_train_loss=round(sum(curve[-50:]) / len(curve[-50:]), 4), evals=list(evals))
-        h = write_folder(out, model, tok, heldout_text, record)
+        h, shipped = write_folder(out, model, tok, heldout_text, record)
         evals.append((step, round(h, 5)))
         record["evals"] = list(evals)
+        # the code prompts, scored on the saved weights too: the held-out loss alone does not say
+        # whether completions after a newline read as Python
+        s = prompt_score(shipped, tok)
+        prompt_evals.append((step, s["line_end"], s["after_newline"]))
+        record["prompt_evals"] = list(prompt_evals)
         (out / "training.json").write_text(json.dumps(dict(record, heldout_loss=round(h, 5),
+                                                           prompt_score=s,
                                                            heldout_tokens=int(heldout_ids.numel()),
                                                            weights_bytes=(out / "model.safetensors").stat().st_size),
                                                       indent=2) + "\n")
         (out / "README.md").write_text(model_card(json.loads((out / "training.json").read_text())))
         if a.loss_png:
             save_png(Path(a.loss_png), curve, evals, r)
-        print(f"saved {out} at step {step} ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"saved {out} at step {step}: prompts parse {s['line_end']}/8 line end, "
+              f"{s['after_newline']}/8 after newline ({time.perf_counter() - t:.0f} s)", flush=True)
         return h
 
     train(model, stream, r, checkpoint)

@@ -81,6 +81,11 @@ class ServerConfig:
     # auto (from the model's architecture) | null (tool calls are not parsed)
     reasoning_parser: str | None = None
     tool_parser: str | None = "auto"
+    # Token healing for requests that do not say (their "token_healing" field): auto = on for
+    # /v1/completions prompts given as text, off for chat (its template ends on special
+    # tokens) and for prompts given as token ids (the client's own tokenization); on; off.
+    # YAML reads a bare on/off as true/false: both spellings are taken.
+    token_healing: str | bool = "auto"
 
 
 @dataclass(frozen=True)

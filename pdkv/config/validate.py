@@ -113,6 +113,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          "deepseek_r1, qwen3 or null", sv.reasoning_parser)
     need(sv.tool_parser in (None, "auto", "qwen3_coder", "hermes", "deepseek_v3"), "server.tool_parser",
          "qwen3_coder, hermes, deepseek_v3, auto or null", sv.tool_parser)
+    need(sv.token_healing in ("auto", "on", "off") or isinstance(sv.token_healing, bool),
+         "server.token_healing", "auto, on or off", sv.token_healing)
     need(ms.handshake_timeout_s > 0, "messenger.handshake_timeout_s", "a positive number of seconds",
          ms.handshake_timeout_s)
     need(4096 <= ms.max_frame_bytes <= (1 << 30), "messenger.max_frame_bytes", "4096..2**30 bytes", ms.max_frame_bytes)

@@ -103,10 +103,27 @@ class Intake:
             ids = list(prompt)
         else:
             raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        req = Request(request_id, ids, params, detok=None)
+        healing = None
+        if isinstance(params, SamplingParams) and params.token_healing is True:
+            ids, healing = self._heal(ids)
+        req = Request(request_id, ids, params, detok=None, healing=healing)
         if arrival is not None:
             req.arrival = arrival
         return req
+
+    def _heal(self, ids: list[int]):
+        """The prompt with token healing's tokens taken off, and the request's HealingState
+        (None when nothing was taken). Before the prompt is checked or hashed, so the prefix
+        cache, the KV connector and a remote prefill all see the shortened prompt."""
+        from pdkv.tokenizer_healing import HealingState  # noqa: PLC0415 - only a healing request needs it
+
+        healer = getattr(self.tokenizer, "healer", None)
+        if healer is None:
+            raise InvalidRequest("token_healing: this engine's tokenizer has no vocabulary index "
+                                 "to heal with")
+        index = healer()
+        ids, done = index.heal(ids)
+        return ids, None if done is None else HealingState(index, done)
 
     def _admit(self, req: Request, plan: Admission) -> None:
         ids, params = req.prompt_token_ids, req.params
@@ -116,7 +133,9 @@ class Intake:
             self.validate(ids, params)
             # Any integer is a valid seed (negative too): fold it into the generator's 64-bit range.
             req.generator = torch.Generator().manual_seed(params.seed & (2**64 - 1)) if params.seed is not None else None
-            req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens)
+            skip = req.healing.healing.removed_text if req.healing is not None else ""
+            req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens,
+                                                   skip_prefix=skip)
         reuse = plan.reuse_cached if plan.reuse_cached is not None else \
             not (plan.prefill_only or plan.num_external_tokens)
         reuse = reuse and params.prompt_logprobs is None

@@ -49,6 +49,10 @@ class SamplingParams:
     # A per-request token-mask factory (structured output, pdkv/engine/structured.py): its
     # ``new_mask()`` gives the request's TokenMask (pdkv/engine/logits.py). Shared, immutable.
     constraint: object = None
+    # Take the prompt's last token(s) off when a longer token could cover their text and make
+    # the output give that text back first (pdkv/tokenizer_healing.py); the returned text
+    # excludes it. The server sets it from the request or server.token_healing.
+    token_healing: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +82,8 @@ class SamplingParams:
             bad("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no limit")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", self.seed, "an integer or null")
+        if not isinstance(self.token_healing, bool):
+            bad("token_healing", self.token_healing, "true or false")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             bad("stop", self.stop, "a list of strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

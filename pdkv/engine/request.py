@@ -74,6 +74,9 @@ class Request:
     # a TokenLogprob per prompt token after the first (params.prompt_logprobs), filled by the
     # forward passes over the prompt, or by the prefill node (disaggregated)
     prompt_logprobs: list = field(default_factory=list)
+    # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: what the
+    # next tokens must give back (the sampler's mask hook reads it); None: no constraint
+    healing: object = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,6 +109,8 @@ class Request:
             if self.mask is not None:
                 self.mask.accept(token)
             self.output_token_ids.append(token)
+            if self.healing is not None:
+                self.healing.advance(token)
             ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
             if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
                 self.detok.add(token)

@@ -2,15 +2,14 @@
 "is this plausible Python" check."""
 from __future__ import annotations
 
-import ast
-
 import torch
 
-# Fixed code prompts in the stdlib's style (the demo's is the first). Each ends where a line ends
-# in code, not after a newline: the tokenizer merges a newline with the next line's indentation,
-# so a prompt ending in a bare "\n" would ask the model to continue from a split it never saw.
-# (On a wider set of 16 prompts — calls, loops, classes — the shipped model parses 7, random
-# weights 0: it is a tiny model, best at a top-level function's docstring.)
+from default_model_eval import complete_lines, parses  # noqa: F401 - the one scoring rule, in tools/
+
+# Fixed code prompts in the stdlib's style, each ending where its line ends; test_plausible also
+# asks for them after a newline, which the tokenizer keeps apart from the next line's
+# indentation. (The wider 16 prompts of tools/default_model_prompts.json are test_eval_prompts':
+# it is a tiny model, best at a top-level function's docstring.)
 CODE_PROMPTS = [
     "def fibonacci(n):",
     "def close(self):",
@@ -46,25 +45,3 @@ def hf_generate(model, tokenizer, prompt: str, n: int) -> tuple[str, bool]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos[1])[0, ids.shape[1]:].tolist()
     return tokenizer.decode(out, skip_special_tokens=True), bool(out) and out[-1] in eos
-
-
-def complete_lines(prompt: str, completion: str, finished: bool) -> str | None:
-    """prompt + completion cut after its last complete line (all of it when the model ended
-    the text itself); None when no new line of code came out."""
-    text = prompt + completion
-    if not finished:
-        text = text[:text.rfind("\n") + 1]
-    if not text[len(prompt):].strip():
-        return None
-    return text
-
-
-def parses(prompt: str, completion: str, finished: bool) -> bool:
-    text = complete_lines(prompt, completion, finished)
-    if text is None:
-        return False
-    try:
-        ast.parse(text)
-    except SyntaxError:
-        return False
-    return True

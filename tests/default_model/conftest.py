@@ -10,6 +10,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "disagg"))  # _cluster: an in-process prefill + decode pair
+sys.path.insert(0, str(HERE.parents[1] / "tools"))  # default_model_eval: the 16-prompt evaluation
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,7 @@
 """Greedy completions of fixed code prompts are plausible Python — most of them parse once cut at
-their last complete line — and the same check fails random weights of the same shape and
-tokenizer, so it tells a trained model from noise."""
+their last complete line, whether the prompt ends where its line ends or after the newline (no
+token healing here: transformers) — and the same check fails random weights of the same shape
+and tokenizer, so it tells a trained model from noise."""
 from __future__ import annotations
 
 import torch
@@ -10,16 +11,17 @@ from _common import CODE_PROMPTS, hf_generate, parses
 NEW_TOKENS = 64
 
 
-def _parsing(model, tokenizer) -> list[bool]:
-    return [parses(p, *hf_generate(model, tokenizer, p, NEW_TOKENS)) for p in CODE_PROMPTS]
+def _parsing(model, tokenizer, prompts) -> list[bool]:
+    return [parses(p, *hf_generate(model, tokenizer, p, NEW_TOKENS)) for p in prompts]
 
 
 def test_trained_completions_parse_random_ones_do_not(hf_model, hf_tokenizer):
     from transformers import LlamaForCausalLM
 
-    trained = _parsing(hf_model, hf_tokenizer)
-    assert sum(trained) >= 0.75 * len(CODE_PROMPTS), trained
+    for prompts in (CODE_PROMPTS, [p + "\n" for p in CODE_PROMPTS]):
+        trained = _parsing(hf_model, hf_tokenizer, prompts)
+        assert sum(trained) >= 0.75 * len(prompts), (prompts, trained)
     torch.manual_seed(0)
     noise = LlamaForCausalLM(hf_model.config).eval()  # same shape and tokenizer, untrained
-    random = _parsing(noise, hf_tokenizer)
+    random = _parsing(noise, hf_tokenizer, CODE_PROMPTS)
     assert sum(random) <= 1, random

@@ -22,8 +22,9 @@ def test_64_concurrent_streams(api, served, reference_engine):
     served.wait_idle()
     ps = prompts()
     max_tokens = [8 + i % 9 for i in range(NUM_CLIENTS)]
-    refs = reference_engine.generate(ps, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-                                          for m in max_tokens])
+    # text prompts of /v1/completions are token-healed by default (server.token_healing: auto)
+    refs = reference_engine.generate(ps, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                                                         token_healing=True) for m in max_tokens])
     peak = []
 
     async def one(session: aiohttp.ClientSession, i: int):
