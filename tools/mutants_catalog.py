@@ -1,0 +1,91 @@
+"""The curated mutants `make mutants` applies (tools/mutants.py): realistic one-line bugs, per
+area, each with the test files that must fail on it. Add the kinds of bug a new feature invites
+when you add the feature; a mutant that cannot change behaviour (an equivalent rewrite) does not
+belong here: say why in the commit and drop it.
+
+Each edit replaces text that occurs exactly once in the file (the runner refuses otherwise), so a
+refactor that moves the code makes the runner say which mutant to update instead of silently
+testing nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, text, replacement)
+    tests: tuple[str, ...]  # test files run (pytest -x); at least one must fail
+    why: str  # the bug it stands for
+    rebuild: bool = False  # C: rebuild the extensions in the scratch copy
+
+
+def _m(name, area, path, old, new, tests, why, rebuild=False) -> Mutant:
+    return Mutant(name, area, ((path, old, new),), tuple(tests), why, rebuild)
+
+
+PREFIX_PROPS = "tests/engine/test_prefix_properties.py"
+PREFIX = "tests/engine/test_prefix_cache.py"
+CHOICE = "tests/disagg/test_choice.py"
+GRAPHS = "tests/engine/test_cuda_graphs.py"
+
+MUTANTS: list[Mutant] = [
+    # ---- prefix cache (from the former tests/engine/prefix_mutants.py) ------------------------
+    _m("publish_partial_page", "prefix", "pdkv/engine/prefix_reuse.py",
+       "full = min(min(req.num_computed_tokens, req.num_tokens) // self.page_size, len(req.pages))",
+       "full = min(-(-min(req.num_computed_tokens, req.num_tokens) // self.page_size), len(req.pages))",
+       [PREFIX_PROPS], "a partly filled last page is published"),
+    Mutant("publish_remote_early", "prefix", (
+        ("pdkv/kv/allocator.py", "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
+         "        if False:\n            raise PageStateError(f\"page {page} is pinned"),
+        ("pdkv/engine/scheduler.py", "        self.remote[req.request_id] = req\n        return req.pages",
+         "        self.remote[req.request_id] = req\n        req.num_computed_tokens += num_tokens\n"
+         "        self.publish(req)\n        req.num_computed_tokens -= num_tokens\n        return req.pages")),
+        (PREFIX_PROPS,), "remote pages published before their writes landed"),
+    _m("revive_stays_evictable", "prefix", "pdkv/kv/allocator.py",
+       "            if self._refs[p] == 0:\n                del self._evictable[p]\n", "",
+       [PREFIX_PROPS], "a cached page taken again stays in the LRU pool (evicted while in use)"),
+    _m("evict_before_free", "prefix", "pdkv/kv/allocator.py",
+       "            if self._free:\n                p = self._free.pop()",
+       "            if self._free and not self._evictable:\n                p = self._free.pop()",
+       [PREFIX_PROPS], "cached pages evicted while plain free pages are left"),
+    _m("cached_page_leaks", "prefix", "pdkv/kv/allocator.py",
+       "                if self._cached[p]:\n                    self._evictable[p] = None",
+       "                if self._cached[p]:\n                    pass",
+       [PREFIX_PROPS], "a released cached page never returns to the pool"),
+    _m("hash_not_chained", "prefix", "pdkv/kv/prefix_cache.py",
+       "        h = hashlib.blake2b(parent, digest_size=16)", "        h = hashlib.blake2b(salt, digest_size=16)",
+       [PREFIX, PREFIX_PROPS], "a page's hash ignores the pages before it"),
+    Mutant("reuse_last_token_page", "prefix", ((
+        "pdkv/engine/prefix_reuse.py",
+        "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))\n        req.pages = pages\n"
+        "        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size",
+        "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))\n        req.pages = pages\n"
+        "        req.num_computed_tokens = req.num_cached_tokens = min(len(pages) * self.page_size, "
+        "req.num_tokens - 1)"),), (PREFIX_PROPS,), "the page holding the last token is shared (then written)"),
+    _m("unreuse_leaks_pages", "prefix", "pdkv/engine/prefix_reuse.py",
+       "        self.allocator.free(req.pages)  # back to the LRU pool, contents kept", "        pass",
+       [PREFIX_PROPS], "pages of an undone reuse are never given back"),
+    _m("reuse_whole_sequence", "prefix", "pdkv/engine/prefix_reuse.py",
+       "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))",
+       "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))",
+       [PREFIX_PROPS], "a prompt of whole pages reuses its last page too"),
+    # ---- CUDA-graph decode (the CPU stand-in runs the same DecodeGraphs) -----------------------
+    _m("graph_output_is_a_view", "graphs", "pdkv/engine/cuda_graphs.py",
+       "        return out[:n].clone()", "        return out[:n]",
+       [GRAPHS], "a step returns a view of the static output: the next replay overwrites it"),
+    # ---- the prefill chooser ---------------------------------------------------------------------
+    _m("affinity_ignores_failure_and_room", "chooser", "pdkv/disagg/choice.py",
+       "rank(held)[:3] == rank(best)[:3]", "rank(held)[:1] == rank(best)[:1]",
+       [CHOICE], "the affinity holder wins though it just failed or has no room"),
+    _m("room_in_pages_not_tokens", "chooser", "pdkv/disagg/choice.py",
+       "route.report.free_pages * self.page_size < n", "route.report.free_pages < n",
+       [CHOICE], "room judged by comparing pages with tokens"),
+    _m("affinity_bound_exclusive", "chooser", "pdkv/disagg/choice.py",
+       "q[held] <= q[best] + self.cfg.affinity_max_extra_tokens",
+       "q[held] < q[best] + self.cfg.affinity_max_extra_tokens",
+       [CHOICE], "the affinity bound excludes its own value"),
+]
