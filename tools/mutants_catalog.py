@@ -31,6 +31,8 @@ PREFIX_PROPS = "tests/engine/test_prefix_properties.py"
 PREFIX = "tests/engine/test_prefix_cache.py"
 CHOICE = "tests/disagg/test_choice.py"
 GRAPHS = "tests/engine/test_cuda_graphs.py"
+AB_METRICS = "tests/bench_ab/test_metrics.py"
+AB_VERDICT = "tests/bench_ab/test_verdict.py"
 
 MUTANTS: list[Mutant] = [
     # ---- prefix cache (from the former tests/engine/prefix_mutants.py) ------------------------
@@ -88,4 +90,26 @@ MUTANTS: list[Mutant] = [
        "q[held] <= q[best] + self.cfg.affinity_max_extra_tokens",
        "q[held] < q[best] + self.cfg.affinity_max_extra_tokens",
        [CHOICE], "the affinity bound excludes its own value"),
+    # ---- the A/B harness: client numbers and the seed's verdict ---------------------------------
+    _m("tpot_divides_by_all_tokens", "ab", "pdkv/bench/ab/metrics.py",
+       "return (r.e2e_s - r.ttft_s) / (r.num_tokens - 1)", "return (r.e2e_s - r.ttft_s) / r.num_tokens",
+       [AB_METRICS], "TPOT divided by every token, the first one included"),
+    _m("tpot_slo_against_ttft", "ab", "pdkv/bench/ab/metrics.py",
+       "(t is None or t <= slo.tpot_s)", "(t is None or t <= slo.ttft_s)",
+       [AB_METRICS], "goodput checks TPOT against the TTFT objective"),
+    _m("percentile_off_by_one", "ab", "pdkv/bench/ab/metrics.py",
+       "k = (len(s) - 1) * q / 100.0", "k = len(s) * q / 100.0",
+       [AB_METRICS], "percentile rank computed over n instead of n - 1"),
+    _m("percentile_no_interpolation", "ab", "pdkv/bench/ab/metrics.py",
+       "return s[lo] + (s[hi] - s[lo]) * (k - lo)", "return s[lo]",
+       [AB_METRICS], "the lower neighbour instead of the interpolated value"),
+    _m("goodput_fraction_of_ok_only", "ab", "pdkv/bench/ab/metrics.py",
+       '"goodput_fraction": len(good) / len(rs)', '"goodput_fraction": len(good) / max(1, len(ok))',
+       [AB_METRICS], "failed requests left out of the attainment"),
+    _m("verdict_without_margin", "ab", "pdkv/bench/ab/verdict.py",
+       'wins = good["disagg"] > MARGIN * good[best_col]', 'wins = good["disagg"] > good[best_col]',
+       [AB_VERDICT], "any goodput gain, however small, adopts disaggregation"),
+    _m("verdict_margin_inclusive", "ab", "pdkv/bench/ab/verdict.py",
+       'wins = good["disagg"] > MARGIN * good[best_col]', 'wins = good["disagg"] >= MARGIN * good[best_col]',
+       [AB_VERDICT], "exactly 5% counts as beating the margin"),
 ]
