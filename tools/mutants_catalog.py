@@ -18,7 +18,7 @@ class Mutant:
     name: str
     area: str
     edits: tuple[tuple[str, str, str], ...]  # (file, text, replacement)
-    tests: tuple[str, ...]  # test files run (pytest -x); at least one must fail
+    tests: tuple[str, ...]  # test files (or file::test ids, to keep a run short); one must fail
     why: str  # the bug it stands for
     rebuild: bool = False  # C: rebuild the extensions in the scratch copy
 
@@ -29,8 +29,13 @@ def _m(name, area, path, old, new, tests, why, rebuild=False) -> Mutant:
 
 PREFIX_PROPS = "tests/engine/test_prefix_properties.py"
 PREFIX = "tests/engine/test_prefix_cache.py"
+PREFIX_SALT = PREFIX + "::test_the_hash_salt_changes_with_the_model_and_the_dtype"
 CHOICE = "tests/disagg/test_choice.py"
 GRAPHS = "tests/engine/test_cuda_graphs.py"
+SPEC_SAMPLING = "tests/engine/test_spec_sampling.py"
+SPEC_DRAFT_COUNTS = "tests/engine/test_spec_draft.py::test_self_draft_counts_every_position_exactly"
+SPEC_METRICS_NGRAM = "tests/server/test_spec_metrics.py::test_stream_and_metrics_with_ngram"
+SPEC_HOSTILE = "tests/security/test_hostile_spec_prefill.py::test_malformed_spec_pages_and_next_token_are_answered_with_fail"
 AB_METRICS = "tests/bench_ab/test_metrics.py"
 AB_VERDICT = "tests/bench_ab/test_verdict.py"
 
@@ -41,7 +46,8 @@ MUTANTS: list[Mutant] = [
        "full = min(-(-min(req.num_computed_tokens, req.num_tokens) // self.page_size), len(req.pages))",
        [PREFIX_PROPS], "a partly filled last page is published"),
     Mutant("publish_remote_early", "prefix", (
-        ("pdkv/kv/allocator.py", "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
+        ("pdkv/kv/allocator.py",
+         "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
          "        if False:\n            raise PageStateError(f\"page {page} is pinned"),
         ("pdkv/engine/scheduler.py", "        self.remote[req.request_id] = req\n        return req.pages",
          "        self.remote[req.request_id] = req\n        req.num_computed_tokens += num_tokens\n"
@@ -75,6 +81,21 @@ MUTANTS: list[Mutant] = [
        "        pages = self.cache.acquire(self._hashes(req, req.num_tokens - 1))",
        "        pages = self.cache.acquire(self._hashes(req, req.num_tokens))",
        [PREFIX_PROPS], "a prompt of whole pages reuses its last page too"),
+    _m("hash_skips_a_pages_last_token", "prefix", "pdkv/kv/prefix_cache.py",
+       "token_ids[k * page_size:(k + 1) * page_size]", "token_ids[k * page_size:(k + 1) * page_size - 1]",
+       [PREFIX + "::test_prompts_differing_only_in_a_pages_last_token_never_share_that_page"],
+       "a page's hash leaves out its last token"),
+    _m("salt_without_the_model", "prefix", "pdkv/kv/prefix_cache.py",
+       '{"model": model_fingerprint, "dtype": dtype, "page_size": page_size}', '{"dtype": dtype, "page_size": page_size}',
+       [PREFIX_SALT], "pages of different models hash alike"),
+    _m("salt_without_the_dtype", "prefix", "pdkv/kv/prefix_cache.py",
+       '{"model": model_fingerprint, "dtype": dtype, "page_size": page_size}',
+       '{"model": model_fingerprint, "page_size": page_size}',
+       [PREFIX_SALT], "float32 and bfloat16 KV of one model hash alike"),
+    _m("fingerprint_without_the_config", "prefix", "pdkv/engine/factory.py",
+       "h = hashlib.blake2b(json.dumps(loaded.hf_config, sort_keys=True, default=str).encode(), digest_size=16)",
+       "h = hashlib.blake2b(digest_size=16)",
+       [PREFIX_SALT], "the model's fingerprint is only its weight files' names and sizes"),
     # ---- CUDA-graph decode (the CPU stand-in runs the same DecodeGraphs) -----------------------
     _m("graph_output_is_a_view", "graphs", "pdkv/engine/cuda_graphs.py",
        "        return out[:n].clone()", "        return out[:n]",
@@ -112,4 +133,33 @@ MUTANTS: list[Mutant] = [
     _m("verdict_margin_inclusive", "ab", "pdkv/bench/ab/verdict.py",
        'wins = good["disagg"] > MARGIN * good[best_col]', 'wins = good["disagg"] >= MARGIN * good[best_col]',
        [AB_VERDICT], "exactly 5% counts as beating the margin"),
+    # ---- speculative decoding ------------------------------------------------------------------
+    _m("bonus_from_last_draft_row", "spec", "pdkv/engine/spec/verify.py",
+       "out.append(self._draw(probs[len(drafts)], gen))", "out.append(self._draw(probs[len(drafts) - 1], gen))",
+       [SPEC_SAMPLING + "::test_the_bonus_token_after_every_draft_was_kept_follows_the_next_row"],
+       "the bonus token after k accepted drafts drawn from the last draft's row"),
+    _m("per_pos_counts_proposed", "spec", "pdkv/engine/spec/stats.py",
+       "for i in range(num_accepted):", "for i in range(num_drafts):",
+       [SPEC_DRAFT_COUNTS, SPEC_METRICS_NGRAM], "acceptance per position counts every proposed draft"),
+    _m("per_pos_only_the_last", "spec", "pdkv/engine/spec/stats.py",
+       "        for i in range(num_accepted):\n            self.accepted_per_pos[i] += 1",
+       "        if num_accepted:\n            self.accepted_per_pos[num_accepted - 1] += 1",
+       [SPEC_DRAFT_COUNTS, SPEC_METRICS_NGRAM], "a step that kept j drafts counts only position j - 1"),
+    _m("per_pos_metric_adds_totals", "spec", "server/metrics.py",
+       "delta = n - (last[i] if i < len(last) else 0)", "delta = n",
+       [SPEC_METRICS_NGRAM], "the /metrics copy adds the engine's running totals again each time"),
+    _m("spec_pages_not_distinct", "spec", "pdkv/disagg/spec_handoff.py",
+       "    if len(set(pages)) != len(pages):\n        raise ValueError(\"spec_pages must be distinct\")", "",
+       [SPEC_HOSTILE], "a PREFILL naming one proposer page twice is accepted"),
+    _m("spec_pages_bound_inclusive", "spec", "pdkv/disagg/spec_handoff.py",
+       "0 <= p < peer_num_pages for p in pages", "0 <= p <= peer_num_pages for p in pages",
+       [SPEC_HOSTILE], "the proposer page just past the peer's cache is accepted"),
+    _m("spec_pages_count_unchecked", "spec", "pdkv/disagg/spec_handoff.py",
+       "if not isinstance(pages, list) or len(pages) != num_pages or not all(",
+       "if not isinstance(pages, list) or not pages or not all(",
+       [SPEC_HOSTILE], "spec_pages of another length than the target's pages is accepted"),
+    _m("next_token_bool_accepted", "spec", "pdkv/disagg/spec_handoff.py",
+       "elif not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:",
+       "elif not isinstance(t, int) or not 0 <= t < 2**31:",
+       [SPEC_HOSTILE], "next_token true/false taken as token 1/0 (bool is an int)"),
 ]
