@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,7 @@ def pytest_run(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int,
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "--no-header", "-p", "no:randomly",
-                            *tests], cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+                            "--hypothesis-profile=mutants", *tests], cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = 124, f"timed out after {timeout:.0f} s\n{(e.stdout or b'')[-2000:]!r}"
@@ -137,7 +138,12 @@ def select(names: list[str]) -> list[Mutant]:
     return [m for m in MUTANTS if m.name in names or m.area in names]
 
 
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt  # unwinds: the running test is killed, the scratch copy removed
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _sigterm)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*")
     ap.add_argument("--list", action="store_true")

@@ -35,7 +35,12 @@ GRAPHS = "tests/engine/test_cuda_graphs.py"
 SPEC_SAMPLING = "tests/engine/test_spec_sampling.py"
 SPEC_DRAFT_COUNTS = "tests/engine/test_spec_draft.py::test_self_draft_counts_every_position_exactly"
 SPEC_METRICS_NGRAM = "tests/server/test_spec_metrics.py::test_stream_and_metrics_with_ngram"
-SPEC_HOSTILE = "tests/security/test_hostile_spec_prefill.py::test_malformed_spec_pages_and_next_token_are_answered_with_fail"
+SPEC_HOSTILE = ("tests/security/test_hostile_spec_prefill.py"
+                "::test_malformed_spec_pages_and_next_token_are_answered_with_fail")
+ROUTER_LOAD = "tests/router/test_router_load.py"
+ROUTER_UNITS = "tests/router/test_router_units.py"
+GRANTS = "tests/messenger/test_grants.py"
+HOSTILE_TCP = "tests/security/test_hostile_verbs_peer.py::test_writes_outside_granted_ranges_get_remote_access_errors[tcp]"
 AB_METRICS = "tests/bench_ab/test_metrics.py"
 AB_VERDICT = "tests/bench_ab/test_verdict.py"
 
@@ -162,4 +167,28 @@ MUTANTS: list[Mutant] = [
        "elif not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:",
        "elif not isinstance(t, int) or not 0 <= t < 2**31:",
        [SPEC_HOSTILE], "next_token true/false taken as token 1/0 (bool is an int)"),
+    # ---- the router --------------------------------------------------------------------------
+    _m("router_ignores_reported_load", "router", "pdkv/router/nodes.py",
+       'return max(self.in_flight, r.get("in_flight", 0), r.get("num_running", 0) + r.get("num_waiting", 0))',
+       "return self.in_flight", [ROUTER_LOAD], "a node's load is only what the router itself has in flight"),
+    _m("router_load_without_waiting", "router", "pdkv/router/nodes.py",
+       'r.get("num_running", 0) + r.get("num_waiting", 0))', 'r.get("num_running", 0))',
+       [ROUTER_LOAD], "a node's queued requests are not load"),
+    _m("router_ties_do_not_rotate", "router", "pdkv/router/policy.py",
+       "start = next(self._rr)", "start = 0", [ROUTER_LOAD], "equally loaded nodes: always the first"),
+    _m("router_affine_bound_exclusive", "router", "pdkv/router/policy.py",
+       "if owner.load <= mean + self.balance_abs:", "if owner.load < mean + self.balance_abs:",
+       [ROUTER_UNITS], "the affine node passed over at exactly the bound"),
+    # ---- grants on tcp (the receiver's range check; verbs has the NIC's) -------------------------
+    _m("grant_ranges_one_page_too_many", "grants", "pdkv/disagg/grants.py",
+       "out += [Range(key, base + first * self.g.page_nbytes, count * self.g.page_nbytes)",
+       "out += [Range(key, base + first * self.g.page_nbytes, (count + 1) * self.g.page_nbytes)",
+       [HOSTILE_TCP], "a request's grant covers the page after its pages (another request's)"),
+    _m("tcp_admit_without_the_length", "grants", "pdkv/csrc/grants.c",
+       "if (!r || off - r->off > r->len || len > r->len - (off - r->off)) return -EACCES;",
+       "if (!r || off - r->off > r->len) return -EACCES;",
+       [GRANTS], "tcp admits a write that starts inside (or at the end of) a range", rebuild=True),
+    _m("tcp_revoke_keeps_the_range", "grants", "pdkv/csrc/grants.c",
+       "    g->num_ranges--;\n    return 0;\n}\n\nint pdkv_grant_admit", "    return 0;\n}\n\nint pdkv_grant_admit",
+       [GRANTS], "tcp's revoke_range reports success and keeps admitting writes", rebuild=True),
 ]
