@@ -40,7 +40,10 @@ SPEC_HOSTILE = ("tests/security/test_hostile_spec_prefill.py"
 ROUTER_LOAD = "tests/router/test_router_load.py"
 ROUTER_UNITS = "tests/router/test_router_units.py"
 GRANTS = "tests/messenger/test_grants.py"
-HOSTILE_TCP = "tests/security/test_hostile_verbs_peer.py::test_writes_outside_granted_ranges_get_remote_access_errors[tcp]"
+HOSTILE_TCP = ("tests/security/test_hostile_verbs_peer.py"
+               "::test_writes_outside_granted_ranges_get_remote_access_errors[tcp]")
+MOE_ROUTING = "tests/models/test_moe_routing.py"
+MULTINIC = "tests/messenger/test_multinic.py::test_pick_nic_spreads_a_ranks_requests_over_its_nics"
 AB_METRICS = "tests/bench_ab/test_metrics.py"
 AB_VERDICT = "tests/bench_ab/test_verdict.py"
 
@@ -91,7 +94,8 @@ MUTANTS: list[Mutant] = [
        [PREFIX + "::test_prompts_differing_only_in_a_pages_last_token_never_share_that_page"],
        "a page's hash leaves out its last token"),
     _m("salt_without_the_model", "prefix", "pdkv/kv/prefix_cache.py",
-       '{"model": model_fingerprint, "dtype": dtype, "page_size": page_size}', '{"dtype": dtype, "page_size": page_size}',
+       '{"model": model_fingerprint, "dtype": dtype, "page_size": page_size}',
+       '{"dtype": dtype, "page_size": page_size}',
        [PREFIX_SALT], "pages of different models hash alike"),
     _m("salt_without_the_dtype", "prefix", "pdkv/kv/prefix_cache.py",
        '{"model": model_fingerprint, "dtype": dtype, "page_size": page_size}',
@@ -105,6 +109,14 @@ MUTANTS: list[Mutant] = [
     _m("graph_output_is_a_view", "graphs", "pdkv/engine/cuda_graphs.py",
        "        return out[:n].clone()", "        return out[:n]",
        [GRAPHS], "a step returns a view of the static output: the next replay overwrites it"),
+    _m("graph_padding_into_a_real_page", "graphs", "pdkv/engine/cuda_graphs.py",
+       "list(batch.page_ids) + [[self.scratch]] * pad", "list(batch.page_ids) + [batch.page_ids[0]] * pad",
+       [GRAPHS + "::test_padding_rows_write_only_the_scratch_page"],
+       "padding rows write their K/V into the first request's page instead of the scratch page"),
+    _m("graph_hook_not_told_of_the_replay", "graphs", "pdkv/engine/cuda_graphs.py",
+       "            hook.replayed(self.num_layers)\n", "",
+       [GRAPHS + "::test_counter_bumps_once_per_layer_per_replay"],
+       "a replay's layer bumps never reach the hook's host bookkeeping"),
     # ---- the prefill chooser ---------------------------------------------------------------------
     _m("affinity_ignores_failure_and_room", "chooser", "pdkv/disagg/choice.py",
        "rank(held)[:3] == rank(best)[:3]", "rank(held)[:1] == rank(best)[:1]",
@@ -191,4 +203,25 @@ MUTANTS: list[Mutant] = [
     _m("tcp_revoke_keeps_the_range", "grants", "pdkv/csrc/grants.c",
        "    g->num_ranges--;\n    return 0;\n}\n\nint pdkv_grant_admit", "    return 0;\n}\n\nint pdkv_grant_admit",
        [GRANTS], "tcp's revoke_range reports success and keeps admitting writes", rebuild=True),
+    _m("pick_nic_rank_unshifted", "grants", "pdkv/shard/assign.py",
+       "return splitmix64(seed ^ splitmix64(rank + 1)) % num_nics",
+       "return splitmix64(seed ^ splitmix64(rank)) % num_nics",
+       [MULTINIC], "another NIC choice than the peer computes (both sides must agree without talking)"),
+    # ---- MoE routing, the torch path (bfloat16, model.cpu_kernels false) --------------------------
+    _m("moe_softmax_not_renormalised", "moe", "models/moe.py",
+       "                weights = weights / weights.sum(-1, keepdim=True)\n            return ids, weights.to(x.dtype)",
+       "            return ids, weights.to(x.dtype)",
+       [MOE_ROUTING], "norm_topk_prob ignored on the softmax path"),
+    _m("moe_weights_from_corrected_scores", "moe", "models/moe.py",
+       "weights = scores.gather(1, ids)", "weights = choice.gather(1, ids)",
+       [MOE_ROUTING], "the selection-only correction bias leaks into the weights"),
+    _m("moe_group_scored_by_its_best", "moe", "models/moe.py",
+       "group_scores = grouped.topk(2, dim=-1).values.sum(-1)", "group_scores = grouped.max(-1).values",
+       [MOE_ROUTING], "a group scored by its best expert instead of its two best"),
+    _m("moe_without_routed_scaling", "moe", "models/moe.py",
+       "return ids, (weights * m.routed_scaling_factor).to(x.dtype)", "return ids, weights.to(x.dtype)",
+       [MOE_ROUTING], "routed_scaling_factor dropped"),
+    _m("moe_bias_ignored_in_selection", "moe", "models/moe.py",
+       "choice = scores + self.e_score_correction_bias if m.correction_bias else scores", "choice = scores",
+       [MOE_ROUTING], "experts chosen by the uncorrected scores"),
 ]

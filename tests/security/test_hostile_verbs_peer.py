@@ -82,7 +82,8 @@ def nodes(tiny_model_dir, tmp_path, request):
         pre = proc("prefill", "prefill", env, transport, control_port=cport)
         imp = Impostor(tiny_model_dir, secret, mode, tmp_path, env, transport)
         running.append(imp)
-        dec = proc("decode", "decode", env, transport, decode_messenger, peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
+        dec = proc("decode", "decode", env, transport, decode_messenger,
+                   peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
         pre.wait_healthy(60)
         dec.wait_healthy(60)
         wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 30, "both peers connected")
