@@ -6,8 +6,8 @@ by area). Not part of `make test`: it runs the named files once per mutant.
     python tools/mutants.py NAME ...        only these (names or areas: "chooser", "spec", ...)
     python tools/mutants.py --list          the catalog
     python tools/mutants.py --no-baseline   skip the clean run
-    python tools/mutants.py --tests-at REV  the test files as they were at git REV (e.g. main:
-                                            which mutants the suite let through before)
+    python tools/mutants.py --tests-at REV  the named test files (whole) as they were at git REV
+                                            (e.g. main: which mutants they let through before)
 
 The scratch copy is the working tree's tracked and untracked-but-not-ignored files, plus the
 built extensions (pdkv/*.so) and the loopback verbs device's build cache (.cache/verbs_loopback),
@@ -110,8 +110,15 @@ def apply(copy: Path, m: Mutant) -> dict[Path, bytes]:
     return saved
 
 
-def run_one(copy: Path, m: Mutant, clean_so: dict[Path, bytes]) -> tuple[str, str, float]:
-    tests = tuple(t for t in m.tests if (copy / t.split("::")[0]).exists())
+def named(m: Mutant, copy: Path, whole_files: bool) -> tuple[str, ...]:
+    """The mutant's tests that exist in the copy; ``whole_files``: their files (--tests-at an
+    older revision, whose files may not have the tests named yet)."""
+    tests = [t.split("::")[0] if whole_files else t for t in m.tests]
+    return tuple(dict.fromkeys(t for t in tests if (copy / t.split("::")[0]).exists()))
+
+
+def run_one(copy: Path, m: Mutant, clean_so: dict[Path, bytes], whole_files: bool = False) -> tuple[str, str, float]:
+    tests = named(m, copy, whole_files)
     if not tests:  # --tests-at a revision from before these files
         return "SURVIVED", "none of its test files exists in this tree", 0.0
     saved = apply(copy, m)
@@ -166,7 +173,7 @@ def main() -> int:
             tests_at(copy, a.tests_at)
         clean_so = {f: f.read_bytes() for f in copy.glob("pdkv/*.so")}
         if not a.no_baseline:
-            files = tuple(sorted({t for m in chosen for t in m.tests if (copy / t.split("::")[0]).exists()}))
+            files = tuple(sorted({t for m in chosen for t in named(m, copy, bool(a.tests_at))}))
             rc, out, dt = pytest_run(copy, files, 1800)
             print(f"clean run of {len(files)} test files: {'passed' if rc == 0 else 'FAILED'} in {dt:.0f} s")
             if rc != 0:
@@ -174,7 +181,7 @@ def main() -> int:
                 return 2
         rows = []
         for m in chosen:
-            verdict, why, dt = run_one(copy, m, clean_so)
+            verdict, why, dt = run_one(copy, m, clean_so, bool(a.tests_at))
             rows.append((m, verdict, why, dt))
             print(f"{m.area:12} {m.name:34} {verdict:9} {dt:5.0f} s  {why}", flush=True)
     killed = sum(v == "killed" for _, v, _, _ in rows)

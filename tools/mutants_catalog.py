@@ -114,7 +114,7 @@ MUTANTS: list[Mutant] = [
        [GRAPHS + "::test_padding_rows_write_only_the_scratch_page"],
        "padding rows write their K/V into the first request's page instead of the scratch page"),
     _m("graph_hook_not_told_of_the_replay", "graphs", "pdkv/engine/cuda_graphs.py",
-       "            hook.replayed(self.num_layers)\n", "",
+       "            hook.replayed(self.num_layers)\n", "            pass\n",
        [GRAPHS + "::test_counter_bumps_once_per_layer_per_replay"],
        "a replay's layer bumps never reach the hook's host bookkeeping"),
     # ---- the prefill chooser ---------------------------------------------------------------------
@@ -210,7 +210,7 @@ MUTANTS: list[Mutant] = [
     # ---- MoE routing, the torch path (bfloat16, model.cpu_kernels false) --------------------------
     _m("moe_softmax_not_renormalised", "moe", "models/moe.py",
        "                weights = weights / weights.sum(-1, keepdim=True)\n            return ids, weights.to(x.dtype)",
-       "            return ids, weights.to(x.dtype)",
+       "                pass\n            return ids, weights.to(x.dtype)",
        [MOE_ROUTING], "norm_topk_prob ignored on the softmax path"),
     _m("moe_weights_from_corrected_scores", "moe", "models/moe.py",
        "weights = scores.gather(1, ids)", "weights = choice.gather(1, ids)",
