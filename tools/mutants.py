@@ -65,6 +65,11 @@ def tests_at(copy: Path, rev: str) -> None:
     shutil.rmtree(copy / "tests")
     tar = subprocess.run(["git", "archive", rev, "tests"], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(copy)], input=tar, check=True)
+    conftest = copy / "tests" / "conftest.py"
+    if 'register_profile("mutants"' not in conftest.read_text():  # a tree from before the profile
+        with open(conftest, "a") as f:
+            f.write('\nfrom hypothesis import Phase, settings  # noqa: E402  (added by tools/mutants.py)\n'
+                    'settings.register_profile("mutants", phases=(Phase.explicit, Phase.generate), database=None)\n')
     build = ROOT / ".cache" / "verbs_loopback"
     if build.exists():  # the device's build cache is keyed by source hash: an old tree rebuilds it
         shutil.copytree(build, copy / ".cache" / "verbs_loopback", symlinks=True, dirs_exist_ok=True)
