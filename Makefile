@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all install demo test bench bench-micro clean
+.PHONY: all install demo test bench bench-micro mutants clean
 
 all: install
 
@@ -61,3 +61,8 @@ bench-micro: install
 
 clean:
 	rm -rf build *.egg-info pdkv/_messenger.c pdkv/_kernels.c pdkv/*.so
+
+# Curated mutants (tools/mutants_catalog.py), each in a scratch copy, each required to fail a
+# named test file; prints the kill rate (docs/TESTING.md). Not part of `make test`.
+mutants: install
+	$(PY) tools/mutants.py

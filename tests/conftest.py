@@ -7,9 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tests" / "bench"
+
+# `make mutants` (tools/mutants.py) runs property tests with --hypothesis-profile=mutants: a
+# fresh search each time (no example database), failing at the first counterexample without
+# shrinking it (a mutant needs to be caught, not explained; shrinking takes minutes).
+settings.register_profile("mutants", phases=(Phase.explicit, Phase.generate), database=None)
 
 
 def _bench_asked(config) -> bool:

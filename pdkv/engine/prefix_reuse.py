@@ -3,7 +3,7 @@ request are cached, taking them, giving them back, and publishing the pages a re
 
 A mixin of ``Scheduler`` (pdkv/engine/scheduler.py), which owns ``allocator``, ``page_size`` and
 ``cache`` (None: no prefix cache); kept on the scheduler itself so every caller and every
-deliberately broken variant (tests/engine/prefix_mutants.py) sees one object. The scheduler sees
+deliberately broken variant (tools/mutants_catalog.py) sees one object. The scheduler sees
 request ids, token counts and page ids, never tensors.
 """
 

@@ -65,3 +65,15 @@ def test_interference_separates_decode_gaps_that_overlap_a_prefill():
     assert i["itl_quiet_s"]["mean"] == pytest.approx(0.01) and i["ratio_mean"] == pytest.approx(11.0)
     # a request's own prefill window never counts against its own gaps
     assert interference([a])["itl_during_prefill_s"]["n"] == 0
+
+
+@pytest.mark.parametrize("disagg_goodput,wins", [(1.04 * 1.2, False), (1.05 * 1.2, False), (1.06 * 1.2, True)])
+def test_disaggregation_must_beat_the_best_colocated_goodput_by_the_margin(disagg_goodput, wins):
+    """Interference measured and both SLOs kept: the goodput margin (5% over the best colocated
+    architecture, here chunked at 1.2 req/s) alone decides; at exactly 5% it is not enough."""
+    v = decide({"colocated": run(0.005, 0.100, 0.05, 1.0, 0.9, 8.0), "chunked": run(0.006, 0.040, 0.08, 1.2, 0.9, 3.0),
+                "disagg": run(0.005, 0.010, 0.12, disagg_goodput, 0.95, 1.1)}, SLO)
+    assert v["disagg_goodput_wins"] is wins and v["interference"] and v["transfer_preserves_slos"]
+    assert v["choice"] == ("disaggregate" if wins else "chunked"), v["text"]
+    if not wins:
+        assert "does not beat chunked's 1.20 by 5%" in v["text"]

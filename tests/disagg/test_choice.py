@@ -264,3 +264,48 @@ def test_bad_disagg_config_names_the_field(field, value, says):
             load_config("configs/decode.yaml", [f"disagg.{field}={value}"])
     with pytest.raises(ConfigError, match=r"unknown field 'disagg\.local_prefil'"):
         load_config("configs/decode.yaml", ["disagg.local_prefil=3"])
+
+
+@pytest.mark.parametrize("why", ["failed", "no_room"])
+def test_an_affinity_holder_that_failed_or_has_no_room_loses_within_the_load_bound(why):
+    """Affinity only breaks ties in load: the node that holds the prefix but just failed (or
+    has no room for the prompt) loses to another node even while its queue is within
+    affinity_max_extra_tokens of that node's."""
+    ch, peers = _chooser(2, affinity_pages=2, affinity_max_extra_tokens=1000)
+    prefix = list(range(1000, 1008))
+    holder = ch.pick(prefix + [1, 2])
+    ch.unreserve(holder, 10)
+    other = peers[1] if holder is peers[0] else peers[0]
+    ch.report(other, _load(queued=5))
+    assert ch.pick(prefix + [3]) is holder  # both fine: 0 <= 5 + 1000, affinity holds
+    ch.unreserve(holder, 9)
+    if why == "failed":
+        ch.failed(holder)
+    else:
+        ch.report(holder, _load(queued=0, free=2))  # 2 pages = 8 tokens < 9
+    assert ch.pick(prefix + [3]) is other
+
+
+def test_room_is_judged_in_tokens_against_pages():
+    """free_pages counts pages, the prompt tokens: 3 free pages of 4 hold a 12-token prompt
+    (room), not a 13-token one; compared as if both were tokens, 3 < 12 would say no room."""
+    ch, peers = _chooser(2, affinity_pages=0)
+    ch.report(peers[0], _load(queued=0, free=3))
+    ch.report(peers[1], _load(queued=50, free=1000))
+    assert ch.pick(list(range(12))) is peers[0]  # 3 * 4 = 12 >= 12
+    ch.unreserve(peers[0], 12)
+    assert ch.pick(list(range(13))) is peers[1]  # 12 < 13: no room
+
+
+def test_affinity_holds_at_exactly_the_extra_token_bound():
+    ch, peers = _chooser(2, affinity_pages=1, affinity_max_extra_tokens=30)
+    prefix = list(range(1000, 1004))
+    holder = ch.pick(prefix + [1])
+    ch.unreserve(holder, 5)
+    other = peers[1] if holder is peers[0] else peers[0]
+    ch.report(holder, _load(queued=30))
+    ch.report(other, _load(queued=0))
+    assert ch.pick(prefix + [2]) is holder  # 30 == 0 + 30: still within
+    ch.unreserve(holder, 5)
+    ch.report(holder, _load(queued=31))
+    assert ch.pick(prefix + [2]) is other  # one token past it

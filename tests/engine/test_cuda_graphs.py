@@ -227,3 +227,23 @@ def test_a_failed_capture_names_the_option_and_gives_the_scratch_page_back(tiny_
         build_decode_graphs(engine.runner.model, engine.runner.backend, engine.allocator, MAX_LEN, SIZES, "cpu",
                             stand_in=True)
     assert engine.allocator.num_free == free
+
+
+def test_a_steps_output_is_not_overwritten_by_the_next_replay(tiny_model_dir):
+    """What a step returns is kept across the next step (the MTP proposer reads the target's
+    hidden states, ``runner.last_forward``, after the step that produced them): returned as a
+    view of the graph's static output, the next replay would overwrite it in place."""
+    engine = _engine(tiny_model_dir, graphs=True)
+    for i, n in enumerate((6, 13)):
+        engine.add_request(f"k{i}", list(range(3 + i, 3 + i + n)), _greedy(6))
+    engine.step()  # the prefill (eager)
+    engine.step()  # decode: a replay of the size-2 graph
+    assert engine.runner.graphs.stats.replays == {2: 1}
+    kept = engine.runner.last_forward[1]
+    snapshot = kept.clone()
+    engine.step()  # the next replay, same graph, other tokens
+    assert engine.runner.graphs.stats.replays == {2: 2}
+    assert not torch.equal(engine.runner.last_forward[1], snapshot)  # the new step's states differ
+    assert torch.equal(kept, snapshot), "the previous step's hidden states changed under it"
+    while engine.has_unfinished():
+        engine.step()

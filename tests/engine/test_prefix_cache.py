@@ -217,3 +217,47 @@ def test_requests_keep_their_state_machine(make_engine):
     cached = eng.stats()["num_pages_cached"]
     assert cached > 0 and eng.reset_prefix_cache() == cached  # KV changed behind its back: forget it
     assert eng.cached_prefix_tokens(BASE[:20]) == 0 and eng.stats()["num_pages_cached"] == 0
+
+
+def test_prompts_differing_only_in_a_pages_last_token_never_share_that_page(make_engine):
+    """Every token of a page is in its hash, the last one too: B equals A but for token 7, the
+    last of page 1 (page size 4), so after A ran B finds page 0 cached and not page 1."""
+    a = BASE[:13]
+    b = a[:7] + [a[7] % 400 + 1] + a[8:]
+    plain = make_engine(page_size=P, num_pages=64, prefix_caching=False)
+    want = plain.generate([b], GREEDY)[0].output_token_ids
+    eng = make_engine(page_size=P, num_pages=64)
+    eng.generate([a], GREEDY)
+    assert eng.cached_prefix_tokens(a) == 12  # A's three whole prompt pages
+    assert eng.cached_prefix_tokens(b) == 4
+    assert eng.generate([b], GREEDY)[0].output_token_ids == want
+    assert eng.stats()["prefix_cache_hits"] == 4
+
+
+def _salt(engine) -> bytes:
+    return engine.scheduler.cache.salt
+
+
+def test_the_hash_salt_changes_with_the_model_and_the_dtype(make_engine, tiny_model_dir, tmp_path):
+    """Equal prompts hash equally only on nodes whose KV for them is equal: the same checkpoint
+    and dtype give the same salt (and so the same page hashes), another dtype, another config
+    with the same weight files' names and sizes (a rope_theta change), or another page size
+    give another one."""
+    import json
+    import shutil
+
+    from pdkv.kv.prefix_cache import chain_hashes
+
+    base = make_engine(page_size=P, num_pages=16)
+    assert _salt(make_engine(page_size=P, num_pages=32)) == _salt(base)  # the pool's size is not in it
+    other = tmp_path / "other-rope"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_theta"] = float(cfg.get("rope_theta", 10000.0)) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    salts = {"base": _salt(base), "bfloat16": _salt(make_engine(page_size=P, num_pages=16, dtype="bfloat16")),
+             "rope": _salt(make_engine(other, page_size=P, num_pages=16)),
+             "page size": _salt(make_engine(page_size=2 * P, num_pages=16))}
+    assert len(set(salts.values())) == len(salts), salts
+    pages = {k: chain_hashes(BASE[:8], P, s, [], 2) for k, s in salts.items() if k != "page size"}
+    assert len({h[0] for h in pages.values()}) == len(pages)  # no page of one matches the other's

@@ -55,6 +55,27 @@ def test_self_draft_accepts_everything(tiny_model_dir, plain):
     assert eng.spec.proposer.num_pages_used == 0 and eng.allocator.num_free == eng.allocator.num_total
 
 
+def test_self_draft_counts_every_position_exactly(tiny_model_dir, plain):
+    """Every draft accepted, the last run cut short by max_tokens: per prompt two runs of K
+    drafts, then one of a single draft (2 tokens were left: 1 draft + the target's token), so
+    per position [3, 2, 2] accepted, lengths K + 1 twice and 2 once -- counted from what is known
+    of the run, not from the counters themselves."""
+    eng = _engine(tiny_model_dir, draft=tiny_model_dir, page_size=4)
+    n = 1 + 2 * (K + 1) + 2
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    prompts = _prompts()
+    want = [o.output_token_ids for o in plain.generate(prompts, params)]
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
+    st, P = eng.spec.stats, len(prompts)
+    assert st.num_drafts == 3 * P and st.num_draft_tokens == (2 * K + 1) * P
+    assert st.accepted_per_pos == [3 * P, 2 * P, 2 * P]
+    assert sum(st.accepted_per_pos) == st.num_accepted_tokens == (2 * K + 1) * P
+    assert st.accepted_length_counts == [0, 0, P, 0, 2 * P]
+    d = eng.stats()
+    assert d["spec_acceptance_rate_per_pos"] == [1.0, 2 / 3, 2 / 3]
+    assert d["spec_mean_accepted_length"] == pytest.approx(1 + (2 * K + 1) / 3)
+
+
 def test_random_draft_accepts_almost_nothing_and_output_is_unchanged(tiny_model_dir, plain, other_draft):
     eng = _engine(tiny_model_dir, draft=other_draft)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -1,7 +1,8 @@
 """Rejection sampling keeps the target's distribution: on a tiny vocabulary, the empirical
 distribution of the first token a verification step emits matches the target's (temperature,
 top-k, top-p) softmax by a chi-square test, and so does the second one given the first draft was
-kept; a test-only broken acceptance rule fails the same test. In the engine, sampled requests
+kept, and the bonus token after every draft was kept (the row after the last draft); test-only
+broken rules fail the same tests. In the engine, sampled requests
 with seeds are reproducible under speculative decoding and give every page back."""
 
 from __future__ import annotations
@@ -142,3 +143,45 @@ def test_a_draft_distribution_q_keeps_the_target_distribution():
         first[ver(logits, req, [d0, d1], draft_probs=q)[0]] += 1
     stat, df = _chi2(first, p[0])
     assert stat < CHI2_999[df], (stat, first / N, p[0])
+
+
+class BonusFromLastDraftRowVerifier(Verifier):
+    """Test-only broken rule: after every draft was accepted, the bonus token is drawn from the
+    last draft's row instead of the row after it."""
+
+    def __call__(self, logits, req, drafts, draft_probs=None):
+        out = super().__call__(logits, req, drafts, draft_probs)
+        if len(out) == len(drafts) + 1 and out[:-1] == drafts:
+            probs = self.target_probs(logits, req)
+            out[-1] = self._draw(probs[len(drafts) - 1], req.generator)
+        return out
+
+
+def _bonus(verifier_cls, params, n=2000):
+    """Drafts the target all but certainly keeps (rows 0 and 1 peak on them), row 2 spread out:
+    the distribution of the bonus token (the third emitted) against row 2's."""
+    logits = _logits()
+    drafts = [1, 4]
+    logits[0, 1] = logits[1, 4] = 12.0
+    req = Request("r", [1], params, None)
+    req.generator = torch.Generator().manual_seed(77)
+    ver = verifier_cls(torch.Generator().manual_seed(0))
+    bonus, kept = torch.zeros(V), 0
+    for _ in range(n):
+        out = ver(logits, req, drafts)
+        if len(out) == 3:
+            assert out[:2] == drafts
+            bonus[out[2]] += 1
+            kept += 1
+    return bonus, kept, Verifier.target_probs(logits, req)[2]
+
+
+@pytest.mark.parametrize("params", CASES[:2], ids=["t1", "t0.7-topk4"])
+def test_the_bonus_token_after_every_draft_was_kept_follows_the_next_row(params):
+    bonus, kept, p = _bonus(Verifier, params)
+    assert kept > 1950  # both drafts kept nearly every time: the bonus is what is tested
+    stat, df = _chi2(bonus, p)
+    assert stat < CHI2_999[df], (stat, bonus / kept, p)
+    if params.top_k == 0:  # the same test fails a verifier that draws the bonus from the wrong row
+        bonus, _, p = _bonus(BonusFromLastDraftRowVerifier, params)
+        assert _chi2(bonus, p)[0] > CHI2_999[df], (bonus, p)

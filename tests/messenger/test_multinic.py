@@ -235,7 +235,11 @@ def test_pick_nic_spreads_a_ranks_requests_over_its_nics():
     picks = Counter(pick_nic(request_seed(f"q{i}"), 3, 4) for i in range(4000))
     assert set(picks) == {0, 1, 2, 3} and min(picks.values()) > 900  # about 1000 each
     assert pick_nic(request_seed("q1"), 3, 1) == 0
-    assert pick_nic(5, 3, 4) == pick_nic(5, 3, 4) and len({pick_nic(5, r, 4) for r in range(8)}) > 1
+    # Fixed values: both nodes compute the choice on their own, so it must never change between
+    # versions (splitmix64(seed ^ splitmix64(rank + 1)) % num_nics)
+    assert [pick_nic(5, r, 4) for r in range(8)] == [3, 2, 3, 0, 1, 2, 2, 0]
+    assert [pick_nic(s, 3, 4) for s in (0, 1, 2**64 - 1, 0xDEADBEEF)] == [3, 3, 3, 2]
+    assert [pick_nic(5, 3, n) for n in (1, 2, 3, 8)] == [0, 0, 1, 0]
 
 
 def test_a_write_to_a_nic_without_a_queue_pair_is_refused_naming_it(spawn, connect):

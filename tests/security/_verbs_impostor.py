@@ -1,8 +1,12 @@
-"""An authenticated but hostile prefill node on the loopback verbs device, as a child process
-(the device is on LD_LIBRARY_PATH only there): it holds the cluster secret and the real
-prefill node's HELLO, so a decode node connects to it and sends it PREFILLs.
+"""An authenticated but hostile prefill node on the loopback verbs device (or on tcp), as a
+child process (the device is on LD_LIBRARY_PATH only there): it holds the cluster secret and the
+real prefill node's HELLO, so a decode node connects to it and sends it PREFILLs.
 
-    python _verbs_impostor.py MODEL_DIR SECRET_FILE MODE OUT_JSON PORT
+    python _verbs_impostor.py MODEL_DIR SECRET_FILE MODE OUT_JSON PORT [TRANSPORT]
+
+TRANSPORT: verbs (the default) or tcp. On verbs the NIC refuses a write outside the writer's
+MRs; on tcp the decode node's receiver refuses a frame outside the writer's granted ranges
+before a byte lands; either way the write completes with an error.
 
 listens on 127.0.0.1:PORT and serves until killed. OUT_JSON is rewritten after every PREFILL
 with what it saw and did.
@@ -15,7 +19,7 @@ the data path down and redials):
   2. stale — it answers FAIL{posted 0} (the decode node revokes: deregisters the MRs and frees
      the pages), then writes with the old key into those pages;
   3. region — CONNECT's region key (no MR of it in this peer's protection domain).
-  Each write is recorded with whether the NIC refused it (a completion with an error).
+  Each write is recorded with whether it was refused (a completion with an error).
 MODE silent: accepts every PREFILL and never writes nor answers (it holds its grants).
 MODE spec: an mtp prefill node (MODEL_DIR has an MTP layer; num_tokens SPEC_TOKENS) attacking
 the decode node's proposer cache (pdkv/disagg/spec_handoff.py) the same way, one attack per
@@ -50,13 +54,15 @@ NODE_ID = 0xBAD
 
 
 class Impostor:
-    def __init__(self, model_dir: str, secret: bytes, mode: str, out: Path):
+    def __init__(self, model_dir: str, secret: bytes, mode: str, out: Path, transport: str = "verbs"):
         spec = {"speculative__method": "mtp", "speculative__num_tokens": SPEC_TOKENS} if mode == "spec" else {}
-        cfg = node_config(model_dir, "prefill", messenger__transport="verbs", messenger__nics=["lo_verbs0"], **spec)
+        nics = {"messenger__nics": ["lo_verbs0"]} if transport == "verbs" else {}
+        cfg = node_config(model_dir, "prefill", messenger__transport=transport, **nics, **spec)
         engine = make_engine(cfg)
-        self.hello = P.make_hello(engine, NODE_ID, "prefill", "verbs", cfg.speculative)
+        self.hello = P.make_hello(engine, NODE_ID, "prefill", transport, cfg.speculative)
         self.secret, self.mode, self.out = secret, mode, out
-        self.m = Messenger("verbs", NODE_ID, nics=["lo_verbs0"])
+        self.m = Messenger("verbs", NODE_ID, nics=["lo_verbs0"]) if transport == "verbs" else \
+            Messenger("tcp", NODE_ID, host="127.0.0.1")
         self.src = bytearray(b"\xcd\xab" * (1 << 19))  # what a landed attack would leave behind
         self.lkey = self.m.register(self.src)
         self.record = {"prefills": 0, "attacks": []}
@@ -119,24 +125,35 @@ class Impostor:
         self.save()
 
     async def write(self, conn: int, key: int, off: int, length: int, imm: int) -> bool | str:
-        """One write; True if it completed with an error (refused), False if it completed cleanly."""
+        """One write; True if it was refused, False if it completed cleanly. verbs: the write's
+        completion carries the NIC's access error. tcp: a write completes once its bytes are in
+        the kernel, and the receiver's refusal (an ERROR frame) arrives after it as an "error"
+        event: a clean completion counts only if no such event follows within 3 s."""
         tag = next(self.tags)
+        self.m.drain()  # an earlier attack's late events are not this write's
         try:
             self.m.write(conn, self.lkey, 0, key, off, length, imm=imm, tag=tag)
         except Exception as e:  # noqa: BLE001 - refused before it left (e.g. the QP already broke)
             return f"raised: {e}"
-        end = time.monotonic() + 10
+        end, done = time.monotonic() + 10, None
         while time.monotonic() < end:
             for ev in self.m.drain():
+                if ev.kind == "error":
+                    return True
                 if ev.kind == "batch_done" and ev.tag == tag:
-                    return ev.num_errors > 0 or ev.status < 0
+                    if ev.num_errors > 0 or ev.status < 0:
+                        return True
+                    if self.m.transport != "tcp":
+                        return False
+                    done, end = True, time.monotonic() + 3.0
             await asyncio.sleep(0.01)
-        return "no completion"
+        return False if done else "no completion"
 
 
 async def main() -> None:
     model_dir, secret_file, mode, out, port = sys.argv[1:6]
-    imp = Impostor(model_dir, load_secret(secret_file), mode, Path(out))
+    transport = sys.argv[6] if len(sys.argv) > 6 else "verbs"
+    imp = Impostor(model_dir, load_secret(secret_file), mode, Path(out), transport)
     imp.save()
     await asyncio.start_server(imp.accept, "127.0.0.1", int(port))
     await asyncio.Event().wait()

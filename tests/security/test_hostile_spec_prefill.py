@@ -1,8 +1,10 @@
 """Malformed speculative hand-off fields of PREFILL against a real mtp prefill node (tcp,
-loopback): the proposer ranges' write keys (``spec_runs``/``spec_rkeys``, one per MTP layer and
-run of proposer pages, pdkv/disagg/range_keys.py) that do not cover the proposer pages, or are
-not keys, get FAIL naming the field and nothing posted; a well-formed PREFILL of the same
-hostile peer is served; the real decode node keeps serving and no page is leaked."""
+loopback): proposer pages (``spec_pages``) that are not one per page, distinct and inside the
+peer's proposer cache, a held-back token (``next_token``) that is not a token id, and proposer
+ranges' write keys (``spec_runs``/``spec_rkeys``, one per MTP layer and run of proposer pages,
+pdkv/disagg/range_keys.py) that do not cover the proposer pages, or are not keys, get FAIL
+naming the field and nothing posted; a well-formed PREFILL of the same hostile peer is served;
+the real decode node keeps serving and no page is leaked."""
 
 import asyncio
 
@@ -64,6 +66,48 @@ def test_malformed_proposer_keys_are_answered_with_fail(cluster, bad, words, cap
     asyncio.run(main())
     assert "Traceback" not in caplog.text
     _still_serves(cluster)
+
+
+TOP = "top"  # stands for the peer's proposer page count (HELLO extra.spec_kv.num_pages)
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"spec_pages": [0, 1]}, "spec_pages must be 1 page numbers"),  # one per target page
+    ({"spec_pages": []}, "spec_pages must be 1 page numbers"),
+    ({"tokens": [1, 2, 3, 4, 5], "pages": [0, 1], "spec_pages": [2]}, "spec_pages must be 2 page numbers"),
+    ({"tokens": [1, 2, 3, 4, 5], "pages": [0, 1], "spec_pages": [2, 2]}, "spec_pages must be distinct"),
+    ({"spec_pages": [TOP]}, "spec_pages must be 1 page numbers in [0, top)"),  # the first page past the end
+    ({"spec_pages": [-1]}, "spec_pages must be 1 page numbers"),
+    ({"spec_pages": [True]}, "spec_pages must be 1 page numbers"),
+    ({"spec_pages": "0"}, "spec_pages must be 1 page numbers"),
+    ({"spec_pages": None}, "spec_pages must be 1 page numbers"),
+    ({"next_token": -1}, "next_token must be a token id"),
+    ({"next_token": 2**31}, "next_token must be a token id"),
+    ({"next_token": "4"}, "next_token must be a token id"),
+    ({"next_token": True}, "next_token must be a token id"),
+    ({"next_token": None}, "next_token must be a token id"),
+], ids=["too-many", "none", "too-few", "duplicate", "past-the-end", "negative", "bool", "str", "null",
+        "next-negative", "next-too-big", "next-str", "next-bool", "next-null"])
+def test_malformed_spec_pages_and_next_token_are_answered_with_fail(cluster, bad, words, caplog):
+    """The hand-off's own fields (pdkv/disagg/spec_handoff.py parse_fields): the proposer pages
+    a PREFILL names must be one per target page, distinct, inside the peer's proposer cache;
+    next_token (mtp) a token id. Each is refused with FAIL naming it, nothing posted."""
+    top = cluster.pc.hello.extra["spec_kv"]["num_pages"]
+    bad = {k: [top if p == TOP else p for p in v] if isinstance(v, list) else v for k, v in bad.items()}
+    words = words.replace(TOP, str(top))
+
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            ch = await h.connect(cluster.prefill.app[NODE].control_port, None)
+            await ch.send(_prefill(h, "s", **bad))
+            got = await h.until(lambda m: m["type"] in (P.FAIL, P.DONE_AT))
+            assert got[-1]["type"] == P.FAIL and words in got[-1]["reason"] and got[-1]["posted"] == 0, got[-1]
+        finally:
+            h.close()
+    asyncio.run(main())
+    assert "Traceback" not in caplog.text
+    assert len(cluster.pc.jobs) == 0
 
 
 def test_well_formed_proposer_keys_are_served(cluster):

@@ -5,7 +5,9 @@ and deregisters them when the request ends (pdkv/disagg/grants.py), so:
 
 - a write outside the request's ranges, after they were revoked, or under a region key the
   peer was never granted gets a remote access error and lands nothing; the real prefill node's
-  requests keep their outputs, no page or grant is leaked, the decode node keeps serving;
+  requests keep their outputs, no page or grant is leaked, the decode node keeps serving. The
+  same attacks on tcp (every node on tcp: the receiver checks each frame against the writer's
+  granted ranges) are refused the same way;
 - a peer that holds its grants (never writes, never answers) holds at most
   messenger.max_grants_per_peer of them: the decode node sends it nothing more, and when no peer
   has room the client gets 503 naming the limit.
@@ -41,12 +43,12 @@ def want(tiny_model_dir):
 
 
 class Impostor:
-    def __init__(self, model_dir, secret_file: Path, mode: str, tmp: Path, env: dict):
+    def __init__(self, model_dir, secret_file: Path, mode: str, tmp: Path, env: dict, transport: str = "verbs"):
         self.out = tmp / f"impostor-{mode}.json"
         self.log = open(tmp / f"impostor-{mode}.log", "wb")
         self.port = free_port()  # chosen here so that the decode node can start meanwhile
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_verbs_impostor.py"), str(model_dir),
-                                      str(secret_file), mode, str(self.out), str(self.port)],
+                                      str(secret_file), mode, str(self.out), str(self.port), transport],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
     def record(self) -> dict:
@@ -60,25 +62,28 @@ class Impostor:
 
 
 @pytest.fixture
-def nodes(tiny_model_dir, tmp_path, loopback_verbs_dir):
-    """start(mode, **decode messenger overrides) -> (real prefill, impostor, decode)."""
-    env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
+def nodes(tiny_model_dir, tmp_path, request):
+    """start(mode, transport="verbs", **decode messenger overrides) -> (real prefill, impostor,
+    decode), every node on ``transport``."""
     secret = tmp_path / "cluster.secret"
     write_secret_file(secret)
     running = []
 
-    def proc(name, role, messenger=None, **kw):
-        d = node_dict(tiny_model_dir, role, port=free_port(), transport="verbs", nics=["lo_verbs0"], **kw)
+    def proc(name, role, env, transport, messenger=None, **kw):
+        nics = ["lo_verbs0"] if transport == "verbs" else None
+        d = node_dict(tiny_model_dir, role, port=free_port(), transport=transport, nics=nics, **kw)
         d["messenger"].update({"secret_file": str(secret), **(messenger or {})})
         running.append(NodeProc(tmp_path, name, d, env))
         return running[-1]
 
-    def start(mode, **decode_messenger):
+    def start(mode, transport="verbs", **decode_messenger):
+        env = {"LD_LIBRARY_PATH": request.getfixturevalue("loopback_verbs_dir")} if transport == "verbs" else {}
         cport = free_port()
-        pre = proc("prefill", "prefill", control_port=cport)
-        imp = Impostor(tiny_model_dir, secret, mode, tmp_path, env)
+        pre = proc("prefill", "prefill", env, transport, control_port=cport)
+        imp = Impostor(tiny_model_dir, secret, mode, tmp_path, env, transport)
         running.append(imp)
-        dec = proc("decode", "decode", decode_messenger, peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
+        dec = proc("decode", "decode", env, transport, decode_messenger,
+                   peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
         pre.wait_healthy(60)
         dec.wait_healthy(60)
         wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 30, "both peers connected")
@@ -118,8 +123,12 @@ def _pools_back(pre, dec):
     wait_for(lambda: pre.health()["num_pages_free"] == pre.health()["num_pages_total"], 15, "prefill pages back")
 
 
-def test_writes_outside_granted_ranges_get_remote_access_errors(nodes, want):
-    pre, imp, dec = nodes("attack")
+@pytest.mark.parametrize("transport", ["verbs", "tcp"])
+def test_writes_outside_granted_ranges_get_remote_access_errors(nodes, want, transport):
+    """The same attacks on both transports: verbs' NIC (the loopback device) and tcp's receiver
+    must refuse the page right after a granted range, a write after the revoke and one under
+    the region's key alike."""
+    pre, imp, dec = nodes("attack", transport)
     served, failed, attacks, num_failed = 0, [], 0, 0
     end, i = time.monotonic() + 90, 0
     while len(imp.record()["attacks"]) < 3 and time.monotonic() < end and i + 2 <= len(PROMPTS):
@@ -138,7 +147,7 @@ def test_writes_outside_granted_ranges_get_remote_access_errors(nodes, want):
             time.sleep(LEASE_S + 0.3)
     rec = imp.record()
     assert [a["kind"] for a in rec["attacks"]] == ["foreign", "stale", "region"], rec
-    assert all(a["refused"] is True for a in rec["attacks"]), rec  # the NIC refused every one
+    assert all(a["refused"] is True for a in rec["attacks"]), rec  # the NIC / receiver refused each
     assert len(failed) <= rec["prefills"] and served >= i - rec["prefills"], (served, failed, rec)
     h = dec.health()
     assert h["refused_writes"] >= 3, h  # the decode side saw each access error

@@ -45,6 +45,15 @@ def test_stream_and_metrics_with_ngram(api, spec_served, reference_engine):
         st["spec_num_accepted_tokens_per_pos"][0]
     assert api.metric(s.url, "pdkv_spec_decode_accepted_length_count") == steps
     assert api.metric(s.url, "pdkv_spec_decode_accepted_length_sum") == steps + accepted
+    # The counters against each other, not only against the engine's copy of themselves: every
+    # accepted token was accepted at one position (summed over the positions, the label absent:
+    # the three of them), and the histogram of emitted lengths adds up to the same tokens.
+    per_pos = [api.metric(s.url, "pdkv_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(3)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True), per_pos
+    assert api.metric(s.url, "pdkv_spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    lengths = st["spec_accepted_length_counts"]
+    assert sum(j * c for j, c in enumerate(lengths)) == steps + accepted and sum(lengths) == steps
 
 
 def test_client_disconnect_mid_speculation_frees_every_page(api, spec_served):
