@@ -28,11 +28,16 @@ try:
 except ImportError:  # the extension is not built (a source tree without build_ext): torch only
     _k = None
 
-# Above this many rows MKL's blocked GEMM is as fast or faster (measured up to 64 rows).
+AVAILABLE = _k is not None and _k.SUPPORTED
+# The GEMM kernel's ISA path, picked at run time by what the CPU has (pdkv/kernels/gemm_small.h):
+# "avx512" / "avx2" (blocked over rows: each weight read once per call) or "pairs" (the first
+# kernel: once per pair of rows); PDKV_GEMM_PATH=pairs|avx2|avx512 overrides it.
+GEMM_PATH = _k.gemm_path() if AVAILABLE else "none"
+# Above this many rows MKL's blocked GEMM is as fast or faster on one thread: 16 for the pairs
+# kernel; the blocked ones were 1.5-2.5x faster than MKL at 32 and 64 rows (bench kernels).
 # NOTE: outputs are made with torch.empty(ints..., dtype=...): a torch.Size argument costs ~2 us
 # more per call, and a decode step makes ~100 of them.
-MAX_ROWS = 16
-AVAILABLE = _k is not None and _k.SUPPORTED
+MAX_ROWS = 64 if GEMM_PATH in ("avx512", "avx2") else 16
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
 # thread: they take a step only when torch runs it on one thread, and a step on more threads is
 # torch's (MKL's). For small CPU steps the runner measures both and keeps the faster

@@ -8,6 +8,8 @@ from libc.stdint cimport int64_t, uintptr_t
 
 cdef extern from "kernels/gemm_small.h":
     int pdkv_gemm_small_supported() nogil
+    const char *pdkv_gemm_path() nogil
+    int pdkv_gemm_set_path(const char *name) nogil
     void pdkv_gemm_small(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias,
                          float *y, Py_ssize_t ldy, int m, int k, int n) nogil
 
@@ -65,6 +67,18 @@ cdef extern from "kernels/mla_decode.h":
 
 # The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
 SUPPORTED = bool(pdkv_gemm_small_supported())
+
+
+def gemm_path():
+    """The ISA path of ``gemm`` and the kernels over it: "avx512", "avx2", "pairs" or "none"."""
+    return pdkv_gemm_path().decode()
+
+
+def set_gemm_path(str name):
+    """Makes ``gemm`` take path ``name`` (tests and the bench); ValueError when this CPU cannot."""
+    if pdkv_gemm_set_path(name.encode()) != 0:
+        raise ValueError(f"gemm path {name!r}: unknown, or this CPU cannot run it "
+                         f"(paths: avx512, avx2, pairs)")
 
 
 def gemm(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bias, uintptr_t y, Py_ssize_t ldy,
