@@ -13,6 +13,11 @@ cdef extern from "kernels/gemm_small.h":
     void pdkv_gemm_small(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias,
                          float *y, Py_ssize_t ldy, int m, int k, int n) nogil
 
+cdef extern from "kernels/gemm_bf16.h":
+    int pdkv_gemm_bf16_supported() nogil
+    void pdkv_gemm_bf16(const unsigned short *x, Py_ssize_t ldx, const unsigned short *w, Py_ssize_t ldw,
+                        const unsigned short *bias, unsigned short *y, Py_ssize_t ldy, int m, int k, int n) nogil
+
 cdef extern from "kernels/attention_decode.h":
     struct pdkv_paged_kv:
         const float *cache
@@ -67,6 +72,8 @@ cdef extern from "kernels/mla_decode.h":
 
 # The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
 SUPPORTED = bool(pdkv_gemm_small_supported())
+# The CPU has AVX-512F/BW and AVX512-BF16: ``gemm_bf16`` needs it.
+BF16 = bool(pdkv_gemm_bf16_supported())
 
 
 def gemm_path():
@@ -86,6 +93,14 @@ def gemm(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bia
     """y[r, o] = sum_i x[r * ldx + i] * w[o * ldw + i] (+ bias[o]); strides in floats, bias 0: none."""
     with nogil:
         pdkv_gemm_small(<const float *>x, ldx, <const float *>w, ldw, <const float *>bias, <float *>y, ldy, m, k, n)
+
+
+def gemm_bf16(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bias, uintptr_t y,
+              Py_ssize_t ldy, int m, int k, int n):
+    """``gemm`` over bfloat16 (float32 sums, y rounded once); strides in elements, bias 0: none."""
+    with nogil:
+        pdkv_gemm_bf16(<const unsigned short *>x, ldx, <const unsigned short *>w, ldw,
+                       <const unsigned short *>bias, <unsigned short *>y, ldy, m, k, n)
 
 
 def gemm_batched(int batch, uintptr_t x, Py_ssize_t bx, Py_ssize_t ldx, uintptr_t w, Py_ssize_t bw,

@@ -3,6 +3,8 @@
  *   TARGET       the function attribute of the ISA      VEC / W   the vector type, its lanes
  *   ZERO() LOAD(p) LOAD_TAIL(p, t) FMA(a, b, c) REDUCE(v) and GEMM_NAME, MAX_R (weight rows per
  *   tile), MAX_C (x rows per tile): MAX_R * MAX_C accumulators + MAX_R + 1 fit the registers.
+ *   Optional (float32 by default): ELEM (the type of x, w, bias and y), VIN (a loaded vector;
+ *   W elements of x or w), TO_F32(b) (a bias element as a float), STORE(p, s) (y from a float).
  *
  * y[m, o] is one vector accumulator over k (lane j sums w[o, i] * x[m, i] for i = j mod W, in
  * order of i; the partial last vector is loaded with zeros past k), then one fixed reduction and
@@ -13,37 +15,44 @@
  * weight is read from memory once per call, the later blocks find it in L1/L2, and each vector
  * load of w serves MAX_C rows of x (each load of x, MAX_R weight rows). */
 
+#ifndef ELEM
+#define ELEM float
+#define VIN VEC
+#define TO_F32(b) (b)
+#define STORE(p, s) (*(p) = (s))
+#endif
+
 TARGET __attribute__((always_inline)) static inline void
-tile(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, const float *bias, float *y,
-     ptrdiff_t ldy, int R, int C, int k, int tail, const float *pf)
+tile(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdiff_t ldx, const ELEM *bias, ELEM *y,
+     ptrdiff_t ldy, int R, int C, int k, int tail, const ELEM *pf)
 {
     VEC acc[MAX_R][MAX_C];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = ZERO();
     int i = 0;
     for (; i + W <= k; i += W) {
-        VEC wv[MAX_R];
+        VIN wv[MAX_R];
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             wv[r] = LOAD(w + r * ldw + i);
             _mm_prefetch((const char *)(pf + r * ldw + i), _MM_HINT_T0);
         }
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-            VEC xv = LOAD(x + c * ldx + i);
+            VIN xv = LOAD(x + c * ldx + i);
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = FMA(wv[r], xv, acc[r][c]);
         }
     }
     if (tail) {
-        VEC wv[MAX_R];
+        VIN wv[MAX_R];
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LOAD_TAIL(w + r * ldw + i, tail);
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-            VEC xv = LOAD_TAIL(x + c * ldx + i, tail);
+            VIN xv = LOAD_TAIL(x + c * ldx + i, tail);
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = FMA(wv[r], xv, acc[r][c]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
             float s = REDUCE(acc[r][c]);
-            y[c * ldy + r] = bias ? s + bias[r] : s;
+            STORE(y + c * ldy + r, bias ? s + TO_F32(bias[r]) : s);
         }
 }
 
@@ -51,9 +60,9 @@ tile(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, const float *
 #define TILE_CASE(RR, CC) \
     case CC: tile(w, ldw, x, ldx, bias, y, ldy, RR, CC, k, tail, pf); break;
 
-TARGET static void tile_full(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
-                             const float *bias, float *y, ptrdiff_t ldy, int C, int k, int tail,
-                             const float *pf)
+TARGET static void tile_full(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdiff_t ldx,
+                             const ELEM *bias, ELEM *y, ptrdiff_t ldy, int C, int k, int tail,
+                             const ELEM *pf)
 {
     switch (C) {
         TILE_CASE(MAX_R, 1) TILE_CASE(MAX_R, 2) TILE_CASE(MAX_R, 3)
@@ -62,9 +71,9 @@ TARGET static void tile_full(const float *w, ptrdiff_t ldw, const float *x, ptrd
 }
 
 /* the weight rows left past the last full tile, one at a time */
-TARGET static void tile_one(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
-                            const float *bias, float *y, ptrdiff_t ldy, int C, int k, int tail,
-                             const float *pf)
+TARGET static void tile_one(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdiff_t ldx,
+                            const ELEM *bias, ELEM *y, ptrdiff_t ldy, int C, int k, int tail,
+                             const ELEM *pf)
 {
     switch (C) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3)
@@ -72,8 +81,8 @@ TARGET static void tile_one(const float *w, ptrdiff_t ldw, const float *x, ptrdi
     }
 }
 
-TARGET void GEMM_NAME(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
-                      float *y, ptrdiff_t ldy, int m, int k, int n)
+TARGET void GEMM_NAME(const ELEM *x, ptrdiff_t ldx, const ELEM *w, ptrdiff_t ldw, const ELEM *bias,
+                      ELEM *y, ptrdiff_t ldy, int m, int k, int n)
 {
     /* x blocks of near-equal size (8 rows: 4 + 4, not 6 + 2): the same loads serve more rows */
     int blocks = (m + MAX_C - 1) / MAX_C;
@@ -82,16 +91,16 @@ TARGET void GEMM_NAME(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t l
         /* one row of x: one weight row at a time, a single stream front to back, reads faster
          * than MAX_R streams side by side (measured), and with one x row there is no reuse */
         int full = m > 1 && o + MAX_R <= n;
-        const float *wo = w + (ptrdiff_t)o * ldw;
-        const float *bo = bias ? bias + o : NULL;
+        const ELEM *wo = w + (ptrdiff_t)o * ldw;
+        const ELEM *bo = bias ? bias + o : NULL;
         /* the next tile's rows, fetched while this one computes: one stream per weight row
          * is more than the hardware prefetcher follows at full speed (the first kernel's note) */
         int next = o + (full ? MAX_R : 1);
-        const float *pf = w + (ptrdiff_t)(next + MAX_R <= n ? next : o) * ldw;
+        const ELEM *pf = w + (ptrdiff_t)(next + MAX_R <= n ? next : o) * ldw;
         for (int b = 0, r0 = 0; b < blocks; b++) {
             int r1 = (int)((long)m * (b + 1) / blocks);
-            const float *xr = x + (ptrdiff_t)r0 * ldx;
-            float *yr = y + (ptrdiff_t)r0 * ldy + o;
+            const ELEM *xr = x + (ptrdiff_t)r0 * ldx;
+            ELEM *yr = y + (ptrdiff_t)r0 * ldy + o;
             if (full)
                 tile_full(wo, ldw, xr, ldx, bo, yr, ldy, r1 - r0, k, tail, pf);
             else

@@ -77,8 +77,15 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
         wt = w.t().contiguous().t()  # stored [in, out]: the layout MKL's GEMV prefers
         x = torch.randn(1, 64, generator=g)
         assert torch.equal(cpu_kernels.linear(x, wt), F.linear(x, wt))
-        xb, wb = x.bfloat16(), w.bfloat16()
-        assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
+        xh, wh = x.half(), w.half()
+        assert torch.equal(cpu_kernels.linear(xh, wh), F.linear(xh, wh))
+        xb, wb = x.bfloat16(), w.bfloat16()  # bfloat16: the kernel only where the CPU has AVX512-BF16
+        if not cpu_kernels.BF16:
+            assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
+        big_b = big[:cpu_kernels.MAX_ROWS_BF16 + 1].bfloat16()
+        assert torch.equal(cpu_kernels.linear(big_b, wb), F.linear(big_b, wb))
+        assert torch.equal(cpu_kernels.linear(xb, w.bfloat16().t().contiguous().t()),
+                           F.linear(xb, w.bfloat16().t().contiguous().t()))
     # autograd: torch's op, so the result has a graph
     xg = torch.randn(1, 64, requires_grad=True)
     assert cpu_kernels.linear(xg, w).grad_fn is not None
@@ -174,6 +181,42 @@ def test_set_gemm_path_refuses_unknown_names():
         _kernels.set_gemm_path("sse9")
     assert _kernels.gemm_path() == was == cpu_kernels.GEMM_PATH
     assert was in ("avx512", "avx2", "pairs")
+
+
+# ---- bfloat16 (AVX512-BF16) ---------------------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.BF16, reason="this CPU lacks AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [1, 31, 32, 33, 63, 520])
+def test_bf16_linear_matches_float64(k):
+    """Float32 sums of exact bf16 products, one rounding to bf16 at the end: within half a bf16
+    ulp (2^-9 relative) of the float64 result of the same bf16 inputs, plus float32's sum error."""
+    g = torch.Generator().manual_seed(100 + k)
+    n = 37
+    x, w = torch.randn(64, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    for m in [r for r in ROWS if r <= cpu_kernels.MAX_ROWS_BF16]:
+        bias = b if m % 2 else None
+        with torch.inference_mode():
+            y = cpu_kernels.linear(x[:m], w, bias)
+            t = F.linear(x[:m], w, bias)
+        ref = x[:m].double() @ w.double().T + (b.double() if m % 2 else 0)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        err = ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3 * ref.abs().max())).max().item()
+        assert err < 2 ** -8, (m, k, err)
+        assert _rel(y, t.double()) < 2 ** -7  # torch's own bf16 GEMM: a rounding apart at most
+
+
+@needs_bf16
+def test_bf16_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(32, 300, generator=g).bfloat16(), torch.randn(70, 300, generator=g).bfloat16()
+    with torch.inference_mode():
+        full = cpu_kernels.linear(x, w)
+        for m in (1, 2, 5, 8, 13, 31):
+            assert torch.equal(cpu_kernels.linear(x[32 - m:], w), full[32 - m:]), m
 
 
 @pytest.mark.parametrize("m", [1, 4])
