@@ -14,6 +14,7 @@
 #define MAX_GROUP 128   /* query heads per KV head the kernel takes (callers check) */
 #define MAX_VALUE 1024  /* value width */
 
+#define AHEAD 16  /* slots between a key's prefetch and its use */
 #define HEAD_BLOCK 8     /* most query heads whose scores / value sums run side by side in registers */
 
 /* v[r] = q_r . key for the NB rows qr[r]; NB = 4 or 8 (unrolled: the sums stay in registers) */
@@ -120,6 +121,15 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                     bmax[r] = -INFINITY;
                 for (int64_t j = 0; j < len; j++) {
                     const float *key = head + at[j];
+                    /* the key and value AHEAD slots on (the first AHEAD at j = 0): pages are
+                     * scattered, so the hardware prefetcher loses the stream at every page */
+                    for (int64_t t = j == 0 ? 1 : AHEAD; r0 == 0 && t <= AHEAD && j + t < len; t++) {
+                        const float *nk = head + at[j + t];
+                        for (int i = 0; i < d; i += 16)
+                            _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);
+                        for (int i = 0; i < dv; i += 16)
+                            _mm_prefetch((const char *)(nk + kv->v_offset + i), _MM_HINT_T0);
+                    }
                     float v[HEAD_BLOCK];
                     if (gb <= 4)
                         dots4(qr, key, d, v);
