@@ -1,4 +1,4 @@
-/* See gemm_bf16.h: gemm_tile.h over bfloat16 with vdpbf16ps (4 weight rows x up to 6 rows of x
+/* See gemm_bf16.h: gemm_tile.h over bfloat16 with vdpbf16ps (4 weight rows x up to 3 rows of x
  * in zmm accumulators, 32 bf16 per load). Compiled for AVX512-BF16 by function attribute (the
  * rest of the build stays baseline x86-64) and called only after pdkv_gemm_bf16_supported(). */
 #include "gemm_bf16.h"
@@ -39,11 +39,12 @@ static inline uint16_t f32_to_bf16(float f)
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
 #define LOAD_TAIL(p, t) ((__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << (t)) - 1), (p)))
 #define FMA(a, b, c) _mm512_dpbf16_ps((c), (a), (b))
+#define ADD(a, b) _mm512_add_ps((a), (b))
 #define REDUCE(v) _mm512_reduce_add_ps(v)
 #define TO_F32(b) bf16_to_f32(b)
 #define STORE(p, s) (*(p) = f32_to_bf16(s))
 #define MAX_R 4
-#define MAX_C 6
+#define MAX_C 3
 #define GEMM_NAME pdkv_gemm_bf16
 
 #include "gemm_tile.h"

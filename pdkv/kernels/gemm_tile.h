@@ -1,14 +1,15 @@
 /* The register-blocked small-M GEMM, written once for a vector type and included by
  * gemm_avx2.c and gemm_avx512.c with these macros defined:
  *   TARGET       the function attribute of the ISA      VEC / W   the vector type, its lanes
- *   ZERO() LOAD(p) LOAD_TAIL(p, t) FMA(a, b, c) REDUCE(v) and GEMM_NAME, MAX_R (weight rows per
- *   tile), MAX_C (x rows per tile): MAX_R * MAX_C accumulators + MAX_R + 1 fit the registers.
+ *   ZERO() LOAD(p) LOAD_TAIL(p, t) FMA(a, b, c) ADD(a, b) REDUCE(v) and GEMM_NAME, MAX_R (weight
+ *   rows per tile), MAX_C (x rows per tile, at most 3): 2 * MAX_R * MAX_C accumulators + MAX_R +
+ *   1 fit the registers.
  *   Optional (float32 by default): ELEM (the type of x, w, bias and y), VIN (a loaded vector;
  *   W elements of x or w), TO_F32(b) (a bias element as a float), STORE(p, s) (y from a float).
  *
- * y[m, o] is one vector accumulator over k (lane j sums w[o, i] * x[m, i] for i = j mod W, in
- * order of i; the partial last vector is loaded with zeros past k), then one fixed reduction and
- * the bias. Those are the same float operations for every (row, output) pair whatever the tile,
+ * y[m, o] is two vector accumulators over k (alternate blocks of W; lane j sums w[o, i] * x[m, i]
+ * for i = j mod W, in order of i; the partial last vector is loaded with zeros past k), then
+ * their sum, one fixed reduction and the bias. Those are the same float operations for every (row, output) pair whatever the tile,
  * M or the other rows are, so a row's result does not depend on what it is batched with.
  *
  * A tile of MAX_R weight rows passes over every block of x rows before the next tile: each
@@ -22,36 +23,48 @@
 #define STORE(p, s) (*(p) = (s))
 #endif
 
+/* acc[.][.][h] += w . x over the W lanes at i, for every (weight row, x row) of the tile */
+#define STEP(h, LD, ...)                                                                         \
+    do {                                                                                         \
+        VIN wv[MAX_R];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LD(w + r * ldw + i, ##__VA_ARGS__); \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                    \
+            VIN xv = LD(x + c * ldx + i, ##__VA_ARGS__);                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                  \
+                acc[r][c][h] = FMA(wv[r], xv, acc[r][c][h]);                                     \
+        }                                                                                        \
+    } while (0)
+
+/* Two accumulators per (row, output), over alternate blocks of W: two chains of FMAs in flight
+ * even for one row of x and one weight row (one chain is latency-bound below the memory's
+ * speed). Then the odd block left, the tail, one add and one reduction: fixed by k alone. */
 TARGET __attribute__((always_inline)) static inline void
 tile(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdiff_t ldx, const ELEM *bias, ELEM *y,
      ptrdiff_t ldy, int R, int C, int k, int tail, const ELEM *pf)
 {
-    VEC acc[MAX_R][MAX_C];
+    VEC acc[MAX_R][MAX_C][2];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = ZERO();
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = ZERO();
     int i = 0;
-    for (; i + W <= k; i += W) {
-        VIN wv[MAX_R];
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-            wv[r] = LOAD(w + r * ldw + i);
+    for (; i + 2 * W <= k; i += 2 * W) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {  /* both blocks' lines */
             _mm_prefetch((const char *)(pf + r * ldw + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + r * ldw + i + W), _MM_HINT_T0);
         }
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-            VIN xv = LOAD(x + c * ldx + i);
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = FMA(wv[r], xv, acc[r][c]);
-        }
+        STEP(0, LOAD);
+        i += W;
+        STEP(1, LOAD);
+        i -= W;
     }
-    if (tail) {
-        VIN wv[MAX_R];
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LOAD_TAIL(w + r * ldw + i, tail);
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-            VIN xv = LOAD_TAIL(x + c * ldx + i, tail);
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = FMA(wv[r], xv, acc[r][c]);
-        }
+    if (i + W <= k) {
+        STEP(0, LOAD);
+        i += W;
     }
+    if (tail)
+        STEP(1, LOAD_TAIL, tail);
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-            float s = REDUCE(acc[r][c]);
+            float s = REDUCE(ADD(acc[r][c][0], acc[r][c][1]));
             STORE(y + c * ldy + r, bias ? s + TO_F32(bias[r]) : s);
         }
 }
@@ -66,30 +79,28 @@ TARGET static void tile_full(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdif
 {
     switch (C) {
         TILE_CASE(MAX_R, 1) TILE_CASE(MAX_R, 2) TILE_CASE(MAX_R, 3)
-        TILE_CASE(MAX_R, 4) TILE_CASE(MAX_R, 5) TILE_CASE(MAX_R, 6)
     }
 }
 
-/* the weight rows left past the last full tile, one at a time */
+/* the weight rows left past the last full tile (every row when m == 1), one at a time */
 TARGET static void tile_one(const ELEM *w, ptrdiff_t ldw, const ELEM *x, ptrdiff_t ldx,
                             const ELEM *bias, ELEM *y, ptrdiff_t ldy, int C, int k, int tail,
                              const ELEM *pf)
 {
     switch (C) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3)
-        TILE_CASE(1, 4) TILE_CASE(1, 5) TILE_CASE(1, 6)
     }
 }
 
 TARGET void GEMM_NAME(const ELEM *x, ptrdiff_t ldx, const ELEM *w, ptrdiff_t ldw, const ELEM *bias,
                       ELEM *y, ptrdiff_t ldy, int m, int k, int n)
 {
-    /* x blocks of near-equal size (8 rows: 4 + 4, not 6 + 2): the same loads serve more rows */
+    /* x blocks of near-equal size (7 rows: 2 + 2 + 3, not 3 + 3 + 1): the loads serve more rows */
     int blocks = (m + MAX_C - 1) / MAX_C;
     int tail = k % W;
     for (int o = 0; o < n;) {
-        /* one row of x: one weight row at a time, a single stream front to back, reads faster
-         * than MAX_R streams side by side (measured), and with one x row there is no reuse */
+        /* one row of x: one weight row at a time, a single stream front to back (with its two
+         * chains of FMAs), measured faster than MAX_R streams side by side */
         int full = m > 1 && o + MAX_R <= n;
         const ELEM *wo = w + (ptrdiff_t)o * ldw;
         const ELEM *bo = bias ? bias + o : NULL;
