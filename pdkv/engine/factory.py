@@ -156,6 +156,10 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         log.info("CPU kernels: %s (GEMM path %s, up to %d rows)",
                  "on" if model.cpu_kernels and cpu_kernels.AVAILABLE else "off",
                  cpu_kernels.GEMM_PATH, cpu_kernels.MAX_ROWS)
+        want = os.environ.get("PDKV_GEMM_PATH")
+        if want and cpu_kernels.AVAILABLE and want != cpu_kernels.GEMM_PATH:
+            log.warning("PDKV_GEMM_PATH=%r is not a GEMM path this CPU runs (avx512, avx2, pairs): "
+                        "using %s", want, cpu_kernels.GEMM_PATH)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
         from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415
