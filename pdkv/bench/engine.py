@@ -136,7 +136,8 @@ def _print_profile(prof, b: int, steps: int, top: int = 14) -> None:
     st = pstats.Stats(prof)
     rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # (cc, nc, tt, ct, callers)
     total = sum(v[2] for _, v in rows)
-    print(f"  profile B={b}: {total / max(steps, 1) * 1e3:.2f} ms/step CPU under cProfile; own CPU time per step:")
+    print(f"  profile B={b}: {total / max(steps, 1) * 1e3:.2f} ms/step CPU under cProfile; "
+          "own CPU time per step:")
     for (file, line, name), (_, calls, tt, _, _) in rows[:top]:
         where = name if file == "~" else f"{Path(file).name}:{line} {name}"
         print(f"    {tt / max(steps, 1) * 1e3:7.3f} ms {tt / total:6.1%} {calls // max(steps, 1):5d} calls  {where}")
@@ -186,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     max_b = max(sizes)
     num_pages = max_b * (-(-(a.prompt_len + a.new_tokens) // a.page_size)) + 8
     # NOTE: no prefix cache: the repeats must compute every prompt, not find the last round's pages
-    engine = LLMEngine(ModelConfig(path=a.model, dtype=a.dtype), KVCacheConfig(page_size=a.page_size, num_pages=num_pages,
-                                                                layout=a.layout, prefix_caching=False),
+    engine = LLMEngine(ModelConfig(path=a.model, dtype=a.dtype),
+                       KVCacheConfig(page_size=a.page_size, num_pages=num_pages, layout=a.layout,
+                                     prefix_caching=False),
                        SchedulerConfig(max_num_batched_tokens=max_b * a.prompt_len, chunk_size=a.prompt_len,
                                        max_num_seqs=max_b), num_threads=threads)
     nparams = sum(p.numel() for p in engine.loaded.model.parameters())

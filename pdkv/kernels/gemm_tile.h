@@ -9,8 +9,9 @@
  *
  * y[m, o] is two vector accumulators over k (alternate blocks of W; lane j sums w[o, i] * x[m, i]
  * for i = j mod W, in order of i; the partial last vector is loaded with zeros past k), then
- * their sum, one fixed reduction and the bias. Those are the same float operations for every (row, output) pair whatever the tile,
- * M or the other rows are, so a row's result does not depend on what it is batched with.
+ * their sum, one fixed reduction and the bias. Those are the same float operations for every
+ * (row, output) pair whatever the tile, M or the other rows are, so a row's result does not
+ * depend on what it is batched with.
  *
  * A tile of MAX_R weight rows passes over every block of x rows before the next tile: each
  * weight is read from memory once per call, the later blocks find it in L1/L2, and each vector
