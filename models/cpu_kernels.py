@@ -28,11 +28,20 @@ try:
 except ImportError:  # the extension is not built (a source tree without build_ext): torch only
     _k = None
 
-# Above this many rows MKL's blocked GEMM is as fast or faster (measured up to 64 rows).
+AVAILABLE = _k is not None and _k.SUPPORTED
+# The GEMM kernel's ISA path, picked at run time by what the CPU has (pdkv/kernels/gemm_small.h):
+# "avx512" / "avx2" (blocked over rows: each weight read once per call) or "pairs" (the first
+# kernel: once per pair of rows); PDKV_GEMM_PATH=pairs|avx2|avx512 overrides it.
+GEMM_PATH = _k.gemm_path() if AVAILABLE else "none"
+# Above this many rows MKL's blocked GEMM is as fast or faster on one thread: 16 for the pairs
+# kernel; the blocked ones were 1.5-2.5x faster than MKL at 32 and 64 rows (bench kernels).
 # NOTE: outputs are made with torch.empty(ints..., dtype=...): a torch.Size argument costs ~2 us
 # more per call, and a decode step makes ~100 of them.
-MAX_ROWS = 16
-AVAILABLE = _k is not None and _k.SUPPORTED
+MAX_ROWS = 64 if GEMM_PATH in ("avx512", "avx2") else 16
+# bfloat16 weights (model.dtype: bfloat16) on CPUs with AVX512-BF16: float32 sums, one rounding.
+BF16 = AVAILABLE and _k.BF16
+# At 64 rows oneDNN's bf16 GEMM was as fast (1.10 vs 0.97 ms at 3072 x 768, one thread).
+MAX_ROWS_BF16 = 32
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
 # thread: they take a step only when torch runs it on one thread, and a step on more threads is
 # torch's (MKL's). For small CPU steps the runner measures both and keeps the faster
@@ -62,6 +71,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.empty(m, n, dtype=torch.float32)
         _k.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                    0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
+        return y
+    if (BF16 and one_thread() and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
+            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS_BF16 and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and x.is_cpu and weight.is_cpu
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+            and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.dim() == 1
+                                  and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))):
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        _k.gemm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                     0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
         return y
     return F.linear(x, weight, bias)
 

@@ -8,8 +8,15 @@ from libc.stdint cimport int64_t, uintptr_t
 
 cdef extern from "kernels/gemm_small.h":
     int pdkv_gemm_small_supported() nogil
+    const char *pdkv_gemm_path() nogil
+    int pdkv_gemm_set_path(const char *name) nogil
     void pdkv_gemm_small(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias,
                          float *y, Py_ssize_t ldy, int m, int k, int n) nogil
+
+cdef extern from "kernels/gemm_bf16.h":
+    int pdkv_gemm_bf16_supported() nogil
+    void pdkv_gemm_bf16(const unsigned short *x, Py_ssize_t ldx, const unsigned short *w, Py_ssize_t ldw,
+                        const unsigned short *bias, unsigned short *y, Py_ssize_t ldy, int m, int k, int n) nogil
 
 cdef extern from "kernels/attention_decode.h":
     struct pdkv_paged_kv:
@@ -65,6 +72,20 @@ cdef extern from "kernels/mla_decode.h":
 
 # The CPU runs the AVX2+FMA kernels (x86-64 with both): every function below needs it.
 SUPPORTED = bool(pdkv_gemm_small_supported())
+# The CPU has AVX-512F/BW and AVX512-BF16: ``gemm_bf16`` needs it.
+BF16 = bool(pdkv_gemm_bf16_supported())
+
+
+def gemm_path():
+    """The ISA path of ``gemm`` and the kernels over it: "avx512", "avx2", "pairs" or "none"."""
+    return pdkv_gemm_path().decode()
+
+
+def set_gemm_path(str name):
+    """Makes ``gemm`` take path ``name`` (tests and the bench); ValueError when this CPU cannot."""
+    if pdkv_gemm_set_path(name.encode()) != 0:
+        raise ValueError(f"gemm path {name!r}: unknown, or this CPU cannot run it "
+                         f"(paths: avx512, avx2, pairs)")
 
 
 def gemm(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bias, uintptr_t y, Py_ssize_t ldy,
@@ -72,6 +93,14 @@ def gemm(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bia
     """y[r, o] = sum_i x[r * ldx + i] * w[o * ldw + i] (+ bias[o]); strides in floats, bias 0: none."""
     with nogil:
         pdkv_gemm_small(<const float *>x, ldx, <const float *>w, ldw, <const float *>bias, <float *>y, ldy, m, k, n)
+
+
+def gemm_bf16(uintptr_t x, Py_ssize_t ldx, uintptr_t w, Py_ssize_t ldw, uintptr_t bias, uintptr_t y,
+              Py_ssize_t ldy, int m, int k, int n):
+    """``gemm`` over bfloat16 (float32 sums, y rounded once); strides in elements, bias 0: none."""
+    with nogil:
+        pdkv_gemm_bf16(<const unsigned short *>x, ldx, <const unsigned short *>w, ldw,
+                       <const unsigned short *>bias, <unsigned short *>y, ldy, m, k, n)
 
 
 def gemm_batched(int batch, uintptr_t x, Py_ssize_t bx, Py_ssize_t ldx, uintptr_t w, Py_ssize_t bw,

@@ -16,14 +16,22 @@ With ``--threads 1`` each system is also timed in CPU seconds of the one thread 
 (``time.thread_time``; "cpu" columns): on a shared machine a niced bench waits for a core a
 large and varying part of its wall time, which moves both systems' wall-clock figures by 2-10x
 between repeats; the thread's own CPU time leaves that wait out (memory contention stays in).
+``--dtype bfloat16`` runs pdkv's model in bfloat16 (its floor counts 2-byte weights).
+``--profile`` prints, per batch size, where the decode steps' CPU time went: cProfile's functions
+by their own time (pdkv._kernels calls are the C kernels, ``{method ...}`` / ``{built-in ...}``
+torch's ops), so GEMMs, attention, sampling, scheduling and the Python between them are
+separate rows. The kernels' GEMM path is printed and chosen by PDKV_GEMM_PATH
+(pdkv/kernels/gemm_small.h); run one process per path to compare them.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +63,7 @@ def decode_weight_bytes(model) -> int:
     return total - (0 if model.lm_head is None else emb.numel() * emb.element_size())
 
 
-def bench_pdkv(engine, prompts, new_tokens):
+def bench_pdkv(engine, prompts, new_tokens, profile=None):
     from pdkv.engine import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -68,12 +76,16 @@ def bench_pdkv(engine, prompts, new_tokens):
     t1, c1 = time.perf_counter(), time.thread_time()
     steps = 0
     outs = {}
+    if profile is not None:
+        profile.enable()
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o.output_token_ids
         steps += 1
     t2, c2 = time.perf_counter(), time.thread_time()
+    if profile is not None:
+        profile.disable()
     return (t1 - t0, t2 - t1, steps, [outs[f"b{i}"] for i in range(len(prompts))],
             (c1 - c0, c2 - c1))
 
@@ -109,6 +121,28 @@ def bench_hf(model, prompts, new_tokens, threads):
             (clock.first_cpu - c0, c_end - clock.first_cpu))
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _print_profile(prof, b: int, steps: int, top: int = 14) -> None:
+    """The decode steps' functions by own time, per step (cProfile's overhead included)."""
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # (cc, nc, tt, ct, callers)
+    total = sum(v[2] for _, v in rows)
+    print(f"  profile B={b}: {total / max(steps, 1) * 1e3:.2f} ms/step CPU under cProfile; "
+          "own CPU time per step:")
+    for (file, line, name), (_, calls, tt, _, _) in rows[:top]:
+        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+        print(f"    {tt / max(steps, 1) * 1e3:7.3f} ms {tt / total:6.1%} {calls // max(steps, 1):5d} calls  {where}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench engine", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: build the 57M bench model)")
@@ -123,9 +157,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads for both systems (default: the cores this process may use)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per system and batch; best kept")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="pdkv's model dtype (Hugging Face's stays float32)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where each batch size's decode steps spent their time (cProfile)")
     ap.add_argument("--out", default="bench-results/engine.json")
     a = ap.parse_args(argv)
 
+    from models import cpu_kernels
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
     from pdkv.engine import LLMEngine
 
@@ -148,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     max_b = max(sizes)
     num_pages = max_b * (-(-(a.prompt_len + a.new_tokens) // a.page_size)) + 8
     # NOTE: no prefix cache: the repeats must compute every prompt, not find the last round's pages
-    engine = LLMEngine(ModelConfig(path=a.model), KVCacheConfig(page_size=a.page_size, num_pages=num_pages,
-                                                                layout=a.layout, prefix_caching=False),
+    engine = LLMEngine(ModelConfig(path=a.model, dtype=a.dtype),
+                       KVCacheConfig(page_size=a.page_size, num_pages=num_pages, layout=a.layout,
+                                     prefix_caching=False),
                        SchedulerConfig(max_num_batched_tokens=max_b * a.prompt_len, chunk_size=a.prompt_len,
                                        max_num_seqs=max_b), num_threads=threads)
     nparams = sum(p.numel() for p in engine.loaded.model.parameters())
@@ -171,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_pdkv(engine, [[1] * 16], 4)  # warm-up
     results = []
     print(f"model {a.model}: {nparams / 1e6:.1f}M params, {threads} threads, torch {torch.__version__}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}, {a.dtype}, GEMM path {cpu_kernels.GEMM_PATH} "
+          f"(up to {cpu_kernels.MAX_ROWS} rows), CPU {_cpu_model()}")
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; decode reads {wbytes / 1e6:.0f} MB of weights "
           f"-> floor {floor_s * 1e3:.2f} ms/step ({1 / floor_s:.1f} steps/s)")
     for b in sizes:
@@ -179,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
         pre = dec = hpre = hdec = cpre = cdec = hcpre = hcdec = float("inf")
-        for _ in range(a.repeats):
-            p_, d_, steps, ours, cpu = bench_pdkv(engine, prompts, a.new_tokens)
+        for rep in range(a.repeats):
+            prof = cProfile.Profile(time.thread_time) if a.profile and rep == a.repeats - 1 else None
+            p_, d_, steps, ours, cpu = bench_pdkv(engine, prompts, a.new_tokens, prof)
+            if prof is not None:
+                _print_profile(prof, b, steps)
             pre, dec, cpre, cdec = min(pre, p_), min(dec, d_), min(cpre, cpu[0]), min(cdec, cpu[1])
             if hf is not None:
                 hp_, hd_, theirs, hcpu = bench_hf(hf, prompts, a.new_tokens, threads)
@@ -218,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 line += (f" | cpu ms/step HF {row['hf_decode_cpu_ms_per_step']:.2f} "
                          f"ratio decode {row['decode_cpu_ratio']:.2f}x prefill {row['prefill_cpu_ratio']:.2f}x")
         print(line, flush=True)
-    report = {"bench": "engine", "model": a.model, "params": nparams, "threads": threads,
+    report = {"bench": "engine", "model": a.model, "params": nparams, "threads": threads, "dtype": a.dtype,
+              "gemm_path": cpu_kernels.GEMM_PATH, "cpu": _cpu_model(),
               "torch": torch.__version__, "load_average_1m": os.getloadavg()[0], "machine": platform.machine(), "read_bandwidth_GBps": bw / 1e9,
               "decode_weight_bytes": wbytes, "results": results}
     out = Path(a.out)

@@ -11,6 +11,7 @@ is sized after the load (the model's shapes and the memory left) and only then m
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pdkv.engine.sampler import Sampler
 from pdkv.engine.scheduler import Scheduler
 from pdkv.kv import KVCache, PageAllocator
 from pdkv.kv.prefix_cache import PrefixCache, cache_salt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,6 +150,16 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                             cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
     backend.use_cpu_kernel &= model.cpu_kernels
+    if device.type == "cpu":
+        from models import cpu_kernels  # noqa: PLC0415
+
+        log.info("CPU kernels: %s (GEMM path %s, up to %d rows)",
+                 "on" if model.cpu_kernels and cpu_kernels.AVAILABLE else "off",
+                 cpu_kernels.GEMM_PATH, cpu_kernels.MAX_ROWS)
+        want = os.environ.get("PDKV_GEMM_PATH")
+        if want and cpu_kernels.AVAILABLE and want != cpu_kernels.GEMM_PATH:
+            log.warning("PDKV_GEMM_PATH=%r is not a GEMM path this CPU runs (avx512, avx2, pairs): "
+                        "using %s", want, cpu_kernels.GEMM_PATH)
     tokenizer = Tokenizer(path, arch.eos_token_id)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed, tokenizer.eos_token_ids), num_threads,
                          followers=tp)

@@ -14,6 +14,7 @@
 #define MAX_GROUP 128   /* query heads per KV head the kernel takes (callers check) */
 #define MAX_VALUE 1024  /* value width */
 
+#define AHEAD 16  /* slots between a key's prefetch and its use */
 #define HEAD_BLOCK 8     /* most query heads whose scores / value sums run side by side in registers */
 
 /* v[r] = q_r . key for the NB rows qr[r]; NB = 4 or 8 (unrolled: the sums stay in registers) */
@@ -38,19 +39,15 @@
 DEFINE_DOTS(4)
 DEFINE_DOTS(8)
 
-/* acc[r * 8 + i] = sum_j p[j * g + rr[r]] * value_j[c + i] for r < NB */
+/* acc[r * 8 + i] = sum_j p[j * g + rr[r]] * value_j[c + i] for r < NB; value_j at head + at[j] */
 #define DEFINE_WEIGHTED(NB)                                                                       \
-    AVX2 static inline void weighted##NB(const float *head, const struct pdkv_paged_kv *kv,     \
-                                         const int64_t *pg, int64_t first, int64_t len,           \
+    AVX2 static inline void weighted##NB(const float *head, const ptrdiff_t *at, int64_t len,     \
                                          const float *p, int g, const int *rr, int c, float *acc) \
     {                                                                                             \
-        const int P = kv->page_size;                                                              \
         __m256 a[NB];                                                                             \
         _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) a[r] = _mm256_setzero_ps();          \
         for (int64_t j = 0; j < len; j++) {                                                       \
-            int64_t pos = first + j;                                                              \
-            __m256 v = _mm256_loadu_ps(head + pg[pos / P] * kv->page_stride                       \
-                                       + (pos % P) * kv->slot_stride + kv->v_offset + c);         \
+            __m256 v = _mm256_loadu_ps(head + at[j] + c);                                         \
             const float *pj = p + j * g;                                                          \
             _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++)                                  \
                 a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(pj + rr[r]), v, a[r]);                 \
@@ -81,9 +78,12 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                       || write->offsets[s] >= kv->page_size))
             return -1;
     }
-    float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)g);
+    /* scores [longest, g], then each key's offset in a head's cache: the page table and its
+     * divisions once per sequence, not once per key, head block and value column block */
+    float *scores = malloc((sizeof(float) * (size_t)g + sizeof(ptrdiff_t)) * (size_t)longest);
     if (scores == NULL)
         return -1;
+    ptrdiff_t *at = (ptrdiff_t *)(scores + (size_t)longest * (size_t)g);
     if (write)
         for (int s = 0; s < b; s++) {
             float *slot = (float *)kv->cache + write->pages[s] * kv->page_stride + write->offsets[s] * kv->slot_stride;
@@ -101,6 +101,8 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
         const int64_t first = window > 0 && n > window ? n - window : 0;
         const int64_t len = n - first;
         const int64_t *pg = pages + s * pages_row;
+        for (int64_t j = 0, pos = first; j < len; j++, pos++)
+            at[j] = pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride;
         for (int h = 0; h < hkv; h++) {
             const float *qh = q + s * q_row + (ptrdiff_t)h * g * d;
             const float *head = kv->cache + h * kv->head_stride;
@@ -118,8 +120,16 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                 for (int r = 0; r < HEAD_BLOCK; r++)
                     bmax[r] = -INFINITY;
                 for (int64_t j = 0; j < len; j++) {
-                    int64_t pos = first + j;
-                    const float *key = head + pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride;
+                    const float *key = head + at[j];
+                    /* the key and value AHEAD slots on (the first AHEAD at j = 0): pages are
+                     * scattered, so the hardware prefetcher loses the stream at every page */
+                    for (int64_t t = j == 0 ? 1 : AHEAD; r0 == 0 && t <= AHEAD && j + t < len; t++) {
+                        const float *nk = head + at[j + t];
+                        for (int i = 0; i < d; i += 16)
+                            _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);
+                        for (int i = 0; i < dv; i += 16)
+                            _mm_prefetch((const char *)(nk + kv->v_offset + i), _MM_HINT_T0);
+                    }
                     float v[HEAD_BLOCK];
                     if (gb <= 4)
                         dots4(qr, key, d, v);
@@ -154,9 +164,9 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                     for (int r = 0; r < HEAD_BLOCK; r++)
                         rr[r] = r < gb ? r : 0;
                     if (gb <= 4)
-                        weighted4(head, kv, pg, first, len, scores + r0, g, rr, c, acc);
+                        weighted4(head + kv->v_offset, at, len, scores + r0, g, rr, c, acc);
                     else
-                        weighted8(head, kv, pg, first, len, scores + r0, g, rr, c, acc);
+                        weighted8(head + kv->v_offset, at, len, scores + r0, g, rr, c, acc);
                     for (int r = 0; r < gb; r++) {
                         float inv = 1.0f / sum[r0 + r];
                         float *o = out + s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c;
@@ -167,11 +177,8 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                 for (; c < dv; c++)  /* value columns past the last 8 */
                     for (int r = 0; r < gb; r++) {
                         float a = 0.0f;
-                        for (int64_t j = 0; j < len; j++) {
-                            int64_t pos = first + j;
-                            a += scores[j * g + r0 + r] * head[pg[pos / P] * kv->page_stride + (pos % P) * kv->slot_stride
-                                                              + kv->v_offset + c];
-                        }
+                        for (int64_t j = 0; j < len; j++)
+                            a += scores[j * g + r0 + r] * head[at[j] + kv->v_offset + c];
                         out[s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c] = a / sum[r0 + r];
                     }
             }

@@ -1,8 +1,13 @@
-/* See gemm_small.h. The kernels are compiled for AVX2+FMA by function attribute (the rest of
- * the build stays baseline x86-64) and chosen at run time by pdkv_gemm_small_supported(). */
+/* See gemm_small.h: the run-time choice of path, and the first kernel (pairs of rows), kept as
+ * the fallback and as the baseline the bench measures the blocked kernels against. The kernels
+ * are compiled for their ISA by function attribute (the rest of the build stays baseline x86-64). */
 #include "gemm_small.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "avx2.h"
+#include "gemm_small_paths.h"
 
 #ifdef PDKV_X86
 
@@ -64,8 +69,8 @@ AVX2 static inline void dot2(const float *w, const float *x, const float *z, int
     *sz = t;
 }
 
-AVX2 void pdkv_gemm_small(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
-                          float *y, ptrdiff_t ldy, int m, int k, int n)
+AVX2 void pdkv_gemm_pairs(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
+                         float *y, ptrdiff_t ldy, int m, int k, int n)
 {
     for (int o0 = 0; o0 < n; o0 += ROW_TILE) {
         int o1 = o0 + ROW_TILE < n ? o0 + ROW_TILE : n;
@@ -97,9 +102,70 @@ int pdkv_gemm_small_supported(void)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+static const struct path {
+    const char *name;
+    pdkv_gemm_fn fn;
+} paths[] = {{"avx512", pdkv_gemm_avx512}, {"avx2", pdkv_gemm_avx2}, {"pairs", pdkv_gemm_pairs}};
+
+static int runs(int i)
+{
+    if (!pdkv_gemm_small_supported())
+        return 0;
+    return i > 0 || __builtin_cpu_supports("avx512f");
+}
+
+/* the best path this CPU runs, or the one PDKV_GEMM_PATH names (if this CPU runs it); written
+ * once before the first call's use and only ever to the same value, so a race is harmless */
+static int chosen = -1;
+
+static int choose(void)
+{
+    if (chosen >= 0)
+        return chosen;
+    int best = 0;
+    while (best < 2 && !runs(best))
+        best++;
+    const char *want = getenv("PDKV_GEMM_PATH");
+    if (want != NULL && *want != '\0' && pdkv_gemm_set_path(want) == 0)
+        return chosen;
+    chosen = best;
+    return chosen;
+}
+
+const char *pdkv_gemm_path(void)
+{
+    return pdkv_gemm_small_supported() ? paths[choose()].name : "none";
+}
+
+int pdkv_gemm_set_path(const char *name)
+{
+    for (int i = 0; i < 3; i++)
+        if (strcmp(name, paths[i].name) == 0) {
+            if (!runs(i))
+                return -1;
+            chosen = i;
+            return 0;
+        }
+    return -1;
+}
+
+void pdkv_gemm_small(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
+                     float *y, ptrdiff_t ldy, int m, int k, int n)
+{
+    paths[choose()].fn(x, ldx, w, ldw, bias, y, ldy, m, k, n);
+}
+
 #else  /* not x86-64: no kernel; callers keep torch's GEMM */
 
 int pdkv_gemm_small_supported(void) { return 0; }
+
+const char *pdkv_gemm_path(void) { return "none"; }
+
+int pdkv_gemm_set_path(const char *name)
+{
+    (void)name;
+    return -1;
+}
 
 void pdkv_gemm_small(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
                      float *y, ptrdiff_t ldy, int m, int k, int n)

@@ -3,6 +3,8 @@
   the 8- and 32-wide blocks, a scalar tail; 1-16 rows, odd and even; bias; strided rows), each
   row bit-identical whatever it is batched with, and everything the kernel does not take going
   to torch unchanged;
+- every GEMM path this CPU runs (avx512, avx2, pairs; forced through _kernels.set_gemm_path):
+  1-64 rows, K and N off the vector width and the tiles, each row the same bits in any batch;
 - models.attention.cpu_decode: decode attention over shuffled pages, both layouts, page sizes
   1/16/64, GQA groups, a latent cache, a sliding window, several sequences of different
   lengths, against a gathered float64 softmax; ids out of range are refused, nothing read.
@@ -75,8 +77,15 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
         wt = w.t().contiguous().t()  # stored [in, out]: the layout MKL's GEMV prefers
         x = torch.randn(1, 64, generator=g)
         assert torch.equal(cpu_kernels.linear(x, wt), F.linear(x, wt))
-        xb, wb = x.bfloat16(), w.bfloat16()
-        assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
+        xh, wh = x.half(), w.half()
+        assert torch.equal(cpu_kernels.linear(xh, wh), F.linear(xh, wh))
+        xb, wb = x.bfloat16(), w.bfloat16()  # bfloat16: the kernel only where the CPU has AVX512-BF16
+        if not cpu_kernels.BF16:
+            assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
+        big_b = big[:cpu_kernels.MAX_ROWS_BF16 + 1].bfloat16()
+        assert torch.equal(cpu_kernels.linear(big_b, wb), F.linear(big_b, wb))
+        assert torch.equal(cpu_kernels.linear(xb, w.bfloat16().t().contiguous().t()),
+                           F.linear(xb, w.bfloat16().t().contiguous().t()))
     # autograd: torch's op, so the result has a graph
     xg = torch.randn(1, 64, requires_grad=True)
     assert cpu_kernels.linear(xg, w).grad_fn is not None
@@ -85,6 +94,129 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
         cpu_kernels.linear(torch.randn(1, 65), w)
     with torch.inference_mode(), pytest.raises(RuntimeError):
         cpu_kernels.linear(torch.randn(1, 64), w, torch.randn(23))
+
+
+# ---- the GEMM's ISA paths ----------------------------------------------------------------
+
+def _runnable_paths() -> list[str]:
+    from pdkv import _kernels  # noqa: PLC0415
+
+    was, ok = _kernels.gemm_path(), []
+    for p in ("avx512", "avx2", "pairs"):
+        try:
+            _kernels.set_gemm_path(p)
+            ok.append(p)
+        except ValueError:
+            pass
+    _kernels.set_gemm_path(was)
+    return ok
+
+
+PATHS = _runnable_paths() if cpu_kernels.AVAILABLE else []
+
+
+@pytest.fixture(params=["avx512", "avx2", "pairs"])
+def gemm_path(request):
+    """Runs the test on one GEMM path (skipped where this CPU lacks it), then restores the default."""
+    from pdkv import _kernels  # noqa: PLC0415
+
+    if request.param not in PATHS:
+        pytest.skip(f"this CPU cannot run the {request.param} GEMM path")
+    was = _kernels.gemm_path()
+    _kernels.set_gemm_path(request.param)
+    yield _kernels
+    _kernels.set_gemm_path(was)
+
+
+def _gemm(kern, x, w, b=None):
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.full((m, n), float("nan"))
+    kern.gemm(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), 0 if b is None else b.data_ptr(),
+              y.data_ptr(), n, m, k, n)
+    return y
+
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 31, 32, 33, 47, 63, 64]
+
+
+@pytest.mark.parametrize("k", [1, 7, 15, 16, 17, 33, 520])
+def test_every_path_matches_float64(gemm_path, k):
+    """1-64 rows against float64; N = 37 leaves a tail of weight rows past every tile size."""
+    g = torch.Generator().manual_seed(k)
+    n = 37
+    x, w, b = torch.randn(64, k + 3, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for m in ROWS:
+        xm = x[:m, :k]  # rows k + 3 apart
+        y = _gemm(gemm_path, xm, w, b if m % 2 else None)
+        ref = xm.double() @ w.double().T + (b.double() if m % 2 else 0)
+        assert _rel(y, ref) < 1e-5, (m, k)
+
+
+def test_every_path_is_batch_invariant(gemm_path):
+    """On one path, a row gives the same bits alone, in any block of rows and at any offset."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(64, 300, generator=g), torch.randn(70, 300, generator=g)
+    full = _gemm(gemm_path, x, w)
+    for m in ROWS:
+        part = _gemm(gemm_path, x[64 - m:], w)  # the last m rows: each at another place in its block
+        assert torch.equal(part, full[64 - m:]), m
+    assert torch.equal(_gemm(gemm_path, x[5:6], w[3:40]), full[5:6, 3:40])  # another tile phase
+
+
+def test_linear_takes_the_blocked_path_up_to_max_rows(gemm_path):
+    g = torch.Generator().manual_seed(10)
+    x, w = torch.randn(cpu_kernels.MAX_ROWS, 96, generator=g), torch.randn(50, 96, generator=g)
+    with torch.inference_mode():
+        y = cpu_kernels.linear(x, w)
+    assert torch.equal(y, _gemm(gemm_path, x, w))  # the kernel's bits, not MKL's
+    assert _rel(y, x.double() @ w.double().T) < 1e-5
+
+
+def test_set_gemm_path_refuses_unknown_names():
+    from pdkv import _kernels  # noqa: PLC0415
+
+    was = _kernels.gemm_path()
+    with pytest.raises(ValueError, match="'sse9'"):
+        _kernels.set_gemm_path("sse9")
+    assert _kernels.gemm_path() == was == cpu_kernels.GEMM_PATH
+    assert was in ("avx512", "avx2", "pairs")
+
+
+# ---- bfloat16 (AVX512-BF16) ---------------------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.BF16, reason="this CPU lacks AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [1, 31, 32, 33, 63, 520])
+def test_bf16_linear_matches_float64(k):
+    """Float32 sums of exact bf16 products, one rounding to bf16 at the end: within half a bf16
+    ulp (2^-9 relative) of the float64 result of the same bf16 inputs, plus float32's sum error."""
+    g = torch.Generator().manual_seed(100 + k)
+    n = 37
+    x, w = torch.randn(64, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    for m in [r for r in ROWS if r <= cpu_kernels.MAX_ROWS_BF16]:
+        bias = b if m % 2 else None
+        with torch.inference_mode():
+            y = cpu_kernels.linear(x[:m], w, bias)
+            t = F.linear(x[:m], w, bias)
+        ref = x[:m].double() @ w.double().T + (b.double() if m % 2 else 0)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        err = ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3 * ref.abs().max())).max().item()
+        assert err < 2 ** -8, (m, k, err)
+        assert _rel(y, t.double()) < 2 ** -7  # torch's own bf16 GEMM: a rounding apart at most
+
+
+@needs_bf16
+def test_bf16_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(32, 300, generator=g).bfloat16(), torch.randn(70, 300, generator=g).bfloat16()
+    with torch.inference_mode():
+        full = cpu_kernels.linear(x, w)
+        for m in (1, 2, 5, 8, 13, 31):
+            assert torch.equal(cpu_kernels.linear(x[32 - m:], w), full[32 - m:]), m
 
 
 @pytest.mark.parametrize("m", [1, 4])

@@ -76,3 +76,33 @@ def test_kernels_on_and_off_give_the_same_tokens(name, folders, monkeypatch):
     for a, b in zip(logit_on + batch_on[1], logit_off + batch_off[1]):
         assert ((a - b).norm() / b.norm()).item() < 1e-5, name
     assert all(torch.isfinite(x).all() for x in logit_on)
+
+
+@pytest.mark.skipif(not cpu_kernels.BF16, reason="this CPU lacks AVX512-BF16")
+def test_bfloat16_engine_runs_the_bf16_kernel_within_the_bf16_bound(folders, monkeypatch, one_torch_thread):
+    """model.dtype bfloat16 with the kernels on: its GEMMs go through gemm_bf16, and the logits
+    stay as close to float32's as torch's own bf16 GEMMs keep them (the 0.05 bound of
+    tests/engine/test_runner_hooks.py), alone and batched."""
+    from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+    from pdkv.engine import LLMEngine
+
+    calls = []
+    real = cpu_kernels._k.gemm_bf16
+    monkeypatch.setattr(cpu_kernels._k, "gemm_bf16", lambda *a: (calls.append(a[7]), real(*a))[1])
+    ps = prompts(lens=(5, 19, 33))
+    logits = {}
+    for dtype, on in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
+        # one thread for every step (prefill too): the kernels' gate (models/cpu_kernels.py)
+        eng = LLMEngine(ModelConfig(path=str(folders["llama"]), dtype=dtype, cpu_kernels=on),
+                        KVCacheConfig(page_size=16, num_pages=64), SchedulerConfig(), num_threads=1)
+        before = len(calls)
+        alone = [run_greedy(eng, [p], 1)[1][0] for p in ps]
+        batched = run_greedy(eng, ps, 1)[1]
+        assert (len(calls) > before) == (dtype == "bfloat16" and on), (dtype, on)
+        logits[dtype, on] = alone + batched
+    assert max(calls) > 1  # rows batched through one call
+    for kernel, torch_bf16, ref in zip(logits["bfloat16", True], logits["bfloat16", False],
+                                       logits["float32", True]):
+        assert torch.isfinite(kernel).all()
+        assert ((kernel - ref).norm() / ref.norm()).item() < 0.05
+        assert ((kernel - torch_bf16).norm() / ref.norm()).item() < 0.05
