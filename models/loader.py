@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from models.config import ArchConfig, parse_arch_config
+from models import fp8_load
 from models.cpu_kernels import AVAILABLE as CPU_KERNELS_AVAILABLE
+from models.quant import SCALE_SUFFIX, parse_quant_config
 from models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
@@ -80,10 +82,12 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
     [out, in] at 20-25 GB/s: python -m pdkv.bench kernels)."""
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype in DTYPES.values():  # not FP8
                 m.weight.data = m.weight.data.t().contiguous().t()
             for name in getattr(m, "TRANSPOSED_PARAMS", ()):  # stacked weights [n, out, in] (MoE experts)
                 p = getattr(m, name)
+                if p.dtype not in DTYPES.values():
+                    continue  # FP8 experts: models/fp8.py reads them [out, in]
                 p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
@@ -128,33 +132,50 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         except ValueError as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         arch = layout.local_arch()
+    quant = parse_quant_config(hf_config, str(config_path))
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch.architecture](arch, torch_dtype)
-    model = model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    expected = model.expected_tensors()
-    loaded: set[str] = set()
     handles = []
     for f in files:
         try:
             handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
-    total, done = sum(len(list(h.keys())) for _, h in handles), 0
+    # FP8: every check on the headers, while the model is still on the meta device.
+    index = fp8_load.header_index(handles)
+    quantized = fp8_load.plan_fp8(index, model, quant, layout, str(config_path))
+    if quantized:
+        fp8_load.convert(model, quantized, quant, str(config_path))
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    expected = model.expected_tensors()
+    expected |= {n + SCALE_SUFFIX for n, (_, dt, _) in index.items()
+                 if dt == fp8_load.FP8_HEADER and not model.is_ignorable(n)}
+    loaded: set[str] = set()
+    total, done = len(index), 0
     with torch.no_grad():
         for f, handle in handles:
             for name in handle.keys():
                 done += 1
-                if model.is_ignorable(name):
+                scale_of = name[:-len(SCALE_SUFFIX)] if name.endswith(".weight" + SCALE_SUFFIX) else None
+                if model.is_ignorable(scale_of or name):
                     continue
-                pname, rows = model.param_for(name)
+                pname, rows = model.param_for(scale_of or name)
+                if scale_of is not None:
+                    if pname not in quantized:
+                        raise ModelLoadError(f"{f}: tensor {name!r} scales {scale_of!r}, which is not "
+                                             "float8_e4m3fn in the checkpoint")
+                    pname, rows = pname + SCALE_SUFFIX, fp8_load.block_rows(quant, rows)
                 if pname not in params:
                     raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {arch.architecture}")
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as e:
                     raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from e
-                if layout is not None:
+                if scale_of is not None and layout is not None:
+                    bounds = fp8_load.shard_bounds(layout, scale_of, index[scale_of][2])
+                    tensor = tensor[fp8_load.scale_slice(quant, bounds)]
+                elif layout is not None:
                     try:
                         tensor = layout.shard_tensor(name, tensor)
                     except ValueError as e:
@@ -164,6 +185,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                     raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"config.json implies {tuple(target.shape)}")
                 target.copy_(tensor.to(target.dtype))  # = torch_dtype but for float32 routers
+                del tensor  # one tensor at a time in memory besides the model
                 loaded.add(name)
                 if progress is not None:
                     progress(done, total)
@@ -176,6 +198,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_KERNELS_AVAILABLE):
         transpose_linear_weights(model)
         disable_cpu_kernels(model)
+    fp8_load.bind(model)
     # Weights derived from the loaded ones (MLA's absorbed W_UK / W_UV, its fused input
     # projection), after the layout above so that they can keep it.
     if hasattr(model, "post_load"):
