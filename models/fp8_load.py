@@ -77,7 +77,7 @@ def block_rows(qc: QuantConfig, rows):
 def plan_fp8(index: dict, model: nn.Module, qc: QuantConfig | None, layout, source: str) -> set[str]:
     """The parameter names that hold FP8 (``model`` on the meta device); raises ModelLoadError
     naming the tensor for anything inconsistent."""
-    params = dict(model.named_parameters())
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
     quantized: dict[str, list] = {}
     plain: dict[str, str] = {}
     for name, (f, dtype, shape) in index.items():
@@ -102,8 +102,8 @@ def plan_fp8(index: dict, model: nn.Module, qc: QuantConfig | None, layout, sour
                                  f"{list(qc.block)} blocks needs a float32 scale of shape {want}")
         if pname not in params:
             raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {model.cfg.architecture}")
-        mod, attr = _owner(model, pname)
-        if attr not in fp8_params(mod):
+        mod_name, attr = pname.rsplit(".", 1)
+        if attr not in fp8_params(modules[mod_name]):
             raise ModelLoadError(f"{f}: tensor {name!r} is float8_e4m3fn, but pdkv keeps {pname} "
                                  "unquantized (only Linear weights and experts are FP8)")
         bounds = shard_bounds(layout, name, shape)
