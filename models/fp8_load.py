@@ -81,7 +81,8 @@ def plan_fp8(index: dict, model: nn.Module, qc: QuantConfig | None, layout, sour
     quantized: dict[str, list] = {}
     plain: dict[str, str] = {}
     for name, (f, dtype, shape) in index.items():
-        if name.endswith(".weight" + SCALE_SUFFIX) or model.is_ignorable(name):
+        if name.endswith((".weight" + SCALE_SUFFIX, "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")) \
+                or model.is_ignorable(name):
             continue
         if dtype.startswith("F8_") and dtype != FP8_HEADER:
             raise ModelLoadError(f"{f}: tensor {name!r} is {dtype}; only float8_e4m3fn (F8_E4M3) FP8 is supported")

@@ -9,6 +9,7 @@ a tensor of the wrong shape, a tensor the checkpoint lacks.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 
 @dataclass
@@ -35,6 +37,9 @@ class LoadedModel:
     # With tensor parallelism ``arch`` is this rank's share (heads, intermediate size: what its
     # modules, KV cache and attention backend are built from) and ``full_arch`` the checkpoint's.
     full_arch: ArchConfig | None = None
+    # Per-tensor FP8 KV-cache scales the checkpoint carries (``model.layers.L.self_attn.k_scale``
+    # / ``v_scale``, or one ``kv_scale``): layer → (k, v). Read for kv_cache.dtype fp8_e4m3.
+    kv_scales: dict | None = None
 
 
 def read_json(path: Path) -> dict:
@@ -152,11 +157,20 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     expected |= {n + SCALE_SUFFIX for n, (_, dt, _) in index.items()
                  if dt == fp8_load.FP8_HEADER and not model.is_ignorable(n)}
     loaded: set[str] = set()
+    kv_scales: dict[int, dict] = {}
     total, done = len(index), 0
     with torch.no_grad():
         for f, handle in handles:
             for name in handle.keys():
                 done += 1
+                kv_scale = _KV_SCALE.match(name)
+                if kv_scale is not None:  # an FP8 KV scale: not a parameter
+                    value = handle.get_tensor(name).float().reshape(-1)
+                    if value.numel() != 1 or not bool(value.isfinite().all()) or float(value[0]) <= 0:
+                        raise ModelLoadError(f"{f}: tensor {name!r} must be one positive number (a "
+                                             f"per-tensor KV scale), got shape {tuple(value.shape)}")
+                    kv_scales.setdefault(int(kv_scale.group(1)), {})[kv_scale.group(2)] = float(value[0])
+                    continue
                 scale_of = name[:-len(SCALE_SUFFIX)] if name.endswith(".weight" + SCALE_SUFFIX) else None
                 if model.is_ignorable(scale_of or name):
                     continue
@@ -209,4 +223,5 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
 
         attach(model, tp)
     model.eval()
-    return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch)
+    scales = {i: (d.get("k", d.get("kv", 1.0)), d.get("v", d.get("kv", 1.0))) for i, d in kv_scales.items()}
+    return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch, scales)

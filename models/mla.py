@@ -172,7 +172,9 @@ class MLAttention(nn.Module):
         if spans is not None:
             latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),
                                 self._rope(kv[:, None, L:], cos, sin)[:, 0]), -1)  # [T, L + R]
-            backend.write(layer, latent[:, None], None, meta)
+            stored = backend.write(layer, latent[:, None], None, meta)
+            if stored is not None:  # an FP8 cache: attend what later steps will read back
+                latent = stored[:, 0]
             return _lin(self._decompressed(q, latent, spans, backend.scale, cos, sin), self.o_proj)
         # The query's and the key's rope parts rotate in one call ([T, H + 1, R]).
         pe = self._rope(torch.cat((q[..., N:], kv[:, None, L:]), 1), cos, sin)

@@ -132,7 +132,7 @@ class TPLeader:
 
     # ---- KV memory ---------------------------------------------------------------------------
     def setup_kv(self, arch, full_arch, dtype: torch.dtype, num_pages: int, page_size: int, layout: str,
-                 attention_backend: str) -> torch.Tensor:
+                 attention_backend: str, kv_scales: list | None = None) -> torch.Tensor:
         """Creates every rank's KV memory and returns rank 0's (a flat uint8 tensor for
         ``KVCache(buffer=...)``). ``arch``: a rank's share (every rank holds the same number of
         heads); ``full_arch``: the checkpoint's. Sets ``regions`` and ``shard_spec``."""
@@ -145,7 +145,8 @@ class TPLeader:
         lay = kv_layout(arch)  # K/V heads or an MLA latent (replicated: every rank the whole cache)
         nbytes = lay.page_bytes(page_size, dtype) * num_pages * arch.num_layers
         msg = {"nbytes": nbytes, "num_pages": num_pages, "page_size": page_size, "layout": layout,
-               "attention_backend": attention_backend}
+               "attention_backend": attention_backend, "dtype": str(dtype).removeprefix("torch."),
+               "kv_scales": [list(s) for s in kv_scales or []]}
         if self.device.type == "cuda":
             flats = self._setup_cumem(nbytes, msg)
         else:
@@ -160,6 +161,8 @@ class TPLeader:
             flats = [b.tensor() for b in bufs]
         for r, flat in enumerate(flats):
             cache = lay.make_cache(arch.num_layers, num_pages, page_size, dtype, layout, flat.device, buffer=flat)
+            if kv_scales:
+                cache.kv_scales = list(kv_scales)
             self.regions.append(KVRegion(r, flat.data_ptr(), nbytes, str(flat.device),
                                          tuple(TPLayout(r, self.size, full_arch).kv_heads), cache))
         return flats[0]
