@@ -145,8 +145,25 @@ def check_fp8_kv():
     half = caches["fp8"].nbytes * 2 == caches["bf16"].nbytes
     if err > 1e-2 or not half:
         raise AssertionError(f"FP8 KV attention vs the rounded bf16 cache {err:.2e}, bytes half: {half}")
-    return f"FP8 cache == rounded bf16 cache within {err:.1e}; vs bf16 {drift:.2%}; bytes half", \
-        {"rel_err_vs_rounded": err, "rel_err_vs_bf16": drift}
+    fi = "flashinfer: not installed"
+    try:  # FlashInfer's fp8-KV kernels over the same FP8 cache, against the torch backend's
+        kv = lay.make_cache(1, 8, 16, torch.float8_e4m3fn, "HND", dev)
+        kv.layer(0).copy_(hist.float().clamp(-448, 448).to(torch.float8_e4m3fn))
+        be = lay.make_backend("flashinfer", kv)
+        be.q_dtype = torch.bfloat16
+        got = be.forward(0, q, k, v, be.plan(batch)).float()
+        fi_err = float((got - out["fp8"]).norm() / out["fp8"].norm())
+        if fi_err > 2e-2:
+            raise AssertionError(f"FlashInfer fp8 KV vs the torch backend's: {fi_err:.2e}")
+        fi = f"flashinfer fp8 KV == torch within {fi_err:.1e}"
+    except ImportError as e:
+        fi = f"flashinfer: {e}"
+    except Exception as e:  # noqa: BLE001 - BackendUnavailable (not installed): reported, not failed
+        if type(e).__name__ != "BackendUnavailable":
+            raise
+        fi = f"flashinfer unavailable: {str(e)[:100]}"
+    return f"FP8 cache == rounded bf16 cache within {err:.1e}; vs bf16 {drift:.2%}; bytes half; {fi}", \
+        {"rel_err_vs_rounded": err, "rel_err_vs_bf16": drift, "flashinfer": fi}
 
 
 def checks(check_cls):

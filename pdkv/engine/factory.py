@@ -171,6 +171,8 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                             cache_salt(_fingerprint(loaded), _salt_dtype(loaded.dtype, kv_dtype),
                                        kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
+    if getattr(backend, "fp8", False):
+        backend.q_dtype = loaded.dtype  # FlashInfer over an FP8 cache: the queries' dtype
     backend.use_cpu_kernel &= model.cpu_kernels
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed), num_threads, followers=tp)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages

@@ -73,6 +73,8 @@ def serve(ch, fd_sock) -> None:
     if kv.get("kv_scales"):
         cache.kv_scales = [tuple(s) for s in kv["kv_scales"]]
     backend = lay.make_backend(kv["attention_backend"], cache)
+    if getattr(backend, "fp8", False):
+        backend.q_dtype = loaded.dtype  # FlashInfer over an FP8 cache: the queries' dtype
     backend.use_cpu_kernel &= init["cpu_kernels"]
     ch.send("ready", {"address": address, "nbytes": cache.nbytes, "pid": os.getpid()})
     with torch.inference_mode():
