@@ -98,3 +98,17 @@ def test_bf16_model_dtype_and_kernels_off(fp8_models):
     assert off == ref
     bf, _ = run_greedy(engine(folder, dtype="bfloat16"), ps, 8)
     assert bf[0][:2] == ref[0][:2]
+
+
+@pytest.mark.parametrize("shape", [(192, 256), (300, 200), (128, 129)])
+def test_dequantize_kernel_gives_torch_bits(shape, monkeypatch):
+    """pdkv/kernels/fp8.c (a decode table, one multiply) == torch's w.float() * s, partial
+    blocks in either dimension included."""
+    from models import fp8
+
+    torch.manual_seed(1)
+    q, s = fp8.quantize(torch.randn(*shape))
+    got = fp8.dequantize(q, s, (128, 128)).clone()
+    monkeypatch.setattr(fp8, "_k", None)  # torch's conversion and broadcast multiply
+    assert torch.equal(got, fp8.dequantize(q, s, (128, 128)))
+    assert torch.equal(got, q.float() * s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]])

@@ -15,7 +15,7 @@ from pathlib import Path
 from _fp8 import make_fp8_pair
 from _hf import VOCAB, save_hf_model
 
-EXPERTS = 24
+EXPERTS = 16
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = r"""
 import json, sys, torch
