@@ -230,13 +230,15 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
             share[pair.prefill_rank] += sum(s.length for s in pair.segments)
     total_share = sum(share.values()) or 1
     gpu = gpu_memory_gib if gpu_memory_gib is not None else dep.gpu_memory_gib
-    weights, memory = {}, {}
+    weights, memory, known = {}, {}, {}
     for s in (p, d):
         refused = None
-        try:
-            weights[s.role] = weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path)
-        except ModelLoadError as e:  # an FP8 block the split would cut: the loader refuses it
-            weights[s.role], refused = None, str(e)
+        if (s.tp, s.dtype) not in known:  # both roles alike (the common case): built once
+            try:
+                known[(s.tp, s.dtype)] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path), None)
+            except ModelLoadError as e:  # an FP8 block the split would cut: the loader refuses it
+                known[(s.tp, s.dtype)] = (None, str(e))
+        weights[s.role], refused = known[(s.tp, s.dtype)]
         w = None if weights[s.role] is None else weights[s.role][0]
         memory[s.role] = {"kv_bytes_per_token_per_rank": kv_bytes_per_token(arch, s.tp, elem),
                           "weight_bytes_per_rank": w, "gpu_memory_gib": gpu,

@@ -16,6 +16,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from _hf import VOCAB
+
+DEEPSEEK = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, vocab_size=VOCAB,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
+                kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                first_k_dense_replace=1, max_position_embeddings=256, routed_scaling_factor=2.5)
+QWEN = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=128, intermediate_size=256, moe_intermediate_size=256, vocab_size=VOCAB,
+            max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            mlp_only_layers=[0])
+FAMILIES = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN)}
+
 QUANT_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                 "weight_block_size": [128, 128]}
 E4M3_MAX = 448.0

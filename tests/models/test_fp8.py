@@ -16,36 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8 import make_fp8_pair
-from _hf import VOCAB, assert_matches_hf, engine, prompts, run_greedy, save_hf_model
-
-DEEPSEEK = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, vocab_size=VOCAB,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
-                kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                first_k_dense_replace=1, max_position_embeddings=256, routed_scaling_factor=2.5)
-QWEN = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=128, intermediate_size=256, moe_intermediate_size=256, vocab_size=VOCAB,
-            max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-            mlp_only_layers=[0])
-FAMILIES = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
-            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN)}
-
-
-@pytest.fixture(scope="module")
-def fp8_models(tmp_path_factory, tiny_model_dir):
-    """family → (transformers model on the dequantized weights, the original, FP8 folder)."""
-    import transformers
-
-    out = {}
-    for family, (cfg, cls, kw) in FAMILIES.items():
-        root = tmp_path_factory.mktemp(f"fp8_{family}")
-        original = save_hf_model(cfg, cls, kw, root / "src", tiny_model_dir)
-        make_fp8_pair(root / "src", root / "fp8", root / "deq")
-        ref = transformers.AutoModelForCausalLM.from_pretrained(root / "deq", dtype=torch.float32).eval()
-        out[family] = (ref, original, root / "fp8")
-    return out
-
+from _fp8 import FAMILIES
+from _hf import assert_matches_hf, engine, prompts, run_greedy
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_transformers_on_dequantized_weights(family, fp8_models):

@@ -12,11 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _fp8 import make_fp8_pair
+from _fp8 import DEEPSEEK, make_fp8_pair
 from _hf import save_hf_model
 from models.loader import load_model
 from pdkv.errors import ModelLoadError
-from test_fp8 import DEEPSEEK
 
 SCALE = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
 

@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdkv.engine import LLMEngine, SamplingParams
-from test_fp8 import fp8_models  # noqa: F401 - the module's fixture
 from _hf import prompts, run_greedy
 
 FP8 = torch.float8_e4m3fn
@@ -52,7 +51,7 @@ def test_greedy_parity_with_a_float32_cache(tiny_model_dir):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_fp8_cache_is_attention_over_e4m3_rounded_kv(family, fp8_models, monkeypatch):  # noqa: F811
+def test_fp8_cache_is_attention_over_e4m3_rounded_kv(family, fp8_models, monkeypatch):
     """The MoE families' random weights amplify the rounding (first-step logits move 4-32%), so
     instead: the FP8 cache's logits equal those of a float32 cache whose writes round K/V (the
     latent) through e4m3 first (the reference, a patched write): nothing but that rounding."""
@@ -84,7 +83,7 @@ def _sequential(eng, ps, n):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_prefix_caching_and_ngram_on_fp8_kv_change_no_token(family, tiny_model_dir, fp8_models):  # noqa: F811
+def test_prefix_caching_and_ngram_on_fp8_kv_change_no_token(family, tiny_model_dir, fp8_models):
     folder = tiny_model_dir if family == "llama" else fp8_models[family][2]
     base = prompts(seed=5, lens=(40,))[0]
     ps = [base, base[:35] + [1, 2, 3], base + [9, 9], [4, 5, 6, 7] * 8]

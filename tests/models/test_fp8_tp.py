@@ -1,5 +1,5 @@
 """Tensor parallelism on FP8 checkpoints: TP2 (rank 1 a real follower process over gloo) gives
-TP1's logits and greedy tokens for the FP8 DeepSeek-V3 and Qwen3-MoE of test_fp8.py, every
+TP1's logits and greedy tokens for the FP8 DeepSeek-V3 and Qwen3-MoE (conftest fp8_models), every
 rank holding its slice of the FP8 weights and the matching rows / columns of the scales."""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fp8 import fp8_models  # noqa: F401 - the module's fixture
 from test_moe_tp import GREEDY, PROMPTS, _engine, _first_logits
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
-def test_fp8_tp2_matches_tp1(family, fp8_models):  # noqa: F811
+def test_fp8_tp2_matches_tp1(family, fp8_models):
     _, _, folder = fp8_models[family]
     one, two = _engine(folder, 1), _engine(folder, 2)
     try:
