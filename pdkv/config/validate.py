@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH,
-                                  MAX_SPEC_TOKENS, ROLES,
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, MAX_AFFINITY_PAGES,
+                                  MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
