@@ -128,3 +128,13 @@ def test_hello_refuses_a_pair_whose_kv_dtypes_differ():
     b = Hello(2, "decode", "fp", "float32", "HND", 16, kv_dtype="float32")
     assert a.differences(b) == ["kv_dtype: this prefill node has 'float8_e4m3fn', the decode node has 'float32'"]
     assert Hello.from_dict({**b.__dict__, "kv_dtype": "float32"}).differences(b) == []
+
+
+@pytest.mark.parametrize("kv,message", [({"dtype": "fp8"}, "kv_cache.dtype must be one of auto, fp8_e4m3, got 'fp8'"),
+                                        ({"dtype": "fp8_e4m3", "fp8_scale": 0}, "kv_cache.fp8_scale must be a "
+                                                                                "positive number or null, got 0")])
+def test_bad_kv_cache_settings_name_the_field(kv, message):
+    from pdkv.config import ConfigError, config_from_dict, validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(config_from_dict({"kv_cache": kv}))
