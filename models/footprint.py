@@ -37,11 +37,11 @@ def _checkpoint_index(full: torch.nn.Module, qc: QuantConfig) -> dict:
 
 
 def rank_weight_bytes(arch: ArchConfig, tp: int, dtype: torch.dtype, qc: QuantConfig | None,
-                      source: str) -> int:
+                      source: str, expert_parallel: bool = False) -> int:
     """Bytes of rank 0's parameters (every rank holds the same shapes). Raises
     TensorParallelError for a degree the model cannot split, ModelLoadError for a split that
     cuts an FP8 block."""
-    layout = TPLayout(0, tp, arch) if tp > 1 else None
+    layout = TPLayout(0, tp, arch, expert_parallel) if tp > 1 else None
     local = layout.local_arch() if layout is not None else arch
     cls = MODEL_REGISTRY[arch.architecture]
     with torch.device("meta"):

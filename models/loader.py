@@ -133,7 +133,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         from models.parallel import TPLayout  # noqa: PLC0415
 
         try:
-            layout = TPLayout(tp.rank, tp.size, full_arch)
+            layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False))
         except ValueError as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         arch = layout.local_arch()

@@ -47,6 +47,7 @@ class Side:
     layout: str
     kv_dtype: str = "bfloat16"  # the cache's element type, resolved (kv_cache.dtype)
     memory_fraction: float = 0.85  # kv_cache.memory_fraction: of the GPU memory left after weights
+    expert_parallel: bool = False  # parallel.expert_parallel: whole experts per rank
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def load_deployment(path: str | Path) -> Deployment:
         sides[role] = Side(role, _get(cfg, "parallel.tp", where, 1, int), _get(dep, f"{role}_nodes", source, 1, int),
                            _get(dep, f"{role}_engines_per_node", source, 1, int), dtype,
                            _get(cfg, "kv_cache.page_size", where, 16, int), layout,
-                           dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype][0], float(fraction))
+                           dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype][0], float(fraction),
+                           _get(cfg, "parallel.expert_parallel", where, False) is True)
     gpu = dep.get("gpu_memory_gib")
     if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (int, float)) or gpu <= 0):
         raise PlanError(f"{source}: deployment.gpu_memory_gib must be a positive number, got {gpu!r}")
@@ -127,7 +129,8 @@ def load_deployment(path: str | Path) -> Deployment:
                       None if gpu is None else float(gpu))
 
 
-def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "config.json") -> list[int]:
+def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "config.json",
+                          expert_parallel: bool = False) -> list[int]:
     """Parameter bytes of each of ``tp`` ranks in the checkpoint's real dtype (FP8 + block scales
     for a quantized one: models/footprint.py), from models built on the meta device. Every rank
     holds the same shapes (TPLayout only accepts even splits), so rank 0 is built and repeated.
@@ -139,7 +142,7 @@ def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "
     from models.parallel import TensorParallelError  # noqa: PLC0415
 
     try:
-        return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source)] * tp
+        return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source, expert_parallel)] * tp
     except TensorParallelError as e:
         raise PlanError(str(e)) from None
 
@@ -233,12 +236,13 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
     weights, memory, known = {}, {}, {}
     for s in (p, d):
         refused = None
-        if (s.tp, s.dtype) not in known:  # both roles alike (the common case): built once
+        key = (s.tp, s.dtype, s.expert_parallel)
+        if key not in known:  # both roles alike (the common case): built once
             try:
-                known[(s.tp, s.dtype)] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path), None)
+                known[key] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path, s.expert_parallel), None)
             except ModelLoadError as e:  # an FP8 block the split would cut: the loader refuses it
-                known[(s.tp, s.dtype)] = (None, str(e))
-        weights[s.role], refused = known[(s.tp, s.dtype)]
+                known[key] = (None, str(e))
+        weights[s.role], refused = known[key]
         w = None if weights[s.role] is None else weights[s.role][0]
         memory[s.role] = {"kv_bytes_per_token_per_rank": kv_bytes_per_token(arch, s.tp, elem),
                           "weight_bytes_per_rank": w, "gpu_memory_gib": gpu,

@@ -171,6 +171,10 @@ class ParallelConfig:
     tp: int = 1
     timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
+    # MoE: each rank holds whole experts [r * E / tp, (r + 1) * E / tp) instead of a slice of every
+    # expert (models/parallel.py). FP8 checkpoints need it where tp would cut 128-blocks of the
+    # experts' rows (Qwen3-Coder-480B-FP8 at tp 8: 2560 / 8 = 320), as vLLM's --enable-expert-parallel.
+    expert_parallel: bool = False
     cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
 
 

@@ -142,7 +142,8 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         from pdkv.tp import TPLeader  # noqa: PLC0415
 
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
-                      num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels)
+                      num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
+                      expert_parallel=parallel.expert_parallel)
     loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
                         tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
     arch = loaded.arch

@@ -58,6 +58,7 @@ def serve(ch, fd_sock) -> None:
     store = dist.TCPStore(init["host"], init["port"], tp, False,
                           timeout=datetime.timedelta(seconds=init["timeout_s"]))
     par = TensorParallel(rank, tp, store, device, init["timeout_s"])
+    par.expert_parallel = bool(init.get("expert_parallel", False))
     loaded = load_model(init["path"], init["dtype"], str(device), init["max_positions"], tp=par,
                         cpu_kernels=init["cpu_kernels"])
     ch.send("loaded")

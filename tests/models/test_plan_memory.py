@@ -32,11 +32,14 @@ def r1_fp8_weights_per_rank(tp: int) -> int:
     return 2 * (2 * V * H + H) + L * per_layer + dense * dense_mlp + (L - dense) * moe
 
 
-def qwen3_coder_fp8_weights_per_rank(tp: int) -> int:
+def qwen3_coder_fp8_weights_per_rank(tp: int, expert_parallel: bool = False) -> int:
     H, V, L, E, moe_i = 6144, 151936, 62, 160, 2560
     q, kv, m = 96 // tp * 128, 8 // tp * 128, moe_i // tp
     attn = fp8(q + 2 * kv, H) + fp8(H, q) + 2 * 2 * 128  # qkv, o_proj, q/k norms
-    moe = E * (fp8(2 * m, H) + fp8(H, m)) + 2 * E * H  # experts, the (bf16) router
+    if expert_parallel:  # E / tp whole experts
+        moe = E // tp * (fp8(2 * moe_i, H) + fp8(H, moe_i)) + 2 * E * H
+    else:  # every expert's rows / tp
+        moe = E * (fp8(2 * m, H) + fp8(H, m)) + 2 * E * H  # experts, the (bf16) router
     return 2 * (2 * V * H + H) + L * (attn + moe + 2 * 2 * H)
 
 
@@ -69,7 +72,10 @@ def test_deepseek_r1_tp8_does_not_fit_an_h100_and_fits_an_h200(capsys):
 def test_qwen3_coder_tp8_fp8_is_refused_and_tp4_plans(capsys, tmp_path):
     """moe_intermediate_size 2560 / 8 = 320 rows per rank cut a 128-block (vLLM refuses the same
     split); at TP4 (640 = 5 blocks) the weights do not fit an H100 and fit an H200."""
-    r = _plan(capsys, ROOT / "configs/qwen3-coder/cluster-1p3d.yaml")
+    tp8 = tmp_path / "tp8.yaml"
+    tp8.write_text(f"model: {{path: {ROOT / 'configs/qwen3-coder/model'}, dtype: bfloat16}}\n"
+                   "kv_cache: {page_size: 64}\nparallel: {tp: 8}\n")
+    r = _plan(capsys, tp8)
     for side in ("prefill", "decode"):
         m = r["memory"][side]
         assert m["fits"] is False and "takes columns [0, 320) of 2560, which cuts a 128-wide FP8 block" in m["text"]
@@ -87,6 +93,23 @@ def test_qwen3_coder_tp8_fp8_is_refused_and_tp4_plans(capsys, tmp_path):
     assert r["kv_dtype"] == "float8_e4m3fn" and r["kv_bytes_per_token"] == 62 * 2 * 8 * 128
     assert m["fits"] and m["kv_bytes_per_token_per_rank"] == per_token
     assert m["kv_tokens"] == _room(141, w, per_token)
+
+
+def test_qwen3_coder_tp8_with_expert_parallelism_fits_an_h200(capsys, tmp_path):
+    """parallel.expert_parallel: 20 whole experts per rank, no block cut (what vLLM needs for
+    this checkpoint at TP8 too)."""
+    cfg = tmp_path / "ep.yaml"
+    cfg.write_text(f"model: {{path: {ROOT / 'configs/qwen3-coder/model'}, dtype: bfloat16}}\n"
+                   "kv_cache: {page_size: 64}\nparallel: {tp: 8, expert_parallel: true}\n")
+    w = qwen3_coder_fp8_weights_per_rank(8, expert_parallel=True)
+    r = _plan(capsys, cfg, "--gpu-memory-gib", "141")
+    assert r["weight_bytes_per_rank"]["decode"] == [w] * 8
+    m = r["memory"]["decode"]
+    assert m["fits"] and m["kv_tokens"] == _room(141, w, 62 * 2 * 1 * 128 * 2)
+    assert main(["config", "-c", str(cfg)]) == 0  # a valid config
+    capsys.readouterr()
+    r = _plan(capsys, ROOT / "configs/qwen3-coder/cluster-1p3d.yaml", "--gpu-memory-gib", "80")
+    assert r["memory"]["decode"]["fits"] and r["weight_bytes_per_rank"]["prefill"] == [w] * 8
 
 
 def test_text_verdicts(capsys):
