@@ -42,6 +42,7 @@ MAX_ROWS = 64 if GEMM_PATH in ("avx512", "avx2") else 16
 BF16 = AVAILABLE and _k.BF16
 # At 64 rows oneDNN's bf16 GEMM was as fast (1.10 vs 0.97 ms at 3072 x 768, one thread).
 MAX_ROWS_BF16 = 32
+_FP8 = getattr(torch, "float8_e4m3fn", None)  # block-quantized weights: models/fp8.py
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
 # thread: they take a step only when torch runs it on one thread, and a step on more threads is
 # torch's (MKL's). For small CPU steps the runner measures both and keeps the faster
@@ -61,7 +62,11 @@ def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x: [M, K], weight: [N, K]."""
+    """F.linear(x, weight, bias) for x: [M, K], weight: [N, K] (FP8 with block scales: models/fp8.py)."""
+    if weight.dtype is _FP8:
+        from models.fp8 import linear_fp8  # noqa: PLC0415 - it calls back here for the float GEMM
+
+        return linear_fp8(x, weight, bias)
     if (AVAILABLE and one_thread() and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
             and x.shape[1] == weight.shape[1] and _takes(x, weight)
             and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.dim() == 1

@@ -9,6 +9,7 @@ a tensor of the wrong shape, a tensor the checkpoint lacks.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,14 @@ from pathlib import Path
 import torch
 
 from models.config import ArchConfig, parse_arch_config
+from models import fp8_load
 from models.cpu_kernels import AVAILABLE as CPU_KERNELS_AVAILABLE
+from models.quant import SCALE_SUFFIX, parse_quant_config
 from models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 
 @dataclass
@@ -33,6 +37,9 @@ class LoadedModel:
     # With tensor parallelism ``arch`` is this rank's share (heads, intermediate size: what its
     # modules, KV cache and attention backend are built from) and ``full_arch`` the checkpoint's.
     full_arch: ArchConfig | None = None
+    # Per-tensor FP8 KV-cache scales the checkpoint carries (``model.layers.L.self_attn.k_scale``
+    # / ``v_scale``, or one ``kv_scale``): layer → (k, v). Read for kv_cache.dtype fp8_e4m3.
+    kv_scales: dict | None = None
 
 
 def read_json(path: Path) -> dict:
@@ -80,10 +87,12 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
     [out, in] at 20-25 GB/s: python -m pdkv.bench kernels)."""
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype in DTYPES.values():  # not FP8
                 m.weight.data = m.weight.data.t().contiguous().t()
             for name in getattr(m, "TRANSPOSED_PARAMS", ()):  # stacked weights [n, out, in] (MoE experts)
                 p = getattr(m, name)
+                if p.dtype not in DTYPES.values():
+                    continue  # FP8 experts: models/fp8.py reads them [out, in]
                 p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
@@ -124,37 +133,63 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         from models.parallel import TPLayout  # noqa: PLC0415
 
         try:
-            layout = TPLayout(tp.rank, tp.size, full_arch)
+            layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False))
         except ValueError as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         arch = layout.local_arch()
+    quant = parse_quant_config(hf_config, str(config_path))
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch.architecture](arch, torch_dtype)
-    model = model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    expected = model.expected_tensors()
-    loaded: set[str] = set()
     handles = []
     for f in files:
         try:
             handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
-    total, done = sum(len(list(h.keys())) for _, h in handles), 0
+    # FP8: every check on the headers, while the model is still on the meta device.
+    index = fp8_load.header_index(handles)
+    quantized = fp8_load.plan_fp8(index, model, quant, layout, str(config_path))
+    if quantized:
+        fp8_load.convert(model, quantized, quant, str(config_path))
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    expected = model.expected_tensors()
+    expected |= {n + SCALE_SUFFIX for n, (_, dt, _) in index.items()
+                 if dt == fp8_load.FP8_HEADER and not model.is_ignorable(n)}
+    loaded: set[str] = set()
+    kv_scales: dict[int, dict] = {}
+    total, done = len(index), 0
     with torch.no_grad():
         for f, handle in handles:
             for name in handle.keys():
                 done += 1
-                if model.is_ignorable(name):
+                kv_scale = _KV_SCALE.match(name)
+                if kv_scale is not None:  # an FP8 KV scale: not a parameter
+                    value = handle.get_tensor(name).float().reshape(-1)
+                    if value.numel() != 1 or not bool(value.isfinite().all()) or float(value[0]) <= 0:
+                        raise ModelLoadError(f"{f}: tensor {name!r} must be one positive number (a "
+                                             f"per-tensor KV scale), got shape {tuple(value.shape)}")
+                    kv_scales.setdefault(int(kv_scale.group(1)), {})[kv_scale.group(2)] = float(value[0])
                     continue
-                pname, rows = model.param_for(name)
+                scale_of = name[:-len(SCALE_SUFFIX)] if name.endswith(".weight" + SCALE_SUFFIX) else None
+                if model.is_ignorable(scale_of or name):
+                    continue
+                pname, rows = model.param_for(scale_of or name)
+                if scale_of is not None:
+                    if pname not in quantized:
+                        raise ModelLoadError(f"{f}: tensor {name!r} scales {scale_of!r}, which is not "
+                                             "float8_e4m3fn in the checkpoint")
+                    pname, rows = pname + SCALE_SUFFIX, fp8_load.block_rows(quant, rows)
                 if pname not in params:
                     raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {arch.architecture}")
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as e:
                     raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from e
-                if layout is not None:
+                if scale_of is not None and layout is not None:
+                    bounds = fp8_load.shard_bounds(layout, scale_of, index[scale_of][2])
+                    tensor = tensor[fp8_load.scale_slice(quant, bounds)]
+                elif layout is not None:
                     try:
                         tensor = layout.shard_tensor(name, tensor)
                     except ValueError as e:
@@ -164,6 +199,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                     raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"config.json implies {tuple(target.shape)}")
                 target.copy_(tensor.to(target.dtype))  # = torch_dtype but for float32 routers
+                del tensor  # one tensor at a time in memory besides the model
                 loaded.add(name)
                 if progress is not None:
                     progress(done, total)
@@ -176,6 +212,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if torch.device(device).type == "cpu" and not (cpu_kernels and CPU_KERNELS_AVAILABLE):
         transpose_linear_weights(model)
         disable_cpu_kernels(model)
+    fp8_load.bind(model)
     # Weights derived from the loaded ones (MLA's absorbed W_UK / W_UV, its fused input
     # projection), after the layout above so that they can keep it.
     if hasattr(model, "post_load"):
@@ -186,4 +223,5 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
 
         attach(model, tp)
     model.eval()
-    return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch)
+    scales = {i: (d.get("k", d.get("kv", 1.0)), d.get("v", d.get("kv", 1.0))) for i, d in kv_scales.items()}
+    return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch, scales)

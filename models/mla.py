@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import fp8
 from models.config import ArchConfig
 from models.cpu_kernels import bmm, linear
 from models.layers import RMSNorm
@@ -71,6 +72,9 @@ class MLAttention(nn.Module):
         fuses the two projections of the layer input (``_fuse_input_projections``).
         Runs once the loader has laid the weights out in memory (models/loader.py)."""
         m = self.mla
+        # FP8 checkpoints: the absorbed form needs kv_b_proj's plain values (as DeepSeek's
+        # reference and vLLM dequantize it once at load); it is the smallest of the projections.
+        fp8.dequantize_param(self.kv_b_proj, "weight", self.kv_a_layernorm.weight.dtype)
         w = self.kv_b_proj.weight.detach().view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         # On the CPU each stored like the Linear weights (models/cpu_kernels.py): the input dimension
         # (N of W_UK, L of W_UV) contiguous when they are, else the output dimension (and on a GPU).
@@ -82,15 +86,30 @@ class MLAttention(nn.Module):
             perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2))).to(w.device)
             with torch.no_grad():
                 q = self.q_proj if m.q_lora_rank is None else self.q_b_proj
-                qw = q.weight.view(self.num_heads, m.qk_head_dim, -1)
-                qw[:, N:] = qw[:, N:][:, perm].clone()
-                kv = self.kv_a_proj_with_mqa
                 L = m.kv_lora_rank
-                kv.weight[L:] = kv.weight[L:][perm].clone()
+                kv = self.kv_a_proj_with_mqa
+                for lin, groups in ((q, [(h * m.qk_head_dim + N, perm) for h in range(self.num_heads)]),
+                                    (kv, [(L, perm)])):
+                    self._permute_rows(lin, groups)
                 if kv.bias is not None:
                     kv.bias[L:] = kv.bias[L:][perm].clone()
             self._deinterleaved = True
-        self._fuse_input_projections()
+        first = self.q_proj if m.q_lora_rank is None else self.q_a_proj
+        if not (fp8.is_fp8(first.weight) or fp8.is_fp8(self.kv_a_proj_with_mqa.weight)):
+            self._fuse_input_projections()  # FP8: two GEMMs (each with its own scales)
+
+    def _permute_rows(self, lin: nn.Linear, groups) -> None:
+        """lin.weight[s + i] = lin.weight[s + perm[i]] for each (s, perm). FP8 rows move as bytes
+        when each stays in its 128-row block (DeepSeek's shapes: a head's 64 rope rows are one
+        half of a block); otherwise that projection is dequantized first."""
+        w = lin.weight
+        if fp8.is_fp8(w):
+            if fp8.permute_rows(w, groups):
+                return
+            fp8.dequantize_param(lin, "weight", self.kv_a_layernorm.weight.dtype)
+            w = lin.weight
+        for start, perm in groups:
+            w[start:start + len(perm)] = w[start:start + len(perm)][perm].clone()
 
     _deinterleaved = False
     cpu_kernel = True  # False: torch's ops (the loader's model.cpu_kernels: false)
@@ -153,7 +172,9 @@ class MLAttention(nn.Module):
         if spans is not None:
             latent = torch.cat((self.kv_a_layernorm.forward(kv[:, :L]),
                                 self._rope(kv[:, None, L:], cos, sin)[:, 0]), -1)  # [T, L + R]
-            backend.write(layer, latent[:, None], None, meta)
+            stored = backend.write(layer, latent[:, None], None, meta)
+            if stored is not None:  # an FP8 cache: attend what later steps will read back
+                latent = stored[:, 0]
             return _lin(self._decompressed(q, latent, spans, backend.scale, cos, sin), self.o_proj)
         # The query's and the key's rope parts rotate in one call ([T, H + 1, R]).
         pe = self._rope(torch.cat((q[..., N:], kv[:, None, L:]), 1), cos, sin)

@@ -25,6 +25,7 @@ from torch import nn
 
 from models.config import ArchConfig
 from models.cpu_kernels import gated_mlp, linear, moe_one_token, route
+from models.fp8_load import expert_views
 from models.layers import MLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -78,6 +79,7 @@ class Experts(nn.Module):
     # On the CPU the loader stores these [in, out] in memory (a transposed view of the [out, in]
     # shape, like every Linear: models/loader.py transpose_linear_weights).
     TRANSPOSED_PARAMS = ("gate_up_proj", "down_proj")
+    FP8_PARAMS = TRANSPOSED_PARAMS  # block-quantized checkpoints: FP8 + scales (models/fp8_load.py)
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
         super().__init__()
@@ -150,8 +152,7 @@ class Experts(nn.Module):
         GEMV), rebuilt if the loader replaced the parameters' storage."""
         where = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
         if self._views[0] != where:
-            self._views = (where, list(self.gate_up_proj.detach().unbind(0)),
-                           list(self.down_proj.detach().unbind(0)))
+            self._views = (where, expert_views(self.gate_up_proj), expert_views(self.down_proj))
         return self._views[1], self._views[2]
 
 

@@ -215,6 +215,7 @@ class TensorParallel:
         if not dist.is_available():
             raise RuntimeError("parallel.tp > 1 needs torch.distributed, which this torch build lacks")
         self.rank, self.size, self.device = rank, size, device
+        self.expert_parallel = False  # parallel.expert_parallel: whole experts per rank (TPLayout)
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore("pdkv-tp", store)
         if device.type == "cuda":

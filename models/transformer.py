@@ -107,8 +107,8 @@ class CausalLM(nn.Module):
             if self.cfg.is_moe_layer(i):
                 names |= expected_expert_tensors(self.cfg, f"model.layers.{i}")
         for pname, _ in self.named_parameters():
-            if pname.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                continue  # listed per expert above, as checkpoints name them
+            if pname.endswith((".experts.gate_up_proj", ".experts.down_proj", "_scale_inv")):
+                continue  # listed per expert above, as checkpoints name them; FP8 scales: the loader
             for fused, frags in inverse.items():
                 if fused in pname:
                     names.update(pname.replace(fused, f) for f in frags)

@@ -43,6 +43,10 @@ cdef extern from "kernels/mlp.h":
                            const float *weights, int k, int64_t num_experts, int64_t first, int64_t local,
                            int h, int inter, float *out) nogil
 
+cdef extern from "kernels/fp8.h":
+    void pdkv_fp8_dequant(const unsigned char *w, Py_ssize_t ldw, const float *scale, Py_ssize_t lds,
+                          const float *lut, float *out, Py_ssize_t ldo, int n, int k, int bn, int bk) nogil
+
 cdef extern from "kernels/norm.h":
     void pdkv_rms_norm(const float *x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, const float *w, float *y,
                        int outer, int inner, int dim, float eps) nogil
@@ -164,6 +168,14 @@ def moe_one_token(uintptr_t x, uintptr_t gate_up, Py_ssize_t gu_stride, Py_ssize
                                 num_experts, first, local, h, inter, <float *>out)
     if rc != 0:
         raise ValueError(f"one-token MoE: an expert id outside 0..{num_experts - 1} (or no memory)")
+
+
+def fp8_dequant(uintptr_t w, Py_ssize_t ldw, uintptr_t scale, Py_ssize_t lds, uintptr_t lut, uintptr_t out,
+                Py_ssize_t ldo, int n, int k, int bn, int bk):
+    """pdkv_fp8_dequant (kernels/fp8.h)."""
+    with nogil:
+        pdkv_fp8_dequant(<const unsigned char *>w, ldw, <const float *>scale, lds, <const float *>lut,
+                         <float *>out, ldo, n, k, bn, bk)
 
 
 def rms_norm(uintptr_t x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, uintptr_t w, uintptr_t y, int outer,

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                   "default: this host")
     plan.add_argument("--request-id", default="req-0", help="the request whose seeded replica choice is shown")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                      help="each GPU's memory for the fits / does-not-fit verdict (default: the file's "
+                           "deployment.gpu_memory_gib)")
     return p
 
 

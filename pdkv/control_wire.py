@@ -27,7 +27,7 @@ PRE_AUTH_MAX_FRAME = 64 << 10  # AUTH, PROOF, HELLO, REFUSE are small: nothing b
 _LEN = struct.Struct(">I")
 
 # Fields of Hello that both sides must agree on, in the order differences are reported.
-MUST_MATCH = ("protocol", "model_fingerprint", "dtype", "kv_layout", "page_size", "parallel")
+MUST_MATCH = ("protocol", "model_fingerprint", "dtype", "kv_dtype", "kv_layout", "page_size", "parallel")
 
 
 class ControlError(ConnectionError):
@@ -73,6 +73,9 @@ class Hello:
     kv_layout: str
     page_size: int
     parallel: dict = field(default_factory=lambda: {"tp": 1})
+    # The KV cache's element type ("bfloat16", "float8_e4m3fn", ...): pages move as bytes, so
+    # both sides must store the same one. "": a peer that does not say (the model's dtype).
+    kv_dtype: str = ""
     protocol: int = PROTOCOL_VERSION
     # What the data path needs; not compared: transport name and its connection blob,
     # registered regions (key, length, page geometry), and anything else the role adds.

@@ -28,6 +28,8 @@ import yaml
 from pdkv.errors import PdkvError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPES = {"fp8_e4m3": ("float8_e4m3fn", 1)}  # kv_cache.dtype besides "auto" (the model's)
+REQUEST_TOKENS = 4096  # the verdict's unit: concurrent requests of this many tokens
 
 
 class PlanError(PdkvError, ValueError):
@@ -43,6 +45,9 @@ class Side:
     dtype: str
     page_size: int
     layout: str
+    kv_dtype: str = "bfloat16"  # the cache's element type, resolved (kv_cache.dtype)
+    memory_fraction: float = 0.85  # kv_cache.memory_fraction: of the GPU memory left after weights
+    expert_parallel: bool = False  # parallel.expert_parallel: whole experts per rank
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Deployment:
     model_path: Path
     prefill: Side
     decode: Side
+    gpu_memory_gib: float | None = None  # deployment.gpu_memory_gib: each GPU's memory
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -95,10 +101,21 @@ def load_deployment(path: str | Path) -> Deployment:
         layout = _get(cfg, "kv_cache.layout", where, "HND")
         if layout not in ("HND", "NHD"):
             raise PlanError(f"{where}: kv_cache.layout must be HND or NHD, got {layout!r}")
+        kv_dtype = _get(cfg, "kv_cache.dtype", where, "auto")
+        if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
+            raise PlanError(f"{where}: kv_cache.dtype must be auto or {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        fraction = _get(cfg, "kv_cache.memory_fraction", where, 0.85)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise PlanError(f"{where}: kv_cache.memory_fraction must be in (0, 1], got {fraction!r}")
         sides[role] = Side(role, _get(cfg, "parallel.tp", where, 1, int), _get(dep, f"{role}_nodes", source, 1, int),
                            _get(dep, f"{role}_engines_per_node", source, 1, int), dtype,
-                           _get(cfg, "kv_cache.page_size", where, 16, int), layout)
-    for field in ("dtype", "page_size", "layout"):
+                           _get(cfg, "kv_cache.page_size", where, 16, int), layout,
+                           dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype][0], float(fraction),
+                           _get(cfg, "parallel.expert_parallel", where, False) is True)
+    gpu = dep.get("gpu_memory_gib")
+    if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (int, float)) or gpu <= 0):
+        raise PlanError(f"{source}: deployment.gpu_memory_gib must be a positive number, got {gpu!r}")
+    for field in ("dtype", "page_size", "layout", "kv_dtype"):
         if getattr(sides["prefill"], field) != getattr(sides["decode"], field):
             raise PlanError(f"{source}: prefill and decode disagree on {field} ({getattr(sides['prefill'], field)!r} "
                             f"vs {getattr(sides['decode'], field)!r}); the handshake would refuse them")
@@ -108,24 +125,48 @@ def load_deployment(path: str | Path) -> Deployment:
         model_path = Path(path).parent / model  # relative to the file, when not to the working dir
     if not (model_path / "config.json").is_file():
         raise PlanError(f"{source}: model.path {model!r} has no config.json")
-    return Deployment(source, model_path, sides["prefill"], sides["decode"])
+    return Deployment(source, model_path, sides["prefill"], sides["decode"],
+                      None if gpu is None else float(gpu))
 
 
-def weight_bytes_per_rank(arch, tp: int, dtype: str) -> list[int]:
-    """Parameter bytes of each of ``tp`` ranks, from a model built on the meta device. Every rank
-    holds the same shapes (TPLayout only accepts even splits), so rank 0 is built and repeated."""
+def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "config.json",
+                          expert_parallel: bool = False) -> list[int]:
+    """Parameter bytes of each of ``tp`` ranks in the checkpoint's real dtype (FP8 + block scales
+    for a quantized one: models/footprint.py), from models built on the meta device. Every rank
+    holds the same shapes (TPLayout only accepts even splits), so rank 0 is built and repeated.
+    Raises PlanError for a degree the model cannot split; ModelLoadError (what the loader would
+    say) for a split that cuts an FP8 block."""
     import torch  # noqa: PLC0415
 
-    from models.parallel import TPLayout, TensorParallelError  # noqa: PLC0415
-    from models.registry import MODEL_REGISTRY  # noqa: PLC0415
+    from models.footprint import rank_weight_bytes  # noqa: PLC0415
+    from models.parallel import TensorParallelError  # noqa: PLC0415
 
     try:
-        local = TPLayout(0, tp, arch).local_arch() if tp > 1 else arch
+        return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source, expert_parallel)] * tp
     except TensorParallelError as e:
         raise PlanError(str(e)) from None
-    with torch.device("meta"):
-        model = MODEL_REGISTRY[arch.architecture](local, getattr(torch, dtype))
-    return [sum(p.numel() * p.element_size() for p in model.parameters())] * tp
+
+
+def memory_verdict(weights: int | None, kv_per_token: int, gpu_gib: float | None, fraction: float,
+                   refused: str | None = None) -> dict:
+    """One rank of a role on a GPU of ``gpu_gib``: fits (KV room in tokens and concurrent
+    REQUEST_TOKENS-token requests) or not (short by how many bytes). The KV cache gets
+    ``fraction`` of what the weights leave (kv_cache.memory_fraction, as the engine sizes it)."""
+    if refused is not None:
+        return {"fits": False, "refused": refused, "text": f"does not load: {refused}"}
+    if gpu_gib is None:
+        return {"fits": None, "text": "no GPU memory given (--gpu-memory-gib or deployment.gpu_memory_gib)"}
+    gpu = int(gpu_gib * (1 << 30))
+    if weights >= gpu:
+        short = weights - gpu
+        return {"fits": False, "gpu_bytes": gpu, "short_bytes": short,
+                "text": f"does not fit: weights exceed the {gpu_gib:g} GiB GPU by {short / (1 << 30):.2f} GiB"}
+    kv = int((gpu - weights) * fraction)
+    tokens = kv // kv_per_token
+    n = tokens // REQUEST_TOKENS
+    return {"fits": tokens > 0, "gpu_bytes": gpu, "kv_bytes": kv, "kv_tokens": tokens, "requests_4k": n,
+            "text": f"fits: {_gib(gpu - weights)} left after weights, KV room for {tokens:,} tokens "
+                    f"({n:,} concurrent {REQUEST_TOKENS}-token requests)"}
 
 
 def _nics(topo, num_ranks: int) -> list[str]:
@@ -143,8 +184,9 @@ def _nics(topo, num_ranks: int) -> list[str]:
 
 
 def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = "req-0",
-                 num_requests: int = 1000) -> dict:
-    """The report (a plain dict, what ``--json`` prints)."""
+                 num_requests: int = 1000, gpu_memory_gib: float | None = None) -> dict:
+    """The report (a plain dict, what ``--json`` prints). ``gpu_memory_gib``: the GPU to plan
+    for (default the deployment's ``gpu_memory_gib``)."""
     from models.config import parse_arch_config  # noqa: PLC0415
     from models.kv_layout import kv_geometry  # noqa: PLC0415
     from models.loader import read_json  # noqa: PLC0415
@@ -153,11 +195,19 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
 
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
         raise PlanError(f"--prompt-len must be a positive integer, got {prompt_len!r}")
-    arch = parse_arch_config(read_json(dep.model_path / "config.json"), str(dep.model_path / "config.json"))
+    from models.footprint import kv_bytes_per_token  # noqa: PLC0415
+    from models.quant import parse_quant_config  # noqa: PLC0415
+    from pdkv.errors import ModelLoadError  # noqa: PLC0415
+    from pdkv.shard.spec import DTYPE_SIZES  # noqa: PLC0415
+
+    config_path = str(dep.model_path / "config.json")
+    hf_config = read_json(dep.model_path / "config.json")
+    arch = parse_arch_config(hf_config, config_path)
+    quant = parse_quant_config(hf_config, config_path)
     p, d = dep.prefill, dep.decode
-    geo = kv_geometry(arch, p.page_size, p.dtype, p.layout)
+    geo = kv_geometry(arch, p.page_size, p.kv_dtype, p.layout)
     plan = plan_transfers(p.tp, d.tp, geo)
-    L, elem = arch.num_layers, DTYPE_BYTES[p.dtype]
+    L, elem = arch.num_layers, DTYPE_SIZES[p.kv_dtype]
     per_token = L * geo.kv_parts * geo.num_kv_heads * geo.head_dim * elem  # one copy of the cache
     tokens = prompt_len - 1
     pages = math.ceil(tokens / p.page_size)
@@ -182,12 +232,28 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
         for pair in plan.active_pairs(request_seed(f"{request_id}-{i}")):
             share[pair.prefill_rank] += sum(s.length for s in pair.segments)
     total_share = sum(share.values()) or 1
-    weights = {s.role: weight_bytes_per_rank(arch, s.tp, s.dtype) for s in (p, d)}
+    gpu = gpu_memory_gib if gpu_memory_gib is not None else dep.gpu_memory_gib
+    weights, memory, known = {}, {}, {}
+    for s in (p, d):
+        refused = None
+        key = (s.tp, s.dtype, s.expert_parallel)
+        if key not in known:  # both roles alike (the common case): built once
+            try:
+                known[key] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path, s.expert_parallel), None)
+            except ModelLoadError as e:  # an FP8 block the split would cut: the loader refuses it
+                known[key] = (None, str(e))
+        weights[s.role], refused = known[key]
+        w = None if weights[s.role] is None else weights[s.role][0]
+        memory[s.role] = {"kv_bytes_per_token_per_rank": kv_bytes_per_token(arch, s.tp, elem),
+                          "weight_bytes_per_rank": w, "gpu_memory_gib": gpu,
+                          **memory_verdict(w, kv_bytes_per_token(arch, s.tp, elem), gpu, s.memory_fraction,
+                                           refused)}
     return {
         "deployment": dep.source, "model": str(dep.model_path), "architecture": arch.architecture,
         "num_layers": L, "cache": ("latent" if geo.kv_parts == 1 else "kv"),
         "values_per_token_per_layer": geo.kv_parts * geo.num_kv_heads * geo.head_dim,
-        "dtype": p.dtype, "page_size": p.page_size, "layout": p.layout,
+        "dtype": p.dtype, "kv_dtype": p.kv_dtype, "page_size": p.page_size, "layout": p.layout,
+        "weights_dtype": "fp8 (e4m3, block scales)" if quant is not None else p.dtype,
         "prefill": asdict(p), "decode": asdict(d),
         "kv_bytes_per_token": per_token, "prompt_len": prompt_len, "tokens_moved": tokens,
         "kv_bytes_per_request": per_token * tokens, "pages": pages,
@@ -199,7 +265,7 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
         "expected_immediates": expected_writes(plan, pages, L),
         "expected_writes_per_decode_rank": [plan.expected_writes(r, pages, L) for r in range(d.tp)],
         "prefill_rank_share": {str(r): share[r] / total_share for r in range(p.tp)},
-        "weight_bytes_per_rank": weights,
+        "weight_bytes_per_rank": weights, "memory": memory,
     }
 
 
@@ -233,10 +299,12 @@ def render(r: dict) -> str:
                  f"(per decode rank {r['expected_writes_per_decode_rank']} + 1 hidden state)")
     share = ", ".join(f"p{k}={v:.1%}" for k, v in r["prefill_rank_share"].items())
     lines.append(f"  over many requests, prefill rank shares of the bytes: {share}")
+    lines.append(f"memory per rank (weights {r['weights_dtype']}, KV cache {r['kv_dtype']}):")
     for side in ("prefill", "decode"):
-        w = r["weight_bytes_per_rank"][side]
-        lines.append(f"  weights per rank ({side}, {r['dtype']}): {_gib(w[0])}" +
-                     ("" if len(set(w)) == 1 else f" (max {_gib(max(w))})"))
+        m = r["memory"][side]
+        w = "?" if m["weight_bytes_per_rank"] is None else _gib(m["weight_bytes_per_rank"])
+        gpu = "" if m["gpu_memory_gib"] is None else f" on a {m['gpu_memory_gib']:g} GiB GPU"
+        lines.append(f"  {side}: weights {w}, KV {m['kv_bytes_per_token_per_rank']:,} B/token{gpu}: {m['text']}")
     return "\n".join(lines)
 
 
@@ -245,6 +313,7 @@ def cmd_plan(args) -> int:
 
     dep = load_deployment(args.config)
     topo = discover(args.topo) if args.topo else discover("/")
-    report = plan_request(dep, args.prompt_len, topo, args.request_id)
+    report = plan_request(dep, args.prompt_len, topo, args.request_id,
+                          gpu_memory_gib=getattr(args, "gpu_memory_gib", None))
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0

@@ -85,6 +85,7 @@ CHECKS = [
     # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
     Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),
 ]
+CHECKS += __import__("gpu_check_fp8").checks(Check)  # FP8 GEMM and KV cache (tools/gpu_check_fp8.py)
 # What --dry-run runs on a machine without a GPU: the build, the API lookup, and the same code as
 # two GPU checks on the CPU stand-ins.
 DRY_RUN = ("build", "apis", "decode-graphs", "disagg-gpu")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import register
+from models.attention import fp8_kv, register
 from models.attention.base import AttentionBackend, AttentionBatch, GraphDecodeState, page_table, write_slots
 from pdkv.errors import BackendUnavailable
 
@@ -128,7 +128,11 @@ class FlashInferBackend(AttentionBackend):
         if value_dim is not None and value_dim != head_dim:
             raise ValueError(f"the flashinfer backend serves K/V caches only, not an MLA latent "
                              f"(value_dim {value_dim} != head_dim {head_dim}): use attention_backend: torch")
-        self.check_available(kv_cache.device, kv_cache.dtype)
+        # An FP8 cache (models/attention/fp8_kv.py): FlashInfer's fp8-KV kernels take bf16 / fp16
+        # queries and the per-tensor scales at run(); the engine sets q_dtype to the model's.
+        self.fp8 = fp8_kv.is_fp8(kv_cache.dtype)
+        self.q_dtype = torch.bfloat16 if self.fp8 else kv_cache.dtype
+        self.check_available(kv_cache.device, self.q_dtype)
         fi = _import_flashinfer()
         device = torch.device(kv_cache.device)
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -139,10 +143,10 @@ class FlashInferBackend(AttentionBackend):
         self._window_left = (sliding_window - 1) if sliding_window else -1
 
     def plan(self, batch: AttentionBatch) -> FlashInferMeta:
-        P, dev, dtype = self.kv.page_size, self.kv.device, self.kv.dtype
+        P, dev = self.kv.page_size, self.kv.device
         m = build_paged_kv_meta(batch, P, pin=True)
         common = dict(pos_encoding_mode="NONE", window_left=self._window_left, sm_scale=self.scale,
-                      q_data_type=dtype, kv_data_type=dtype, non_blocking=True)
+                      q_data_type=self.q_dtype, kv_data_type=self.kv.dtype, non_blocking=True)
         if batch.num_decodes == len(batch.q_lens):
             self._decode.plan(m.paged_kv_indptr, m.paged_kv_indices, m.paged_kv_last_page_len,
                               self.num_heads, self.num_kv_heads, self.head_dim, P, **common)
@@ -160,13 +164,20 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta: FlashInferMeta) -> torch.Tensor:
         cache = self.kv.layer(layer)
+        if self.fp8:
+            ks, vs = self.kv.kv_scales[layer]
+            k, v = fp8_kv.quantize(k, ks), fp8_kv.quantize(v, vs)
         if self.kv.layout == "HND":
             cache[meta.write_pages, 0, :, meta.write_offsets] = k
             cache[meta.write_pages, 1, :, meta.write_offsets] = v
         else:
             cache[meta.write_pages, 0, meta.write_offsets] = k
             cache[meta.write_pages, 1, meta.write_offsets] = v
-        out = meta.wrapper.run(q.contiguous(), cache)  # [T, Hq, D]
+        if self.fp8:
+            ks, vs = self.kv.kv_scales[layer]
+            out = meta.wrapper.run(q.contiguous(), cache, k_scale=ks, v_scale=vs)
+        else:
+            out = meta.wrapper.run(q.contiguous(), cache)  # [T, Hq, D]
         return out.reshape(q.shape[0], -1)
 
 
@@ -204,7 +215,7 @@ class FlashInferGraphDecode(GraphDecodeState):
         self.wrappers[len(batch.kv_lens)].plan(
             m.paged_kv_indptr, m.paged_kv_indices, m.paged_kv_last_page_len, b.num_heads, b.num_kv_heads,
             b.head_dim, P, pos_encoding_mode="NONE", window_left=b._window_left, sm_scale=b.scale,
-            q_data_type=b.kv.dtype, kv_data_type=b.kv.dtype, non_blocking=True)
+            q_data_type=b.q_dtype, kv_data_type=b.kv.dtype, non_blocking=True)
 
     def meta(self, bs: int, width: int, write_pages: torch.Tensor, write_offsets: torch.Tensor) -> FlashInferMeta:
         return FlashInferMeta(write_pages, write_offsets, self.wrappers[bs])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.attention import cpu_decode, register
+from models.attention import cpu_decode, fp8_kv, register
 from models.attention.base import AttentionBackend, AttentionBatch, page_table, write_slots
 
 
@@ -170,17 +170,13 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return [(p.start, p.end) for p in meta.prefills]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, meta: TorchAttentionMeta) -> None:
-        """Writes the step's new k (and v; None for a latent) into the cache, without attending."""
-        cache = self.kv.layer(layer)
-        if self.kv.layout == "HND":
-            cache[meta.write_pages, 0, :, meta.write_offsets] = k
-            if v is not None:
-                cache[meta.write_pages, 1, :, meta.write_offsets] = v
-        else:
-            cache[meta.write_pages, 0, meta.write_offsets] = k
-            if v is not None:
-                cache[meta.write_pages, 1, meta.write_offsets] = v
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, meta: TorchAttentionMeta):
+        """Writes the step's new k (and v; None for a latent) into the cache, without attending.
+        Returns k as the cache holds it (an FP8 cache: after the e4m3 round trip), or None when
+        that is k itself."""
+        self._scales = self.kv.kv_scales[layer]
+        k2, _ = self._write(self.kv.layer(layer), k, v, meta, self.kv.layout == "HND")
+        return None if k2 is k else k2
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMeta) -> torch.Tensor:
@@ -188,7 +184,8 @@ class TorchAttentionBackend(AttentionBackend):
         hnd = self.kv.layout == "HND"
         if meta.decode_lens is not None and not meta.prefills:  # the CPU kernel writes and attends in one call
             return self._decode(cache, q, meta, hnd, (k, v, meta.write_pages, meta.write_offsets))
-        self._write(cache, k, v, meta, hnd)
+        self._scales = self.kv.kv_scales[layer]
+        k, v = self._write(cache, k, v, meta, hnd)
         if v is None:  # latent: the value is the latent's first value_dim entries
             v = k[..., :self.value_dim]
         T, Hkv, G, Dv = q.shape[0], self.num_kv_heads, self.group, self.value_dim
@@ -211,9 +208,23 @@ class TorchAttentionBackend(AttentionBackend):
                                      w_uk, w_uv, self.scale, (meta.write_pages, meta.write_offsets),
                                      meta.decode_pages, meta.decode_lens)
 
+    _scales = (1.0, 1.0)  # this layer's FP8 K / V scales (set per layer before the helpers run)
+    _compute_dtype = torch.float32  # what gathered FP8 pages dequantize to (the step's q dtype)
+
+    def _write(self, cache, k, v, meta, hnd):
+        """The step's new K/V into their pages; returns them as stored (FP8: quantized and back,
+        module docstring of models/attention/fp8_kv.py)."""
+        if fp8_kv.is_fp8(cache.dtype):
+            ks, vs = self._scales
+            kq = fp8_kv.quantize(k, ks)
+            vq = None if v is None else fp8_kv.quantize(v, vs)
+            self._store(cache, kq, vq, meta, hnd)
+            return fp8_kv.dequantize(kq, ks, k.dtype), None if v is None else fp8_kv.dequantize(vq, vs, v.dtype)
+        self._store(cache, k, v, meta, hnd)
+        return k, v
+
     @staticmethod
-    def _write(cache, k, v, meta, hnd) -> None:
-        """The step's new K/V into their pages."""
+    def _store(cache, k, v, meta, hnd) -> None:
         if hnd:  # cache[page, kv, head, slot, dim]
             cache[meta.write_pages, 0, :, meta.write_offsets] = k
             if v is not None:  # None: a latent cache (MLA) holds only the latent
@@ -225,6 +236,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill(self, cache, q, k, v, p: _Prefill, hnd) -> torch.Tensor:
         """One prefill chunk's rows → [n, Hq * Dv]."""
+        self._compute_dtype = q.dtype
         qs = q[p.start:p.end]  # [n, Hq, D]
         n = qs.shape[0]
         if p.kv_len == n:  # a first chunk: its keys are exactly the new ones, skip the gather
@@ -269,6 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _gather(self, cache, pages, kv_len, hnd):
         """One sequence's keys and values: [Hkv, kv_len, D] and [Hkv, kv_len, Dv]."""
         g = self._heads_view(cache, hnd).index_select(2, pages)  # [parts, Hkv, n, P, D] contiguous
+        if fp8_kv.is_fp8(g.dtype):
+            g = fp8_kv.dequantize_parts(g, self._scales, self._compute_dtype)
         keys, values = self._kv(g.view(g.shape[0], self.num_kv_heads, -1, self.head_dim))
         return keys[:, :kv_len], values[:, :kv_len]
 
@@ -280,6 +294,8 @@ class TorchAttentionBackend(AttentionBackend):
             return cpu_decode.decode(cache, hnd, q, meta.decode_pages, meta.decode_lens, self.sliding_window,
                                      Hkv, G, Dv, self.scale, new)
         g = self._heads_view(cache, hnd).index_select(2, meta.decode_pages)  # [parts, Hkv, B*maxp, P, D]
+        if fp8_kv.is_fp8(g.dtype):
+            g = fp8_kv.dequantize_parts(g, self._scales, q.dtype)
         parts = g.shape[0]
         if B == 1 and meta.decode_blocked is None:  # one sequence: slice its keys; SDPA's fused kernel, masked when Q > 1
             keys, values = self._kv(g.view(parts, Hkv, -1, D)[:, :, :meta.decode_kv_len])

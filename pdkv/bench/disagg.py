@@ -64,7 +64,9 @@ def move_pages(num_pages: int, page_nbytes: int, num_layers: int, reps: int) -> 
         b.close()
 
 
-def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size: int) -> dict:
+def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size: int,
+             model_dtype: str = "float32", kv_dtype: str = "auto", max_tokens: int = 1,
+             prefix_caching: bool = True) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "disagg"))
@@ -75,8 +77,9 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
     from server.runner import ServerThread
 
     def cfg(role, **m):
-        return config_from_dict({"role": role, "model": {"path": model},
-                                 "kv_cache": {"page_size": page_size, "num_pages": 2 * 2048 // page_size + 8},
+        return config_from_dict({"role": role, "model": {"path": model, "dtype": model_dtype},
+                                 "kv_cache": {"page_size": page_size, "num_pages": 2 * 2048 // page_size + 8,
+                                              "dtype": kv_dtype, "prefix_caching": prefix_caching},
                                  "scheduler": {"max_num_batched_tokens": 2048, "chunk_size": 2048, "max_num_seqs": 4},
                                  "server": {"port": 0}, "messenger": {"layerwise": layerwise, **m}})
     pc = cfg("prefill")
@@ -87,22 +90,49 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
         de = LLMEngine.from_config(dc, kv_buffer=kv_buffer_factory("cpu"))
         with ServerThread(dc, de, build_node(dc, de)) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            deadline = time.monotonic() + 30  # requests before the peer connects would prefill locally
+            while time.monotonic() < deadline and not all(
+                    p["connected"] for p in json.loads(urllib.request.urlopen(dec.url + "/health").read())
+                    .get("prefill_peers", [{"connected": False}])):
+                time.sleep(0.05)
             for plen, prompt in prompts.items():
-                exposed, ttft = [], []
+                exposed, ttft, moved = [], [], []
                 for _ in range(repeats + 1):  # the first is a warm-up
                     s0 = _metric(dec.url, "pdkv_kv_transfer_exposed_seconds_sum")
-                    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": 1}).encode()
+                    b0 = _metric(pre.url, "pdkv_kv_transfer_bytes_total")
+                    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens}).encode()
                     t = time.perf_counter()
                     urllib.request.urlopen(urllib.request.Request(dec.url + "/v1/completions", body,
                                                                   {"Content-Type": "application/json"}), timeout=600).read()
                     ttft.append(time.perf_counter() - t)
                     time.sleep(0.05)  # DONE_AT may trail the response
                     exposed.append(_metric(dec.url, "pdkv_kv_transfer_exposed_seconds_sum") - s0)
+                    moved.append(_metric(pre.url, "pdkv_kv_transfer_bytes_total") - b0)
                 out[plen] = {"exposed_ms": 1e3 * statistics.median(exposed[1:]),
-                             "request_ms": 1e3 * statistics.median(ttft[1:])}
+                             "request_ms": 1e3 * statistics.median(ttft[1:]), "bytes": statistics.median(moved[1:])}
             kv = pe.kv
             out["geometry"] = (kv.page_nbytes, kv.num_layers)
     return out
+
+
+def kv_dtypes(a, prompts: dict) -> None:
+    """KV bytes and transfer time per request, a bf16 cache against an FP8 one (same run, layer-wise)."""
+    # prefix caching off: a repeated prompt would find its pages on the decode node and move nothing
+    res = {kv: run_mode(a.model, True, prompts, a.repeats, a.page_size, "bfloat16", kv, max_tokens=2,
+                        prefix_caching=False) for kv in ("auto", "fp8_e4m3")}
+    geo = {kv: r.pop("geometry") for kv, r in res.items()}
+    layers = geo["auto"][1]
+    print(f"disagg bench, KV dtype: bf16 model, {layers} layers, page {a.page_size} tokens, tcp loopback, "
+          f"layer-wise, median of {a.repeats}")
+    print(f"{'prompt':>7} {'KV B/req bf16':>14} {'KV B/req fp8':>13} {'fp8/bf16':>9} {'move all ms bf16':>17} "
+          f"{'move all ms fp8':>16} {'exposed ms bf16':>16} {'exposed ms fp8':>15}")
+    for plen in prompts:
+        pages = -(-(plen - 1) // a.page_size)
+        move = {kv: 1e3 * move_pages(pages, geo[kv][0], layers, max(3, a.repeats)) for kv in res}
+        b16, b8 = res["auto"][plen]["bytes"], res["fp8_e4m3"][plen]["bytes"]
+        print(f"{plen:>7} {b16:>14,.0f} {b8:>13,.0f} {b8 / max(b16, 1):>9.3f} {move['auto']:>17.2f} "
+              f"{move['fp8_e4m3']:>16.2f} {res['auto'][plen]['exposed_ms']:>16.2f} "
+              f"{res['fp8_e4m3'][plen]['exposed_ms']:>15.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--lengths", default="512,2048")
+    ap.add_argument("--kv-dtypes", action="store_true",
+                    help="instead: a bf16 model's KV per request with kv_cache.dtype auto (bf16) vs fp8_e4m3")
     a = ap.parse_args(argv)
     tmp = None
     if a.model is None:
@@ -122,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                                       max_position_embeddings=4096, seed=0))
     rng = np.random.default_rng(0)
     prompts = {int(n): rng.integers(100, 31000, int(n)).tolist() for n in a.lengths.split(",")}
+    if a.kv_dtypes:
+        kv_dtypes(a, prompts)
+        if tmp is not None:
+            tmp.cleanup()
+        return 0
     res = {mode: run_mode(a.model, mode == "layerwise", prompts, a.repeats, a.page_size)
            for mode in ("layerwise", "after_forward")}
     page_nbytes, layers = res["layerwise"].pop("geometry")

@@ -17,6 +17,7 @@ STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
+KV_DTYPES = ("auto", "fp8_e4m3")  # kv_cache.dtype
 MAX_AFFINITY_PAGES = 64  # disagg.affinity_pages: more never helps (the first pages decide)
 MAX_CUDA_GRAPH_BATCH = 512  # model.cuda_graph_batch_sizes: each graph holds its activations
 
@@ -51,6 +52,13 @@ class KVCacheConfig:
     memory_gib: float = 1.0  # CPU: KV cache size when num_pages is not set
     layout: str = "HND"  # HND: [pages, 2, kv_heads, P, head_dim]; NHD: [pages, 2, P, kv_heads, head_dim]
     prefix_caching: bool = True  # reuse cached full pages of earlier requests (pdkv/kv/prefix_cache.py)
+    # Element type of the cache: "auto" (the model's dtype) or "fp8_e4m3" (float8_e4m3fn: half a
+    # bf16 cache's bytes per token and per transfer; K/V stored divided by a per-layer scale).
+    dtype: str = "auto"
+    # fp8_e4m3 only: the scale of every layer's K and V (or MLA latent). null: the checkpoint's
+    # k_scale / v_scale where it has them, else 1.0. To calibrate, run the model with
+    # dtype auto on representative prompts and set max |K|, |V| / 448 (e4m3's largest value).
+    fp8_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,10 @@ class ParallelConfig:
     tp: int = 1
     timeout_s: float = 120.0  # a collective (all-reduce) that waits longer fails the step
     startup_timeout_s: float = 600.0  # ranks must start and load their weights within this
+    # MoE: each rank holds whole experts [r * E / tp, (r + 1) * E / tp) instead of a slice of every
+    # expert (models/parallel.py). FP8 checkpoints need it where tp would cut 128-blocks of the
+    # experts' rows (Qwen3-Coder-480B-FP8 at tp 8: 2560 / 8 = 320), as vLLM's --enable-expert-parallel.
+    expert_parallel: bool = False
     cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
 
 

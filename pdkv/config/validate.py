@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS, MAX_AFFINITY_PAGES,
-                                  MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
+from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS,
+                                  MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
                                   SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
@@ -68,6 +68,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0.0 < kv.memory_fraction <= 1.0, "kv_cache.memory_fraction", "in (0, 1]", kv.memory_fraction)
     need(kv.memory_gib > 0, "kv_cache.memory_gib", "positive", kv.memory_gib)
     one_of("kv_cache.layout", kv.layout, LAYOUTS)
+    one_of("kv_cache.dtype", kv.dtype, KV_DTYPES)
+    need(kv.fp8_scale is None or (isinstance(kv.fp8_scale, (int, float)) and not isinstance(kv.fp8_scale, bool)
+                                  and kv.fp8_scale > 0), "kv_cache.fp8_scale", "a positive number or null",
+         kv.fp8_scale)
     need(s.max_num_batched_tokens > 0, "scheduler.max_num_batched_tokens", "a positive integer",
          s.max_num_batched_tokens)
     need(0 < s.chunk_size <= s.max_num_batched_tokens, "scheduler.chunk_size",

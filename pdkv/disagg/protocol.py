@@ -178,7 +178,8 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
         spec_extra["spec_kv"] = spec_wire(handoff_proposer(engine, handoff))
     return Hello(node_id=node_id, role=role,
                  model_fingerprint=model_fingerprint(engine.config, checkpoint_shapes(engine)),
-                 dtype=dtype_name(engine), kv_layout=kv.layout, page_size=kv.page_size,
+                 dtype=dtype_name(engine), kv_dtype=str(kv.dtype).removeprefix("torch."),
+                 kv_layout=kv.layout, page_size=kv.page_size,
                  parallel=dict(PARALLEL), transport={"name": transport, **({"tls_data": True} if tls_data else {})},
                  extra={"num_layers": kv.num_layers, "page_nbytes": kv.page_nbytes,
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,

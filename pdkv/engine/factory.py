@@ -85,6 +85,28 @@ def _fingerprint(loaded) -> str:
     return h.hexdigest()
 
 
+def kv_cache_dtype(cfg: KVCacheConfig, loaded) -> tuple[torch.dtype, list[tuple[float, float]]]:
+    """The cache's element type (kv_cache.dtype) and its per-layer (K, V) scales: for fp8_e4m3
+    kv_cache.fp8_scale, else the checkpoint's k_scale / v_scale, else 1.0 (models/attention/fp8_kv.py)."""
+    n = loaded.arch.num_layers
+    if cfg.dtype == "auto":
+        return loaded.dtype, [(1.0, 1.0)] * n
+    if cfg.dtype != "fp8_e4m3":
+        raise ValueError(f"kv_cache.dtype must be auto or fp8_e4m3, got {cfg.dtype!r}")
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise ValueError(f"kv_cache.dtype fp8_e4m3 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
+    if cfg.fp8_scale is not None:
+        return fp8, [(float(cfg.fp8_scale), float(cfg.fp8_scale))] * n
+    found = loaded.kv_scales or {}
+    return fp8, [found.get(i, (1.0, 1.0)) for i in range(n)]
+
+
+def _salt_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """The prefix cache's dtype key: pages of an FP8 cache never match a bf16 one's."""
+    return str(model_dtype) if kv_dtype == model_dtype else f"{model_dtype}+kv:{kv_dtype}"
+
+
 def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                 progress: Callable[[int, int], None] | None = None, kv_buffer=None,
                 num_threads: int | None = None, parallel=None) -> EngineParts:
@@ -123,7 +145,8 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         from pdkv.tp import TPLeader  # noqa: PLC0415
 
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
-                      num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels)
+                      num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
+                      expert_parallel=parallel.expert_parallel)
     loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
                         tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
     arch = loaded.arch
@@ -132,23 +155,28 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     from models.kv_layout import kv_layout  # noqa: PLC0415 - K/V heads or an MLA latent, per arch
 
     layout = kv_layout(arch)
-    page_bytes = layout.page_bytes(kv_cache.page_size, loaded.dtype) * arch.num_layers
+    kv_dtype, kv_scales = kv_cache_dtype(kv_cache, loaded)
+    page_bytes = layout.page_bytes(kv_cache.page_size, kv_dtype) * arch.num_layers
     pages_per_seq = -(-max_model_len // kv_cache.page_size)
     num_pages = num_pages_for(kv_cache, page_bytes, device, scheduler.max_num_seqs * pages_per_seq)
     if callable(kv_buffer):  # a factory: memory of exactly the cache's size (the messenger registers it)
         kv_buffer = kv_buffer(page_bytes * num_pages)
     if tp is not None:  # every rank's cache, all mapped here too (engine.tp.regions)
         tp.wait_loaded()
-        kv_buffer = tp.setup_kv(arch, loaded.full_arch, loaded.dtype, num_pages, kv_cache.page_size,
-                                kv_cache.layout, model.attention_backend)
-    kv = layout.make_cache(arch.num_layers, num_pages, kv_cache.page_size, loaded.dtype, kv_cache.layout, device,
+        kv_buffer = tp.setup_kv(arch, loaded.full_arch, kv_dtype, num_pages, kv_cache.page_size,
+                                kv_cache.layout, model.attention_backend, kv_scales)
+    kv = layout.make_cache(arch.num_layers, num_pages, kv_cache.page_size, kv_dtype, kv_cache.layout, device,
                            buffer=kv_buffer)
+    kv.kv_scales = kv_scales
     allocator = PageAllocator(num_pages)
     cache = None
     if kv_cache.prefix_caching:
         cache = PrefixCache(allocator, kv_cache.page_size,
-                            cache_salt(_fingerprint(loaded), str(loaded.dtype), kv_cache.page_size))
+                            cache_salt(_fingerprint(loaded), _salt_dtype(loaded.dtype, kv_dtype),
+                                       kv_cache.page_size))
     backend = layout.make_backend(model.attention_backend, kv)
+    if getattr(backend, "fp8", False):
+        backend.q_dtype = loaded.dtype  # FlashInfer over an FP8 cache: the queries' dtype
     backend.use_cpu_kernel &= model.cpu_kernels
     if device.type == "cpu":
         from models import cpu_kernels  # noqa: PLC0415

@@ -62,6 +62,8 @@ class KVCache:
             self._layers = [flat[i * self.layer_nbytes:(i + 1) * self.layer_nbytes].view(dtype).view(shape)
                             for i in range(num_layers)]
         self.device = self._layers[0].device
+        # An FP8 cache's per-layer (K, V) scales (models/attention/fp8_kv.py); a latent uses K's.
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * num_layers
 
     def layer(self, i: int) -> torch.Tensor:
         """The layer-``i`` tensor, shaped as the layout says (see module docstring)."""

@@ -49,7 +49,7 @@ class KVRegion:
     cache: object = field(compare=False, repr=False)
 
 
-def _check_split(path: str, tp: int) -> None:
+def _check_split(path: str, tp: int, expert_parallel: bool = False) -> None:
     """A model that cannot be split ``tp`` ways fails here, before any process starts."""
     from models.config import parse_arch_config  # noqa: PLC0415
     from models.loader import read_json  # noqa: PLC0415
@@ -58,7 +58,7 @@ def _check_split(path: str, tp: int) -> None:
 
     config_path = Path(path) / "config.json"
     try:
-        TPLayout(0, tp, parse_arch_config(read_json(config_path), str(config_path)))
+        TPLayout(0, tp, parse_arch_config(read_json(config_path), str(config_path)), expert_parallel)
     except ModelLoadError:
         raise
     except ValueError as e:
@@ -68,14 +68,14 @@ def _check_split(path: str, tp: int) -> None:
 class TPLeader:
     def __init__(self, path: str, dtype: str, device: str, tp: int, max_positions: int,
                  num_threads: int, timeout_s: float = 120.0, startup_timeout_s: float = 600.0,
-                 cpu_kernels: bool = True):
+                 cpu_kernels: bool = True, expert_parallel: bool = False):
         import torch.distributed as dist  # noqa: PLC0415
 
         from models.parallel import TensorParallel  # noqa: PLC0415
 
         if tp < 2:
             raise ValueError(f"TPLeader: parallel.tp must be >= 2, got {tp}")
-        _check_split(path, tp)
+        _check_split(path, tp, expert_parallel)
         self.size, self.timeout_s, self.startup_timeout_s = tp, timeout_s, startup_timeout_s
         self.device = torch.device(device)
         # GPU: rank r on cuda:(N + r) for model.device cuda:N.
@@ -94,13 +94,14 @@ class TPLeader:
                 f.spawn(with_fd_socket=self.device.type == "cuda")
             init = {"tp": tp, "path": path, "dtype": dtype, "max_positions": max_positions,
                     "num_threads": num_threads, "timeout_s": timeout_s, "host": "127.0.0.1",
-                    "cpu_kernels": cpu_kernels,
+                    "cpu_kernels": cpu_kernels, "expert_parallel": expert_parallel,
                     "port": self._store.port}
             for r in f.ranks:
                 f.chans[r].send("init", {**init, "rank": r, "device": str(self.devices[r])})
             f.wait_all("hello", startup_timeout_s)
             self.parallel = TensorParallel(0, tp, self._store, self.device, timeout_s)
             self.parallel.on_error = self._collective_failed
+            self.parallel.expert_parallel = expert_parallel
         except BaseException:
             self.close()
             raise
@@ -132,7 +133,7 @@ class TPLeader:
 
     # ---- KV memory ---------------------------------------------------------------------------
     def setup_kv(self, arch, full_arch, dtype: torch.dtype, num_pages: int, page_size: int, layout: str,
-                 attention_backend: str) -> torch.Tensor:
+                 attention_backend: str, kv_scales: list | None = None) -> torch.Tensor:
         """Creates every rank's KV memory and returns rank 0's (a flat uint8 tensor for
         ``KVCache(buffer=...)``). ``arch``: a rank's share (every rank holds the same number of
         heads); ``full_arch``: the checkpoint's. Sets ``regions`` and ``shard_spec``."""
@@ -145,7 +146,8 @@ class TPLeader:
         lay = kv_layout(arch)  # K/V heads or an MLA latent (replicated: every rank the whole cache)
         nbytes = lay.page_bytes(page_size, dtype) * num_pages * arch.num_layers
         msg = {"nbytes": nbytes, "num_pages": num_pages, "page_size": page_size, "layout": layout,
-               "attention_backend": attention_backend}
+               "attention_backend": attention_backend, "dtype": str(dtype).removeprefix("torch."),
+               "kv_scales": [list(s) for s in kv_scales or []]}
         if self.device.type == "cuda":
             flats = self._setup_cumem(nbytes, msg)
         else:
@@ -160,6 +162,8 @@ class TPLeader:
             flats = [b.tensor() for b in bufs]
         for r, flat in enumerate(flats):
             cache = lay.make_cache(arch.num_layers, num_pages, page_size, dtype, layout, flat.device, buffer=flat)
+            if kv_scales:
+                cache.kv_scales = list(kv_scales)
             self.regions.append(KVRegion(r, flat.data_ptr(), nbytes, str(flat.device),
                                          tuple(TPLayout(r, self.size, full_arch).kv_heads), cache))
         return flats[0]

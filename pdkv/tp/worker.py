@@ -58,6 +58,7 @@ def serve(ch, fd_sock) -> None:
     store = dist.TCPStore(init["host"], init["port"], tp, False,
                           timeout=datetime.timedelta(seconds=init["timeout_s"]))
     par = TensorParallel(rank, tp, store, device, init["timeout_s"])
+    par.expert_parallel = bool(init.get("expert_parallel", False))
     loaded = load_model(init["path"], init["dtype"], str(device), init["max_positions"], tp=par,
                         cpu_kernels=init["cpu_kernels"])
     ch.send("loaded")
@@ -67,9 +68,14 @@ def serve(ch, fd_sock) -> None:
     arch = loaded.arch  # this rank's share
     keep, flat, address = _kv_buffer(kv, rank, device, fd_sock)
     lay = kv_layout(arch)  # K/V heads or an MLA latent
-    cache = lay.make_cache(arch.num_layers, kv["num_pages"], kv["page_size"], loaded.dtype, kv["layout"], device,
+    kv_dtype = getattr(torch, kv["dtype"]) if "dtype" in kv else loaded.dtype  # an FP8 cache, or the model's
+    cache = lay.make_cache(arch.num_layers, kv["num_pages"], kv["page_size"], kv_dtype, kv["layout"], device,
                            buffer=flat)
+    if kv.get("kv_scales"):
+        cache.kv_scales = [tuple(s) for s in kv["kv_scales"]]
     backend = lay.make_backend(kv["attention_backend"], cache)
+    if getattr(backend, "fp8", False):
+        backend.q_dtype = loaded.dtype  # FlashInfer over an FP8 cache: the queries' dtype
     backend.use_cpu_kernel &= init["cpu_kernels"]
     ch.send("ready", {"address": address, "nbytes": cache.nbytes, "pid": os.getpid()})
     with torch.inference_mode():

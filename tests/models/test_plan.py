@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import main
+from test_plan_memory import r1_fp8_weights_per_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPO = str(ROOT / "tests" / "topo" / "fixtures" / "dgx-h100")
@@ -23,7 +24,8 @@ def _plan(capsys, cfg: str, prompt_len: int, *extra: str) -> dict:
 
 
 def _r1_weights_per_rank(tp: int) -> int:
-    """DeepSeek-R1's parameters held by one of ``tp`` ranks, bf16 (router in float32), by hand."""
+    """DeepSeek-R1's parameters held by one of ``tp`` ranks, bf16 (router in float32), by hand:
+    what the bf16 weights take (test_bf16_weights_without_the_quantization_config)."""
     H, V, L, dense, inter, moe_i, E = 7168, 129280, 61, 3, 18432, 2048, 256
     heads = 128 // tp
     attn = (H * 1536 + 1536 + 1536 * heads * (128 + 64)  # q_a, its norm, q_b (this rank's heads)
@@ -54,7 +56,7 @@ def test_deepseek_r1_tp8_to_tp8_matches_the_hand_computation(capsys):
     tx = r["nic_bytes"]["prefill"]
     assert sorted(tx) == PREFILL_NICS
     assert tx["mlx5_0"] == 4096 * per_token + hidden and tx["mlx5_9"] == 4096 * per_token
-    assert r["weight_bytes_per_rank"]["prefill"] == [_r1_weights_per_rank(8)] * 8
+    assert r["weight_bytes_per_rank"]["prefill"] == [r1_fp8_weights_per_rank(8)] * 8  # as published
     assert all(abs(s - 1 / 8) < 0.02 for s in r["prefill_rank_share"].values())
 
 
@@ -65,7 +67,7 @@ def test_deepseek_r1_data_parallel_decode_moves_one_copy(capsys):
     pages = -(-999 // 64)
     assert pair["writes"] == pages * 61 and r["expected_immediates"] == pages * 61 + 1
     assert r["wire_bytes"] == pages * 61 * 64 * 576 * 2 + 7168 * 2
-    assert r["weight_bytes_per_rank"]["decode"] == [_r1_weights_per_rank(1)]
+    assert r["weight_bytes_per_rank"]["decode"] == [r1_fp8_weights_per_rank(1)]
     assert all(abs(s - 1 / 8) < 0.02 for s in r["prefill_rank_share"].values())
 
 
@@ -80,6 +82,21 @@ def test_qwen3_coder_tp8_to_tp8_moves_each_rank_one_head(capsys):
     assert all(p["writes"] == pages * 62 and p["bytes"] == pages * 62 * 2 * 64 * 128 * 2 for p in r["pairs"])
     assert r["expected_immediates"] == 8 * pages * 62 + 1
     assert r["wire_bytes"] == pages * 64 * r["kv_bytes_per_token"] + 6144 * 2
+
+
+def test_bf16_weights_without_the_quantization_config(capsys, tmp_path):
+    """A bf16 copy of R1 (its config.json without quantization_config) plans 161 GiB per rank."""
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = json.loads((ROOT / "configs/deepseek-r1/model/config.json").read_text())
+    cfg.pop("quantization_config")
+    (model / "config.json").write_text(json.dumps(cfg))
+    dep = tmp_path / "dep.yaml"
+    dep.write_text(f"model: {{path: {model}, dtype: bfloat16}}\nkv_cache: {{page_size: 64}}\nparallel: {{tp: 8}}\n")
+    assert main(["plan", "-c", str(dep), "--json", "--gpu-memory-gib", "141"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weight_bytes_per_rank"]["prefill"] == [_r1_weights_per_rank(8)] * 8
+    assert r["memory"]["prefill"]["fits"] is False
 
 
 def test_text_report_and_bad_files(capsys, tmp_path):

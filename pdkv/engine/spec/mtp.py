@@ -61,6 +61,10 @@ def load_mtp(path: Path, arch, dtype, device, cpu_kernels: bool = True) -> MTPMo
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as h:
             t.update({k[len(prefix):]: h.get_tensor(k) for k in h.keys() if k.startswith(prefix)})
+    fp8 = sorted(k for k, v in t.items() if v.dtype == getattr(torch, "float8_e4m3fn", None))
+    if fp8:  # copying them as plain values would drop their block scales
+        raise ConfigError(f"{path}: MTP layer tensor {prefix}{fp8[0]} is FP8 (block-quantized); "
+                          "speculative.method mtp loads bf16 / float32 MTP layers only")
     cfg1 = dataclasses.replace(arch, num_layers=1)
     with torch.device("meta"):
         m = MTPModule(cfg1, dtype)
