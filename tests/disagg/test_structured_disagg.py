@@ -106,6 +106,26 @@ def test_logprobs_and_echo_equal_transformers(cluster, hf, tiny_model_dir):
     assert max(abs(lps[i] - out.prompt_logprobs[i - 1].logprob) for i in range(1, len(PROMPT))) < 1e-4
 
 
+def test_prompt_logprobs_beyond_what_was_asked_are_refused(cluster, monkeypatch):
+    """FAULT INJECTION: the prefill node sends one PROMPT_LOGPROBS entry more than asked for; the
+    decode node refuses the message naming it, the client gets that error, no page is leaked."""
+    from pdkv.disagg import prompt_logprobs as PL
+
+    real = PL.encode
+
+    def one_too_many(req, logprobs):
+        msg = real(req, logprobs)
+        msg["logprobs"].append(msg["logprobs"][-1])
+        return msg
+    monkeypatch.setattr(PL, "encode", one_too_many)
+    status, body = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert status >= 500 and "must hold 17 entries" in json.dumps(body), body
+    monkeypatch.undo()
+    wait_for(cluster.pools_full, what="every page back on both nodes")
+    status, body = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert status == 200, body
+
+
 def check_schema_choices(url: str, n: int = 2) -> None:
     """Every choice of a JSON-schema chat request to ``url`` validates (tests/disagg/test_verbs.py
     runs it on its loopback-verbs pair)."""
