@@ -48,3 +48,31 @@ def test_decode_refuses_what_was_not_asked_for(msg, num_top, words):
 def test_prefill_side_bound_names_the_setting():
     with pytest.raises(ValueError, match="server.max_prompt_logprobs_tokens 4"):
         PL.parse_request({"prompt_logprobs": 0, "last_token": 1}, 4, 4)
+
+
+def test_staged_pair_carries_them_through_the_copy_in(tiny_model_dir):
+    """With the KV staged (messenger.staging: cpu) the logprobs go with RemoteKVReady after the
+    copy-in: the echoed prompt's logprobs equal a colocated engine's."""
+    from _cluster import Cluster, make_engine, node_config, post_completion, wait_for
+    from pdkv.engine import SamplingParams
+
+    prompt = [7, 12, 99, 7, 12, 99, 31, 200, 7, 12, 5]
+    colocated = make_engine(node_config(tiny_model_dir, "colocated"))
+    want = colocated.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    staged = {"messenger__staging": "cpu"}
+    c = Cluster(tiny_model_dir, prefill_over=staged, decode_over=staged)
+    try:
+        status, body = post_completion(c.url, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                               "logprobs": 1, "echo": True})
+        assert status == 200, body
+        got = body["choices"][0]["logprobs"]["token_logprobs"][:len(prompt)]
+        assert got[0] is None
+        assert max(abs(g - w.logprob) for g, w in zip(got[1:], want.prompt_logprobs)) < 1e-4
+        import urllib.request
+        text = urllib.request.urlopen(c.url + "/metrics", timeout=10).read().decode()
+        assert [x for x in text.splitlines() if x.startswith("pdkv_disagg_prefill_decisions_total{")
+                and 'where="remote"' in x and float(x.split()[-1]) == 1.0], text  # prefilled remotely
+        wait_for(c.pools_full, 10, "both page pools back to full")
+        assert not c.coordinator._copy_lps
+    finally:
+        c.stop()
