@@ -240,7 +240,9 @@ class DecodeCoordinator(PrefillSender):
             self._prompt_logprobs(slot, msg)
         elif kind == P.FAIL and slot.state == SlotState.SENT:
             got = self.m.forget(slot.imm)
-            if got >= slot.expected and (slot.want_logprobs is None or slot.logprobs is not None):  # e.g. a write that landed but completed with an error locally
+            # e.g. a write that landed but completed with an error locally (with echo + logprobs,
+            # only if PROMPT_LOGPROBS came before the FAIL: they are needed too)
+            if got >= slot.expected and (slot.want_logprobs is None or slot.logprobs is not None):
                 self._landed(slot)
                 return
             self.metrics.failed("prefill_failed")

@@ -30,7 +30,8 @@ def _bad(mutate):
 
 
 @pytest.mark.parametrize("msg,num_top,words", [
-    (_bad(lambda rows: rows.append([8, -1.0, []])), 2, "must hold 3 entries (one per prompt token after the first), got 4"),
+    (_bad(lambda rows: rows.append([8, -1.0, []])), 2,
+     "must hold 3 entries (one per prompt token after the first), got 4"),
     (_bad(lambda rows: rows.pop()), 2, "must hold 3 entries"),
     ({"logprobs": "x" * 10}, 2, "must hold 3 entries"),
     (_bad(lambda rows: rows[1].__setitem__(0, 99)), 2, "logprobs[1] must be [prompt token 7"),
