@@ -5,6 +5,7 @@ coordinators that drive the messenger and the control channel.
     grants.py             decode side: the page ranges a prefill peer may write per request (verbs: MRs)
     range_keys.py         prefill side: the write key of the granted range each page falls in
     protocol.py           control messages (PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT) and the HELLO
+    prompt_logprobs.py    echo + logprobs: PREFILL's request fields, PROMPT_LOGPROBS (checked both ends)
     jobs.py               the prefill node's job table (state machine, answers), no threads
     prefill_connector.py  PrefillConnector: a forward pass's layout -> page + hidden-state writes
     prefill.py            PrefillCoordinator: control listener, messenger events, job table driver

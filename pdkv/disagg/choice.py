@@ -50,8 +50,6 @@ class Where(enum.Enum):
     LOCAL_SHORT = "local_short"
     LOCAL_SATURATED = "local_saturated"
     LOCAL_NO_PEER = "local_no_peer"
-    # echo + logprobs: every prompt position's logits are needed, and they are computed here
-    LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
     REFUSED_NO_PEER = "refused_no_peer"
 
 

@@ -37,6 +37,7 @@ from pdkv.disagg.decode_memory import DecodeMemory
 from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
@@ -59,6 +60,7 @@ class DecodeCoordinator(PrefillSender):
                                                                                mem.hidden_nbytes, mem.hidden_key)
         self.rows, self.grants, self.spec, self.spec_grants = mem.rows, mem.grants, mem.spec, mem.spec_grants
         self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
+        self._copy_lps: dict[str, list] = {}  # staged: prompt logprobs of requests being copied in
         self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
@@ -135,7 +137,11 @@ class DecodeCoordinator(PrefillSender):
             slot.all_landed = True
 
     def _landed(self, slot: Slot) -> None:
-        """Every expected write of ``slot`` landed: the request is ready to decode."""
+        """Every expected write of ``slot`` landed: the request is ready to decode (with echo +
+        logprobs once PROMPT_LOGPROBS came too; until then the slot stays SENT, its timer on)."""
+        if slot.want_logprobs is not None and slot.logprobs is None:
+            slot.all_landed = slot.kv_landed = True  # the messenger dropped the counter
+            return
         slot.state = SlotState.LANDED
         now = time.perf_counter()
         self.metrics.ttft_transfer.observe(now - slot.t_sent)
@@ -151,15 +157,18 @@ class DecodeCoordinator(PrefillSender):
             self.spec.landed(slot.rid, tail.clone() if tail.numel() else None)
         # the engine owns the pages once the grants are gone (RemoteKVReady after the revoke;
         # staged: after the landing slots were copied into the pages, which starts after the revoke)
-        then = RemoteKVReady(slot.rid)
+        then = RemoteKVReady(slot.rid, slot.logprobs)
         if self.landing is not None:
             self.landing.mark_landed(slot.rid)  # a client leaving from now on waits for the copy-in
             then = CopyIn(slot.rid, slot.kv_pages)
+            if slot.logprobs is not None:  # they go with RemoteKVReady after the copy-in
+                self._copy_lps[slot.rid] = slot.logprobs
         self._free(slot, release=False, then=then)
 
     def _copied_in(self, rid: str, error: str) -> None:
         """Staged: every landing slot of ``rid`` was copied into its pages, or a copy failed or
         was cancelled (event loop). No copy can touch the pages any more."""
+        lps = self._copy_lps.pop(rid, None)
         if rid in self._aborted:  # the client left meanwhile: the engine quarantined the pages
             self._aborted.discard(rid)
             self.commands(ReleasePages(rid))
@@ -168,7 +177,7 @@ class DecodeCoordinator(PrefillSender):
             self.commands(FailRequest(rid, f"copying the KV from staging into its pages failed: {error}"))
             self.commands(ReleasePages(rid))  # the copy ended: nothing writes them any more
         else:
-            self.commands(RemoteKVReady(rid))
+            self.commands(RemoteKVReady(rid, lps))
 
     def _exposed(self, rid: str, landed: float | None = None, t_end: float | None = None) -> None:
         landed = landed if landed is not None else self._landed_at.pop(rid, None)
@@ -227,9 +236,13 @@ class DecodeCoordinator(PrefillSender):
         slot = self.by_rid.get(rid)
         if slot is None:
             return
-        if kind == P.FAIL and slot.state == SlotState.SENT:
+        if kind == PL.PROMPT_LOGPROBS:
+            self._prompt_logprobs(slot, msg)
+        elif kind == P.FAIL and slot.state == SlotState.SENT:
             got = self.m.forget(slot.imm)
-            if got >= slot.expected:  # e.g. a write that landed but completed with an error locally
+            # e.g. a write that landed but completed with an error locally (with echo + logprobs,
+            # only if PROMPT_LOGPROBS came before the FAIL: they are needed too)
+            if got >= slot.expected and (slot.want_logprobs is None or slot.logprobs is not None):
                 self._landed(slot)
                 return
             self.metrics.failed("prefill_failed")
@@ -238,6 +251,24 @@ class DecodeCoordinator(PrefillSender):
             self._drain(slot, int(msg.get("posted", 0)), got)
         elif kind in (P.FAIL, P.CANCEL_ACK) or (kind == P.DONE_AT and slot.state == SlotState.CANCELLING):
             self._drain(slot, int(msg.get("posted", 0)))
+
+    def _prompt_logprobs(self, slot: Slot, msg: dict) -> None:
+        """PROMPT_LOGPROBS for ``slot``: checked against what was asked, then the decode may start
+        (if the KV landed already). A malformed one fails the request naming what was wrong."""
+        if slot.state != SlotState.SENT or slot.want_logprobs is None or slot.logprobs is not None:
+            self._rlog.warning("unasked_lps", "decode: ignoring PROMPT_LOGPROBS for %s (not asked for, or "
+                               "twice)", slot.rid)
+            return
+        try:
+            slot.logprobs = PL.decode(msg, list(slot.prompt), slot.want_logprobs)
+        except ValueError as e:
+            self._rlog.warning("bad_lps", "decode: refusing PROMPT_LOGPROBS for %s: %s", slot.rid, e)
+            self.metrics.failed("prefill_failed")
+            self.commands(FailRequest(slot.rid, f"the prefill node sent malformed prompt logprobs: {e}"))
+            self._cancel(slot)
+            return
+        if slot.kv_landed:
+            self._landed(slot)
 
     def _drain(self, slot: Slot, posted: int, got: int | None = None) -> None:
         """The peer posts nothing more for slot: release once exactly ``posted`` writes landed.

@@ -50,9 +50,6 @@ class DecodeConnector(KVConnector):
         if req.num_prompt_tokens <= 1:
             self._decided = (rid, Where.LOCAL_SHORT)
             return LOCAL  # a one-token prompt has no KV to compute before its decode
-        if req.params.prompt_logprobs is not None:
-            self._decided = (rid, Where.LOCAL_PROMPT_LOGPROBS)
-            return LOCAL  # the prompt's logprobs come from this node's own forward passes
         cached = self._cached(req)  # whole pages, at most n - 1 tokens
         if cached >= req.num_prompt_tokens - 1:  # every page before the last token is here
             self._decided = (rid, Where.LOCAL_SHORT)
@@ -105,6 +102,9 @@ class DecodeConnector(KVConnector):
                 return False
             spec = {"spec_pages": list(spec_pages), "next_token": req.prompt_token_ids[-1]}
         tokens = list(req.prompt_token_ids[:-1])
+        if req.params.prompt_logprobs is not None:  # the prefill node's forward computes them
+            spec = {**(spec or {}), "prompt_logprobs": req.params.prompt_logprobs,
+                    "last_token": req.prompt_token_ids[-1]}
         peer = c.chooser.pick(tokens)
         if peer is None:  # every prefill node died since admission: decide again next time
             self.rows.give_back(row)

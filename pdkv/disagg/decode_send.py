@@ -47,8 +47,9 @@ class PrefillSender:
         ``peer`` for it (the connector; a peer that died since is replaced by another). This node
         holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
         are the pages for the rest, the only ones the prefill node is granted and writes (staged:
-        it writes the landing slots reserved for them instead); ``spec``: PREFILL's speculative
-        hand-off fields (spec_pages, next_token), or None."""
+        it writes the landing slots reserved for them instead); ``spec``: PREFILL's optional
+        fields: the speculative hand-off's (spec_pages, next_token), echo + logprobs'
+        (prompt_logprobs, last_token, pdkv/disagg/prompt_logprobs.py), or None."""
         spec = spec or {}
         dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if peer is None or peer.dead or peer.channel is None:
@@ -122,6 +123,9 @@ class PrefillSender:
         slot.grantee, slot.grants = grantee, tuple(granted) + tuple(spec_granted)
         slot.skip = job.cached // self.engine.kv.page_size
         slot.kv_pages = tuple(job.pages)
+        if "prompt_logprobs" in spec:
+            slot.want_logprobs = spec["prompt_logprobs"]
+            slot.prompt = (*job.tokens, spec["last_token"])
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot

@@ -47,4 +47,11 @@ class Slot:
     skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
     grantee: int = 0  # the prefill node's id the ranges were granted to
     grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
+    # echo + logprobs (pdkv/disagg/prompt_logprobs.py): the top alternatives asked (None: not
+    # asked), the whole prompt they score, what PROMPT_LOGPROBS brought (None: not yet), and
+    # whether the KV landed while they had not come yet (the decode waits for both)
+    want_logprobs: int | None = None
+    prompt: tuple = ()
+    logprobs: list | None = None
+    kv_landed: bool = False
     kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into

@@ -81,6 +81,10 @@ class Job:
     # the speculative hand-off (pdkv/disagg/spec_handoff.py): the decode node's proposer pages,
     # one per page, and for mtp the held-back last prompt token; None without it
     next_token: int | None = None
+    # echo + logprobs (pdkv/disagg/prompt_logprobs.py): top alternatives asked, and the prompt's
+    # last token (the decode node's), which the forward over position n-2 scores
+    prompt_logprobs: int | None = None
+    last_token: int | None = None
     spec_pages: np.ndarray | None = None
     spec_keys: object = None  # RangeKeys of the proposer pages' ranges (None: the link's spec_rkey)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "local_prompt_logprobs",
-         "refused_no_peer")  # choice.Where values
+WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "refused_no_peer")  # choice.Where values
 _T = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

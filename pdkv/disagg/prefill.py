@@ -17,6 +17,7 @@ commands go to the engine through ``commands`` (EngineLoop.put) only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
 from pdkv.disagg.prefill_links import DecodeLinks, Link
+from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.range_keys import RangeKeys
 from pdkv.disagg.sharded import NodeKV, hello_rank_nics
 from pdkv.disagg.staged import staging_mode
@@ -157,6 +159,7 @@ class PrefillCoordinator(LoopEvents):
         try:
             fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size)
             dst_keys = RangeKeys.parse(msg, fields[1], link.plan.decode.tp, link.dst.num_layers)
+            lps = PL.parse_request(msg, len(fields[0]), self.cfg.server.max_prompt_logprobs_tokens)
         except ValueError as e:
             self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
                                link.channel.peer.node_id, e)
@@ -180,6 +183,10 @@ class PrefillCoordinator(LoopEvents):
         if spec is not None:
             job.next_token, job.spec_pages = spec
             job.spec_keys = spec_keys
+        params = PREFILL_PARAMS
+        if lps is not None:  # the forward records them (log_softmax of its rows: nothing sampled)
+            job.prompt_logprobs, job.last_token = lps
+            params = dataclasses.replace(PREFILL_PARAMS, prompt_logprobs=lps[0])
         try:
             self.jobs.add(job)
         except DuplicateJob as e:
@@ -187,7 +194,7 @@ class PrefillCoordinator(LoopEvents):
             self._send(link, {"type": P.FAIL, "req": req, "posted": 0, "duplicate": True, "reason": e.args[0]})
             return
         link.jobs[job.req] = job
-        self.commands(AddRequest(job.key, job.tokens, PREFILL_PARAMS, job.arrival))
+        self.commands(AddRequest(job.key, job.tokens, params, job.arrival))
 
     def _send(self, link: Link, msg: dict) -> None:
         if link.dead:
@@ -228,6 +235,11 @@ class PrefillCoordinator(LoopEvents):
         if job is not None:
             self._finished(job)
 
+    def _send_prompt_logprobs(self, key: str, logprobs: list) -> None:
+        job = self.jobs.get(key)
+        if job is not None and job.prompt_logprobs is not None and len(logprobs) == len(job.tokens):
+            self._send(job.link, PL.encode(job.req, logprobs))
+
     def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
         if self.staged is not None and end is not JobEnd.PREFILLED:
             self.staged.copy.cancel(key)  # its queued copies end at once (a copy in flight, when it ends)
@@ -261,6 +273,8 @@ class PrefillCoordinator(LoopEvents):
         t_end = self.connector.t_forward_end or time.time()
         for out in outputs:
             if out.finish_reason == "prefilled":
+                if out.prompt_logprobs is not None:  # before DONE_AT, which waits for the writes
+                    self._post(self._send_prompt_logprobs, out.request_id, out.prompt_logprobs)
                 self._post(self._engine_done, out.request_id, JobEnd.PREFILLED, "", t_end)
             elif out.finish_reason == "error":
                 self._post(self._engine_done, out.request_id, JobEnd.FAILED, "the prefill forward pass failed")

@@ -57,6 +57,8 @@ class PrefillConnector(KVConnector):
 
     def admit(self, req) -> bool:
         job = self.jobs.get(req.request_id)
+        if job is not None and job.prompt_logprobs is not None:
+            req.prompt_next_token = job.last_token  # its forward over position n-2 scores it
         if job is None or job.staging is not None:
             return True
         job.staging = self.staging.take()

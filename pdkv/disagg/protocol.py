@@ -12,7 +12,8 @@ Messages (msgpack maps over pdkv.control, after HELLO):
   prefill -> decode  CONNECTED{info} | REFUSE{reason[, busy]}  (REFUSE: the shard plan cannot serve the pair;
                                      busy: the node is full, redial later)
   decode -> prefill  PREFILL{req, tokens, cached, pages, imm, hidden_off, expected, seed,
-                             runs, kv_rkeys, hidden_rkey[, spec_pages, next_token, spec_runs, spec_rkeys]}
+                             runs, kv_rkeys, hidden_rkey[, spec_pages, next_token, spec_runs, spec_rkeys]
+                             [, prompt_logprobs, last_token]}
                      tokens: the prompt minus its last token (the decode node computes that one);
                      cached: how many leading tokens the decode node's prefix cache already holds
                      (whole pages, < len(tokens), default 0): the prefill node writes only the
@@ -27,9 +28,11 @@ Messages (msgpack maps over pdkv.control, after HELLO):
                      with it, cached is 0: the proposer's cache holds no prefix); spec_runs /
                      spec_rkeys: the proposer ranges' write keys, one per (proposer layer, run of
                      spec_pages); without them the proposer writes name CONNECT's spec_key
+                     prompt_logprobs / last_token: echo + logprobs (pdkv/disagg/prompt_logprobs.py)
   decode -> prefill  CANCEL{req}
   prefill -> decode  CANCEL_ACK{req, posted}   no write of req is in flight any more
   prefill -> decode  FAIL{req, reason, posted} prefill gave up on req (its writes quiesced)
+  prefill -> decode  PROMPT_LOGPROBS{req, logprobs}  asked for by PREFILL, before its DONE_AT
   prefill -> decode  DONE_AT{req, t_end, posted, bytes}  metrics only: the KV is ready when the
                      decode side's immediate count says so, never because of this message
 

@@ -110,16 +110,18 @@ class LLMEngine:
         memory was changed behind the engine's back. Returns how many pages were dropped."""
         return self.allocator.evict_all()
 
-    def remote_kv_ready(self, request_id: str) -> None:
+    def remote_kv_ready(self, request_id: str, prompt_logprobs: list | None = None) -> None:
         """The remote prefill's writes for ``request_id`` have all landed: its full pages are
         published to the prefix cache (this is the one step that makes remotely written pages
         visible: never earlier, and never for a request aborted before it) and its decode is
-        scheduled."""
+        scheduled. ``prompt_logprobs``: the prompt's, from the prefill node (echo + logprobs)."""
         req = self.requests.get(request_id)
         if req is None:
             raise InvalidRequest(f"unknown request id {request_id!r}")
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise InvalidRequest(f"request {request_id!r} is {req.status.value}, not waiting for remote KV")
+        if prompt_logprobs is not None:  # before its first token: the first output carries them
+            req.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.remote_ready(req)
         if self.spec is not None:  # the first decode step verifies drafts already
             self.spec.draft([req])

@@ -72,6 +72,8 @@ class RemoteKVReady:
     """Every remote write of the request's KV landed: its decode can be scheduled."""
 
     request_id: str
+    # echo + logprobs: the prompt's TokenLogprobs the prefill node computed (None: not asked)
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ class EngineLoop:
 
     def _on_ready(self, cmd: RemoteKVReady) -> None:
         if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
-            self.engine.remote_kv_ready(cmd.request_id)
+            self.engine.remote_kv_ready(cmd.request_id, cmd.prompt_logprobs)
 
     def _on_fail(self, cmd: FailRequest) -> None:
         if not self._drop_queued(cmd.request_id):

@@ -74,6 +74,9 @@ class Request:
     # a TokenLogprob per prompt token after the first (params.prompt_logprobs), filled by the
     # forward passes over the prompt, or by the prefill node (disaggregated)
     prompt_logprobs: list = field(default_factory=list)
+    # the token after the prompt when it is known but not part of it (a prefill node's request:
+    # the decode node's held-back last prompt token): the last prompt row scores it too
+    prompt_next_token: int | None = None
     # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: what the
     # next tokens must give back (the sampler's mask hook reads it); None: no constraint
     healing: object = None
@@ -151,7 +154,9 @@ class RequestOutput:
     @classmethod
     def prefilled(cls, req: Request) -> RequestOutput:
         """The end of a prefill-only request (no tokens, no text)."""
-        return cls(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "")
+        prompt_lps = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+        return cls(req.request_id, [], "", True, req.finish_reason, req.num_prompt_tokens, 0, [], "",
+                   prompt_logprobs=prompt_lps)
 
     def whole(self, logprobs: list | None = None) -> RequestOutput:
         """This final output as one delta holding everything (what ``LLMEngine.generate`` returns);

@@ -73,6 +73,8 @@ class ModelRunner:
             n = len(s.token_ids)
             if s.request.params.prompt_logprobs is not None:
                 last = s.request.num_prompt_tokens - 1  # that row scores the first output token
+                if s.request.prompt_next_token is not None:  # ... unless that token is known
+                    last += 1
                 prompt_rows += [(len(ids) + j, s.request, s.start_pos + j)
                                 for j in range(n) if s.start_pos + j < last]
             entries.append(BatchEntry(s.request, s.start_pos, n, len(ids), s.sample, s.num_draft))
@@ -133,7 +135,9 @@ class ModelRunner:
         idx = torch.tensor([r for r, _, _ in rows], device=hidden.device)
         lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1).cpu()
         for j, (_, req, pos) in enumerate(rows):
-            req.prompt_logprobs.append(_record(lp[j], req.prompt_token_ids[pos + 1], req.params.prompt_logprobs))
+            ids = req.prompt_token_ids
+            token = ids[pos + 1] if pos + 1 < len(ids) else req.prompt_next_token
+            req.prompt_logprobs.append(_record(lp[j], token, req.params.prompt_logprobs))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -3,7 +3,8 @@ sampling decision (the prefill node never samples), so a JSON schema holds for e
 over tcp (with ngram k=4 on the decode node) and over the loopback verbs device (run on
 test_verbs.py's pair: check_schema_choices); logprobs of the
 sampled tokens equal transformers' log_softmax; echo + logprobs prompts are prefilled on the
-decode node itself (their logprobs are its own forward's) and equal transformers' too."""
+prefill node (its forward computes them and sends PROMPT_LOGPROBS; it samples nothing) and equal
+a colocated engine's and transformers' too."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ import jsonschema
 import pytest
 import torch
 
-from _cluster import Cluster, post_completion, wait_for
+from _cluster import Cluster, make_engine, node_config, post_completion, wait_for
+
+from pdkv.engine import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
@@ -75,7 +78,7 @@ def test_json_schema_over_tcp_with_ngram(cluster):
     wait_for(cluster.pools_full, what="every page back on both nodes")
 
 
-def test_logprobs_and_echo_equal_transformers(cluster, hf):
+def test_logprobs_and_echo_equal_transformers(cluster, hf, tiny_model_dir):
     status, body = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
                                                  "logprobs": 2, "ignore_eos": True, "return_token_ids": True,
                                                  "presence_penalty": 0.0})
@@ -84,14 +87,43 @@ def test_logprobs_and_echo_equal_transformers(cluster, hf):
     ref = hf(PROMPT + ids)
     got = body["choices"][0]["logprobs"]["token_logprobs"]
     assert max(abs(g - float(ref[len(PROMPT) - 1 + j, t])) for j, (g, t) in enumerate(zip(got, ids))) < 1e-4
-    local = _remote(cluster.url, "local_prompt_logprobs")
+    remote = _remote(cluster.url)
     status, echo = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
-                                                 "logprobs": 1, "echo": True, "ignore_eos": True})
+                                                 "logprobs": 2, "echo": True, "ignore_eos": True})
     assert status == 200, echo
     lps = echo["choices"][0]["logprobs"]["token_logprobs"]
-    assert lps[0] is None and _remote(cluster.url, "local_prompt_logprobs") == local + 1
+    assert lps[0] is None and _remote(cluster.url) == remote + 1  # prefilled by the prefill node
+    # the last prompt token's logprob too: the prefill node's row n-2 scored the held-back token
     assert max(abs(lps[i] - float(ref[i - 1, PROMPT[i]])) for i in range(1, len(PROMPT))) < 1e-4
+    tops = echo["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(max(tops[i].values()) == pytest.approx(float(ref[i - 1].max()), abs=1e-4)
+               for i in range(1, len(PROMPT)))  # (tokens that decode alike share one key)
     wait_for(cluster.pools_full, what="every page back on both nodes")
+    colocated = make_engine(node_config(tiny_model_dir, "colocated"))
+    out = colocated.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2,
+                                                      ignore_eos=True))[0]
+    assert len(out.prompt_logprobs) == len(PROMPT) - 1
+    assert max(abs(lps[i] - out.prompt_logprobs[i - 1].logprob) for i in range(1, len(PROMPT))) < 1e-4
+
+
+def test_prompt_logprobs_beyond_what_was_asked_are_refused(cluster, monkeypatch):
+    """FAULT INJECTION: the prefill node sends one PROMPT_LOGPROBS entry more than asked for; the
+    decode node refuses the message naming it, the client gets that error, no page is leaked."""
+    from pdkv.disagg import prompt_logprobs as PL
+
+    real = PL.encode
+
+    def one_too_many(req, logprobs):
+        msg = real(req, logprobs)
+        msg["logprobs"].append(msg["logprobs"][-1])
+        return msg
+    monkeypatch.setattr(PL, "encode", one_too_many)
+    status, body = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert status >= 500 and "must hold 17 entries" in json.dumps(body), body
+    monkeypatch.undo()
+    wait_for(cluster.pools_full, what="every page back on both nodes")
+    status, body = post_completion(cluster.url, {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert status == 200, body
 
 
 def check_schema_choices(url: str, n: int = 2) -> None:

@@ -24,7 +24,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
     f = tmp_path_factory.mktemp("secret") / "cluster.secret"
     write_secret_file(f)
     over = {"messenger__secret_file": str(f), "messenger__handshake_timeout_s": 2.0,
-            "messenger__max_control_per_source": 8, "messenger__max_control_conns": 16}
+            "messenger__max_control_per_source": 8, "messenger__max_control_conns": 16,
+            "server__max_prompt_logprobs_tokens": 16}
     c = Cluster(tiny_model_dir, prefill_over=over, decode_over={"messenger__secret_file": str(f)})
     c.secret = f.read_text().strip().encode()
     c.pc = c.prefill.app[NODE].coordinator
@@ -98,6 +99,15 @@ def test_duplicate_prefill_is_refused_and_the_first_job_finishes(cluster):
     ({"runs": [[0, 1]], "kv_rkeys": [1], "hidden_rkey": 2}, "kv_rkeys must be"),  # one key per layer needed
     ({"runs": [[1, 1]], "kv_rkeys": [1, 1], "hidden_rkey": 2}, "page 0 is in no granted run"),
     ({"runs": [[0, 1]], "kv_rkeys": [1, 1], "hidden_rkey": None}, "hidden_rkey must be"),
+    # echo + logprobs: the alternatives asked are bounded, the prompt by the prefill node's
+    # server.max_prompt_logprobs_tokens (16 here), and the held-back last token is needed
+    ({"prompt_logprobs": 21, "last_token": 5}, "prompt_logprobs must be an integer in [0, 20]"),
+    ({"prompt_logprobs": "2", "last_token": 5}, "prompt_logprobs must be"),
+    ({"prompt_logprobs": True, "last_token": 5}, "prompt_logprobs must be"),
+    ({"prompt_logprobs": 1}, "last_token must be"),
+    ({"prompt_logprobs": 1, "last_token": -3}, "last_token must be"),
+    ({"tokens": list(range(1, 17)), "pages": [0, 1, 2, 3], "prompt_logprobs": 1, "last_token": 5},
+     "the prompt's 17 tokens exceed this prefill node's server.max_prompt_logprobs_tokens 16"),
 ])
 def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
     async def main():
@@ -112,6 +122,34 @@ def test_malformed_prefill_is_answered_with_fail(cluster, bad, words, caplog):
             h.close()
     asyncio.run(main())
     assert "Traceback" not in caplog.text
+    still_serves(cluster)
+
+
+def test_prompt_logprobs_come_before_done_at_bounded_by_what_was_asked(cluster):
+    """A PREFILL asking for prompt logprobs gets PROMPT_LOGPROBS (one entry per prompt token after
+    the first, the held-back last token included, N alternatives each) before its DONE_AT; one
+    not asking (an older decode node) gets none."""
+    from pdkv.disagg import prompt_logprobs as PL
+
+    async def main():
+        h = HostileDecode(cluster.pc)
+        try:
+            ch = await h.connect(cluster.prefill.app[NODE].control_port, cluster.secret)
+            tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+            base = {"type": P.PREFILL, "tokens": tokens, "pages": [0, 1, 2], "imm": 1, "hidden_off": 0}
+            await ch.send({**base, "req": "lp", "prompt_logprobs": 3, "last_token": 35})
+            got = await h.until(lambda m: m["type"] in (P.DONE_AT, P.FAIL) and m["req"] == "lp")
+            kinds = [m["type"] for m in got if m.get("req") == "lp"]
+            assert kinds == [PL.PROMPT_LOGPROBS, P.DONE_AT], got
+            lps = PL.decode(got[kinds.index(PL.PROMPT_LOGPROBS)], tokens + [35], 3)
+            assert [lp.token_id for lp in lps] == tokens[1:] + [35]
+            assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in lps)
+            await ch.send({**base, "req": "old", "imm": 2})
+            got = await h.until(lambda m: m["type"] in (P.DONE_AT, P.FAIL) and m["req"] == "old")
+            assert [m["type"] for m in got if m.get("req") == "old"] == [P.DONE_AT], got
+        finally:
+            h.close()
+    asyncio.run(main())
     still_serves(cluster)
 
 
