@@ -110,10 +110,13 @@ void *pdkv_poller_main(void *arg) {
             struct timespec ts = {0, (long)c->opts.sleep_us * 1000};
             nanosleep(&ts, NULL);
         } else {
-            /* reset both fds, then look once more: anything pushed after the reset rewrites them */
+            /* reset both fds, then look once more: anything pushed after the reset rewrites them.
+             * NOTE: stop too -- a destroy that set it and woke us just before the reset has had
+             * its wake-up drained here, and nothing would ever end the poll below */
             drain_fd(c->wake_fd);
             if (tfd >= 0) drain_fd(tfd);
-            if (drain_transport(c) || __atomic_load_n(&c->num_queued, __ATOMIC_ACQUIRE)) {
+            if (__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) || drain_transport(c)
+                || __atomic_load_n(&c->num_queued, __ATOMIC_ACQUIRE)) {
                 idle_since = now_us();
                 continue;
             }
