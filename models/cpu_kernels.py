@@ -54,9 +54,9 @@ def one_thread() -> bool:
     return torch.get_num_threads() == 1
 
 
-def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """x: [M, K] and w: [N, K] (or their batched forms' last two dims) the kernel can read."""
-    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+    return (x.dtype is dtype and w.dtype is dtype and x.is_cpu and w.is_cpu
             and x.stride(-1) == 1 and w.stride(-1) == 1
             and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled()))
 
@@ -67,28 +67,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from models.fp8 import linear_fp8  # noqa: PLC0415 - it calls back here for the float GEMM
 
         return linear_fp8(x, weight, bias)
-    if (AVAILABLE and one_thread() and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
-            and x.shape[1] == weight.shape[1] and _takes(x, weight)
-            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.dim() == 1
+    if not one_thread() or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return F.linear(x, weight, bias)
+    # float32 on every kernel path, bfloat16 where the CPU has AVX512-BF16: the same checks
+    if AVAILABLE and x.dtype is torch.float32:
+        gemm, max_rows = _k.gemm, MAX_ROWS
+    elif BF16 and x.dtype is torch.bfloat16:
+        gemm, max_rows = _k.gemm_bf16, MAX_ROWS_BF16
+    else:
+        return F.linear(x, weight, bias)
+    if (0 < x.shape[0] <= max_rows and _takes(x, weight, x.dtype)
+            and (bias is None or (bias.dtype is x.dtype and bias.is_cpu and bias.dim() == 1
                                   and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))):
         m, k = x.shape
         n = weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        _k.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                   0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
-        return y
-    if (BF16 and one_thread() and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
-            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS_BF16 and weight.dim() == 2
-            and x.shape[1] == weight.shape[1] and x.is_cpu and weight.is_cpu
-            and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
-            and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.dim() == 1
-                                  and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))):
-        m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        _k.gemm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                     0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
+        y = torch.empty(m, n, dtype=x.dtype)
+        gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+             0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, k, n)
         return y
     return F.linear(x, weight, bias)
 

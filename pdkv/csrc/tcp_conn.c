@@ -52,18 +52,27 @@ int tcp_prepare(pdkv_transport *bt, uint64_t peer, void *info_out, uint32_t *inf
 /* Bind connection `id` to the token of its authenticated control session: the peer's streams
  * must present it (the random token of the info no longer opens this connection), and ours do.
  * Call it right after prepare(), before the info goes to the peer. */
+/* Connection `id` while it may still take its session's secrets (prepared, no stream yet), or
+ * NULL with the error in *rc. The caller holds t->lock for writing. */
+static tcp_conn *prepared_conn(tcp_t *t, uint32_t id, const char *what, int *rc) {
+    tcp_conn *c = tcp_conn_get(t, id);
+    if (!c)
+        *rc = tcp_err(-ENOENT, "unknown connection %u", id);
+    else if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_PREPARED || c->streams)
+        *rc = tcp_err(-EISCONN, "connection %u is already complete or dead: set its %s before complete()", id, what);
+    else
+        return c;
+    return NULL;
+}
+
 int tcp_set_token(pdkv_transport *bt, uint32_t id, const void *token, uint32_t len) {
     tcp_t *t = (tcp_t *)bt;
     if (len < 16 || len > TCP_TOKEN_LEN)
         return tcp_err(-EINVAL, "a session token must be 16..%d bytes, got %u", TCP_TOKEN_LEN, len);
     pthread_rwlock_wrlock(&t->lock);
-    tcp_conn *c = tcp_conn_get(t, id);
     int rc = 0;
-    if (!c)
-        rc = tcp_err(-ENOENT, "unknown connection %u", id);
-    else if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_PREPARED || c->streams)
-        rc = tcp_err(-EISCONN, "connection %u is already complete or dead: set its token before complete()", id);
-    else {
+    tcp_conn *c = prepared_conn(t, id, "token", &rc);
+    if (c) {
         memset(c->token, 0, sizeof(c->token));
         memcpy(c->token, token, len);
         c->session = 1;
@@ -82,13 +91,9 @@ int tcp_set_data_key(pdkv_transport *bt, uint32_t id, const void *key, uint32_t 
     if (len != TCP_DATA_KEY_LEN)
         return tcp_err(-EINVAL, "a data key must be %d bytes, got %u", TCP_DATA_KEY_LEN, len);
     pthread_rwlock_wrlock(&t->lock);
-    tcp_conn *c = tcp_conn_get(t, id);
     int rc = 0;
-    if (!c)
-        rc = tcp_err(-ENOENT, "unknown connection %u", id);
-    else if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != CONN_PREPARED || c->streams)
-        rc = tcp_err(-EISCONN, "connection %u is already complete or dead: set its data key before complete()", id);
-    else {
+    tcp_conn *c = prepared_conn(t, id, "data key", &rc);
+    if (c) {
         memcpy(c->data_key, key, len);
         c->sealed = 1;
     }

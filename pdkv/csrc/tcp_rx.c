@@ -48,11 +48,32 @@ static void reject(tcp_rx *rx, int status, uint32_t imm, const char *reason) {
     (void)r;
 }
 
+/* Parses a write frame's header and pins its destination (the key must be this peer's and the
+ * range inside it). 0: *dst / *ticket hold the pinned bytes; 1: the stream ends here (BYE, or
+ * the frame was refused: reject() has said why -- the imm names the request it hit). */
+static int take_frame(tcp_rx *rx, const void *header, tcp_frame *f, uint8_t **dst, uint64_t *ticket) {
+    tcp_t *t = rx->t;
+    char why[PDKV_REASON_MAX];
+    int rc = tcp_frame_parse(header, f, why, sizeof(why));
+    if (rc == 0 && f->type == TCP_FR_BYE) return 1;
+    if (rc == 0 && f->type != TCP_FR_DATA) {
+        snprintf(why, sizeof(why), "unexpected frame type %u on a write stream", f->type);
+        rc = -EPROTO;
+    }
+    if (rc == 0)
+        rc = pdkv_regions_pin_remote(&t->regions, f->key, rx->peer, f->off, f->len, dst, ticket, why, sizeof(why));
+    if (rc < 0) {
+        if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
+        reject(rx, rc, rc == -EPROTO ? 0 : f->imm, why);
+        return 1;
+    }
+    return 0;
+}
+
 static void frames(tcp_rx *rx) {
     tcp_t *t = rx->t;
     uint8_t hb[sizeof(tcp_frame)];
     size_t have = 0;
-    char why[PDKV_REASON_MAX];
     for (;;) {
         while (have < sizeof(hb)) {
             ssize_t r = recv(rx->fd, hb + have, sizeof(hb) - have, 0);
@@ -72,21 +93,9 @@ static void frames(tcp_rx *rx) {
             have += (size_t)r;
         }
         tcp_frame f;
-        int rc = tcp_frame_parse(hb, &f, why, sizeof(why));
-        if (rc == 0 && f.type == TCP_FR_BYE) return;
-        if (rc == 0 && f.type != TCP_FR_DATA) {
-            snprintf(why, sizeof(why), "unexpected frame type %u on a write stream", f.type);
-            rc = -EPROTO;
-        }
         uint8_t *dst = NULL;
         uint64_t ticket = 0;
-        if (rc == 0)
-            rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, &ticket, why, sizeof(why));
-        if (rc < 0) {
-            if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
-            reject(rx, rc, rc == -EPROTO ? 0 : f.imm, why); /* the imm names the request it hit */
-            return;
-        }
+        if (take_frame(rx, hb, &f, &dst, &ticket)) return;
         uint64_t got = 0;
         have = 0;
         while (got < f.len) {
@@ -147,21 +156,9 @@ static void frames_sealed(tcp_rx *rx) {
             reject(rx, -EPROTO, 0, forged);
             return;
         }
-        int rc = tcp_frame_parse(&f, &f, why, sizeof(why));
-        if (rc == 0 && f.type == TCP_FR_BYE) return;
-        if (rc == 0 && f.type != TCP_FR_DATA) {
-            snprintf(why, sizeof(why), "unexpected frame type %u on a write stream", f.type);
-            rc = -EPROTO;
-        }
         uint8_t *dst = NULL;
         uint64_t ticket = 0;
-        if (rc == 0)
-            rc = pdkv_regions_pin_remote(&t->regions, f.key, rx->peer, f.off, f.len, &dst, &ticket, why, sizeof(why));
-        if (rc < 0) {
-            if (rc != -EPROTO) __atomic_add_fetch(&t->refused_writes, 1, __ATOMIC_RELAXED);
-            reject(rx, rc, rc == -EPROTO ? 0 : f.imm, why);
-            return;
-        }
+        if (take_frame(rx, &f, &f, &dst, &ticket)) return;
         int ok = !f.len || tcp_seal_begin(&rx->seal) == 0;
         for (uint64_t got = 0; ok && got < f.len;) {
             size_t chunk = f.len - got < TCP_SEAL_CHUNK ? (size_t)(f.len - got) : TCP_SEAL_CHUNK;
