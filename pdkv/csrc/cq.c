@@ -80,8 +80,8 @@ int pdkv_cq_push_n(pdkv_cq *q, const pdkv_completion *c, int n) {
     return 0;
 }
 
-int pdkv_cq_pushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint64_t len,
-                  int32_t status, uint32_t imm, const char *fmt, ...) {
+int pdkv_cq_vpushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint64_t len,
+                   int32_t status, uint32_t imm, const char *fmt, va_list ap) {
     pdkv_completion c;
     c.kind = kind;
     c.imm = imm;
@@ -90,13 +90,17 @@ int pdkv_cq_pushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint
     c.len = len;
     c.status = status;
     c.reason[0] = 0;
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
-        va_end(ap);
-    }
+    if (fmt) vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
     return pdkv_cq_push(q, &c);
+}
+
+int pdkv_cq_pushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint64_t len,
+                  int32_t status, uint32_t imm, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = pdkv_cq_vpushf(q, kind, wr_id, peer, len, status, imm, fmt, ap);
+    va_end(ap);
+    return rc;
 }
 
 int pdkv_cq_poll(pdkv_cq *q, pdkv_completion *out, int max) {

@@ -30,6 +30,9 @@ int pdkv_cq_push_n(pdkv_cq *q, const pdkv_completion *c, int n);
 int pdkv_cq_pushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint64_t len,
                   int32_t status, uint32_t imm, const char *fmt, ...)
     __attribute__((format(printf, 8, 9)));
+/* The same with a va_list (a transport's own printf-style error helper forwards to it). */
+int pdkv_cq_vpushf(pdkv_cq *q, uint32_t kind, uint64_t wr_id, uint64_t peer, uint64_t len,
+                   int32_t status, uint32_t imm, const char *fmt, va_list ap);
 /* Move up to max completions out; returns how many. Non-blocking. */
 int pdkv_cq_poll(pdkv_cq *q, pdkv_completion *out, int max);
 /* Reset the eventfd (non-blocking read); call before draining. */

@@ -45,16 +45,9 @@ int fb_errno(int fi_rc)
 
 void fb_push_error(fb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt, ...)
 {
-    pdkv_completion c;
-    memset(&c, 0, sizeof c);
-    c.kind = PDKV_CQ_ERROR;
-    c.wr_id = wr_id;
-    c.peer = peer;
-    c.status = status;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(c.reason, sizeof c.reason, fmt, ap);
+    pdkv_cq_vpushf(&t->cq, PDKV_CQ_ERROR, wr_id, peer, 0, status, 0, fmt, ap);
     va_end(ap);
-    pdkv_cq_push(&t->cq, &c);
 }
 #endif /* PDKV_HAVE_LIBFABRIC */
