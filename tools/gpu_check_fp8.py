@@ -47,16 +47,9 @@ def _quantized(torch, N, K, dev):
 
 
 def _ms(torch, fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    from pdkv.gpu.selftest_copy import timed_seconds  # noqa: PLC0415 - CUDA events after a warm-up
+
+    return timed_seconds(torch, fn, reps) * 1e3
 
 
 def check_fp8_gemm():

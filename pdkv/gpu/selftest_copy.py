@@ -20,7 +20,7 @@ import threading
 import time
 
 
-def _timed(torch, fn, reps: int) -> float:
+def timed_seconds(torch, fn, reps: int) -> float:
     """Seconds per call of fn() on the current stream, measured with CUDA events after a warm-up."""
     fn()
     torch.cuda.synchronize()
@@ -37,14 +37,14 @@ def measure_pinned_d2h(torch, device: int, nbytes: int = 1 << 30, reps: int = 5)
     """Bytes/s of one large device-to-pinned-host copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return nbytes / _timed(torch, lambda: dst.copy_(src, non_blocking=True), reps)
+    return nbytes / timed_seconds(torch, lambda: dst.copy_(src, non_blocking=True), reps)
 
 
 def measure_device_bandwidth(torch, device: int, nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Bytes/s of HBM traffic in a device-to-device copy (each byte read once and written once)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
     b = torch.empty_like(a)
-    return 2 * nbytes / _timed(torch, lambda: b.copy_(a), reps)
+    return 2 * nbytes / timed_seconds(torch, lambda: b.copy_(a), reps)
 
 
 class _Sink:
