@@ -86,7 +86,12 @@ setup(
     name="pdkv",
     version="0.1.0",
     description="LLM serving with disaggregated prefill and decode",
-    packages=find_packages(include=["pdkv", "pdkv.*", "models", "models.*", "server", "server.*"]),
+    # models/ and server/ stay at the top of the repository (the layout the project was asked
+    # for) but install as pdkv.models and pdkv.server: top-level names that generic would collide with
+    # anything else on a user's path. In a checkout, pdkv/models and pdkv/server are links to them.
+    packages=find_packages(include=["pdkv", "pdkv.*"], exclude=["pdkv.models*", "pdkv.server*"])
+    + [f"pdkv.{p}" for p in find_packages(include=["models", "models.*", "server", "server.*"])],
+    package_dir={"pdkv.models": "models", "pdkv.server": "server"},
     # data/pdkv-stdlib-coder: the trained default model (pdkv.default_model), so an installed pdkv has it
     package_data={"pdkv": ["_messenger.pyi", "_messenger.pxd", "csrc/*.h", "data/pdkv-stdlib-coder/*"]},
     python_requires=">=3.10",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config_moe import MLAConfig, MoEConfig, parse_mla, parse_moe
+from pdkv.models.config_moe import MLAConfig, MoEConfig, parse_mla, parse_moe
 from pdkv.errors import ModelLoadError
 
 

@@ -64,7 +64,7 @@ def _takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.float32)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x: [M, K], weight: [N, K] (FP8 with block scales: models/fp8.py)."""
     if weight.dtype is _FP8:
-        from models.fp8 import linear_fp8  # noqa: PLC0415 - it calls back here for the float GEMM
+        from pdkv.models.fp8 import linear_fp8  # noqa: PLC0415 - it calls back here for the float GEMM
 
         return linear_fp8(x, weight, bias)
     if not one_thread() or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 
-from models.mla import MLAttention
-from models.registry import register_model
-from models.transformer import CausalLM
+from pdkv.models.mla import MLAttention
+from pdkv.models.registry import register_model
+from pdkv.models.transformer import CausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from models import fp8_load
-from models.config import ArchConfig
-from models.parallel import TPLayout
-from models.quant import SCALE_SUFFIX, QuantConfig
-from models.registry import MODEL_REGISTRY
+from pdkv.models import fp8_load
+from pdkv.models.config import ArchConfig
+from pdkv.models.parallel import TPLayout
+from pdkv.models.quant import SCALE_SUFFIX, QuantConfig
+from pdkv.models.registry import MODEL_REGISTRY
 
 
 def _checkpoint_index(full: torch.nn.Module, qc: QuantConfig) -> dict:

@@ -84,10 +84,10 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     """F.linear(x, dequantize(w), bias) for x [M, K] (or [..., K])."""
     scale, block = w.scale_inv, w.fp8_block
     if x.is_cuda:
-        from models import fp8_gpu  # noqa: PLC0415 - Triton: GPU hosts only
+        from pdkv.models import fp8_gpu  # noqa: PLC0415 - Triton: GPU hosts only
 
         return fp8_gpu.linear(x, w, scale, block, bias)
-    from models.cpu_kernels import linear  # noqa: PLC0415 - cpu_kernels dispatches here
+    from pdkv.models.cpu_kernels import linear  # noqa: PLC0415 - cpu_kernels dispatches here
 
     nb, kb = scale.shape
     wd = dequantize(w, scale, block, _buffer(nb * block[0] * kb * block[1]))

@@ -131,7 +131,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
         x2 = x2.contiguous()
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     if triton is None or BACKEND == "dequant" or w.stride(1) != 1 or block[1] not in (64, 128, 256):
-        from models.fp8 import dequantize  # noqa: PLC0415
+        from pdkv.models.fp8 import dequantize  # noqa: PLC0415
 
         y = torch.nn.functional.linear(x2, dequantize(w, scale, block).to(x.dtype))
     elif BACKEND == "scaled_mm":

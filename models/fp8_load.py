@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from models.quant import SCALE_SUFFIX, QuantConfig, check_range, fp8_dtype
+from pdkv.models.quant import SCALE_SUFFIX, QuantConfig, check_range, fp8_dtype
 from pdkv.errors import ModelLoadError
 
 FP8_HEADER = "F8_E4M3"

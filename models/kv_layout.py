@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import ArchConfig
-from models.rope import yarn_mscale
+from pdkv.models.config import ArchConfig
+from pdkv.models.rope import yarn_mscale
 from pdkv.errors import BackendUnavailable
 from pdkv.shard.spec import KVGeometry
 
@@ -51,7 +51,7 @@ class KVLayout:
                        device, buffer=buffer, kv_parts=self.kv_parts)
 
     def make_backend(self, name: str, kv_cache):
-        from models.attention import get_backend  # noqa: PLC0415
+        from pdkv.models.attention import get_backend  # noqa: PLC0415
 
         cls = get_backend(name)
         if self.is_latent and not getattr(cls, "supports_latent", False):

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels
-from models.config import ArchConfig
-from models.cpu_kernels import gated_mlp, linear
-from models.rope import apply_rope
+from pdkv.models import cpu_kernels
+from pdkv.models.config import ArchConfig
+from pdkv.models.cpu_kernels import gated_mlp, linear
+from pdkv.models.rope import apply_rope
 
 
 class RMSNorm(nn.Module):

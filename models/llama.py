@@ -3,8 +3,8 @@ optional llama3 frequency scaling; ``attention_bias`` puts biases on q/k/v/o."""
 
 from __future__ import annotations
 
-from models.registry import register_model
-from models.transformer import CausalLM
+from pdkv.models.registry import register_model
+from pdkv.models.transformer import CausalLM
 
 
 @register_model("LlamaForCausalLM")

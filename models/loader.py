@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from models.config import ArchConfig, parse_arch_config
-from models import fp8_load
-from models.cpu_kernels import AVAILABLE as CPU_KERNELS_AVAILABLE
-from models.quant import SCALE_SUFFIX, parse_quant_config
-from models.registry import MODEL_REGISTRY, supported_architectures
+from pdkv.models.config import ArchConfig, parse_arch_config
+from pdkv.models import fp8_load
+from pdkv.models.cpu_kernels import AVAILABLE as CPU_KERNELS_AVAILABLE
+from pdkv.models.quant import SCALE_SUFFIX, parse_quant_config
+from pdkv.models.registry import MODEL_REGISTRY, supported_architectures
 from pdkv.errors import ModelLoadError, UnsupportedArchitecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +130,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     files = weight_files(folder)
     full_arch, layout = arch, None
     if tp is not None and tp.size > 1:
-        from models.parallel import TPLayout  # noqa: PLC0415
+        from pdkv.models.parallel import TPLayout  # noqa: PLC0415
 
         try:
             layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False))
@@ -219,7 +219,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         model.post_load()
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     if layout is not None:
-        from models.parallel import attach  # noqa: PLC0415
+        from pdkv.models.parallel import attach  # noqa: PLC0415
 
         attach(model, tp)
     model.eval()

@@ -3,8 +3,8 @@ attention when ``sliding_window`` is set (keys more than that many positions bac
 
 from __future__ import annotations
 
-from models.registry import register_model
-from models.transformer import CausalLM
+from pdkv.models.registry import register_model
+from pdkv.models.transformer import CausalLM
 
 
 @register_model("MistralForCausalLM")

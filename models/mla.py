@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import fp8
-from models.config import ArchConfig
-from models.cpu_kernels import bmm, linear
-from models.layers import RMSNorm
-from models.rope import apply_rope
+from pdkv.models import fp8
+from pdkv.models.config import ArchConfig
+from pdkv.models.cpu_kernels import bmm, linear
+from pdkv.models.layers import RMSNorm
+from pdkv.models.rope import apply_rope
 
 # transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ArchConfig
-from models.cpu_kernels import gated_mlp, linear, moe_one_token, route
-from models.fp8_load import expert_views
-from models.layers import MLP
+from pdkv.models.config import ArchConfig
+from pdkv.models.cpu_kernels import gated_mlp, linear, moe_one_token, route
+from pdkv.models.fp8_load import expert_views
+from pdkv.models.layers import MLP
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 

@@ -40,7 +40,7 @@ import datetime
 
 import torch
 
-from models.config import ArchConfig
+from pdkv.models.config import ArchConfig
 from pdkv.shard.spec import ShardSpec
 
 
@@ -83,7 +83,7 @@ class TPLayout:
     @property
     def spec(self) -> ShardSpec:
         """The KV sharding (geometry fields other than heads do not matter for head ownership)."""
-        from models.kv_layout import kv_geometry  # noqa: PLC0415
+        from pdkv.models.kv_layout import kv_geometry  # noqa: PLC0415
 
         return ShardSpec(self.tp, kv_geometry(self.arch, 1, "float32", "HND"), role="model")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ArchConfig
-from models.layers import Attention, RMSNorm
-from models.registry import register_model
-from models.transformer import CausalLM
+from pdkv.models.config import ArchConfig
+from pdkv.models.layers import Attention, RMSNorm
+from pdkv.models.registry import register_model
+from pdkv.models.transformer import CausalLM
 
 
 class Qwen3Attention(Attention):

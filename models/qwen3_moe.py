@@ -5,9 +5,9 @@ routing (models/moe.py); the other layers keep the dense MLP of ``intermediate_s
 
 from __future__ import annotations
 
-from models.qwen3 import Qwen3Attention
-from models.registry import register_model
-from models.transformer import CausalLM
+from pdkv.models.qwen3 import Qwen3Attention
+from pdkv.models.registry import register_model
+from pdkv.models.transformer import CausalLM
 
 
 @register_model("Qwen3MoeForCausalLM")

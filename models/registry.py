@@ -13,6 +13,6 @@ def register_model(architecture: str):
 
 
 def supported_architectures() -> list[str]:
-    import models  # noqa: F401,PLC0415 - importing the package registers every family
+    import pdkv.models  # noqa: F401,PLC0415 - importing the package registers every family
 
     return sorted(MODEL_REGISTRY)

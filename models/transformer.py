@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import ArchConfig
-from models.cpu_kernels import linear
-from models.layers import MLP, Attention, DecoderLayer, RMSNorm
-from models.moe import SparseMoE, expected_expert_tensors, expert_param_for, is_remote_expert
-from models.rope import RotaryEmbedding
+from pdkv.models.config import ArchConfig
+from pdkv.models.cpu_kernels import linear
+from pdkv.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from pdkv.models.moe import SparseMoE, expected_expert_tensors, expert_param_for, is_remote_expert
+from pdkv.models.rope import RotaryEmbedding
 
 
 class _Body(nn.Module):

@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The CLI builds the node (a role's coordinator + KV connector); the server only serves HTTP
     # around what it is handed.
     from pdkv.disagg.node import build_node
-    from server import serve
+    from pdkv.server import serve
 
     try:
         serve(cfg, engine, build_node(cfg, engine))

@@ -138,8 +138,8 @@ def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "
     say) for a split that cuts an FP8 block."""
     import torch  # noqa: PLC0415
 
-    from models.footprint import rank_weight_bytes  # noqa: PLC0415
-    from models.parallel import TensorParallelError  # noqa: PLC0415
+    from pdkv.models.footprint import rank_weight_bytes  # noqa: PLC0415
+    from pdkv.models.parallel import TensorParallelError  # noqa: PLC0415
 
     try:
         return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source, expert_parallel)] * tp
@@ -187,16 +187,16 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
                  num_requests: int = 1000, gpu_memory_gib: float | None = None) -> dict:
     """The report (a plain dict, what ``--json`` prints). ``gpu_memory_gib``: the GPU to plan
     for (default the deployment's ``gpu_memory_gib``)."""
-    from models.config import parse_arch_config  # noqa: PLC0415
-    from models.kv_layout import kv_geometry  # noqa: PLC0415
-    from models.loader import read_json  # noqa: PLC0415
+    from pdkv.models.config import parse_arch_config  # noqa: PLC0415
+    from pdkv.models.kv_layout import kv_geometry  # noqa: PLC0415
+    from pdkv.models.loader import read_json  # noqa: PLC0415
     from pdkv.disagg.writes import expected_writes  # noqa: PLC0415
     from pdkv.shard import plan_transfers, request_seed  # noqa: PLC0415
 
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
         raise PlanError(f"--prompt-len must be a positive integer, got {prompt_len!r}")
-    from models.footprint import kv_bytes_per_token  # noqa: PLC0415
-    from models.quant import parse_quant_config  # noqa: PLC0415
+    from pdkv.models.footprint import kv_bytes_per_token  # noqa: PLC0415
+    from pdkv.models.quant import parse_quant_config  # noqa: PLC0415
     from pdkv.errors import ModelLoadError  # noqa: PLC0415
     from pdkv.shard.spec import DTYPE_SIZES  # noqa: PLC0415
 

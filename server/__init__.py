@@ -12,11 +12,11 @@ __all__ = ["build_app", "serve", "ServerThread"]
 
 def __getattr__(name: str):
     if name == "build_app":
-        from server.app import build_app
+        from pdkv.server.app import build_app
 
         return build_app
     if name in ("serve", "ServerThread"):
-        from server import runner
+        from pdkv.server import runner
 
         return getattr(runner, name)
     raise AttributeError(f"module 'server' has no attribute {name!r}")

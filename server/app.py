@@ -24,10 +24,10 @@ import logging
 from aiohttp import web
 
 from pdkv.config import Config
-from server.async_engine import AsyncEngine
-from server.errors import MAX_BODY_BYTES, error_middleware, error_response
-from server.metrics import ServerMetrics
-from server.openai_api import OpenAIRoutes
+from pdkv.server.async_engine import AsyncEngine
+from pdkv.server.errors import MAX_BODY_BYTES, error_middleware, error_response
+from pdkv.server.metrics import ServerMetrics
+from pdkv.server.openai_api import OpenAIRoutes
 
 log = logging.getLogger(__name__)
 

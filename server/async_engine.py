@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineFailure, EngineLoop, LoopEvents
 from pdkv.engine.request import RequestStatus
-from server.metrics import ServerMetrics
+from pdkv.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from server.reasoning import ReasoningSplitter, _held
-from server.tool_parsers import PARSERS, parser_name
+from pdkv.server.reasoning import ReasoningSplitter, _held
+from pdkv.server.tool_parsers import PARSERS, parser_name
 
 
 @dataclass(frozen=True)

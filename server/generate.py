@@ -18,9 +18,9 @@ from typing import AsyncIterator
 
 from pdkv.engine import SamplingParams
 from pdkv.errors import InvalidRequest
-from server.async_engine import AsyncEngine, EngineFailure
-from server.errors import APIError
-from server.protocol import GenerateRequest
+from pdkv.server.async_engine import AsyncEngine, EngineFailure
+from pdkv.server.errors import APIError
+from pdkv.server.protocol import GenerateRequest
 
 
 @dataclass

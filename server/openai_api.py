@@ -21,14 +21,14 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from server.async_engine import EngineFailure
-from server.chat_output import ChatOutput, OutputParsers
-from server.errors import APIError, error_body
-from server.generate import Choice, Generation
-from server.logprobs_format import LogprobsFormatter
-from server.protocol import GenerateRequest, parse_chat, parse_completion
-from server.protocol_structured import tool_call_schema
-from server.structured import Grammars
+from pdkv.server.async_engine import EngineFailure
+from pdkv.server.chat_output import ChatOutput, OutputParsers
+from pdkv.server.errors import APIError, error_body
+from pdkv.server.generate import Choice, Generation
+from pdkv.server.logprobs_format import LogprobsFormatter
+from pdkv.server.protocol import GenerateRequest, parse_chat, parse_completion
+from pdkv.server.protocol_structured import tool_call_schema
+from pdkv.server.structured import Grammars
 
 log = logging.getLogger(__name__)
 

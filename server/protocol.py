@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.errors import APIError
-from server.protocol_sampling import parse_sampling
-from server.protocol_structured import StructuredSpec, ToolsSpec, parse_structured, parse_tools
+from pdkv.server.errors import APIError
+from pdkv.server.protocol_sampling import parse_sampling
+from pdkv.server.protocol_structured import StructuredSpec, ToolsSpec, parse_structured, parse_tools
 
 MAX_N = 16  # most choices per prompt
 MAX_STOP = 16  # most stop strings

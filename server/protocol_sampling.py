@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import APIError
+from pdkv.server.errors import APIError
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs and completions' logprobs (vLLM allows 20 too)
 MAX_BAD_WORDS = 64

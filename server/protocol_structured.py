@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import APIError
+from pdkv.server.errors import APIError
 
 MAX_TOOLS = 128
 MAX_CHOICES = 256

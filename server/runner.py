@@ -16,8 +16,8 @@ from aiohttp import web
 
 from pdkv.app_thread import AppThread
 from pdkv.config import Config
-from server.app import build_app, served_model_name
-from server.conn_limits import ConnectionReaper
+from pdkv.server.app import build_app, served_model_name
+from pdkv.server.conn_limits import ConnectionReaper
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from pdkv.errors import InvalidRequest
-from server.errors import APIError
-from server.protocol_structured import StructuredSpec
+from pdkv.server.errors import APIError
+from pdkv.server.protocol_structured import StructuredSpec
 
 
 class Grammars:
@@ -47,7 +47,7 @@ class Grammars:
     def after_reasoning(self, constraint):
         """``constraint`` applied after the model's ``</think>`` (server.reasoning_parser on)."""
         from pdkv.engine.structured import AfterReasoning  # noqa: PLC0415
-        from server.reasoning import END, START  # noqa: PLC0415
+        from pdkv.server.reasoning import END, START  # noqa: PLC0415
 
         tok = self.engine.tokenizer
         return AfterReasoning(constraint, tok.encode(START, add_special_tokens=False),

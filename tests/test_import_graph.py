@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pdkv", "server", "models")
+# folder -> package: models/ and server/ are installed as pdkv.models and pdkv.server
+PACKAGES = {"pdkv": "pdkv", "server": "pdkv.server", "models": "pdkv.models"}
 
 # Top to bottom. A unit may import units of strictly lower layers only (and itself); units of
 # one layer do not import each other (the server and the disaggregated roles in particular).
@@ -22,11 +23,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.cli", "pdkv.bench"),  # entry points: build a node (engine + connector) and run it
     ("pdkv.plan", "pdkv.probe"),  # `pdkv plan`: a deployment's per-request costs from its configs (no
     # weights); the RDMA probe (tools/topo --probe, pdkv serve's start-up check)
-    ("pdkv.disagg", "server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
+    ("pdkv.disagg", "pdkv.server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
     # node; the router proxies HTTP to nodes (it holds no engine)
     ("pdkv.engine",),  # LLMEngine, scheduler, runner, KV connector, the engine loop
     ("pdkv.tp",),  # tensor-parallel ranks the runner drives
-    ("models",),  # model families, layers, attention backends
+    ("pdkv.models",),  # model families, layers, attention backends
     ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model"),
     ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)
     ("pdkv.control_wire",),  # control frames, HELLO and the control errors
@@ -39,10 +40,8 @@ RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
 def unit_of(module: str) -> str | None:
-    """The layered unit a module belongs to: server, models, pdkv.<subpackage or module>, pdkv."""
+    """The layered unit a module belongs to: pdkv.<subpackage or module>, or pdkv."""
     parts = module.split(".")
-    if parts[0] in ("server", "models"):
-        return parts[0]
     if parts[0] != "pdkv":
         return None
     return "pdkv" if len(parts) == 1 else f"pdkv.{parts[1]}"
@@ -50,9 +49,9 @@ def unit_of(module: str) -> str | None:
 
 def module_files() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = f.relative_to(ROOT).with_suffix("").parts
+    for folder, pkg in PACKAGES.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):  # rglob does not enter pdkv/models, a link
+            parts = (pkg,) + f.relative_to(ROOT / folder).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
@@ -130,14 +129,14 @@ def test_every_module_imports():
 def test_package_imports_point_down_the_layers():
     edges = package_edges(module_files())
     # the graph is really read: the edges the architecture rests on are all there
-    for edge in [("pdkv.cli", "pdkv.disagg"), ("pdkv.cli", "server"), ("pdkv.disagg", "pdkv.engine"),
-                 ("server", "pdkv.engine"), ("pdkv.engine", "models"), ("pdkv.messenger", "pdkv._messenger")]:
+    for edge in [("pdkv.cli", "pdkv.disagg"), ("pdkv.cli", "pdkv.server"), ("pdkv.disagg", "pdkv.engine"),
+                 ("pdkv.server", "pdkv.engine"), ("pdkv.engine", "pdkv.models"), ("pdkv.messenger", "pdkv._messenger")]:
         assert edge in edges, edge
     assert check_layers(edges) == []
 
 
-@pytest.mark.parametrize("src,dst", [("server", "pdkv.disagg"), ("pdkv.disagg", "server"),
-                                     ("pdkv.engine", "server"), ("models", "pdkv.engine")])
+@pytest.mark.parametrize("src,dst", [("pdkv.server", "pdkv.disagg"), ("pdkv.disagg", "pdkv.server"),
+                                     ("pdkv.engine", "pdkv.server"), ("pdkv.models", "pdkv.engine")])
 def test_an_added_upward_import_is_caught(tmp_path, src, dst):
     """The check on a copy of the tree with one bad import added to a real file of ``src``."""
     files = module_files()
@@ -148,3 +147,15 @@ def test_an_added_upward_import_is_caught(tmp_path, src, dst):
     files[victim] = bad
     problems = check_layers(package_edges(files))
     assert len(problems) == 1 and f"{src} -> {dst} is a" in problems[0], problems
+
+
+def test_models_and_server_are_imported_as_pdkv_packages():
+    """Installed, the folders are pdkv.models and pdkv.server; a bare ``import models`` would load
+    a second copy of every module (or someone else's package of that name)."""
+    bare = [f"{path.relative_to(ROOT)}:{line}: {target}"
+            for module, path in module_files().items() for target, line in imports_of(path, module)
+            if target.split(".")[0] in PACKAGES and target.split(".")[0] != "pdkv"]
+    tests = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
+    bare += [f"{p.relative_to(ROOT)}:{line}: {target}" for p in tests for target, line in imports_of(p, "tests.x")
+             if target.split(".")[0] in ("models", "server")]
+    assert bare == []

@@ -54,8 +54,8 @@ def _ms(torch, fn, reps=20):
 
 def check_fp8_gemm():
     torch = _need_cuda()
-    from models import fp8_gpu
-    from models.fp8 import dequantize
+    from pdkv.models import fp8_gpu
+    from pdkv.models.fp8 import dequantize
 
     if fp8_gpu.triton is None:
         raise SkipCheck("Triton is not installed")
@@ -104,11 +104,11 @@ def check_fp8_gemm():
 
 def check_fp8_kv():
     torch = _need_cuda()
-    from models.kv_layout import KVLayout
+    from pdkv.models.kv_layout import KVLayout
 
     dev = torch.device("cuda")
     lay = KVLayout(num_heads=8, num_kv_heads=2, head_dim=128, value_dim=128, kv_parts=2, scale=128 ** -0.5)
-    from models.attention.base import AttentionBatch
+    from pdkv.models.attention.base import AttentionBatch
 
     batch = AttentionBatch(q_lens=[1, 1, 37], kv_lens=[50, 9, 37], page_ids=[[0, 1, 2, 3], [4], [5, 6, 7]],
                            num_decodes=2)

@@ -99,7 +99,7 @@ def _hidden_parity(engine, lengths=(9, 70, 33)) -> float:
     the new tokens' slots with its own K/V)."""
     import torch
 
-    from models.attention import AttentionBatch
+    from pdkv.models.attention import AttentionBatch
     from pdkv.engine import SamplingParams
     from pdkv.engine.connector import KVConnector
 

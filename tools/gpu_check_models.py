@@ -47,8 +47,8 @@ def random_model(hf_config: dict, dtype, device):
     """The family's module with random weights (normal(0, 0.02), norms 1, biases 0), rope ready."""
     import torch
 
-    from models.config import parse_arch_config
-    from models.registry import MODEL_REGISTRY
+    from pdkv.models.config import parse_arch_config
+    from pdkv.models.registry import MODEL_REGISTRY
 
     arch = parse_arch_config(hf_config, "Qwen2.5-0.5B shape")
     with torch.device("meta"):
@@ -76,8 +76,8 @@ def weight_bytes(model) -> int:
 def check_decode_roofline(device: int = 0, context: int = 512, steps: int = 50) -> tuple[str, dict]:
     import torch
 
-    from models.attention.base import AttentionBatch
-    from models.attention.torch_backend import TorchAttentionBackend
+    from pdkv.models.attention.base import AttentionBatch
+    from pdkv.models.attention.torch_backend import TorchAttentionBackend
     from pdkv.gpu.layer_counter import CudaLayerCounter
     from pdkv.gpu.selftest_copy import measure_device_bandwidth
     from pdkv.kv.cache import KVCache
@@ -148,7 +148,7 @@ def _per_call(torch, fn, steps: int) -> float:
 
 
 def _parity_batches(rng: random.Random, P: int, num_pages: int):
-    from models.attention.base import AttentionBatch
+    from pdkv.models.attention.base import AttentionBatch
 
     free = list(range(num_pages))
     rng.shuffle(free)
@@ -173,8 +173,8 @@ def check_flashinfer_parity(device: int = 0) -> tuple[str, dict]:
     except ImportError as e:
         raise SkipCheck(f"flashinfer is not installed ({e}); `pip install flashinfer-python ninja` "
                         "(docs/GPU.md)") from None
-    from models.attention.flashinfer_backend import FlashInferBackend
-    from models.attention.torch_backend import TorchAttentionBackend
+    from pdkv.models.attention.flashinfer_backend import FlashInferBackend
+    from pdkv.models.attention.torch_backend import TorchAttentionBackend
     from pdkv.kv.cache import KVCache
 
     dev = torch.device("cuda", device)

@@ -3,7 +3,7 @@ the backend is built, so ``torch`` works where ``flashinfer`` cannot even be imp
 
 from __future__ import annotations
 
-from models.attention.base import AttentionBackend, AttentionBatch
+from pdkv.models.attention.base import AttentionBackend, AttentionBatch
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 
@@ -24,7 +24,7 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 
 # Registration happens on import; neither module imports flashinfer at import time.
-from models.attention import flashinfer_backend as _fi  # noqa: E402,F401
-from models.attention import torch_backend as _torch  # noqa: E402,F401
+from pdkv.models.attention import flashinfer_backend as _fi  # noqa: E402,F401
+from pdkv.models.attention import torch_backend as _torch  # noqa: E402,F401
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "get_backend", "register"]

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import fp8_kv, register
-from models.attention.base import AttentionBackend, AttentionBatch, GraphDecodeState, page_table, write_slots
+from pdkv.models.attention import fp8_kv, register
+from pdkv.models.attention.base import AttentionBackend, AttentionBatch, GraphDecodeState, page_table, write_slots
 from pdkv.errors import BackendUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

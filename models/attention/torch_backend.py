@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.attention import cpu_decode, fp8_kv, register
-from models.attention.base import AttentionBackend, AttentionBatch, page_table, write_slots
+from pdkv.models.attention import cpu_decode, fp8_kv, register
+from pdkv.models.attention.base import AttentionBackend, AttentionBatch, page_table, write_slots
 
 
 @dataclass
@@ -126,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
     use_cpu_kernel = True  # False (model.cpu_kernels): the torch path for every step
 
     def graph_decode(self, max_batch: int, max_pages: int, batch_sizes: tuple[int, ...]):
-        from models.attention.torch_graph import TorchGraphDecode  # noqa: PLC0415
+        from pdkv.models.attention.torch_graph import TorchGraphDecode  # noqa: PLC0415
 
         return TorchGraphDecode(self, max_batch, max_pages)
 

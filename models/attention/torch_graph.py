@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from models.attention.base import AttentionBatch, GraphDecodeState
+from pdkv.models.attention.base import AttentionBatch, GraphDecodeState
 
 MIN_WIDTH = 8  # pages: the narrowest captured table (128 tokens at 16-token pages)
 
@@ -36,7 +36,7 @@ def table_widths(max_pages: int) -> tuple[int, ...]:
 
 class TorchGraphDecode(GraphDecodeState):
     def __init__(self, backend, max_batch: int, max_pages: int):
-        from models.attention.torch_backend import TorchAttentionMeta  # noqa: PLC0415 - no import cycle
+        from pdkv.models.attention.torch_backend import TorchAttentionMeta  # noqa: PLC0415 - no import cycle
 
         self._meta_cls = TorchAttentionMeta
         P, dev = backend.kv.page_size, backend.kv.device

@@ -50,7 +50,7 @@ def make_moe_model(kind: str, folder: Path) -> Path:
 def active_decode_bytes(model) -> int:
     """Bytes one batch-1 decode step must read: every parameter but the embedding table (one row
     is gathered) and the routed experts, plus top_k routed experts per sparse layer."""
-    from models.moe import Experts  # noqa: PLC0415
+    from pdkv.models.moe import Experts  # noqa: PLC0415
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:

@@ -75,8 +75,8 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
     from pdkv.config import config_from_dict
     from pdkv.disagg.node import build_node, kv_buffer_factory
     from pdkv.engine import LLMEngine
-    from server.app import NODE
-    from server.runner import ServerThread
+    from pdkv.server.app import NODE
+    from pdkv.server.runner import ServerThread
 
     def cfg(role, **m):
         return config_from_dict({"role": role, "model": {"path": model, "dtype": model_dtype},

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/engine.json")
     a = ap.parse_args(argv)
 
-    from models import cpu_kernels
+    from pdkv.models import cpu_kernels
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
     from pdkv.engine import LLMEngine
 

@@ -26,7 +26,7 @@ def make_variants(root: Path) -> dict[str, tuple[Path, str]]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from models.fp8 import dequantize, quantize
+    from pdkv.models.fp8 import dequantize, quantize
     from pdkv.tiny_model import make_tiny_model
 
     src = make_tiny_model(root / "src", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,

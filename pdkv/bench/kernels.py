@@ -42,7 +42,7 @@ def _best(fn, rounds: int) -> float:
 
 
 def bench_gemm(rows: list[int], rounds: int, ring_bytes: int) -> list[dict]:
-    from models import cpu_kernels  # noqa: PLC0415
+    from pdkv.models import cpu_kernels  # noqa: PLC0415
 
     out = []
     for n, k in SHAPES:
@@ -71,8 +71,8 @@ def bench_gemm(rows: list[int], rounds: int, ring_bytes: int) -> list[dict]:
 
 
 def bench_attention(contexts: list[int], rounds: int) -> list[dict]:
-    from models.attention.base import AttentionBatch  # noqa: PLC0415
-    from models.attention.torch_backend import TorchAttentionBackend  # noqa: PLC0415
+    from pdkv.models.attention.base import AttentionBatch  # noqa: PLC0415
+    from pdkv.models.attention.torch_backend import TorchAttentionBackend  # noqa: PLC0415
     from pdkv.kv import KVCache  # noqa: PLC0415
 
     P, out = 16, []
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="MB of weight copies cycled through (more than the last-level cache: cold reads)")
     ap.add_argument("--out", default="bench-results/kernels.json")
     a = ap.parse_args(argv)
-    from models import cpu_kernels  # noqa: PLC0415
+    from pdkv.models import cpu_kernels  # noqa: PLC0415
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels' (models/cpu_kernels.py one_thread) and MKL's on one thread

@@ -71,8 +71,8 @@ def replay_disagg(model: str, window, speedup: float, page_size: int, num_pages:
     from pdkv.config import config_from_dict  # noqa: PLC0415
     from pdkv.disagg.node import build_node, kv_buffer_factory  # noqa: PLC0415
     from pdkv.engine import LLMEngine  # noqa: PLC0415
-    from server.app import NODE  # noqa: PLC0415
-    from server.runner import ServerThread  # noqa: PLC0415
+    from pdkv.server.app import NODE  # noqa: PLC0415
+    from pdkv.server.runner import ServerThread  # noqa: PLC0415
 
     def cfg(role, **messenger):
         return config_from_dict({"role": role, "model": {"path": str(model), "max_model_len": max_model_len},

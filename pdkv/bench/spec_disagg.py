@@ -38,7 +38,7 @@ def _node_cfg(model: str, role: str, spec: dict | None, pages: int, peers=()):
 def _start(cfg, threads: int):
     from pdkv.disagg.node import build_node, kv_buffer_factory
     from pdkv.engine import LLMEngine
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     eng = LLMEngine.from_config(cfg, kv_buffer=kv_buffer_factory("cpu"), num_threads=threads)
     return eng, ServerThread(cfg, eng, build_node(cfg, eng)).start()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p_plain = _start(_node_cfg(a.model, "prefill", None, pages), a.threads)
         nodes.append(p_plain)
-        from server.app import NODE
+        from pdkv.server.app import NODE
 
         addr = lambda t: [f"127.0.0.1:{t.app[NODE].control_port}"]  # noqa: E731
         p_spec = p_plain

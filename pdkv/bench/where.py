@@ -36,8 +36,8 @@ def run(model: str, lengths: list[int], repeats: int, page_size: int, threads: i
     from pdkv.config import config_from_dict
     from pdkv.disagg.node import build_node, kv_buffer_factory
     from pdkv.engine import LLMEngine
-    from server.app import NODE
-    from server.runner import ServerThread
+    from pdkv.server.app import NODE
+    from pdkv.server.runner import ServerThread
 
     top = max(lengths)
 

@@ -121,7 +121,7 @@ def folder_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's full shape in the checkpoint folder ``path`` (safetensors headers only)."""
     from safetensors import safe_open  # noqa: PLC0415
 
-    from models.loader import weight_files  # noqa: PLC0415
+    from pdkv.models.loader import weight_files  # noqa: PLC0415
 
     shapes = {}
     for f in weight_files(path):
@@ -157,7 +157,7 @@ def spec_handoff(sc, engine) -> dict:
 def draft_fingerprint(path: Path) -> str:
     """The draft model's identity across nodes (its config and every tensor's shape), as the
     target's model_fingerprint; the folder's path may differ between the nodes."""
-    from models.loader import read_json  # noqa: PLC0415
+    from pdkv.models.loader import read_json  # noqa: PLC0415
 
     return model_fingerprint(read_json(path / "config.json"), folder_shapes(path))
 

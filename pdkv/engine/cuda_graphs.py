@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.attention import AttentionBatch
+from pdkv.models.attention import AttentionBatch
 
 log = logging.getLogger(__name__)
 

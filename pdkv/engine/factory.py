@@ -74,7 +74,7 @@ def _fingerprint(loaded) -> str:
     import hashlib  # noqa: PLC0415
     import json  # noqa: PLC0415
 
-    from models.loader import weight_files  # noqa: PLC0415
+    from pdkv.models.loader import weight_files  # noqa: PLC0415
 
     h = hashlib.blake2b(json.dumps(loaded.hf_config, sort_keys=True, default=str).encode(), digest_size=16)
     try:
@@ -114,9 +114,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     registered, or a callable ``f(nbytes) -> buffer`` that makes it once the size is known;
     ``num_threads``: torch threads on the CPU (default: one per core); ``parallel``: a
     pdkv.config.ParallelConfig (None: one rank)."""
-    from models import load_model  # noqa: PLC0415 - keeps `import pdkv.engine` light
-    from models.attention import get_backend  # noqa: PLC0415
-    from models.loader import read_json, resolve_dtype  # noqa: PLC0415
+    from pdkv.models import load_model  # noqa: PLC0415 - keeps `import pdkv.engine` light
+    from pdkv.models.attention import get_backend  # noqa: PLC0415
+    from pdkv.models.loader import read_json, resolve_dtype  # noqa: PLC0415
     from pdkv.tokenizer import Tokenizer  # noqa: PLC0415
 
     path = model.path
@@ -152,7 +152,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     arch = loaded.arch
     max_model_len = model.max_model_len or arch.max_position_embeddings
 
-    from models.kv_layout import kv_layout  # noqa: PLC0415 - K/V heads or an MLA latent, per arch
+    from pdkv.models.kv_layout import kv_layout  # noqa: PLC0415 - K/V heads or an MLA latent, per arch
 
     layout = kv_layout(arch)
     kv_dtype, kv_scales = kv_cache_dtype(kv_cache, loaded)
@@ -179,7 +179,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         backend.q_dtype = loaded.dtype  # FlashInfer over an FP8 cache: the queries' dtype
     backend.use_cpu_kernel &= model.cpu_kernels
     if device.type == "cpu":
-        from models import cpu_kernels  # noqa: PLC0415
+        from pdkv.models import cpu_kernels  # noqa: PLC0415
 
         log.info("CPU kernels: %s (GEMM path %s, up to %d rows)",
                  "on" if model.cpu_kernels and cpu_kernels.AVAILABLE else "off",

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from models.attention import AttentionBatch
+from pdkv.models.attention import AttentionBatch
 from pdkv.engine import logits as proc
 from pdkv.engine.connector import BatchEntry, ForwardBatch, KVConnector
 from pdkv.engine.request import TokenLogprob

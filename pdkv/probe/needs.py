@@ -41,10 +41,10 @@ def kv_cache_bytes(cfg: Config) -> int:
     (pdkv.engine.factory.build_parts: each rank's page bytes x the same number of pages)."""
     import torch  # noqa: PLC0415
 
-    from models.config import parse_arch_config  # noqa: PLC0415
-    from models.kv_layout import kv_layout  # noqa: PLC0415
-    from models.loader import read_json, resolve_dtype  # noqa: PLC0415
-    from models.parallel import TPLayout  # noqa: PLC0415
+    from pdkv.models.config import parse_arch_config  # noqa: PLC0415
+    from pdkv.models.kv_layout import kv_layout  # noqa: PLC0415
+    from pdkv.models.loader import read_json, resolve_dtype  # noqa: PLC0415
+    from pdkv.models.parallel import TPLayout  # noqa: PLC0415
     from pdkv.engine.factory import num_pages_for  # noqa: PLC0415
 
     path = cfg.model.path

@@ -51,9 +51,9 @@ class KVRegion:
 
 def _check_split(path: str, tp: int, expert_parallel: bool = False) -> None:
     """A model that cannot be split ``tp`` ways fails here, before any process starts."""
-    from models.config import parse_arch_config  # noqa: PLC0415
-    from models.loader import read_json  # noqa: PLC0415
-    from models.parallel import TPLayout  # noqa: PLC0415
+    from pdkv.models.config import parse_arch_config  # noqa: PLC0415
+    from pdkv.models.loader import read_json  # noqa: PLC0415
+    from pdkv.models.parallel import TPLayout  # noqa: PLC0415
     from pdkv.errors import ModelLoadError  # noqa: PLC0415
 
     config_path = Path(path) / "config.json"
@@ -71,7 +71,7 @@ class TPLeader:
                  cpu_kernels: bool = True, expert_parallel: bool = False):
         import torch.distributed as dist  # noqa: PLC0415
 
-        from models.parallel import TensorParallel  # noqa: PLC0415
+        from pdkv.models.parallel import TensorParallel  # noqa: PLC0415
 
         if tp < 2:
             raise ValueError(f"TPLeader: parallel.tp must be >= 2, got {tp}")
@@ -137,8 +137,8 @@ class TPLeader:
         """Creates every rank's KV memory and returns rank 0's (a flat uint8 tensor for
         ``KVCache(buffer=...)``). ``arch``: a rank's share (every rank holds the same number of
         heads); ``full_arch``: the checkpoint's. Sets ``regions`` and ``shard_spec``."""
-        from models.kv_layout import kv_geometry, kv_layout  # noqa: PLC0415
-        from models.parallel import TPLayout  # noqa: PLC0415
+        from pdkv.models.kv_layout import kv_geometry, kv_layout  # noqa: PLC0415
+        from pdkv.models.parallel import TPLayout  # noqa: PLC0415
         from pdkv.shard.spec import ShardSpec  # noqa: PLC0415
 
         self.shard_spec = ShardSpec(self.size, kv_geometry(full_arch, page_size, str(dtype).removeprefix("torch."),

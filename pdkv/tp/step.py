@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import AttentionBatch
+from pdkv.models.attention import AttentionBatch
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ def serve(ch, fd_sock) -> None:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from models.kv_layout import kv_layout  # noqa: PLC0415
-    from models.loader import load_model  # noqa: PLC0415
-    from models.parallel import TensorParallel  # noqa: PLC0415
+    from pdkv.models.kv_layout import kv_layout  # noqa: PLC0415
+    from pdkv.models.loader import load_model  # noqa: PLC0415
+    from pdkv.models.parallel import TensorParallel  # noqa: PLC0415
 
     kind, init = ch.recv()
     if kind != "init":

@@ -11,7 +11,7 @@ import pytest
 
 from pdkv.control import encode_frame, read_frame
 from pdkv.tokenizer import Tokenizer
-from server.protocol import parse_chat
+from pdkv.server.protocol import parse_chat
 
 TOKENS = 4096
 PREFILL = {"type": "PREFILL", "req": "cmpl-0123456789abcdef", "tokens": list(range(1000, 1000 + TOKENS)),

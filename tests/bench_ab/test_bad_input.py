@@ -87,7 +87,7 @@ def test_an_already_running_endpoint_is_replayed_with_client_side_metrics(tmp_pa
 
     from pdkv.config import config_from_dict
     from pdkv.engine import LLMEngine
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     cfg = config_from_dict({"model": {"path": str(tiny_model_dir)}, "server": {"port": 0},
                             "kv_cache": {"num_pages": 256}})

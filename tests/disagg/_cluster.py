@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 
 from pdkv.config import config_from_dict
-from server.app import NODE
+from pdkv.server.app import NODE
 
 
 def post_completion(url, body, timeout=30, headers=False):
@@ -44,7 +44,7 @@ def node_config(model_dir, role: str, **over):
 def serve_node(cfg, engine, node=None):
     """A ServerThread (not started) around the node of ``cfg.role`` (pdkv.disagg.node.build_node)."""
     from pdkv.disagg.node import build_node
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     return ServerThread(cfg, engine, node or build_node(cfg, engine))
 
@@ -63,7 +63,7 @@ class Cluster:
         """``prefill_faults``: (kind, first, count, delay_us) applied to the prefill node's writes;
         given, both nodes run on the FAKE in-process transport (fault injection), else on tcp."""
         from pdkv.disagg.node import DecodeNode, PrefillNode
-        from server.runner import ServerThread
+        from pdkv.server.runner import ServerThread
 
         pfactory = dfactory = None  # None: the nodes open a real tcp messenger
         if prefill_faults:

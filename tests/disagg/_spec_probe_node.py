@@ -12,7 +12,7 @@ def main(config_path: str, out_path: str) -> None:
     from pdkv.cli import load_engine
     from pdkv.config import load_config
     from pdkv.disagg.node import build_node
-    from server import serve
+    from pdkv.server import serve
 
     cfg = load_config(config_path, [])
     engine = load_engine(cfg)

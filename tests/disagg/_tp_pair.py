@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from _cluster import make_engine, node_config
 from pdkv.engine import LLMEngine
-from server.app import NODE
+from pdkv.server.app import NODE
 
 
 class TP2ToTP1:
@@ -11,7 +11,7 @@ class TP2ToTP1:
 
     def __init__(self, model_dir, prefill_over: dict, decode_over: dict):
         from pdkv.disagg.node import DecodeNode, PrefillNode
-        from server.runner import ServerThread
+        from pdkv.server.runner import ServerThread
 
         pcfg = node_config(model_dir, "prefill", parallel__tp=2, parallel__timeout_s=30.0, **prefill_over)
         self.prefill_engine = LLMEngine.from_config(pcfg, num_threads=1)  # pdkv.tp makes every rank's KV memory

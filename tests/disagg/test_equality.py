@@ -2,7 +2,7 @@
 hidden state the prefill node sends equals the colocated one at the same position."""
 from __future__ import annotations
 
-from server.app import NODE
+from pdkv.server.app import NODE
 
 import json
 import threading

@@ -12,7 +12,7 @@ import urllib.request
 
 import functools
 
-from server.app import NODE
+from pdkv.server.app import NODE
 
 from _cluster import Cluster, colocated_tokens, post_completion as _post, wait_for
 

@@ -12,7 +12,7 @@ import urllib.request
 
 from _cluster import assert_colocated_answer, make_engine, node_config, post_completion, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
-from server.app import NODE
+from pdkv.server.app import NODE
 
 LEASE = 1.0  # both sides
 

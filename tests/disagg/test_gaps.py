@@ -21,7 +21,7 @@ import torch
 from _cluster import Cluster, make_engine, node_config, post_completion as _post, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.engine import SamplingParams
-from server.app import NODE
+from pdkv.server.app import NODE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from _cluster import make_engine, serve_node
 from pdkv.config import config_from_dict
-from server.app import NODE
+from pdkv.server.app import NODE
 cfg = config_from_dict(json.loads({cfg!r}))
 prompts = json.loads({prompts!r})
 with serve_node(cfg, make_engine(cfg)) as dec:

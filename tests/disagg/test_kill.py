@@ -13,8 +13,8 @@ import urllib.request
 from _cluster import Cluster, assert_colocated_answer, make_engine, node_config, post_completion as _post, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
 from pdkv.disagg.node import DecodeNode
-from server.app import NODE
-from server.runner import ServerThread
+from pdkv.server.app import NODE
+from pdkv.server.runner import ServerThread
 
 
 def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from server.app import NODE
+from pdkv.server.app import NODE
 
 import pytest
 import torch

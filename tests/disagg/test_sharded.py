@@ -10,7 +10,7 @@ the decode node lacks move, from and to every rank (each replica set's choice se
 """
 from __future__ import annotations
 
-from server.app import NODE
+from pdkv.server.app import NODE
 
 import asyncio
 import dataclasses
@@ -45,7 +45,7 @@ class Nodes:
 
     def __init__(self, model_dir, staging: str = "auto"):
         from pdkv.disagg.node import DecodeNode, PrefillNode
-        from server.runner import ServerThread
+        from pdkv.server.runner import ServerThread
 
         self.threads, self.engines, self.model_dir = [], [], model_dir
 

@@ -13,7 +13,7 @@ import torch
 
 from _cluster import Cluster, make_engine, node_config, post_completion, wait_for
 from pdkv.engine import SamplingParams
-from server.app import NODE
+from pdkv.server.app import NODE
 
 K = 3
 

@@ -14,7 +14,7 @@ from _cluster import Cluster
 from pdkv.config import DraftModelConfig, SpeculativeConfig
 from pdkv.control import ControlChannel, Hello, HandshakeRefused
 from pdkv.disagg.protocol import spec_handoff
-from server.app import NODE
+from pdkv.server.app import NODE
 
 
 def _hello(role, spec):

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import torch
 
-from server.app import NODE
+from pdkv.server.app import NODE
 
 from _cluster import Cluster, colocated_kv, hold_kv_on_landing, post_completion, read_kv, wait_for
 from test_equality import PROMPTS, _colocated, _complete

@@ -16,7 +16,7 @@ import pytest
 from _cluster import Cluster, assert_colocated_answer, make_engine, node_config, wait_for
 from pdkv.disagg.load import PrefillLoad
 from pdkv.disagg.ratelog import RateLimitedLog
-from server.app import NODE
+from pdkv.server.app import NODE
 
 HEAVY = 10**6  # prompt tokens a fault-injected prefill node claims to have queued
 
@@ -212,7 +212,7 @@ def test_two_prefill_nodes_the_busy_one_gets_nothing(tiny_model_dir):
     a burst. Without the injection both serve (the load, not the order, decides), and prompts
     that share their first pages go to one node (prefix affinity)."""
     from pdkv.disagg.node import DecodeNode, PrefillNode
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     threads = []
 

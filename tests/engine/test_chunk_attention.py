@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention import AttentionBatch
-from models.attention.torch_backend import TorchAttentionBackend
+from pdkv.models.attention import AttentionBatch
+from pdkv.models.attention.torch_backend import TorchAttentionBackend
 from pdkv.kv import KVCache
 
 if not hasattr(torch, "_fused_sdp_choice"):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.base import AttentionBatch
-from models.attention.torch_backend import TorchAttentionBackend
+from pdkv.models.attention.base import AttentionBatch
+from pdkv.models.attention.torch_backend import TorchAttentionBackend
 from pdkv.config import ConfigError, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, load_config
 from pdkv.engine import LLMEngine, SamplingParams
 from pdkv.engine.connector import KVConnector

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.rope import RotaryEmbedding, apply_rope, inv_frequencies
+from pdkv.models.rope import RotaryEmbedding, apply_rope, inv_frequencies
 from pdkv.errors import ModelLoadError
 
 SCALINGS = [

@@ -100,7 +100,7 @@ def test_unknown_architecture_lists_supported(make_engine, tiny_model_dir, tmp_p
 def test_flashinfer_backend_gives_a_clear_error_here(make_engine):
     with pytest.raises(BackendUnavailable, match="flashinfer.*(CUDA|cannot be imported)"):
         make_engine(attention_backend="flashinfer")
-    from models.attention.flashinfer_backend import _import_flashinfer
+    from pdkv.models.attention.flashinfer_backend import _import_flashinfer
 
     try:
         import flashinfer  # noqa: F401

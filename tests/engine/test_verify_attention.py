@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention import AttentionBatch
-from models.attention.torch_backend import MULTI_QUERY_MAX, TorchAttentionBackend
+from pdkv.models.attention import AttentionBatch
+from pdkv.models.attention.torch_backend import MULTI_QUERY_MAX, TorchAttentionBackend
 from pdkv.kv import KVCache
 
 HQ, HKV, D, P = 4, 2, 8, 4

@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 
-from models.attention.base import AttentionBatch
-from models.attention.flashinfer_backend import (FLASHINFER_HEAD_DIMS, FlashInferBackend, PagedKVMeta,
+from pdkv.models.attention.base import AttentionBatch
+from pdkv.models.attention.flashinfer_backend import (FLASHINFER_HEAD_DIMS, FlashInferBackend, PagedKVMeta,
                                                  build_paged_kv_meta, check_head_dim)
-from models.attention.torch_backend import TorchAttentionBackend
+from pdkv.models.attention.torch_backend import TorchAttentionBackend
 from pdkv.errors import BackendUnavailable
 from pdkv.kv.cache import KVCache
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_kernels
-from models.attention import cpu_decode
+from pdkv.models import cpu_kernels
+from pdkv.models.attention import cpu_decode
 from pdkv.kv import KVCache
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
@@ -345,8 +345,8 @@ def test_decode_attention_refuses_ids_out_of_range():
 def test_backend_decode_step_kernel_equals_torch_path(latent):
     """The torch backend's decode step through the kernel and through its own path (gather +
     SDPA / batched matmuls) give the same outputs to float32 rounding, at B = 1 and B = 3."""
-    from models.attention.base import AttentionBatch
-    from models.attention.torch_backend import TorchAttentionBackend
+    from pdkv.models.attention.base import AttentionBatch
+    from pdkv.models.attention.torch_backend import TorchAttentionBackend
 
     P, Hq = 16, 8
     Hkv, D, Dv = (1, 96, 64) if latent else (2, 32, 32)

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_kernels
-from models.rope import apply_rope
+from pdkv.models import cpu_kernels
+from pdkv.models.rope import apply_rope
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="pdkv._kernels is not built or the CPU lacks AVX2+FMA"),
               pytest.mark.usefixtures("one_torch_thread")]
@@ -109,7 +109,7 @@ ROUTINGS = {
 
 @pytest.mark.parametrize("case", list(ROUTINGS))
 def test_route_matches_torch_router(case):
-    from models.moe import Router
+    from pdkv.models.moe import Router
 
     m = ROUTINGS[case]
     r = Router.__new__(Router)
@@ -153,7 +153,7 @@ def test_rms_norm_rows_and_head_views():
 
 @pytest.mark.parametrize("norm", [False, True])
 def test_norm_rope_matches_apply_rope(norm):
-    from models.rope import RotaryEmbedding
+    from pdkv.models.rope import RotaryEmbedding
 
     T, H, D = 3, 6, 32
     rot = RotaryEmbedding(D, 64, 10000.0, {})
@@ -173,11 +173,11 @@ def test_norm_rope_matches_apply_rope(norm):
 def test_mla_decode_kernel_equals_torch_path(q_lora):
     """An MLA layer's decode step (B = 1 and 3) through pdkv/kernels/mla_decode.c and through the
     torch ops of models/mla.py: the same outputs to float32 rounding and the same latents stored."""
-    from models.attention.base import AttentionBatch
-    from models.config import parse_arch_config
-    from models.kv_layout import kv_layout
-    from models.mla import MLAttention
-    from models.rope import RotaryEmbedding
+    from pdkv.models.attention.base import AttentionBatch
+    from pdkv.models.config import parse_arch_config
+    from pdkv.models.kv_layout import kv_layout
+    from pdkv.models.mla import MLAttention
+    from pdkv.models.rope import RotaryEmbedding
 
     kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, vocab_size=512,
               max_position_embeddings=256, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _hf import engine, prompts, run_greedy, save_hf_model
-from models import cpu_kernels
+from pdkv.models import cpu_kernels
 from test_deepseek_v3 import BASE as DS_BASE
 from test_deepseek_v3 import CASES as DS_CASES
 from test_qwen3_moe import BASE as QWEN_BASE
@@ -53,7 +53,7 @@ class _Calls:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_kernels_on_and_off_give_the_same_tokens(name, folders, monkeypatch):
-    from models.attention import cpu_decode
+    from pdkv.models.attention import cpu_decode
 
     spy = _Calls(cpu_kernels._k)
     monkeypatch.setattr(cpu_kernels, "_k", spy)

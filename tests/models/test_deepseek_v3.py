@@ -42,7 +42,7 @@ def folders(tmp_path_factory, tiny_model_dir):
 def test_greedy_matches_transformers(case, prefill, folders, monkeypatch):
     """Decode is always absorbed; a prefill step of first chunks runs decompressed (per-head K/V
     from kv_b_proj) or, with decompress_prefill off, absorbed like everything else."""
-    from models.mla import MLAttention
+    from pdkv.models.mla import MLAttention
 
     calls = []
     real = MLAttention._decompressed

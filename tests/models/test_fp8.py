@@ -76,7 +76,7 @@ def test_bf16_model_dtype_and_kernels_off(fp8_models):
 def test_dequantize_kernel_gives_torch_bits(shape, monkeypatch):
     """pdkv/kernels/fp8.c (a decode table, one multiply) == torch's w.float() * s, partial
     blocks in either dimension included."""
-    from models import fp8
+    from pdkv.models import fp8
 
     torch.manual_seed(1)
     q, s = fp8.quantize(torch.randn(*shape))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from _fp8 import DEEPSEEK, make_fp8_pair
 from _hf import save_hf_model
-from models.loader import load_model
+from pdkv.models.loader import load_model
 from pdkv.errors import ModelLoadError
 
 SCALE = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
@@ -31,7 +31,7 @@ def fp8_folder(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture
 def no_device_move(monkeypatch):
-    from models.deepseek_v3 import DeepseekV3ForCausalLM
+    from pdkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     def refuse(self, *a, **k):
         raise AssertionError("weights were being moved before the checkpoint was checked")

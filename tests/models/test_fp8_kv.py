@@ -55,8 +55,8 @@ def test_fp8_cache_is_attention_over_e4m3_rounded_kv(family, fp8_models, monkeyp
     """The MoE families' random weights amplify the rounding (first-step logits move 4-32%), so
     instead: the FP8 cache's logits equal those of a float32 cache whose writes round K/V (the
     latent) through e4m3 first (the reference, a patched write): nothing but that rounding."""
-    from models.attention import fp8_kv
-    from models.attention.torch_backend import TorchAttentionBackend
+    from pdkv.models.attention import fp8_kv
+    from pdkv.models.attention.torch_backend import TorchAttentionBackend
 
     _, _, folder = fp8_models[family]
     ps = prompts()

@@ -23,8 +23,8 @@ def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
-from models.loader import load_model
-from models.fp8_load import weight_bytes
+from pdkv.models.loader import load_model
+from pdkv.models.fp8_load import weight_bytes
 torch.ones(1) @ torch.ones(1)  # torch's lazy state before the baseline: its CPU ops, and
 with torch.device("meta"):  # the meta device's (~70 MB once, whatever the model's size)
     torch.nn.Embedding(8, 8)

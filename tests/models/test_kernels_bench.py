@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from models import cpu_kernels
+from pdkv.models import cpu_kernels
 from pdkv.bench import kernels
 
 

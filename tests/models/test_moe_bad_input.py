@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _hf import save_hf_model
-from models.config import parse_arch_config
-from models.loader import load_model
+from pdkv.models.config import parse_arch_config
+from pdkv.models.loader import load_model
 from pdkv.errors import ModelLoadError
 
 QWEN = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,

@@ -21,7 +21,7 @@ from _cluster import make_engine, node_config, wait_for  # noqa: E402
 from _procs import NodeProc, free_port, node_dict  # noqa: E402
 
 from pdkv.engine import LLMEngine, SamplingParams  # noqa: E402
-from server.app import NODE  # noqa: E402
+from pdkv.server.app import NODE  # noqa: E402
 
 PROMPTS = [list(range(3, 3 + n)) for n in (2, 7, 13, 30, 45)]  # odd count: D2 alternates its two peers
 MAX_TOKENS = 6
@@ -59,7 +59,7 @@ class Nodes:
 
     def __init__(self, model_dir):
         from pdkv.disagg.node import DecodeNode, PrefillNode
-        from server.runner import ServerThread
+        from pdkv.server.runner import ServerThread
 
         self.threads, self.engines = [], []
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from _hf import assert_matches_hf, engine, prompts, save_hf_model
-from models.config import parse_arch_config
-from models.moe import Experts, SparseMoE
-from models.parallel import TPLayout
+from pdkv.models.config import parse_arch_config
+from pdkv.models.moe import Experts, SparseMoE
+from pdkv.models.parallel import TPLayout
 from test_deepseek_v3 import BASE as DS_BASE
 from test_deepseek_v3 import CASES as DS_CASES
 from test_qwen3_moe import BASE as QWEN_BASE

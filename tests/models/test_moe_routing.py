@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import parse_arch_config
-from models.moe import Router
+from pdkv.models.config import parse_arch_config
+from pdkv.models.moe import Router
 from test_deepseek_v3 import BASE as DS0
 from test_qwen3_moe import BASE as QWEN_BASE
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from _hf import VOCAB, save_hf_model
-from models.config import parse_arch_config
-from models.moe import SparseMoE
-from models.parallel import TensorParallelError, TPLayout
+from pdkv.models.config import parse_arch_config
+from pdkv.models.moe import SparseMoE
+from pdkv.models.parallel import TensorParallelError, TPLayout
 from pdkv.config import KVCacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdkv.engine import LLMEngine, SamplingParams
 

@@ -27,7 +27,7 @@ class Node:
 
     def __init__(self, model_dir: Path, port: int = 0):
         from pdkv.engine import LLMEngine
-        from server import ServerThread
+        from pdkv.server import ServerThread
 
         self.cfg = load_config(None, [f"model.path={model_dir}", f"server.port={port}", "kv_cache.num_pages=256",
                                       "kv_cache.page_size=16"])

@@ -14,7 +14,7 @@ from _flood import SlowFlood
 
 from pdkv.auth import write_secret_file
 from pdkv.disagg.control_admission import ControlAdmission, Place
-from server.app import NODE
+from pdkv.server.app import NODE
 
 
 def _fill(adm, sources, n, now=0.0):

@@ -14,7 +14,7 @@ from _hostile import HostileDecode, blackhole_info, closed_by_peer, proc_counts
 from pdkv.auth import write_secret_file
 from pdkv.control import AuthenticationFailed, ControlChannel, ControlError
 from pdkv.disagg import protocol as P
-from server.app import NODE
+from pdkv.server.app import NODE
 
 PROMPT = {"prompt": "Roma non fu fatta in un giorno", "max_tokens": 8, "temperature": 0}
 

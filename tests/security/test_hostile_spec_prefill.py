@@ -13,7 +13,7 @@ from _cluster import Cluster, post_completion, wait_for
 from _hostile import HostileDecode
 
 from pdkv.disagg import protocol as P
-from server.app import NODE
+from pdkv.server.app import NODE
 
 MTP = {"speculative__method": "mtp", "speculative__num_tokens": 2}
 PROMPT = {"prompt": [5, 9, 33, 71, 2, 8, 40], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

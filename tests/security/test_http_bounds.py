@@ -21,7 +21,7 @@ BODY = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     from pdkv.engine import LLMEngine
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "server.port=0", "kv_cache.num_pages=64",
                              "kv_cache.page_size=4", "server.idle_timeout_s=1.5", "server.max_connections=50",

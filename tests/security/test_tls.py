@@ -21,7 +21,7 @@ from pdkv.config import ConfigError, config_from_dict
 from pdkv.config.sections import TLSConfig
 from pdkv.control import ControlChannel, ControlError, Hello, TLSRefused
 from pdkv.tls import client_context, server_context
-from server.app import NODE
+from pdkv.server.app import NODE
 
 pytestmark = pytest.mark.skipif(have_openssl() is not None, reason=str(have_openssl()))
 PROMPT = range(5, 30)
@@ -174,7 +174,7 @@ def test_flood_of_plain_text_connections_to_the_tls_listener_is_bounded(cluster)
 
 def test_a_decode_node_with_a_foreign_certificate_fails_to_start_clearly(cluster, pki):
     from pdkv.disagg.node import DecodeNode
-    from server.runner import ServerThread
+    from pdkv.server.runner import ServerThread
 
     dcfg = node_config(cluster.model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cluster.port}"],
                        messenger__tls={**pki["stranger"], "ca": pki["prefill"]["ca"]},

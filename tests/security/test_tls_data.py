@@ -10,7 +10,7 @@ from _cluster import (Cluster, assert_colocated_answer, make_engine, node_config
 from pdkv._messenger import HAVE_CRYPTO
 from pdkv.auth import write_secret_file
 from pdkv.config import ConfigError
-from server.app import NODE
+from pdkv.server.app import NODE
 
 pytestmark = pytest.mark.skipif(not HAVE_CRYPTO, reason="pdkv built without libcrypto (libssl-dev)")
 

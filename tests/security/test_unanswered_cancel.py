@@ -14,7 +14,7 @@ from pdkv._messenger import Messenger
 from pdkv.auth import write_secret_file
 from pdkv.control import ControlChannel
 from pdkv.disagg import protocol as P
-from server.app import NODE
+from pdkv.server.app import NODE
 
 
 class SilentPrefill:

@@ -39,7 +39,7 @@ class Served:
     """A running ServerThread, its engine, and helpers to talk to it."""
 
     def __init__(self, cfg: Config):
-        from server import ServerThread
+        from pdkv.server import ServerThread
 
         self.cfg = cfg
         self.engine = make_engine(cfg)

@@ -106,6 +106,6 @@ def test_shutdown_with_a_stream_in_flight_frees_everything(api, server_model_dir
     t.join(30)
     assert not t.is_alive() and got
     assert s.engine.allocator.num_free == s.pages_at_start and not s.engine.has_unfinished()
-    from server.app import ASYNC_ENGINE
+    from pdkv.server.app import ASYNC_ENGINE
 
     assert not s.thread._thread.is_alive() and not s.thread.app[ASYNC_ENGINE].is_alive()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdkv.config import config_from_dict
-from server.app import build_app
+from pdkv.server.app import build_app
 
 
 @pytest.mark.parametrize("role,extra", [("decode", {"messenger": {"prefill_peers": ["127.0.0.1:7100"]}}),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.errors import APIError, error_body
-from server.protocol import parse_chat, parse_completion
+from pdkv.server.errors import APIError, error_body
+from pdkv.server.protocol import parse_chat, parse_completion
 
 
 def test_completion_defaults_and_fields():

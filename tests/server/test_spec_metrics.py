@@ -90,7 +90,7 @@ def test_itl_counts_every_token_of_a_delta_and_the_gap_once():
     ``tokens_delivered``): the first delta's extra tokens are 0 gaps, a later delta of m tokens
     after a gap g is g once and m - 1 zeros (smearing g / m over m tokens, as before, hid a
     stalled step: here a 0.2 s gap would have shown as four 0.05 s ones)."""
-    from server.metrics import ServerMetrics
+    from pdkv.server.metrics import ServerMetrics
 
     m = ServerMetrics("m")
 

@@ -38,8 +38,8 @@ def strict_decode(server_model_dir):
     node keeps redialling it): every multi-token prompt is refused with 503 + Retry-After."""
     from pdkv.disagg.node import build_node, kv_buffer_factory
     from pdkv.engine import LLMEngine
-    from server.app import NODE
-    from server.runner import ServerThread
+    from pdkv.server.app import NODE
+    from pdkv.server.runner import ServerThread
 
     def engine_of(cfg):
         return LLMEngine.from_config(cfg, kv_buffer=kv_buffer_factory("cpu"), num_threads=1)

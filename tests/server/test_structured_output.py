@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 
-from server.app import ROUTES
+from pdkv.server.app import ROUTES
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[a-z]{2,6}$"},

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from server.chat_output import ChatOutput, OutputParsers
-from server.protocol import parse_chat
+from pdkv.server.chat_output import ChatOutput, OutputParsers
+from pdkv.server.protocol import parse_chat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import ArchConfig
-from models.parallel import TensorParallelError, TPLayout
+from pdkv.models.config import ArchConfig
+from pdkv.models.parallel import TensorParallelError, TPLayout
 
 
 def _arch(heads=8, kv_heads=2, inter=24, head_dim=4) -> ArchConfig:

@@ -53,8 +53,8 @@ class DraftProposer:
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> DraftProposer:
-        from models import load_model  # noqa: PLC0415
-        from models.attention import get_backend  # noqa: PLC0415
+        from pdkv.models import load_model  # noqa: PLC0415
+        from pdkv.models.attention import get_backend  # noqa: PLC0415
         from pdkv.tokenizer import Tokenizer  # noqa: PLC0415
 
         path = sc.draft_model.path
@@ -147,7 +147,7 @@ class DraftProposer:
 
     def _hidden(self, items: list[tuple[_DraftState, list[int]]]):
         """Feeds each state its tokens in one forward pass: (hidden [T, H], each one's last row)."""
-        from models.attention import AttentionBatch  # noqa: PLC0415
+        from pdkv.models.attention import AttentionBatch  # noqa: PLC0415
 
         order = sorted(range(len(items)), key=lambda j: len(items[j][1]) != 1)  # decodes first
         ids, pos, q_lens, kv_lens, pages, last = [], [], [], [], [], {}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.cpu_kernels import linear
+from pdkv.models.cpu_kernels import linear
 from pdkv.config import ConfigError, SpeculativeConfig
 from pdkv.engine.request import Request
 from pdkv.kv import KVCache, PageAllocator
@@ -35,7 +35,7 @@ NUM_MTP_LAYERS = 1  # drafts chain the checkpoint's first MTP layer (SGLang's an
 class MTPModule(nn.Module):
     def __init__(self, cfg, dtype):
         super().__init__()
-        from models.layers import DecoderLayer, RMSNorm  # noqa: PLC0415
+        from pdkv.models.layers import DecoderLayer, RMSNorm  # noqa: PLC0415
 
         H = cfg.hidden_size
         self.enorm, self.hnorm = RMSNorm(H, cfg.rms_norm_eps, dtype), RMSNorm(H, cfg.rms_norm_eps, dtype)
@@ -52,7 +52,7 @@ class MTPModule(nn.Module):
 def load_mtp(path: Path, arch, dtype, device, cpu_kernels: bool = True) -> MTPModule:
     """The first MTP layer of the checkpoint at ``path`` (q/k/v and gate/up fused as the target's),
     its weights laid out as the loader lays out the target's (models/loader.py)."""
-    from models.loader import (CPU_KERNELS_AVAILABLE, disable_cpu_kernels, transpose_linear_weights,  # noqa: PLC0415
+    from pdkv.models.loader import (CPU_KERNELS_AVAILABLE, disable_cpu_kernels, transpose_linear_weights,  # noqa: PLC0415
                                weight_files)
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -109,7 +109,7 @@ class MTPProposer:
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> MTPProposer:
-        from models.attention import get_backend  # noqa: PLC0415
+        from pdkv.models.attention import get_backend  # noqa: PLC0415
 
         # the whole model's shapes: with tensor parallelism (a prefill node's hand-off) rank 0
         # runs the one MTP layer alone, unsharded
@@ -153,7 +153,7 @@ class MTPProposer:
 
     def _run(self, items) -> list[torch.Tensor]:
         """items: (state, first position, token ids [n], h [n, H]) → each one's o rows [n, H]."""
-        from models.attention import AttentionBatch  # noqa: PLC0415
+        from pdkv.models.attention import AttentionBatch  # noqa: PLC0415
 
         order = sorted(range(len(items)), key=lambda j: items[j][2].shape[0] != 1)  # decodes first
         toks = torch.cat([items[j][2] for j in order])
