@@ -52,12 +52,12 @@ test: install
 bench: install
 	$(PY) -m pdkv.bench engine
 
-# Hot-path micro-benchmarks (tests/bench, never part of `make test`): saves this run under
+# Hot-path micro-benchmarks (benchmarks/micro, never part of `make test`): saves this run under
 # .benchmarks/ and prints the change per benchmark against the previous saved run.
 BENCH_MICRO := --benchmark-only --benchmark-autosave --benchmark-compare --benchmark-sort=name \
 	--benchmark-columns=min,median,iqr,rounds
 bench-micro: install
-	nice -n 10 $(PY) -m pytest -q $(BENCH_MICRO) tests/bench
+	nice -n 10 $(PY) -m pytest -q $(BENCH_MICRO) benchmarks/micro
 
 clean:
 	rm -rf build *.egg-info pdkv/_messenger.c pdkv/_kernels.c pdkv/*.so

@@ -10,32 +10,11 @@ import pytest
 from hypothesis import Phase, settings
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "tests" / "bench"
 
 # `make mutants` (tools/mutants.py) runs property tests with --hypothesis-profile=mutants: a
 # fresh search each time (no example database), failing at the first counterexample without
 # shrinking it (a mutant needs to be caught, not explained; shrinking takes minutes).
 settings.register_profile("mutants", phases=(Phase.explicit, Phase.generate), database=None)
-
-
-def _bench_asked(config) -> bool:
-    """tests/bench runs only when asked: --benchmark-only, PDKV_BENCH=1, or a path inside it on
-    the command line (``pytest tests/bench/test_step.py``)."""
-    if config.getoption("benchmark_only", False) or os.environ.get("PDKV_BENCH") == "1":
-        return True
-    for arg in config.args:
-        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
-        if path == BENCH or BENCH in path.parents:
-            return True
-    return False
-
-
-def pytest_ignore_collect(collection_path, config):
-    # NOTE: the micro-benchmarks are slow to collect (they build a 57M-parameter model) and are
-    # not tests of behaviour alone, so `make test` / `pytest tests` never collects them.
-    if collection_path == BENCH and not _bench_asked(config):
-        return True
-    return None
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,12 @@ class Api:
 
 
 TORCH = (
-    Api("cuda.CUDAGraph", since="1.10", used_by="pdkv/engine/cuda_graphs.py, pdkv/gpu/selftest.py"),
+    Api("cuda.CUDAGraph", since="1.10", used_by="pdkv/engine/cuda_graphs.py, tools/gpu_check_selftest.py"),
     Api("cuda.graph", ("pool", "capture_error_mode"), "2.1", "pdkv/engine/cuda_graphs.py"),
     Api("cuda.graph_pool_handle", since="1.10", used_by="pdkv/engine/cuda_graphs.py"),
     Api("cuda.Stream", ("device",), "1.0", "pdkv/gpu/cuda_copy_engine.py"),
-    Api("cuda.Event", ("enable_timing",), "1.0", "pdkv/gpu/selftest_copy.py"),
-    Api("cuda.Event.elapsed_time", since="1.0", used_by="pdkv/gpu/selftest_copy.py"),
+    Api("cuda.Event", ("enable_timing",), "1.0", "tools/gpu_check_copy.py"),
+    Api("cuda.Event.elapsed_time", since="1.0", used_by="tools/gpu_check_copy.py"),
     Api("cuda.Stream.wait_event", since="1.0", used_by="pdkv/gpu/cuda_copy_engine.py"),
     Api("cuda.Stream.wait_stream", since="1.0", used_by="pdkv/engine/cuda_graphs.py"),
     Api("cuda.stream", since="1.0"), Api("cuda.current_stream", since="1.0"),
@@ -41,7 +41,7 @@ TORCH = (
     Api("cuda.get_device_properties", since="1.0"), Api("cuda.get_device_name", since="1.0"),
     Api("cuda.set_sync_debug_mode", since="1.10", used_by="tools/gpu_check_models.py (FlashInfer)"),
     Api("cuda.mem_get_info", since="1.11", used_by="pdkv/engine/factory.py"),
-    Api("cuda._sleep", since="1.6", used_by="pdkv/gpu/selftest.py (a stand-in layer's duration)"),
+    Api("cuda._sleep", since="1.6", used_by="tools/gpu_check_selftest.py (a stand-in layer's duration)"),
     Api("as_tensor", since="1.0", used_by="__cuda_array_interface__ v3 (pdkv/gpu/cumem.py)"),
     Api("empty", ("pin_memory",), "1.0", "pdkv/gpu/staging.py"),
     Api("frombuffer", since="1.10", used_by="pdkv/kv"),

@@ -123,7 +123,7 @@ def check_compute_mode() -> tuple[str, dict]:
 
 
 def check_cumem_2proc() -> str:
-    from pdkv.gpu.selftest import check_cumem_two_process
+    from gpu_check_selftest import check_cumem_two_process
 
     return check_cumem_two_process(nbytes=64 << 20)
 
@@ -244,7 +244,7 @@ def check_counter() -> tuple[str, dict]:
 def check_counter_graph_triton() -> str:
     import importlib.util
 
-    from pdkv.gpu.selftest import check_counter_graph
+    from gpu_check_selftest import check_counter_graph
 
     if importlib.util.find_spec("triton") is None:
         raise SkipCheck("triton is not installed: the counter bump falls back to torch add_ "
@@ -253,12 +253,12 @@ def check_counter_graph_triton() -> str:
 
 
 def check_counter_graph_torch() -> str:
-    from pdkv.gpu.selftest import check_counter_graph
+    from gpu_check_selftest import check_counter_graph
 
     return check_counter_graph(num_layers=8, replays=3, layer_ms=2.0, bump="torch")
 
 
 def check_copy_engine() -> tuple[str, dict]:
-    from pdkv.gpu.selftest_copy import check_copy_engine as run
+    from gpu_check_copy import check_copy_engine as run
 
     return run(total_mib=1024, num_slots=8, slot_mib=16, page_kib=64)

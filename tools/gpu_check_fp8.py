@@ -47,7 +47,7 @@ def _quantized(torch, N, K, dev):
 
 
 def _ms(torch, fn, reps=20):
-    from pdkv.gpu.selftest_copy import timed_seconds  # noqa: PLC0415 - CUDA events after a warm-up
+    from gpu_check_copy import timed_seconds  # noqa: PLC0415 - CUDA events after a warm-up
 
     return timed_seconds(torch, fn, reps) * 1e3
 

@@ -79,7 +79,7 @@ def check_decode_roofline(device: int = 0, context: int = 512, steps: int = 50) 
     from pdkv.models.attention.base import AttentionBatch
     from pdkv.models.attention.torch_backend import TorchAttentionBackend
     from pdkv.gpu.layer_counter import CudaLayerCounter
-    from pdkv.gpu.selftest_copy import measure_device_bandwidth
+    from gpu_check_copy import measure_device_bandwidth
     from pdkv.kv.cache import KVCache
 
     dev = torch.device("cuda", device)

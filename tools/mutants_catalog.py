@@ -44,8 +44,8 @@ HOSTILE_TCP = ("tests/security/test_hostile_verbs_peer.py"
                "::test_writes_outside_granted_ranges_get_remote_access_errors[tcp]")
 MOE_ROUTING = "tests/models/test_moe_routing.py"
 MULTINIC = "tests/messenger/test_multinic.py::test_pick_nic_spreads_a_ranks_requests_over_its_nics"
-AB_METRICS = "tests/bench_ab/test_metrics.py"
-AB_VERDICT = "tests/bench_ab/test_verdict.py"
+AB_METRICS = "tests/bench/ab/test_metrics.py"
+AB_VERDICT = "tests/bench/ab/test_verdict.py"
 
 MUTANTS: list[Mutant] = [
     # ---- prefix cache (from the former tests/engine/prefix_mutants.py) ------------------------

@@ -17,13 +17,13 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no usable GPU: {_R
 
 
 def test_cumem_exported_in_one_process_is_read_and_written_from_another():
-    from pdkv.gpu.selftest import check_cumem_two_process
+    from gpu_check_selftest import check_cumem_two_process
 
     check_cumem_two_process(nbytes=8 << 20)
 
 
 def test_counter_bumped_from_a_captured_cuda_graph_is_seen_by_a_host_thread():
-    from pdkv.gpu.selftest import check_counter_graph
+    from gpu_check_selftest import check_counter_graph
 
     check_counter_graph(num_layers=6, replays=2, layer_ms=2.0)
 

@@ -112,7 +112,7 @@ def test_the_qwen25_05b_shape_has_its_published_parameter_count():
 
 def test_the_copy_engine_checks_logic_on_the_cpu_engine():
     from pdkv.gpu.cpu_copy_engine import CpuCopyEngine
-    from pdkv.gpu.selftest_copy import _exact, _stream_rate
+    from gpu_check_copy import _exact, _stream_rate
     from pdkv.gpu.staging import Span, StagingRing
 
     page = 4096

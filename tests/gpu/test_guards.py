@@ -28,9 +28,10 @@ cpu_only = pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
 
 
 def test_importing_pdkv_gpu_imports_neither_cuda_python_nor_torch():
-    code = ("import sys, pdkv.gpu, pdkv.gpu.cumem, pdkv.gpu.layer_counter, pdkv.gpu.fdpass, "
-            "pdkv.gpu.selftest, pdkv.gpu.staging, pdkv.gpu.copy_engine, pdkv.gpu.cpu_copy_engine, "
-            "pdkv.gpu.cuda_copy_engine, pdkv.gpu.gpudirect, pdkv.gpu.compute_mode, pdkv.gpu.selftest_copy\n"
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'tools')!r})\n"
+            "import pdkv.gpu, pdkv.gpu.cumem, pdkv.gpu.layer_counter, pdkv.gpu.fdpass, "
+            "gpu_check_selftest, pdkv.gpu.staging, pdkv.gpu.copy_engine, pdkv.gpu.cpu_copy_engine, "
+            "pdkv.gpu.cuda_copy_engine, pdkv.gpu.gpudirect, pdkv.gpu.compute_mode, gpu_check_copy\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m == 'cuda' or m.startswith('cuda.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), check=True).stdout
@@ -40,7 +41,7 @@ def test_importing_pdkv_gpu_imports_neither_cuda_python_nor_torch():
 def _entry_points():
     from pdkv.gpu.cumem import CuMemAllocation, CuMemInfo
     from pdkv.gpu.layer_counter import CudaLayerCounter, make_layer_counter
-    from pdkv.gpu.selftest import check_counter_graph, check_cumem_two_process
+    from gpu_check_selftest import check_counter_graph, check_cumem_two_process
 
     info = CuMemInfo(2 << 20, 1 << 20, "0000:00:00.0")
     return {

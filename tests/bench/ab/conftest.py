@@ -1,4 +1,4 @@
-"""tests/bench_ab: helpers live in _abrun.py (importable as ``_abrun`` from these tests)."""
+"""tests/bench/ab: helpers live in _abrun.py (importable as ``_abrun`` from these tests)."""
 from __future__ import annotations
 
 import sys

@@ -2,7 +2,7 @@
 
 Collected only when asked (see tests/conftest.py): ``make bench-micro`` runs
 
-    pytest --benchmark-only --benchmark-autosave --benchmark-compare tests/bench
+    pytest --benchmark-only --benchmark-autosave --benchmark-compare benchmarks/micro
 
 Each benchmark asserts that what it timed is correct, and records in ``extra_info`` how often
 its call runs in one worst-case decode step of the benchmark model (64 running requests) and

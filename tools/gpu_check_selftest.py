@@ -13,7 +13,7 @@ what went wrong; on success it returns a one-line description of what it verifie
   before the host ever synchronises with the GPU. ``bump`` picks the kernel ("triton": the
   system-scope release; "torch": the fallback add).
 
-The child side is ``python -m pdkv.gpu.selftest export SOCKET NBYTES DEVICE``.
+The child side is ``python tools/gpu_check_selftest.py export SOCKET NBYTES DEVICE``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-_REPO = str(Path(__file__).resolve().parents[2])
+_REPO = str(Path(__file__).resolve().parents[1])
 
 
 def _pattern(torch, n: int, mul: int, add: int, mod: int, device: int):
@@ -48,7 +48,7 @@ def check_cumem_two_process(nbytes: int = 32 << 20, device: int = 0, timeout: fl
         server.bind(path)
         server.listen(1)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
-        child = subprocess.Popen([sys.executable, "-m", "pdkv.gpu.selftest", "export", path,
+        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "export", path,
                                   str(nbytes), str(device)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -193,7 +193,7 @@ def check_counter_graph(device: int = 0, num_layers: int = 8, replays: int = 3,
 def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "export":
         return _export_main(argv[1], int(argv[2]), int(argv[3]))
-    print("usage: python -m pdkv.gpu.selftest export SOCKET NBYTES DEVICE", file=sys.stderr)
+    print("usage: python tools/gpu_check_selftest.py export SOCKET NBYTES DEVICE", file=sys.stderr)
     return 2
 
 
