@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' helpers (_connectors.py)
 
 
 @pytest.fixture
