@@ -123,14 +123,16 @@ def test_from_config_reports_load_progress(tiny_model_dir):
 
 
 def test_cli_writes_a_loadable_folder(tmp_path, make_engine):
+    import os
     import subprocess
     import sys
 
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "cli"), "--arch", "qwen2",
-                          "--num-layers", "1"], capture_output=True, text=True, check=True)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "pdkv.tiny_model", str(tmp_path / "cli"), "--arch", "qwen2",
+                          "--num-layers", "1"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
     assert out.stdout.strip().endswith("cli")
     engine = make_engine(path=tmp_path / "cli", num_pages=8)
     assert engine.loaded.arch.num_layers == 1 and engine.loaded.arch.attention_bias
