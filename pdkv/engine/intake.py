@@ -32,7 +32,7 @@ class Intake:
                  connector: Callable[[], KVConnector], requests: dict[str, Request], held: dict):
         """``connector``: the engine's current KV connector (it may be replaced before the first
         request); ``requests`` / ``held``: the engine's live requests and held pages (an id in
-        either is in use), the same dicts, not copies: an admitted request is added to ``requests``."""
+        either is in use), the same dicts, not copies: a submitted request is added to ``requests``."""
         self.tokenizer, self.scheduler, self.allocator = tokenizer, scheduler, allocator
         self.vocab_size, self.max_model_len, self.page_size = vocab_size, max_model_len, page_size
         self.connector, self.requests, self.held = connector, requests, held
