@@ -69,9 +69,9 @@ class DecodeConnector(KVConnector):
         if landing is not None:  # staged: every page sent needs a landing slot at once
             need = -(-req.num_prompt_tokens // self.page_size) - cached // self.page_size
             if need > landing.num_slots:
-                return Answer.refuse(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
-                                     f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
-                                     status=400)
+                return Answer.refuse(f"the prompt's KV needs {need} staging slots and this decode node's "
+                                     f"ring has {landing.num_slots} (messenger.staging_mib); send a shorter "
+                                     "prompt", status=400)
         return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=self.spec is None)
 
     def _cached(self, req) -> int:

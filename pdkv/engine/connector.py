@@ -83,8 +83,8 @@ class Answer:
 
     @classmethod
     def refused_by(cls, error: Exception) -> Answer:
-        return cls(Verdict.REFUSE, str(error), getattr(error, "status", 500), getattr(error, "retry_after", None),
-                   error)
+        return cls(Verdict.REFUSE, str(error), getattr(error, "status", 500),
+                   getattr(error, "retry_after", None), error)
 
 
 RESERVE = Answer(Verdict.RESERVE)

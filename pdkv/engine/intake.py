@@ -74,8 +74,8 @@ class Intake:
             raise InvalidRequest(f"priority must be an integer, got {priority!r} ({type(priority).__name__})")
         policy = self.scheduler.policy.name
         if priority != 0 and policy != "priority":
-            raise InvalidRequest(f"priority {priority} needs priority scheduling: this server's scheduler.policy "
-                                 f"is {policy} (give 0 or leave it out)")
+            raise InvalidRequest(f"priority {priority} needs priority scheduling: this server's "
+                                 f"scheduler.policy is {policy} (give 0 or leave it out)")
 
     # ---- submission and admission ---------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, arrival: float | None,

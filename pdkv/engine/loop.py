@@ -3,8 +3,9 @@
 Every role runs this loop; what differs between colocated, prefill and decode serving is the
 engine's KV connector (pdkv/engine/connector.py) and who sends the commands::
 
-    any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest | ReleasePages | Wake | Stop)──┐
-                                                                                                          ▼
+    any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest |
+                     ReleasePages | Wake | Stop)─────────────────────────────────┐
+                                                                                 ▼
     engine thread:  admit → apply commands (block when there is no work) → admit → step
                       │                                                            │
                       └──────── events.on_* (on the engine thread) ◄───────────────┘

@@ -81,7 +81,8 @@ def test_decode_connector_refuses_without_a_prefill_node_when_strict():
     coord = FakeCoordinator(routable=False, local_fallback=False)
     conn = DecodeConnector(coord, HiddenRows(1))
     answer = conn.admission(_req("c", 5))
-    assert answer.verdict is Verdict.REFUSE and re.search("no prefill node is connected.*local_fallback", answer.reason)
+    assert answer.verdict is Verdict.REFUSE
+    assert re.search("no prefill node is connected.*local_fallback", answer.reason)
     assert answer.status == 503 and answer.retry_after == 2
     assert [w.value for w in coord.decisions] == ["refused_no_peer"]
     assert conn.admission(_req("one", 1)) is LOCAL  # a one-token prompt needs no prefill node

@@ -47,7 +47,8 @@ def _step(s):
     return out
 
 
-@pytest.mark.parametrize("policy, order", [("fcfs", ["p2", "p0", "p1", "q0"]), ("priority", ["p0", "q0", "p1", "p2"])])
+@pytest.mark.parametrize("policy, order", [("fcfs", ["p2", "p0", "p1", "q0"]),
+                                           ("priority", ["p0", "q0", "p1", "p2"])])
 def test_waiting_order_follows_the_policy(policy, order):
     """Lower priority first, ties by arrival (p0 before q0); fcfs keeps arrival order whatever the
     priority says. One request runs at a time, so they run in exactly that order."""
@@ -235,8 +236,8 @@ def test_a_refusal_reaches_the_loops_front_end_and_the_rest_keep_their_order(loo
     for rid, first in (("a", 5), ("bad", 0), ("b", 5)):
         loop.put(AddRequest(rid, [first, 6, 7], slow, 0.0))
     _open_when_queued(eng, loop, gate, 3)
-    assert [ev.next() for _ in range(3)] == [("failed", "bad", "prompts starting with token 0 cannot be served here"),
-                                             ("finished", "a", "length"), ("finished", "b", "length")]
+    refused = ("failed", "bad", "prompts starting with token 0 cannot be served here")
+    assert [ev.next() for _ in range(3)] == [refused, ("finished", "a", "length"), ("finished", "b", "length")]
     assert eng.allocator.num_free == eng.allocator.num_total
 
 
