@@ -27,17 +27,14 @@ class BackendUnavailable(PdkvError, RuntimeError):
     """An attention backend was chosen that cannot run here (not installed, no GPU, bad layout)."""
 
 
-class ResourceBusy(PdkvError, RuntimeError):
-    """A request cannot be admitted now: a per-request resource (pages, a hidden-state slot, ...)
-    is not free. Nothing was reserved; admission is tried again later (pdkv.engine.loop)."""
-
-
-class OutOfPages(ResourceBusy):
-    """The page allocator cannot hand out the pages asked for; nothing was allocated."""
+class OutOfPages(PdkvError, RuntimeError):
+    """The page allocator cannot hand out the pages asked for; nothing was allocated. (Admission
+    never sees it: the scheduler checks first and the request waits, pdkv/engine/scheduler.py.)"""
 
 
 class AdmissionRefused(PdkvError, RuntimeError):
-    """The KV connector refuses a request it cannot serve (e.g. no prefill node connected).
+    """A request refused at admission (``LLMEngine.add_request``), e.g. no prefill node is
+    connected; the KV connector says so with ``Answer.refuse`` (pdkv/engine/connector.py).
     ``status`` / ``retry_after``: what the client is told (503 + Retry-After: try again later)."""
 
     def __init__(self, message: str, status: int = 500, retry_after: int | None = None):

@@ -73,12 +73,12 @@ class AsyncEngine(LoopEvents):
         return len(self._sinks)
 
     def submit(self, rid: str, prompt_token_ids: list[int], params, sink: asyncio.Queue, tag: object,
-               arrival: float) -> None:
+               arrival: float, priority: int = 0) -> None:
         """Queue a request that the handler already validated (``engine.validate_request``)."""
         if self._stopped:
             raise EngineFailure("the engine is shutting down")
         self._sinks[rid] = (sink, tag)
-        self.commands(AddRequest(rid, prompt_token_ids, params, arrival))
+        self.commands(AddRequest(rid, prompt_token_ids, params, arrival, priority))
 
     def abort(self, rid: str) -> None:
         """Stop generating for ``rid`` and free its pages; a no-op if it already finished."""

@@ -106,7 +106,7 @@ class Generation:
                     token_healing=heal)
                 try:
                     params.validate()
-                    engine.validate_request(ids, params)
+                    engine.validate_request(ids, params, req.priority)
                 except InvalidRequest as e:
                     raise APIError(str(e), 400, param=_param_of(str(e))) from None
                 index = i * req.n + j
@@ -148,7 +148,7 @@ class Generation:
         try:
             for c, params in zip(self.choices, self._params):
                 self.aengine.submit(c.rid, self.prompt_token_ids[c.prompt_index], params, self._sink, c,
-                                    self.arrival)
+                                    self.arrival, self.req.priority)
                 self._open.add(c.rid)
             while self._open:
                 c, out = await self._sink.get()
@@ -193,7 +193,7 @@ def _word_ids(tok, word: str) -> list[list[int]]:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine message is about, for the ``param`` of the error JSON."""
-    for name in ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "repetition_penalty",
+    for name in ("priority", "logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "prompt_logprobs", "logprobs",
                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "prompt"):
         if name in message:

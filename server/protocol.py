@@ -55,6 +55,9 @@ class GenerateRequest:
     structured: StructuredSpec | None = None
     tools: ToolsSpec | None = None
     token_healing: bool | None = None  # extension (vLLM-style extra field); None: server.token_healing
+    # vLLM's extra field: lower is scheduled first under scheduler.policy priority; any non-zero
+    # value is refused under fcfs (the engine checks it, as vLLM's processor does)
+    priority: int = 0
 
 
 def _type_name(v: Any) -> str:
@@ -169,6 +172,7 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         stop_token_ids=list(stop_token_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
         token_healing=_bool(body, "token_healing", None),
+        priority=_int(body, "priority", 0),
     )
 
 

@@ -15,8 +15,8 @@ as ``SkipCheck`` here so this module imports nothing from the runner.
   pdkv.engine.cuda_graphs on the GPU vs eager: equal greedy tokens, ms/step with and without the
   layer counter captured (tools/gpu_check_graphs.py).
 - :func:`check_disagg_gpu`: the disaggregated equality test with KV on the GPU. SKIPPED while
-  pdkv.config refuses ``model.device: cuda`` for the prefill/decode roles (the wiring of issue 13);
-  once it accepts, this runs tests/disagg/test_equality.py with PDKV_TEST_DEVICE=cuda.
+  pdkv.config refuses ``model.device: cuda`` for the prefill/decode roles (its GPU wiring is not
+  done); once it accepts, this runs tests/disagg/test_equality.py with PDKV_TEST_DEVICE=cuda.
 """
 
 from __future__ import annotations

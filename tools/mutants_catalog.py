@@ -57,9 +57,9 @@ MUTANTS: list[Mutant] = [
         ("pdkv/kv/allocator.py",
          "        if self._pinned[page]:\n            raise PageStateError(f\"page {page} is pinned",
          "        if False:\n            raise PageStateError(f\"page {page} is pinned"),
-        ("pdkv/engine/scheduler.py", "        self.remote[req.request_id] = req\n        return req.pages",
+        ("pdkv/engine/scheduler.py", "        self.remote[req.request_id] = req\n        return True",
          "        self.remote[req.request_id] = req\n        req.num_computed_tokens += num_tokens\n"
-         "        self.publish(req)\n        req.num_computed_tokens -= num_tokens\n        return req.pages")),
+         "        self.publish(req)\n        req.num_computed_tokens -= num_tokens\n        return True")),
         (PREFIX_PROPS,), "remote pages published before their writes landed"),
     _m("revive_stays_evictable", "prefix", "pdkv/kv/allocator.py",
        "            if self._refs[p] == 0:\n                del self._evictable[p]\n", "",

@@ -34,8 +34,9 @@ class _Prefill:
 # ("decode") path. A verification step (k + 1 tokens) took the per-sequence SDPA path with a
 # boolean mask built in ``plan`` before, which PyTorch converts to a float mask in every layer;
 # now one sequence's mask is a view of a cached buffer (``_tail_bias``) and several sequences'
-# K/V are gathered once for all their rows (issue 16). Longer chunks keep SDPA's fused kernel (issue 20): a [q_len, L] score
-# matrix per head is what that kernel avoids materializing.
+# K/V are gathered once for all their rows.
+# Longer chunks keep SDPA's fused kernel: a [q_len, L] score matrix per head is what that kernel
+# avoids materializing.
 MULTI_QUERY_MAX = 16
 
 
@@ -247,7 +248,7 @@ class TorchAttentionBackend(AttentionBackend):
         # kernel (flash) takes, mask or not. A 3-D call (e.g. the G query heads of a KV head laid
         # along the query axis) falls back to the math kernel, which materializes the scores
         # in float32: on a later chunk that made the step slower than prefilling the whole
-        # prompt at once (issue 20; tests/engine/test_chunk_attention.py pins it).
+        # prompt at once (tests/engine/test_chunk_attention.py pins it).
         qh = qs.transpose(0, 1)[None]  # [1, Hq, n, D]
         values = self._sdpa_values(keys, values)
         if p.mask is None:

@@ -1,4 +1,5 @@
-"""`python -m pdkv.bench interference --causes`: the two measurements behind issue 20's fix.
+"""`python -m pdkv.bench interference --causes`: the two measurements behind the fix of
+chunked prefill's decode stalls.
 
 1. SDPA kernels for a later chunk (q_len < kv_len) on the default model's head shape: the old
    3-D call with a [group * n, L] mask (PyTorch's math kernel) against the 4-D ``enable_gqa``

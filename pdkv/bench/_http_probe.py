@@ -1,4 +1,5 @@
-"""The HTTP path of `python -m pdkv.bench interference --http`: issue 20's probe, as a user runs it.
+"""The HTTP path of `python -m pdkv.bench interference --http`: the decode-stall probe, as a
+user runs it.
 
 Per configuration it starts ``pdkv serve -c configs/colocated.yaml`` (the embedded default model)
 with ``scheduler.chunk_size`` / ``scheduler.max_num_batched_tokens`` set, opens ``streams``

@@ -5,7 +5,8 @@ Workload (per configuration, the same in every one): ``--streams`` decode stream
 prompts, 160 greedy tokens, eos ignored) start together; ``--num-long`` long prompts of P random
 tokens (8 new tokens each) arrive while they run: by default right after the streams' token
 8, 40, 72, 104 (``--arrive-every-tokens``: the same offered work in every configuration however
-fast the machine is at the moment), or ``--arrival-gap-s`` seconds apart as in issue 20's probe.
+fast the machine is at the moment), or ``--arrival-gap-s`` seconds apart as in the HTTP probe
+(``--http``).
 The engine runs in-process (``LLMEngine.step`` in a loop, a timestamp per step and per token).
 
 Per configuration it prints the streams' inter-token latency (ITL) p50/p99/max, the long
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrival-gap-s", type=float, default=0.0, help="> 0: arrivals by the clock instead")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--http", action="store_true", help="issue 20's probe instead: `pdkv serve -c "
+    ap.add_argument("--http", action="store_true", help="the HTTP probe instead (what a user sees): `pdkv serve -c "
                     "configs/colocated.yaml` per configuration, SSE streams, arrivals --arrival-gap-s apart "
                     "(default 1.5); ITL and TTFT only")
     ap.add_argument("--causes", action="store_true", help="instead: the SDPA kernel of a later chunk and "

@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LAYOUTS = ("HND", "NHD")
 KV_DTYPES = ("auto", "fp8_e4m3")  # kv_cache.dtype
+SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.policy (pdkv/engine/policy.py implements them)
 MAX_AFFINITY_PAGES = 64  # disagg.affinity_pages: more never helps (the first pages decide)
 MAX_CUDA_GRAPH_BATCH = 512  # model.cuda_graph_batch_sizes: each graph holds its activations
 
@@ -66,6 +67,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     chunk_size: int = 512  # most prefill tokens of one request in one step
     max_num_seqs: int = 64  # most running requests
+    # The order requests wait in and the preemption victim (pdkv/engine/policy.py): fcfs (arrival)
+    # or priority (the request's "priority", lower first, then arrival; as vLLM's policy field)
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS,
                                   MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
-                                  SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
+                                  SCHEDULING_POLICIES, SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
 # a prefill node never samples, so it takes only methods whose proposer needs prefill-side work.
@@ -77,6 +77,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0 < s.chunk_size <= s.max_num_batched_tokens, "scheduler.chunk_size",
          f"positive and at most scheduler.max_num_batched_tokens ({s.max_num_batched_tokens})", s.chunk_size)
     need(s.max_num_seqs > 0, "scheduler.max_num_seqs", "a positive integer", s.max_num_seqs)
+    one_of("scheduler.policy", s.policy, SCHEDULING_POLICIES)
     need(sv.host.strip() != "", "server.host", "a host name or address", sv.host)
     need(0 <= sv.port <= 65535, "server.port", "a TCP port in 0..65535 (0: any free port)", sv.port)
     need(sv.api_key is None or sv.api_key.strip() != "", "server.api_key", "a non-empty key or null", sv.api_key)

@@ -8,12 +8,14 @@
   saturated or none connected: here, through the engine's normal chunked path, LOCAL; with
   ``disagg.local_fallback`` false no prefill node is a 503). Remote: the engine takes the cached
   pages, reserves pinned pages for the rest and parks the request in WAITING_FOR_REMOTE_KV;
+- ``admission`` refuses (``Answer.refuse``) a request no prefill node can take: none connected
+  without ``disagg.local_fallback`` (503), or more pages than the staging ring holds (400);
 - ``admit``: counts the decision; for remote KV reserves the request's hidden-state slot row
-  and, with a speculative hand-off, its proposer's pages (none free: the request waits; with a
-  hand-off nothing is reused from this node's cache: the proposer's cache holds no prefix) and the prefill node the chooser picks (none live any more:
-  the request waits too, and its next admission decides again), then asks the coordinator (on
-  the event loop) to send PREFILL with the cached count and the ids of the pages after it (only
-  those are granted and written);
+  and, with a speculative hand-off, its proposer's pages (none free: NOT_YET, the request waits;
+  with a hand-off nothing is reused from this node's cache: the proposer's cache holds no
+  prefix) and the prefill node the chooser picks (none live any more: NOT_YET too, and its next
+  admission decides again), then asks the coordinator (on the event loop) to send PREFILL with
+  the cached count and the ids of the pages after it (only those are granted and written);
 - ``finished``: a client that left while its KV may still be arriving: the coordinator cancels
   the transfer and releases the (quarantined) pages once no write can land;
 - ``released``: those pages were freed: the request's proposer pages go back too, only now (a late
@@ -28,9 +30,8 @@ import time
 
 from pdkv.disagg.choice import Where
 from pdkv.disagg.rows import HiddenRows
-from pdkv.engine.connector import LOCAL, Admission, KVConnector
+from pdkv.engine.connector import LOCAL, NOT_YET, RESERVE, Admission, Answer, KVConnector
 from pdkv.engine.request import RequestStatus
-from pdkv.errors import AdmissionRefused
 
 
 class DecodeConnector(KVConnector):
@@ -45,7 +46,7 @@ class DecodeConnector(KVConnector):
         # (a failed reservation in between calls admission again): one decision in flight at a time
         self._decided: tuple[str, Where] | None = None
 
-    def admission(self, req) -> Admission:
+    def admission(self, req) -> Admission | Answer:
         rid = req.request_id
         if req.num_prompt_tokens <= 1:
             self._decided = (rid, Where.LOCAL_SHORT)
@@ -59,18 +60,18 @@ class DecodeConnector(KVConnector):
         self._decided = (rid, where)
         if where is Where.REFUSED_NO_PEER:
             self.coordinator.metrics.decided(where)  # final: admit never runs for it
-            raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
-                                   "prefill peers; retry shortly; disagg.local_fallback is false)",
-                                   status=503, retry_after=2)
+            return Answer.refuse("no prefill node is connected to this decode node (it keeps dialling its "
+                                 "prefill peers; retry shortly; disagg.local_fallback is false)",
+                                 status=503, retry_after=2)
         if where is not Where.REMOTE:
             return LOCAL  # prefilled here, chunked like colocated
         landing = self.landing
         if landing is not None:  # staged: every page sent needs a landing slot at once
             need = -(-req.num_prompt_tokens // self.page_size) - cached // self.page_size
             if need > landing.num_slots:
-                raise AdmissionRefused(f"the prompt's KV needs {need} staging slots and this decode node's ring has "
-                                       f"{landing.num_slots} (messenger.staging_mib); send a shorter prompt",
-                                       status=400)
+                return Answer.refuse(f"the prompt's KV needs {need} staging slots and this decode node's "
+                                     f"ring has {landing.num_slots} (messenger.staging_mib); send a shorter "
+                                     "prompt", status=400)
         return Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=self.spec is None)
 
     def _cached(self, req) -> int:
@@ -78,28 +79,28 @@ class DecodeConnector(KVConnector):
         hand-off (the prefill node streams the proposer's KV for every position it computes)."""
         return 0 if self.spec is not None else req.num_cached_tokens
 
-    def admit(self, req) -> bool:
+    def admit(self, req) -> Answer:
         c = self.coordinator
         decided, self._decided = self._decided, None
         where = decided[1] if decided is not None and decided[0] == req.request_id else Where.LOCAL_SHORT
         if not req.num_external_tokens:
             c.metrics.decided(where)
-            return True
+            return RESERVE
         row = self.rows.take()
         if row is None:
-            return False
+            return NOT_YET
         cached = self._cached(req)  # what the engine took from the cache: only the pages after it come
         sent = list(req.pages[cached // self.page_size:])
         landing = self.landing
         if landing is not None and not landing.reserve(req.request_id, len(sent)):
             self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
-            return False
+            return NOT_YET
         spec = None
         if self.spec is not None:  # the proposer's pages for the KV the prefill node streams into them
             spec_pages = self.spec.reserve(req.request_id, req.num_external_tokens)
             if spec_pages is None:
                 self.rows.give_back(row)
-                return False
+                return NOT_YET
             spec = {"spec_pages": list(spec_pages), "next_token": req.prompt_token_ids[-1]}
         tokens = list(req.prompt_token_ids[:-1])
         if req.params.prompt_logprobs is not None:  # the prefill node's forward computes them
@@ -112,12 +113,12 @@ class DecodeConnector(KVConnector):
                 landing.release(req.request_id)
             if self.spec is not None:
                 self.spec.release(req.request_id)  # nothing was sent: no write can land
-            return False
+            return NOT_YET
         c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
         c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached, spec)
-        return True
+        return RESERVE
 
     def finished(self, req) -> None:
         if req.request_id not in self._remote:

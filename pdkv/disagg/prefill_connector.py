@@ -4,7 +4,7 @@
   sampled, pages held after the last chunk until the job's writes are done) and reuses this
   node's own cached prefix (computed once, its pages still sent to the decode node from
   PREFILL's ``cached`` on: see writes.py);
-- ``admit``: reserves the job's hidden-state staging row (no row free: the request waits);
+- ``admit``: reserves the job's hidden-state staging row (no row free: NOT_YET, the request waits);
 - ``before_forward``: each chunk's complete pages (writes.plan_batch), queued layer by layer on
   the layer counter; the C poller posts layer l once the counter passed it;
 - ``after_layer``: bumps the layer counter (after each layer's o_proj);
@@ -22,7 +22,7 @@ from pdkv.disagg.grants import on_nic
 from pdkv.disagg.jobs import JobTable
 from pdkv.disagg.rows import StagingRows
 from pdkv.disagg.writes import QueueError, count_batches, plan_batch, queue_chunk
-from pdkv.engine.connector import Admission, ForwardBatch, KVConnector
+from pdkv.engine.connector import NOT_YET, RESERVE, Admission, Answer, ForwardBatch, KVConnector
 
 PREFILL_ONLY = Admission(prefill_only=True, reuse_cached=True)
 PREFILL_ONLY_NO_REUSE = Admission(prefill_only=True)
@@ -55,14 +55,14 @@ class PrefillConnector(KVConnector):
         # prefill node computes: a prefix served from this node's cache would have none
         return PREFILL_ONLY if self.spec is None else PREFILL_ONLY_NO_REUSE
 
-    def admit(self, req) -> bool:
+    def admit(self, req) -> Answer:
         job = self.jobs.get(req.request_id)
         if job is not None and job.prompt_logprobs is not None:
             req.prompt_next_token = job.last_token  # its forward over position n-2 scores it
         if job is None or job.staging is not None:
-            return True
+            return RESERVE
         job.staging = self.staging.take()
-        return job.staging is not None
+        return RESERVE if job.staging is not None else NOT_YET
 
     def _bump(self, layer: int | None = None) -> None:
         self._issued += 1

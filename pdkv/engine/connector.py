@@ -1,20 +1,26 @@
 """The KV connector: the one object through which anything outside the engine takes part in a
 request's KV cache (the role vLLM's ``KVConnectorBase_V1`` plays, smaller).
 
-The engine calls it at five named points, always on the engine thread, in this order for a
+The engine calls it at seven named points, always on the engine thread, in this order for a
 request::
 
-    admission(req) -> Admission     what the engine reserves for req (pages, external KV, ...)
-    admit(req) -> bool              the engine reserved it; reserve the connector's own
-                                    per-request resources. False: not now (the request waits,
-                                    FIFO, and admission is tried again after the next command
-                                    or step); raise to refuse it.
+    admission(req) -> Admission | Answer   what the engine reserves for req (pages, external
+                                    KV, ...), or an Answer instead: NOT_YET (wait) or a refusal
+    admit(req) -> Answer            the engine reserved it; reserve the connector's own
+                                    per-request resources: RESERVE (done), NOT_YET (the engine
+                                    gives the pages back, the request keeps its place among the
+                                    waiting and is asked again after the next command or step)
+                                    or ``Answer.refuse(...)`` (the request fails with that error)
     before_forward(batch)           each forward pass, with its layout (ForwardBatch)
     after_layer(layer)              after each layer's attention output projection (o_proj)
     after_forward(batch, hidden)    the final hidden states [num_tokens, hidden_size]
     finished(req)                   the request left the engine (finished, failed or aborted)
     released(request_id)            its held pages were freed (LLMEngine.release): no transfer
                                     can touch the request any more
+
+The scheduler owns the queue of requests waiting for admission (``Scheduler.pending``, in its
+policy's order, pdkv/engine/policy.py) and acts on the typed answer: nothing here raises to say
+"not now", and a refusal is a value, not an exception through the engine's layers.
 
 Colocated serving uses ``KVConnector`` itself: every point is a no-op and ``after_layer`` is
 None, so the model makes no per-layer call at all. Disaggregated serving has two
@@ -37,7 +43,7 @@ cache only when complete: computed by a finished forward pass, or for remote KV 
 
 Later features are meant to use the same points rather than add new ones:
 - speculative decoding (draft model / MTP heads): ``admit`` reserves the draft's per-request
-  buffers (and may answer False while none are free), ``after_forward`` reads the hidden states
+  buffers (and answers NOT_YET while none are free), ``after_forward`` reads the hidden states
   the draft heads consume, ``before_forward`` sees which rows are verify tokens;
 - an engine feature that needs any other per-request resource reserves it in ``admit``, so a
   request never starts running without everything it needs.
@@ -48,10 +54,41 @@ that must talk to an event loop posts to it (``loop.call_soon_threadsafe``) and 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.engine.request import Request
+
+
+class Verdict(enum.Enum):
+    RESERVE = "reserve"  # reserved: the request is admitted
+    NOT_YET = "not yet"  # not free now, nothing kept: the request waits in its place
+    REFUSE = "refuse"  # never: the request fails with the answer's reason
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A connector's (and the engine's) answer to "may this request be admitted now?"."""
+
+    verdict: Verdict
+    reason: str = ""  # a refusal's message, what the client is told
+    status: int = 500  # a refusal's HTTP status (503 + retry_after: try again later)
+    retry_after: int | None = None
+    error: Exception | None = None  # the exception a refusal came from (LLMEngine.add_request raises it)
+
+    @classmethod
+    def refuse(cls, reason: str, status: int = 500, retry_after: int | None = None) -> Answer:
+        return cls(Verdict.REFUSE, reason, status, retry_after)
+
+    @classmethod
+    def refused_by(cls, error: Exception) -> Answer:
+        return cls(Verdict.REFUSE, str(error), getattr(error, "status", 500),
+                   getattr(error, "retry_after", None), error)
+
+
+RESERVE = Answer(Verdict.RESERVE)
+NOT_YET = Answer(Verdict.NOT_YET)
 
 
 @dataclass(frozen=True)
@@ -126,15 +163,17 @@ class KVConnector:
     # set: decode-only steps run eagerly, so the hook runs.
     graph_layer_hook = None
 
-    def admission(self, req: Request) -> Admission:
-        """What the engine must reserve for ``req`` (raise to refuse it: the client gets the error)."""
+    def admission(self, req: Request) -> Admission | Answer:
+        """What the engine must reserve for ``req``; or NOT_YET / ``Answer.refuse(...)`` (the
+        client gets its reason) instead of a plan."""
         return LOCAL
 
-    def admit(self, req: Request) -> bool:
+    def admit(self, req: Request) -> Answer:
         """``req``'s pages are reserved (``req.pages`` for external KV / prefill-only); reserve
-        this connector's own per-request resources. False: not now; the engine gives the pages
-        back and the request waits (FIFO) until admission is tried again."""
-        return True
+        this connector's own per-request resources. NOT_YET: not now; the engine gives the pages
+        back and the request waits in its place until admission is tried again; a refusal fails
+        it (the engine gives the pages back too)."""
+        return RESERVE
 
     def before_forward(self, batch: ForwardBatch) -> None:
         """Runs before each forward pass, with the pass's layout."""

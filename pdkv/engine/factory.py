@@ -197,7 +197,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         runner.graphs = build_decode_graphs(loaded.model, backend, allocator, max_model_len,
                                             model.cuda_graph_batch_sizes, device)
     sched = Scheduler(allocator, kv_cache.page_size, scheduler.max_num_batched_tokens, scheduler.chunk_size,
-                      scheduler.max_num_seqs, prefix_cache=cache)
+                      scheduler.max_num_seqs, prefix_cache=cache, policy=scheduler.policy)
     return EngineParts(model, kv_cache, scheduler, loaded, tokenizer,
                        model.served_name or loaded.path.resolve().name, max_model_len, kv, allocator,
                        runner, sched, tp)

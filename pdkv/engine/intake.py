@@ -1,13 +1,14 @@
-"""The engine's intake: a new request checked, then admitted (engine thread).
+"""The engine's intake: a new request checked and submitted, then admitted (engine thread).
 
-Every kind of request goes through the same two steps. ``check_prompt`` (and, for a request that
-samples, ``validate``) refuses what can never run with an InvalidRequest naming what is wrong;
-``validate`` is pure, so the server calls it from the event loop before submitting anything.
-Admission then asks the KV connector (pdkv/engine/connector.py) what to reserve — all local, KV
-from elsewhere (``num_external_tokens``) or prefill only — takes those pages from the scheduler,
-and lets the connector reserve its own per-request resources. A refusal at any point leaves
-nothing behind: OutOfPages / ResourceBusy mean "not now, nothing changed" (the engine loop tries
-again), anything else is final.
+Every request goes through the same two steps. ``submit`` checks the prompt (``check_prompt``;
+``validate`` is the full check of a request that samples, pure, so the server calls it from the
+event loop before submitting anything) and queues the request in the scheduler's ``pending``
+queue. ``reserve`` is admission, one try, called by ``Scheduler.admit`` for the request at the
+head: it asks the KV connector (pdkv/engine/connector.py) what to reserve — all local, KV from
+elsewhere (``num_external_tokens``) or prefill only — takes those pages from the scheduler, lets
+the connector reserve its own per-request resources, and answers with a typed Answer: RESERVE,
+NOT_YET (pages or a connector resource not free: nothing kept, the request keeps its place) or a
+refusal (final: the connector's, or whatever check raised).
 
 Before the connector is asked, ``req.num_cached_tokens`` holds what the local prefix cache has
 of the prompt (a peek: whole pages, at most all but the last token); whether the request really
@@ -20,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from pdkv.engine.connector import Admission, KVConnector
+from pdkv.engine.connector import NOT_YET, RESERVE, Answer, KVConnector, Verdict
 from pdkv.engine.params import SamplingParams
-from pdkv.engine.request import Request
-from pdkv.errors import InvalidRequest, ResourceBusy
+from pdkv.engine.request import Request, RequestStatus
+from pdkv.errors import InvalidRequest
 
 
 class Intake:
@@ -31,7 +32,7 @@ class Intake:
                  connector: Callable[[], KVConnector], requests: dict[str, Request], held: dict):
         """``connector``: the engine's current KV connector (it may be replaced before the first
         request); ``requests`` / ``held``: the engine's live requests and held pages (an id in
-        either is in use), the same dicts, not copies: an admitted request is added to ``requests``."""
+        either is in use), the same dicts, not copies: a submitted request is added to ``requests``."""
         self.tokenizer, self.scheduler, self.allocator = tokenizer, scheduler, allocator
         self.vocab_size, self.max_model_len, self.page_size = vocab_size, max_model_len, page_size
         self.connector, self.requests, self.held = connector, requests, held
@@ -66,28 +67,39 @@ class Intake:
             raise InvalidRequest(f"{'prompt + max_tokens need' if max_tokens else 'prompt needs'} {need} KV "
                                  f"pages, the cache has only {self.allocator.num_total}")
 
-    # ---- the kinds of request (LLMEngine.add_*: their contracts are documented there) ---------
-    def add(self, request_id: str, prompt, params: SamplingParams, arrival: float | None) -> None:
+    def check_priority(self, priority) -> None:
+        """Pure: ``priority`` must be an integer, and 0 unless the scheduler's policy is
+        ``priority`` (vLLM refuses a non-zero priority without priority scheduling too)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority must be an integer, got {priority!r} ({type(priority).__name__})")
+        policy = self.scheduler.policy.name
+        if priority != 0 and policy != "priority":
+            raise InvalidRequest(f"priority {priority} needs priority scheduling: this server's "
+                                 f"scheduler.policy is {policy} (give 0 or leave it out)")
+
+    # ---- submission and admission ---------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params: SamplingParams, arrival: float | None,
+               priority: int = 0) -> Request:
+        self.check_priority(priority)
         req = self._new_request(request_id, prompt, params, arrival)
         self.check_prompt(req.prompt_token_ids, 0)  # before hashing it
-        # Prompt logprobs need every prompt position's logits: nothing is taken from the cache.
-        req.num_cached_tokens = 0 if params.prompt_logprobs is not None else self.scheduler.cached_prefix(req)
-        self._admit(req, self.connector().admission(req))
+        req.priority = priority
+        self.scheduler.submit(req)
+        self.requests[req.request_id] = req  # an id in use from now on; pending until admitted
+        return req
 
-    def add_remote(self, request_id: str, prompt, params: SamplingParams, reuse_cached: bool) -> list[int]:
-        req = self._new_request(request_id, prompt, params)
-        self.check_prompt(req.prompt_token_ids, 0)
-        cached = self.scheduler.cached_prefix(req) if reuse_cached else 0
-        req.num_cached_tokens = cached
-        self._admit(req, Admission(num_external_tokens=req.num_prompt_tokens - 1 - cached, reuse_cached=reuse_cached))
-        return req.pages[cached // self.page_size:]
-
-    def add_prefill(self, request_id: str, prompt_token_ids: list[int], reuse_cached: bool) -> int:
-        req = self._new_request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1))
-        self.check_prompt(req.prompt_token_ids, 0)
-        req.num_cached_tokens = self.scheduler.cached_prefix(req) if reuse_cached else 0
-        self._admit(req, Admission(prefill_only=True, reuse_cached=reuse_cached))
-        return req.num_cached_tokens
+    def reserve(self, req: Request) -> Answer:
+        """One admission try for ``req`` (Scheduler.admit): reserves what the connector asks for
+        and answers; anything but RESERVE leaves nothing reserved."""
+        try:
+            answer = self._reserve(req)
+        except Exception as e:  # noqa: BLE001 - a check or the connector refused: the client hears why
+            answer = Answer.refused_by(e)
+        if answer.verdict is not Verdict.RESERVE and req.status is not RequestStatus.PENDING:
+            self.scheduler.unreserve(req)  # pages back (unpinned); nobody saw the request
+        if answer.verdict is Verdict.REFUSE:
+            self.requests.pop(req.request_id, None)
+        return answer
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         self.check_prompt(list(prompt_token_ids), 0)
@@ -125,8 +137,13 @@ class Intake:
         ids, done = index.heal(ids)
         return ids, None if done is None else HealingState(index, done)
 
-    def _admit(self, req: Request, plan: Admission) -> None:
+    def _reserve(self, req: Request) -> Answer:
         ids, params = req.prompt_token_ids, req.params
+        # Prompt logprobs need every prompt position's logits: nothing is taken from the cache.
+        req.num_cached_tokens = 0 if params.prompt_logprobs is not None else self.scheduler.cached_prefix(req)
+        plan = self.connector().admission(req)
+        if isinstance(plan, Answer):
+            return plan
         if plan.prefill_only:
             self.check_prompt(ids, 0)
         else:
@@ -143,18 +160,30 @@ class Intake:
         num_cached = req.num_cached_tokens if reuse else 0
         req.num_cached_tokens = num_cached
         if plan.prefill_only:
-            self.scheduler.add_prefill(req, num_cached)  # OutOfPages: nothing changed
+            if not self.scheduler.add_prefill(req, num_cached):
+                return NOT_YET  # pages not free: nothing changed
         elif plan.num_external_tokens:
-            self.scheduler.add_remote(req, plan.num_external_tokens, num_cached)  # OutOfPages: nothing changed
+            if not self.scheduler.add_remote(req, plan.num_external_tokens, num_cached):
+                return NOT_YET
         else:
             self.scheduler.add(req)  # a local request takes its cached pages when scheduled
         cache = self.scheduler.cache
         if cache is not None and reuse and (plan.prefill_only or plan.num_external_tokens):
             cache.record_query(req.num_prompt_tokens, num_cached)
-        if not self.connector().admit(req):
-            self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
-            raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
         if params.constraint is not None and not plan.prefill_only:
-            # closed when the request leaves (LLMEngine._left)
+            # closed when the request leaves (LLMEngine._left), or below if it is not admitted now
             req.mask = params.constraint.new_mask(req.prompt_token_ids)
-        self.requests[req.request_id] = req
+        try:
+            answer = self.connector().admit(req)
+        except BaseException:
+            self._close_mask(req)
+            raise
+        if answer.verdict is not Verdict.RESERVE:
+            self._close_mask(req)
+        return answer
+
+    @staticmethod
+    def _close_mask(req: Request) -> None:
+        if req.mask is not None:
+            req.mask.close()
+            req.mask = None

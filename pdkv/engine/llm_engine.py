@@ -4,10 +4,13 @@ One thread owns an engine and calls ``add_request`` / ``abort`` / ``step``; only
 ``validate_request`` is meant to be called from other threads (it is pure). A step is
 ``schedule → run → update``: one forward pass in which prefill chunks and decodes share a batch.
 Everything outside the engine that takes part in a request's KV (disaggregated prefill and
-decode; later prefix caching, speculative decoding) does so through one KV connector
-(pdkv/engine/connector.py), called at named points of admission, the forward pass and exit.
+decode) does so through one KV connector (pdkv/engine/connector.py), called at named points of
+admission, the forward pass and exit; prefix caching (pdkv/kv/prefix_cache.py, through the
+scheduler) and speculative decoding (pdkv/engine/spec) are the engine's own.
 
-New requests are checked and admitted by the engine's intake (pdkv/engine/intake.py); a step's
+New requests are checked and submitted by the engine's intake (pdkv/engine/intake.py) and wait
+in the scheduler's ``pending`` queue until ``admit`` reserves what they need (the connector's
+typed answer: reserve / not yet / refuse, pdkv/engine/scheduler.py); a step's
 sampled tokens are kept up to the first that ends the request by ``Request.append`` and reported
 as ``RequestOutput.delta`` (pdkv/engine/request.py); what is left here is the step and a
 request's exits (finish, abort, the held pages' release).
@@ -20,13 +23,13 @@ import logging
 from collections.abc import Callable, Iterator
 
 from pdkv.config import Config, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from pdkv.engine.connector import KVConnector
+from pdkv.engine.connector import Answer, KVConnector
 from pdkv.engine.factory import build_parts
 from pdkv.engine.intake import Intake
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestOutput, RequestStatus
 from pdkv.engine.spec import build_spec_decoder
-from pdkv.errors import InvalidRequest
+from pdkv.errors import AdmissionRefused, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class LLMEngine:
         # them, or a local write may still read them): freed exactly once by release().
         self._held: dict[str, tuple[list[int], bool]] = {}  # rid -> (pages, pinned)
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._refused: list[tuple[str, Answer]] = []  # refused while admitting another's: for admit()
         self._ids = itertools.count()
         self.intake = Intake(self.tokenizer, self.scheduler, self.allocator, self.vocab_size, self.max_model_len,
                              self.kv.page_size, lambda: self.connector, self.requests, self._held)
@@ -71,44 +75,51 @@ class LLMEngine:
         self.connector = connector if connector is not None else KVConnector()
 
     # ---- requests (checked and admitted by pdkv/engine/intake.py) -------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Pure and thread-safe: raises InvalidRequest naming what is wrong."""
+        self.intake.check_priority(priority)
         self.intake.validate(prompt_token_ids, params)
 
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               arrival: float | None = None, priority: int = 0) -> None:
+        """Queues a request for admission (``admit``); raises InvalidRequest (a bad request:
+        nothing queued). ``priority``: lower runs first under ``scheduler.policy: priority``
+        (non-zero is refused otherwise, as vLLM does)."""
+        self.intake.submit(request_id, prompt, params, arrival, priority)
+
+    def admit(self) -> list[tuple[str, Answer]]:
+        """Admits queued requests in the scheduler's order: the connector says what to reserve
+        (pdkv/engine/connector.py) and then reserves its own resources. One whose pages or
+        connector resources are not free waits at the head (nothing changed; the engine loop
+        calls this again after every command and step). Returns the requests refused meanwhile
+        (gone from the engine, nothing held) with the connector's or the check's answer."""
+        refused, self._refused = self._refused, []
+        refused += [(r.request_id, a) for r, a in self.scheduler.admit(self.intake.reserve)]
+        return refused
+
+    @property
+    def num_pending(self) -> int:
+        """Requests queued for admission."""
+        return len(self.scheduler.pending)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
-        """Admits a request: the connector says what to reserve (pdkv/engine/connector.py) and
-        then reserves its own resources. Raises InvalidRequest (a bad request), ResourceBusy
-        (pages or a connector resource not free now: nothing changed, try again later; the
-        engine loop does) or the connector's refusal."""
-        self.intake.add(request_id, prompt, params, arrival)
-
-    def add_remote_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                           reuse_cached: bool = False) -> list[int]:
-        """Disaggregated decode without a connector deciding: reserves pinned pages for the
-        prompt minus its last token and parks the request in WAITING_FOR_REMOTE_KV; returns the
-        page ids a remote prefill fills. ``reuse_cached``: the locally cached prefix is taken
-        instead (``requests[id].num_cached_tokens`` tokens; only the pages after it are
-        returned). Raises OutOfPages (nothing changed); call ``remote_kv_ready`` when the writes
-        landed, ``abort`` to give the pages back."""
-        return self.intake.add_remote(request_id, prompt, params, reuse_cached)
-
-    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int], reuse_cached: bool = False) -> int:
-        """Disaggregated prefill without a connector deciding: compute the prompt's KV, never
-        sample; after its last chunk the request leaves with its pages HELD, ``step`` reports
-        it with finish_reason "prefilled" and ``release`` frees the pages. ``reuse_cached``: the
-        locally cached prefix is taken, not computed. Returns how many tokens were reused."""
-        return self.intake.add_prefill(request_id, prompt_token_ids, reuse_cached)
+                    arrival: float | None = None, priority: int = 0) -> None:
+        """``submit`` then ``admit``, for callers that drive the engine themselves. Raises
+        InvalidRequest (a bad request) or the refusal (AdmissionRefused, or the check's own error)
+        if the request is refused now; one that must wait for resources stays queued (the next
+        ``admit`` tries again; ``generate`` / ``stream`` do)."""
+        self.submit(request_id, prompt, params, arrival, priority)
+        refused = self.admit()
+        mine = next((a for rid, a in refused if rid == request_id), None)
+        self._refused += [(rid, a) for rid, a in refused if rid != request_id]  # the next admit() reports them
+        if mine is not None:
+            raise mine.error if mine.error is not None else AdmissionRefused(mine.reason, mine.status,
+                                                                             mine.retry_after)
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """How many leading tokens of this prompt the local prefix cache holds now (whole pages,
         at most all but the last token). A peek for routing decisions; engine thread only."""
         return self.intake.cached_prefix_tokens(prompt_token_ids)
-
-    def reset_prefix_cache(self) -> int:
-        """Forgets every cached page no request holds (vLLM's reset_prefix_cache): for when KV
-        memory was changed behind the engine's back. Returns how many pages were dropped."""
-        return self.allocator.evict_all()
 
     def remote_kv_ready(self, request_id: str, prompt_logprobs: list | None = None) -> None:
         """The remote prefill's writes for ``request_id`` have all landed: its full pages are
@@ -139,6 +150,9 @@ class LLMEngine:
         flight) until ``release(request_id)``."""
         req = self.requests.pop(request_id, None)
         if req is None or req.status.is_done:
+            return
+        if req.status == RequestStatus.PENDING:  # never admitted: nothing reserved, no output
+            self.scheduler.abort(req)
             return
         if quarantine:
             pinned = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
@@ -253,7 +267,7 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {r: [] for r in ids}
         while len(final) < len(ids):
-            for out in self.step():
+            for out in self._admit_and_step():
                 if out.request_id in logprobs:
                     logprobs[out.request_id] += out.new_logprobs
                 if out.finished and out.request_id in ids:
@@ -268,13 +282,23 @@ class LLMEngine:
         self.add_request(rid, prompt, params)
         try:
             while True:
-                for out in self.step():
+                for out in self._admit_and_step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:
                             return
         finally:
             self.abort(rid)
+
+    def _admit_and_step(self) -> list[RequestOutput]:
+        """``admit`` then ``step``, raising a refusal (the conveniences above have no one else to
+        tell) or a wait that nothing running can end."""
+        for _rid, a in self.admit():
+            raise a.error if a.error is not None else AdmissionRefused(a.reason, a.status, a.retry_after)
+        if self.scheduler.pending and not self.has_work():
+            raise RuntimeError(f"{self.num_pending} requests wait for admission and nothing runs that could "
+                               "free what they need")
+        return self.step()
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (if any); idempotent. Also runs at interpreter exit."""

@@ -3,15 +3,18 @@
 Every role runs this loop; what differs between colocated, prefill and decode serving is the
 engine's KV connector (pdkv/engine/connector.py) and who sends the commands::
 
-    any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest | ReleasePages | Stop)──┐
-                                                                                                   ▼
-    engine thread:  admit (FIFO) → apply commands (block when there is no work) → admit → step
-                         │                                                                 │
-                         └────────── events.on_* (on the engine thread) ◄──────────────────┘
+    any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest |
+                     ReleasePages | Wake | Stop)─────────────────────────────────┐
+                                                                                 ▼
+    engine thread:  admit → apply commands (block when there is no work) → admit → step
+                      │                                                            │
+                      └──────── events.on_* (on the engine thread) ◄───────────────┘
 
-Admission is FIFO: a request whose pages or connector resources are not free (ResourceBusy)
-waits at the head of the queue and is tried again after every command and every step (a
-release, an abort or a finished request may have freed what it needs).
+AddRequest submits the request to the scheduler's ``pending`` queue (pdkv/engine/scheduler.py);
+``LLMEngine.admit`` admits from it in the scheduler policy's order. A request whose pages or
+connector resources are not free (the connector answers NOT_YET) waits at the head and is tried
+again after every batch of commands and every step (a release, an abort, a finished request or
+a Wake may have freed what it needs); a refused one is failed here (``events.on_failed``).
 
 ``events`` (a LoopEvents) is how the front-end hears back: the HTTP server fans outputs out to
 its clients (server/async_engine.py), a prefill node's coordinator turns them into DONE_AT /
@@ -25,12 +28,10 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import RequestOutput
-from pdkv.errors import ResourceBusy
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float  # time.perf_counter() when it reached this node
+    priority: int = 0  # scheduler.policy priority (lower first); validated by the front-end
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,6 @@ class EngineLoop:
         self.engine, self.events = engine, events
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._admission: deque[AddRequest] = deque()  # waiting for pages / connector resources
         self._known: set[str] = set()  # request ids queued or admitted, not yet finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
@@ -183,7 +184,7 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once told to stop."""
-        if block and self._admission:
+        if block and self.engine.num_pending:
             # NOTE: whatever frees a resource sends a command (Wake for hidden-state rows); the
             # timeout only bounds the cost of a resource freed without one, should one appear.
             try:
@@ -210,55 +211,44 @@ class EngineLoop:
         if cmd.request_id in self._known:
             self.events.on_failed(cmd.request_id, EngineFailure(f"request id {cmd.request_id!r} is already in use"))
             return
-        if len(self._admission) >= self.max_waiting:
+        waiting = self.engine.num_pending
+        if waiting >= self.max_waiting:
             self.events.on_failed(cmd.request_id, EngineFailure(
-                f"the server is at capacity: {len(self._admission)} requests already wait for pages or other "
+                f"the server is at capacity: {waiting} requests already wait for pages or other "
                 f"per-request resources (server.max_waiting_requests); retry shortly", 503, 1))
             return
         self._known.add(cmd.request_id)
         self.events.on_added(cmd)
-        self._admission.append(cmd)
+        try:
+            self.engine.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival, cmd.priority)
+        except Exception as e:  # noqa: BLE001 - refused (or validation raced): tell the client
+            self._failed(cmd.request_id, EngineFailure(str(e), getattr(e, "status", 500),
+                                                      getattr(e, "retry_after", None)))
 
     def _admit(self) -> None:
-        while self._admission:
-            cmd = self._admission[0]
-            try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, arrival=cmd.arrival)
-            except ResourceBusy:
-                return  # FIFO: wait (a release, an abort or a finished request frees some)
-            except Exception as e:  # noqa: BLE001 - refused (or validation raced): tell the client
-                self._admission.popleft()
-                self._known.discard(cmd.request_id)
-                self.events.on_failed(cmd.request_id, EngineFailure(str(e), getattr(e, "status", 500),
-                                                                    getattr(e, "retry_after", None)))
-                continue
-            self._admission.popleft()
+        for rid, answer in self.engine.admit():
+            self._failed(rid, EngineFailure(answer.reason, answer.status, answer.retry_after))
+
+    def _failed(self, rid: str, error: EngineFailure) -> None:
+        self._known.discard(rid)
+        self.events.on_failed(rid, error)
 
     def _on_abort(self, cmd: AbortRequest) -> None:
         rid = cmd.request_id
         if rid not in self._known:
             return  # finished or failed already
         self._known.discard(rid)
-        if not self._drop_queued(rid):
-            self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))
+        self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))  # a queued one just leaves
         self.events.on_aborted(rid)
-
-    def _drop_queued(self, rid: str) -> bool:
-        queued = next((a for a in self._admission if a.request_id == rid), None)
-        if queued is not None:
-            self._admission.remove(queued)
-        return queued is not None
 
     def _on_ready(self, cmd: RemoteKVReady) -> None:
         if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
             self.engine.remote_kv_ready(cmd.request_id, cmd.prompt_logprobs)
 
     def _on_fail(self, cmd: FailRequest) -> None:
-        if not self._drop_queued(cmd.request_id):
-            self.engine.abort(cmd.request_id, quarantine=True, reason="error")
+        self.engine.abort(cmd.request_id, quarantine=True, reason="error")  # a queued one just leaves
         if cmd.request_id in self._known:
-            self._known.discard(cmd.request_id)
-            self.events.on_failed(cmd.request_id, EngineFailure(cmd.reason, cmd.status, cmd.retry_after))
+            self._failed(cmd.request_id, EngineFailure(cmd.reason, cmd.status, cmd.retry_after))
 
     def _on_release(self, cmd: ReleasePages) -> None:
         self.engine.release(cmd.request_id)
@@ -278,7 +268,6 @@ class EngineLoop:
         self.events.on_step(start, outputs)
 
     def _fail_all(self, error: EngineFailure) -> None:
-        self._admission.clear()
         for rid in list(self._known):
             try:
                 self.engine.abort(rid, quarantine=self.engine.in_transfer(rid))

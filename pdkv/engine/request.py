@@ -24,6 +24,7 @@ from pdkv.engine.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    PENDING = "pending"  # submitted, waiting for admission (its pages / the connector's resources)
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
@@ -80,6 +81,8 @@ class Request:
     # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: what the
     # next tokens must give back (the sampler's mask hook reads it); None: no constraint
     healing: object = None
+    priority: int = 0  # scheduler.policy priority: lower runs first (vLLM's request field)
+    seq: int = 0  # submission order on this node (the scheduler's tie-break after arrival)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,7 +23,7 @@ from pdkv.engine.threads import ThreadTuner
 
 # Steps with at most this many rows are memory-bound; their thread count is tuned by measuring
 # (see pdkv/engine/threads.py). Larger steps are compute-bound and use every thread unless those
-# measurements found the other cores busy (ThreadTuner.choose_large; issue 20: on the busy 2-core
+# measurements found the other cores busy (ThreadTuner.choose_large: on the busy 2-core
 # box a 132-token mixed step took 7x longer on 2 threads than on 1).
 SMALL_STEP_TOKENS = 4
 # Steps up to this many tokens (a verification of k + 1 drafts at batch 1, a few decodes beside

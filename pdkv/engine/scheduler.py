@@ -1,10 +1,18 @@
 """Continuous batching with a per-step token budget and chunked prefill.
 
+A request is first submitted to ``pending``: it waits there for admission, which reserves what
+it needs before it may be scheduled (``admit``: the engine's intake asks the KV connector,
+pdkv/engine/connector.py, and hands back its typed answer: reserve / not yet / refuse). "Not
+yet" keeps it at the head of ``pending`` (nothing behind it is admitted first: no starvation),
+a refusal takes it out. Admitted requests wait in ``waiting`` (or ``remote`` while their KV
+comes from elsewhere).
+
 Each step: running requests first (their next decode token or next prefill chunk), then waiting
-requests in arrival order while the budget, ``max_num_seqs`` and free pages allow. Prefill
-chunks and decodes share a step. A request whose next tokens need pages that are not free
-preempts the newest running request (its pages are freed and it is recomputed later from its
-prompt + outputs), so a full cache makes requests wait, never fail.
+requests in the policy's order (pdkv/engine/policy.py: fcfs = arrival, priority = the request's
+priority, then arrival) while the budget, ``max_num_seqs`` and free pages allow. Prefill chunks
+and decodes share a step. A request whose next tokens need pages that are not free preempts the
+policy's victim (fcfs: the newest running request; its pages are freed and it is recomputed
+later from its prompt + outputs), so a full cache makes requests wait, never fail.
 
 With a prefix cache (pdkv/kv/prefix_cache.py) a waiting request that holds no pages first takes
 the longest chain of cached full pages, so only the rest is computed (and only the rest counts
@@ -20,8 +28,11 @@ counts and page ids, never tensors.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdkv.engine.connector import Answer, Verdict
+from pdkv.engine.policy import make_policy
 from pdkv.engine.prefix_reuse import PrefixReuse
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.kv.allocator import PageAllocator
@@ -49,13 +60,17 @@ class SchedulerOutput:
 
 class Scheduler(PrefixReuse):
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_batched_tokens: int,
-                 chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
+                 chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None,
+                 policy: str = "fcfs"):
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size),
                         ("max_num_seqs", max_num_seqs)):
             if v < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {v}")
         self.allocator, self.page_size, self.cache = allocator, page_size, prefix_cache
         self.budget, self.chunk_size, self.max_num_seqs = max_num_batched_tokens, chunk_size, max_num_seqs
+        self.policy = make_policy(policy)
+        self.pending: deque[Request] = deque()  # PENDING: submitted, waiting for admission
+        self._num_submitted = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
@@ -65,32 +80,66 @@ class Scheduler(PrefixReuse):
         return -(-num_tokens // self.page_size)
 
     # ---- admission -------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queues ``req`` for admission (``admit``), in the policy's order."""
+        self._num_submitted += 1
+        req.seq = self._num_submitted
+        req.status = RequestStatus.PENDING
+        self.policy.insert(self.pending, req)
+
+    def admit(self, reserve: Callable[[Request], Answer]) -> list[tuple[Request, Answer]]:
+        """Admits pending requests in order while ``reserve(req)`` (the engine's intake: it asks
+        the KV connector and reserves the pages through ``add`` / ``add_remote`` /
+        ``add_prefill``) answers RESERVE. NOT_YET: ``reserve`` kept nothing, the request stays at
+        the head and admission stops (tried again after the next command or step). A refused
+        request is taken out (ABORTED); returns those with their answers."""
+        refused = []
+        while self.pending:
+            req = self.pending.popleft()
+            answer = reserve(req)
+            if answer.verdict is Verdict.NOT_YET:
+                req.status = RequestStatus.PENDING
+                self.pending.appendleft(req)  # it was the head: the policy's order holds
+                break
+            if answer.verdict is Verdict.REFUSE:
+                req.status, req.finish_reason = RequestStatus.ABORTED, "error"
+                refused.append((req, answer))
+        return refused
+
+    def unreserve(self, req: Request) -> None:
+        """Undoes ``add`` / ``add_remote`` / ``add_prefill`` (the connector said not yet or
+        refused): its pages go back (unpinned), the request is as it was before admission."""
+        self._remove(req)
+        self._release(req)
+        req.num_computed_tokens = req.num_cached_tokens = req.num_published_pages = 0
+        req.num_external_tokens, req.prefill_only = 0, False
+        req.status = RequestStatus.PENDING
+
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.policy.insert(self.waiting, req)
 
-    def add_remote(self, req: Request, num_tokens: int | None = None, num_cached: int = 0) -> list[int]:
+    def add_remote(self, req: Request, num_tokens: int | None = None, num_cached: int = 0) -> bool:
         """Reserves the KV of the prompt's first ``num_cached + num_tokens`` tokens: the cached
         pages of the first ``num_cached`` (taken now), pinned pages for the ``num_tokens`` after
-        them (default: up to the last prompt token; a remote prefill fills them). Raises
-        OutOfPages and changes nothing when they are not free; returns every page."""
+        them (default: up to the last prompt token; a remote prefill fills them) in
+        ``req.pages``. False and nothing changed when they are not free."""
         num_tokens = req.num_prompt_tokens - 1 - num_cached if num_tokens is None else num_tokens
         if num_tokens < 0 or num_cached + num_tokens > req.num_prompt_tokens - 1:
             raise ValueError(f"request {req.request_id!r}: {num_cached} cached + {num_tokens} remote tokens "
                              f"must be at most the prompt's {req.num_prompt_tokens} tokens minus its last")
         cached = self._take_cached(req, num_cached)
-        try:
-            new = self.allocator.allocate(self.pages_for(num_cached + num_tokens) - len(cached), pinned=True)
-        except BaseException:
+        need = self.pages_for(num_cached + num_tokens) - len(cached)
+        if not self.allocator.can_allocate(need):
             self.allocator.free(cached)
-            raise
-        req.pages = cached + new
+            return False
+        req.pages = cached + self.allocator.allocate(need, pinned=True)
         req.num_cached_tokens, req.num_computed_tokens = num_cached, num_cached
         req.num_published_pages = len(cached)
         req.num_external_tokens = num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
-        return req.pages
+        return True
 
     def remote_ready(self, req: Request) -> None:
         """The remote KV landed: publish its full pages (only now: a page a remote writer may
@@ -101,25 +150,25 @@ class Scheduler(PrefixReuse):
         req.num_computed_tokens = req.num_cached_tokens + req.num_external_tokens
         req.status = RequestStatus.WAITING
         self.publish(req)
-        self.waiting.appendleft(req)
+        self.policy.insert(self.waiting, req, front=True)
 
-    def add_prefill(self, req: Request, num_cached: int = 0) -> None:
-        """Disaggregated prefill: all of the prompt's pages up front (raises OutOfPages and
-        changes nothing when they are not free), so the request never grows and is never a
-        preemption victim whose pages an in-flight write could still be reading. The first
-        ``num_cached`` tokens' pages come from the prefix cache and are not computed again."""
+    def add_prefill(self, req: Request, num_cached: int = 0) -> bool:
+        """Disaggregated prefill: all of the prompt's pages up front (False and nothing changed
+        when they are not free), so the request never grows and is never a preemption victim
+        whose pages an in-flight write could still be reading. The first ``num_cached`` tokens'
+        pages come from the prefix cache and are not computed again."""
         cached = self._take_cached(req, num_cached)
-        try:
-            new = self.allocator.allocate(self.pages_for(req.num_prompt_tokens) - len(cached))
-        except BaseException:
+        need = self.pages_for(req.num_prompt_tokens) - len(cached)
+        if not self.allocator.can_allocate(need):
             self.allocator.free(cached)
-            raise
-        req.pages = cached + new
+            return False
+        req.pages = cached + self.allocator.allocate(need)
         req.num_cached_tokens = req.num_computed_tokens = num_cached
         req.num_published_pages = len(cached)
         req.prefill_only = True
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.policy.insert(self.waiting, req)
+        return True
 
     def detach(self, req: Request) -> list[int]:
         """Removes ``req`` from scheduling and hands its pages to the caller WITHOUT freeing
@@ -153,6 +202,8 @@ class Scheduler(PrefixReuse):
     def _remove(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.PENDING:
+            self.pending.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -166,7 +217,7 @@ class Scheduler(PrefixReuse):
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.policy.insert(self.waiting, req, front=True)
 
     # ---- the step ------------------------------------------------------------------------------
     def _grow(self, req: Request, num_new: int) -> bool:
@@ -211,11 +262,17 @@ class Scheduler(PrefixReuse):
             req = self.running[i]
             n = self._plan(req, budget)
             while not self._grow(req, n):
-                victim = self.running[-1]
+                victim = self.policy.victim(self.running)
+                j = self.running.index(victim)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
+                if j < i:  # scheduled earlier in this step (priority): its tokens go back to the budget
+                    seq = next(s for s in out.seqs if s.request is victim)
+                    out.seqs.remove(seq)
+                    budget += len(seq.token_ids)
+                    i -= 1
             if req.status != RequestStatus.RUNNING:
                 break
             out.seqs.append(self._seq(req, n))
@@ -266,7 +323,7 @@ class Scheduler(PrefixReuse):
         victims = [r for r in holders if not r.prefill_only]
         if not victims:
             return False
-        r = victims[-1]
+        r = self.policy.victim(victims)
         self.allocator.free(r.pages)  # its published pages stay cached: recompute finds them
         r.pages, r.num_computed_tokens, r.num_published_pages = [], 0, 0
         r.num_preemptions += 1

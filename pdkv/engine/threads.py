@@ -16,8 +16,8 @@ than ``backoff_ratio`` x slower than the best doubles the wait before the next o
 Larger steps (prefill chunks, mixed prefill + decode steps) are not probed: a wrong guess there
 costs seconds. They follow the small steps' verdict on whether the other cores are free
 (``choose_large``): when every thread is more than ``contended_ratio`` x slower than one on a
-small step, the other cores are busy, and a large step is slower on every thread too (issue 20,
-measured on the busy 2-core box, same run: 2 threads / 1 thread = 4.7x at 36 tokens, 7.4x at
+small step, the other cores are busy, and a large step is slower on every thread too (measured
+on the busy 2-core box, same run: 2 threads / 1 thread = 4.7x at 36 tokens, 7.4x at
 132, 6.6x at 516, 3.2x at 1,504). Otherwise they use every thread.
 """
 

@@ -21,7 +21,7 @@ registration: the memory region holds its own reference to the dma-buf.
 (``Messenger.register_device``: csrc/verbs_gpudirect.c tries ``ibv_reg_dmabuf_mr`` then
 ``ibv_reg_mr`` on every NIC, and keeps a dup of the fd for the registrations grants need later).
 
-Wiring (issue 13): the roles call ``register_on_messenger`` for each rank's cuMem range (rank 0
+Wiring: the roles call ``register_on_messenger`` for each rank's cuMem range (rank 0
 maps them all), and ``pdkv.config`` can refuse verbs with GPU memory up front when
 ``gpudirect_possible(host_gpudirect_facts())`` says neither way can work on this host.
 """

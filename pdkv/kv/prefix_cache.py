@@ -30,11 +30,9 @@ What the disaggregated roles use (pdkv/disagg's connectors do; PREFILL carries `
   connector that returns ``Admission(num_external_tokens=n - 1 - req.num_cached_tokens,
   reuse_cached=True)`` gets the cached pages (shared, unpinned) followed by pinned pages for the
   rest: PREFILL names the skip (``req.num_cached_tokens``) and only the pages
-  ``req.pages[req.num_cached_tokens // page_size:]`` (``LLMEngine.add_remote_request(...,
-  reuse_cached=True)`` returns exactly those). When their writes landed, ``remote_kv_ready``
+  ``req.pages[req.num_cached_tokens // page_size:]`` are written. When their writes landed, ``remote_kv_ready``
   publishes them: that is the one step that makes remotely written pages visible.
-- prefill node: ``Admission(prefill_only=True, reuse_cached=True)`` (or
-  ``LLMEngine.add_prefill_request(..., reuse_cached=True)``, which returns the count) takes its
+- prefill node: ``Admission(prefill_only=True, reuse_cached=True)`` takes its
   own cached prefix and computes only the rest; the reused pages are ``req.pages[:n // P]`` and
   the connector must still send those the decode node lacks (they are never in a computed chunk).
 - routing: ``LLMEngine.cached_prefix_tokens(prompt)`` peeks at how much of a prompt a node

@@ -39,10 +39,6 @@ class PciDevice:
         return self.path[:-1]
 
     @property
-    def is_bridge(self) -> bool:
-        return self.class_code.startswith("0x0604")
-
-    @property
     def link_degraded(self) -> bool:
         """True when the link trained slower or narrower than the device can run."""
         if not (self.link_speed and self.max_link_speed and self.link_width and self.max_link_width):

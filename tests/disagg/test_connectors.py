@@ -3,6 +3,7 @@ what they ask the engine to reserve, the per-request rows they reserve at admiss
 they tell their coordinator."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,10 +15,9 @@ from pdkv.disagg.choice import PeerRoute, PrefillChooser
 from pdkv.disagg.decode_connector import DecodeConnector, HiddenRows
 from pdkv.disagg.jobs import Job, JobTable
 from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
-from pdkv.engine.connector import LOCAL
+from pdkv.engine.connector import LOCAL, NOT_YET, RESERVE, Verdict
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestStatus
-from pdkv.errors import AdmissionRefused
 
 
 class FakeCoordinator:
@@ -63,26 +63,28 @@ def test_decode_connector_asks_for_remote_kv_and_reserves_a_hidden_row():
     a, b = _req("a", 9), _req("b", 9)
     assert conn.admission(a).num_external_tokens == 8
     a.num_external_tokens, a.pages = 8, [3, 4]
-    assert conn.admit(a) is True
+    assert conn.admit(a) is RESERVE
     assert coord.posted == [("send_prefill", ("a", list(range(1, 9)), [3, 4], 0, coord.peer, 0, None))]
     b.num_external_tokens = 8
-    assert conn.admit(b) is False  # the only row is taken: b waits
+    assert conn.admit(b) is NOT_YET  # the only row is taken: b waits
     conn.rows.give_back(0)
-    assert conn.admit(b) is True
+    assert conn.admit(b) is RESERVE
     assert coord.peer.route.reserved == 16  # both picked for the one peer, not yet sent
     coord.routable = False
     c = _req("c", 5)
     assert conn.admission(c) is LOCAL  # no prefill node: prefilled here (disagg.local_fallback)
-    assert conn.admit(c) is True
+    assert conn.admit(c) is RESERVE
     assert [w.value for w in coord.decisions] == ["remote", "remote", "local_no_peer"]
 
 
 def test_decode_connector_refuses_without_a_prefill_node_when_strict():
     coord = FakeCoordinator(routable=False, local_fallback=False)
     conn = DecodeConnector(coord, HiddenRows(1))
-    with pytest.raises(AdmissionRefused, match="no prefill node is connected.*local_fallback") as e:
-        conn.admission(_req("c", 5))
-    assert e.value.status == 503 and [w.value for w in coord.decisions] == ["refused_no_peer"]
+    answer = conn.admission(_req("c", 5))
+    assert answer.verdict is Verdict.REFUSE
+    assert re.search("no prefill node is connected.*local_fallback", answer.reason)
+    assert answer.status == 503 and answer.retry_after == 2
+    assert [w.value for w in coord.decisions] == ["refused_no_peer"]
     assert conn.admission(_req("one", 1)) is LOCAL  # a one-token prompt needs no prefill node
 
 
@@ -95,7 +97,7 @@ def test_decode_connector_waits_when_every_peer_died_after_admission():
     assert conn.admission(a).num_external_tokens == 8
     coord.routable = False
     a.num_external_tokens, a.pages = 8, [3, 4]
-    assert conn.admit(a) is False and conn.rows.take() == 0 and not coord.posted
+    assert conn.admit(a) is NOT_YET and conn.rows.take() == 0 and not coord.posted
     conn.rows.give_back(0)
     assert conn.admission(_req("a", 9)) is LOCAL
 
@@ -110,14 +112,14 @@ def test_decode_connector_asks_only_for_what_its_prefix_cache_lacks():
     plan = conn.admission(a)
     assert plan.num_external_tokens == 6 and plan.reuse_cached is True
     a.num_external_tokens, a.pages = 6, [9, 3, 4]  # the cached page first, then the two to fill
-    assert conn.admit(a) is True
+    assert conn.admit(a) is RESERVE
     assert coord.posted == [("send_prefill", ("a", list(range(1, 11)), [3, 4], 0, coord.peer, 4, None))]
     coord.routable = False
     whole = _req("whole", 9)
     whole.num_cached_tokens = 8  # every page before the last token
     plan = conn.admission(whole)
     assert plan.num_external_tokens == 0 and not plan.prefill_only and coord.skipped == [2]
-    assert conn.admit(whole) is True and len(coord.posted) == 1  # no PREFILL for it
+    assert conn.admit(whole) is RESERVE and len(coord.posted) == 1  # no PREFILL for it
 
 
 @pytest.mark.parametrize("reason,told", [("abort", True), ("error", False)])
@@ -145,7 +147,7 @@ def test_prefill_connector_is_prefill_only_and_reserves_a_staging_row():
     staging = StagingRows(1, 8, torch.float32)
     conn = PrefillConnector(jobs, None, kv, None, 0, staging, 0, True, 4)
     assert conn.admission(_req("n:a", 3)).prefill_only
-    assert conn.admit(_req("n:a", 3)) is True and jobs.get("n:a").staging == 0
-    assert conn.admit(_req("n:b", 3)) is False  # no staging row: waits instead of losing its hidden state
+    assert conn.admit(_req("n:a", 3)) is RESERVE and jobs.get("n:a").staging == 0
+    assert conn.admit(_req("n:b", 3)) is NOT_YET  # no staging row: waits instead of losing its hidden state
     staging.give_back(jobs.get("n:a").staging)
-    assert conn.admit(_req("n:b", 3)) is True and jobs.get("n:b").staging == 0
+    assert conn.admit(_req("n:b", 3)) is RESERVE and jobs.get("n:b").staging == 0

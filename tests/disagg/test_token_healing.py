@@ -37,13 +37,13 @@ def test_disaggregated_with_ngram_equals_colocated(boundary_model_dir, tok):
                                                   token_healing=True))
     c = Cluster(boundary_model_dir, decode_over=NGRAM)
     sent = []  # the prompts the prefill node was asked to prefill
-    real_add = c.prefill_engine.add_request
+    real_submit = c.prefill_engine.submit  # the engine loop submits every request it is given
 
-    def add_request(request_id, prompt, params, arrival=None):
+    def submit(request_id, prompt, params, arrival=None, priority=0):
         sent.append(list(prompt))
-        return real_add(request_id, prompt, params, arrival)
+        return real_submit(request_id, prompt, params, arrival, priority)
 
-    c.prefill_engine.add_request = add_request
+    c.prefill_engine.submit = submit
     try:
         for p, w in zip(PROMPTS, want):
             short, h = tok.healer().heal(tok.encode(p))

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' helpers (_connectors.py)
 
 
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """make_engine(path=None, page_size=16, num_pages=256, layout="HND", budget=2048, chunk=512,
-    max_seqs=64, prefix_caching=True, **model_kw) → LLMEngine."""
+    max_seqs=64, prefix_caching=True, policy="fcfs", **model_kw) → LLMEngine."""
     from pdkv.engine import LLMEngine
 
     def make(path=None, page_size=16, num_pages=256, layout="HND", budget=2048, chunk=512, max_seqs=64,
-             prefix_caching=True, **model_kw):
+             prefix_caching=True, policy="fcfs", **model_kw):
         return LLMEngine(ModelConfig(path=str(path or tiny_model_dir), **model_kw),
                          KVCacheConfig(page_size=page_size, num_pages=num_pages, layout=layout,
                                        prefix_caching=prefix_caching),
-                         SchedulerConfig(max_num_batched_tokens=budget, chunk_size=chunk, max_num_seqs=max_seqs))
+                         SchedulerConfig(max_num_batched_tokens=budget, chunk_size=chunk, max_num_seqs=max_seqs,
+                                         policy=policy))
     return make
 
 

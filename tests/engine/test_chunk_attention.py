@@ -1,4 +1,4 @@
-"""Issue 20: a later prefill chunk must take SDPA's fused kernel, not the math kernel.
+"""A later prefill chunk must take SDPA's fused kernel, not the math kernel.
 
 The cause of "chunked prefill makes decode stalls worse": a chunk that attends over earlier
 chunks' KV (q_len < kv_len) was run as a 3-D SDPA call with a [group * q_len, kv_len] mask,

@@ -18,6 +18,7 @@ from pdkv.models.attention.torch_backend import TorchAttentionBackend
 from pdkv.config import ConfigError, KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, load_config
 from pdkv.engine import LLMEngine, SamplingParams
 from pdkv.engine.connector import KVConnector
+from _connectors import RemoteKV, remote_pages
 from pdkv.engine.cuda_graphs import HOOK, OVERSIZE, PREFILL, VERIFY, CounterHook, build_decode_graphs
 from pdkv.gpu.layer_counter import CpuLayerCounter
 from pdkv.kv.cache import KVCache
@@ -93,7 +94,9 @@ def test_padding_rows_write_only_the_scratch_page(tiny_model_dir):
     for i, n in enumerate((5, 19, 33)):
         engine.add_request(f"d{i}", list(range(2, 2 + n)), _greedy(4))
     engine.step()  # the prefill (eager)
-    waiting = engine.add_remote_request("w", list(range(1, 60)), _greedy(2))
+    engine.set_connector(RemoteKV(ids={"w"}))
+    engine.add_request("w", list(range(1, 60)), _greedy(2))
+    waiting = remote_pages(engine, "w")
     g = torch.Generator().manual_seed(5)
     for layer in range(engine.kv.num_layers):  # the waiting request's pages and the scratch page: noise
         for p in waiting + [graphs.scratch]:

@@ -9,10 +9,9 @@ import threading
 import pytest
 
 from pdkv.engine import KVConnector, SamplingParams
-from pdkv.engine.connector import Admission
+from pdkv.engine.connector import NOT_YET, RESERVE, Admission, Answer
 from pdkv.engine.loop import (AbortRequest, AddRequest, EngineFailure, EngineLoop, FailRequest, LoopEvents, Wake,
                               ReleasePages, RemoteKVReady)
-from pdkv.errors import AdmissionRefused
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -27,15 +26,15 @@ class Recorder(KVConnector):
     def admission(self, req):
         self.calls.append(("admission", req.request_id))
         if req.prompt_token_ids[0] == 0:
-            raise AdmissionRefused("prompts starting with token 0 are refused here")
+            return Answer.refuse("prompts starting with token 0 are refused here")
         return Admission(num_external_tokens=req.num_prompt_tokens - 1) if self.external else Admission()
 
     def admit(self, req):
         self.calls.append(("admit", req.request_id, len(req.pages)))
         if self.free == 0:
-            return False
+            return NOT_YET
         self.free -= 1
-        return True
+        return RESERVE
 
     def before_forward(self, batch):
         self.calls.append(("before", tuple((e.request_id, e.start, e.num_tokens, e.row) for e in batch.entries)))
@@ -146,9 +145,9 @@ def test_a_resource_given_back_on_another_thread_wakes_admission(loop_of, monkey
         def admit(self, req):
             row = self.rows.take()
             if row is None:
-                return False
+                return NOT_YET
             self.held.append(row)
-            return True
+            return RESERVE
 
         def finished(self, req):  # keep the row: "another thread" gives it back below
             pass

@@ -10,6 +10,7 @@ import pytest
 
 from pdkv.config import load_config
 from pdkv.engine import RequestStatus, SamplingParams
+from _connectors import PrefillOnly, RemoteKV, remote_pages
 
 P = 4  # page size: prompts of a few dozen tokens span many pages
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -115,7 +116,9 @@ def test_remote_pages_are_matched_only_once_landed(make_engine):
     want = ref.generate([prompt], GREEDY)[0].output_token_ids
     src = _prefilled(ref, "src", prompt)
     dec = make_engine(page_size=P, num_pages=64)
-    pages = dec.add_remote_request("d", prompt, GREEDY)
+    dec.set_connector(RemoteKV(ids={"d"}))
+    dec.add_request("d", prompt, GREEDY)
+    pages = remote_pages(dec, "d")
     assert dec.cached_prefix_tokens(prompt) == 0  # pinned, a writer may still fill them
     _land(ref, src[:len(pages)], dec, pages)
     assert dec.cached_prefix_tokens(prompt) == 0  # written, but not declared landed
@@ -133,7 +136,8 @@ def test_remote_pages_are_matched_only_once_landed(make_engine):
 def test_aborted_remote_request_publishes_nothing(make_engine):
     dec = make_engine(page_size=P, num_pages=64)
     prompt = BASE[:20]
-    dec.add_remote_request("d", prompt, GREEDY)
+    dec.set_connector(RemoteKV())
+    dec.add_request("d", prompt, GREEDY)
     dec.abort("d", quarantine=True)
     dec.release("d")
     assert dec.cached_prefix_tokens(prompt) == 0 and dec.allocator.num_evictable == 0
@@ -149,7 +153,9 @@ def test_decode_side_reuse_asks_only_for_the_missing_pages(make_engine):
     src = _prefilled(ref, "src", second)
     dec = make_engine(page_size=P, num_pages=64)
     dec.generate([first], GREEDY)  # caches first's pages: 16 tokens shared with second
-    pages = dec.add_remote_request("d", second, GREEDY, reuse_cached=True)
+    dec.set_connector(RemoteKV(ids={"d"}, reuse_cached=True))
+    dec.add_request("d", second, GREEDY)
+    pages = remote_pages(dec, "d")
     req = dec.requests["d"]
     assert req.num_cached_tokens == 16 and req.num_external_tokens == len(second) - 1 - 16
     assert pages == req.pages[16 // P:] and len(pages) == -(-(len(second) - 1) // P) - 16 // P
@@ -171,12 +177,15 @@ def test_prefill_side_reuse_computes_only_the_rest(make_engine):
 
     prompt = BASE[:26]
     full = make_engine(page_size=P, num_pages=64, prefix_caching=False)
-    full.add_prefill_request("x", prompt)
+    full.set_connector(PrefillOnly())
+    full.add_request("x", prompt, SamplingParams(max_tokens=1))
     while full.has_work():
         full.step()
     pre = make_engine(page_size=P, num_pages=64)
     pre.generate([BASE[:18]], GREEDY)
-    assert pre.add_prefill_request("y", prompt, reuse_cached=True) == 16
+    pre.set_connector(PrefillOnly(reuse_cached=True))
+    pre.add_request("y", prompt, SamplingParams(max_tokens=1))
+    assert pre.requests["y"].num_cached_tokens == 16
     fed = _count_fed(pre)
     done = []
     while pre.has_work():
@@ -215,7 +224,7 @@ def test_requests_keep_their_state_machine(make_engine):
     eng.step()
     assert eng.allocator.num_free == eng.allocator.num_total
     cached = eng.stats()["num_pages_cached"]
-    assert cached > 0 and eng.reset_prefix_cache() == cached  # KV changed behind its back: forget it
+    assert cached > 0 and eng.allocator.evict_all() == cached  # KV changed behind its back: forget it
     assert eng.cached_prefix_tokens(BASE[:20]) == 0 and eng.stats()["num_pages_cached"] == 0
 
 

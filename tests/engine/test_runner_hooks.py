@@ -7,7 +7,7 @@ import json
 import torch
 
 from pdkv.engine import RequestStatus, SamplingParams
-from pdkv.errors import OutOfPages
+from _connectors import RemoteKV, remote_pages
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 40))
@@ -34,7 +34,9 @@ def test_remote_kv_pages_then_decode_matches_local(make_engine):
     prefill.step()  # whole prompt prefilled; request still running, its pages hold the K/V
     src = prefill.requests["p"].pages
     free_before = decode.allocator.num_free
-    dst = decode.add_remote_request("d", PROMPT, GREEDY)
+    decode.set_connector(RemoteKV())
+    decode.add_request("d", PROMPT, GREEDY)
+    dst = remote_pages(decode, "d")
     assert len(dst) == -(-(len(PROMPT) - 1) // 16) and all(decode.allocator.is_pinned(p) for p in dst)
     assert decode.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KV
     assert decode.step() == []  # nothing runs while the KV is remote
@@ -51,19 +53,26 @@ def test_remote_kv_pages_then_decode_matches_local(make_engine):
 
 
 def test_remote_reservation_abort_and_full(make_engine):
+    """A remote reservation whose pages are not free waits for admission holding nothing, and
+    is admitted once an abort gave them back; aborting a waiting one leaves no output."""
     engine = make_engine(num_pages=4)
-    pages = engine.add_remote_request("a", list(range(1, 40)), GREEDY)  # 38 tokens → 3 pages
-    assert len(pages) == 3 and engine.allocator.num_free == 1
-    try:
-        engine.add_remote_request("b", list(range(1, 40)), GREEDY)
-        raise AssertionError("expected OutOfPages")
-    except OutOfPages:
-        pass
-    assert "b" not in engine.requests and engine.allocator.num_free == 1
+    engine.set_connector(RemoteKV())
+    engine.add_request("a", list(range(1, 40)), GREEDY)  # 38 tokens → 3 pages
+    assert len(remote_pages(engine, "a")) == 3 and engine.allocator.num_free == 1
+    engine.add_request("b", list(range(1, 40)), GREEDY)  # not yet: 3 pages needed, 1 free
+    engine.add_request("c", [1, 2], GREEDY)  # behind b, in order, though its 1 page is free
+    assert [engine.requests[r].status for r in "bc"] == [RequestStatus.PENDING] * 2
+    assert engine.num_pending == 2 and not engine.requests["b"].pages and engine.allocator.num_free == 1
     engine.abort("a")
     engine.abort("a")
     assert engine.allocator.num_free == 4
+    assert engine.admit() == [] and engine.num_pending == 0
+    assert len(remote_pages(engine, "b")) == 3 and len(remote_pages(engine, "c")) == 1
     assert [o.finish_reason for o in engine.step()] == ["abort"]
+    engine.abort("b")
+    engine.abort("c")
+    engine.step()
+    assert engine.allocator.num_free == 4 and not engine.requests
 
 
 def test_tiny_model_generator_all_families(tmp_path, make_engine):
@@ -114,14 +123,16 @@ def test_from_config_reports_load_progress(tiny_model_dir):
 
 
 def test_cli_writes_a_loadable_folder(tmp_path, make_engine):
+    import os
     import subprocess
     import sys
 
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "cli"), "--arch", "qwen2",
-                          "--num-layers", "1"], capture_output=True, text=True, check=True)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "pdkv.tiny_model", str(tmp_path / "cli"), "--arch", "qwen2",
+                          "--num-layers", "1"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
     assert out.stdout.strip().endswith("cli")
     engine = make_engine(path=tmp_path / "cli", num_pages=8)
     assert engine.loaded.arch.num_layers == 1 and engine.loaded.arch.attention_bias

@@ -8,41 +8,61 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdkv.engine.connector import NOT_YET, RESERVE
 from pdkv.engine.params import SamplingParams
+from pdkv.engine.policy import POLICIES
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.engine.scheduler import Scheduler
-from pdkv.errors import OutOfPages
 from pdkv.kv import PageAllocator
 
-
-def _req(i, prompt_len, max_tokens):
-    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), detok=None)
+policies = pytest.mark.parametrize("policy", list(POLICIES))
 
 
+def _req(i, prompt_len, max_tokens, priority=0):
+    r = Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), detok=None)
+    r.priority = priority
+    return r
+
+
+@policies
 @settings(max_examples=40, deadline=None)
 @given(num_pages=st.integers(4, 24), page_size=st.sampled_from([1, 4, 16]),
        budget=st.integers(1, 64), chunk=st.integers(1, 32),
-       events=st.lists(st.tuples(st.sampled_from(["add", "add_remote", "abort", "ready", "step"]),
+       events=st.lists(st.tuples(st.sampled_from(["add", "add_remote", "submit_remote", "admit", "abort",
+                                                  "ready", "step"]),
                                  st.integers(1, 40), st.integers(1, 10)), max_size=50))
-def test_scheduler_frees_every_page_exactly_once(num_pages, page_size, budget, chunk, events):
-    """Hand-made model outputs drive the scheduler through adds, remote reservations, aborts,
-    preemptions and finishes; the allocator ends where it started."""
+def test_scheduler_frees_every_page_exactly_once(policy, num_pages, page_size, budget, chunk, events):
+    """Hand-made model outputs drive the scheduler through adds, remote reservations (direct, or
+    queued for admission that answers "not yet" while the pages are not free), aborts,
+    preemptions and finishes, under each policy (priorities from the event); the allocator ends
+    where it started."""
     a = PageAllocator(num_pages)
-    s = Scheduler(a, page_size, budget, chunk, max_num_seqs=8)
+    s = Scheduler(a, page_size, budget, chunk, max_num_seqs=8, policy=policy)
     live: dict[str, Request] = {}
+
+    def reserve(r):
+        return RESERVE if s.add_remote(r) else NOT_YET
     for i, (ev, plen, mtok) in enumerate(events):
         if s.pages_for(plen + mtok) > num_pages:
             continue  # the engine's validate_request refuses these
+        prio = mtok % 3 if policy == "priority" else 0
         if ev == "add":
-            live[f"r{i}"] = r = _req(i, plen, mtok)
+            live[f"r{i}"] = r = _req(i, plen, mtok, prio)
             s.add(r)
         elif ev == "add_remote" and plen > 1:
-            r = _req(i, plen, mtok)
-            try:
-                s.add_remote(r)
+            r = _req(i, plen, mtok, prio)
+            if s.add_remote(r):
                 live[r.request_id] = r
-            except OutOfPages:
-                pass
+            else:
+                assert not r.pages and r.status == RequestStatus.WAITING  # nothing changed
+        elif ev == "submit_remote" and plen > 1:
+            live[f"r{i}"] = r = _req(i, plen, mtok, prio)
+            s.submit(r)
+        elif ev == "admit":
+            before = list(s.pending)
+            assert s.admit(reserve) == []
+            assert before[len(before) - len(s.pending):] == list(s.pending)  # the rest waits in order
+            assert all(not r.pages and r.status == RequestStatus.PENDING for r in s.pending)
         elif ev == "abort" and live:
             r = live.pop(sorted(live)[plen % len(live)])
             s.abort(r)
@@ -53,7 +73,8 @@ def test_scheduler_frees_every_page_exactly_once(num_pages, page_size, budget, c
         else:
             out = s.schedule()
             assert out.num_tokens <= budget
-            pages = [p for q in s.running + list(s.waiting) + list(s.remote.values()) for p in q.pages]
+            pages = [p for q in s.running + list(s.waiting) + list(s.remote.values()) + list(s.pending)
+                     for p in q.pages]
             assert len(pages) == len(set(pages)) == a.num_used, "a page is owned twice or leaked"
             s.update_computed(out)
             for seq in out.seqs:
@@ -67,7 +88,7 @@ def test_scheduler_frees_every_page_exactly_once(num_pages, page_size, budget, c
     for r in list(live.values()):
         s.abort(r)
     assert a.num_free == num_pages
-    assert not s.running and not s.waiting and not s.remote
+    assert not s.running and not s.waiting and not s.remote and not s.pending
     assert all(r.status in (RequestStatus.ABORTED, RequestStatus.FINISHED) for r in live.values())
 
 

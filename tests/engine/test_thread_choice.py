@@ -1,4 +1,5 @@
-"""The CPU thread count per step (pdkv/engine/threads.py), and issue 20's second cause: a mixed
+"""The CPU thread count per step (pdkv/engine/threads.py), and the second cause of chunked
+prefill's decode stalls: a mixed
 prefill + decode step used every thread even when the decode steps had measured the other cores
 busy, which made each chunk step several times slower than on one thread (so chunking, with
 more such steps, stalled decodes longer than whole-prompt prefill)."""
@@ -79,7 +80,7 @@ def test_a_mixed_step_runs_on_one_thread_when_decodes_measured_busy_cores(tiny_m
 
 
 def test_a_verification_step_follows_the_decodes_verdict_without_being_recorded(tiny_model_dir):
-    """Issue 16: a 5-row verification (k = 4 drafts) is memory-bound like a decode: it runs on
+    """A 5-row verification (k = 4 drafts) is memory-bound like a decode: it runs on
     the thread count the decode steps measured faster, and its (longer) time does not enter
     their averages. Before, it counted as a large step and ran on every thread unless every
     thread had measured 1.5x slower than one (2 threads 1.2x slower here: one thread now)."""

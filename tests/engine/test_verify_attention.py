@@ -1,4 +1,4 @@
-"""Issue 16: a speculative verification's k + 1 rows attend in the batched ("decode") path of the
+"""A speculative verification's k + 1 rows attend in the batched ("decode") path of the
 torch backend, every row under its own causal limit, and give what attention written out by hand
 in float64 gives.
 

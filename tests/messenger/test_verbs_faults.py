@@ -1,4 +1,4 @@
-"""verbs robustness against what a provider can do (finding 8 of issue 11), injected through the
+"""verbs robustness against what a provider can do, each case injected through the
 loopback device's fault hooks (PDKV_LOOPBACK_FAULTS, see tests/verbs_loopback/lv_internal.h):
 
 - ibv_poll_cq returning an error and IBV_EVENT_CQ_ERR (an overrun) are fatal for every connection

@@ -40,12 +40,25 @@ def test_malformed_bodies(api, served, path, raw, status, needle):
      "must be a string or a list of text parts"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "a", "priority": "high"}, "priority", "'priority' must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": 1.5}, "priority",
+     "'priority' must be an integer"),
+    # as vLLM: a non-zero priority needs scheduler.policy priority (this server runs fcfs)
+    ("/v1/completions", {"prompt": "a", "priority": 2}, "priority", "scheduler.policy is fcfs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -1}, "priority",
+     "priority -1 needs priority scheduling"),
 ])
 def test_missing_and_mistyped_fields(api, served, path, body, param, needle):
     status, got = api.http("POST", served.url + path, body)
     assert status == 400, got
     assert got["error"]["param"] == param and needle in got["error"]["message"]
     assert_still_serving(api, served)
+
+
+def test_priority_zero_is_accepted_under_fcfs(api, served):
+    status, body = api.http("POST", served.url + "/v1/completions", {**GOOD, "priority": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+    served.wait_idle()
 
 
 def test_max_tokens_beyond_the_context(api, served):
@@ -133,3 +146,27 @@ def test_hostile_json_is_a_400(api, served, raw, needle):
         got, body = api.http("POST", served.url + path, raw=raw)
         assert got == 400 and needle in body["error"]["message"], body
     assert_still_serving(api, served)
+
+
+def test_priority_reaches_the_engine_under_the_priority_policy(api, server_model_dir):
+    from pdkv.engine import LLMEngine
+    from pdkv.server import ServerThread
+
+    cfg = api.make_config(server_model_dir, "scheduler.policy=priority")
+    engine = LLMEngine.from_config(cfg)
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda rid, prompt, params, arrival=None, priority=0: (
+        seen.append(priority), submit(rid, prompt, params, arrival, priority))
+    thread = ServerThread(cfg, engine).start()
+    try:
+        status, body = api.http("POST", thread.url + "/v1/completions", {**GOOD, "priority": 5})
+        assert status == 200, body
+        status, body = api.http("POST", thread.url + "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3})
+        assert status == 200, body
+        status, body = api.http("POST", thread.url + "/v1/completions", {**GOOD, "priority": [1]})
+        assert status == 400 and body["error"]["param"] == "priority", body
+    finally:
+        thread.stop()
+    assert seen == [5, -3]

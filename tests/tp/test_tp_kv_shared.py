@@ -85,7 +85,7 @@ def test_layer_hook_fires_after_every_rank_wrote_that_layer(tp, llama_pair):
         pages = list(two.requests["hook"].pages)
         snapshots[layer] = pages, r1.cache.layer(layer)[pages].clone()
 
-    two.reset_prefix_cache()  # the zeroing below wipes cached pages: no later request may reuse them
+    two.allocator.evict_all()  # the zeroing below wipes cached pages: no later request may reuse them
     for layer in range(two.kv.num_layers):
         r1.cache.layer(layer).zero_()  # rank 0 writes into rank 1's memory: nothing stale survives
     two.add_request("hook", tp.PROMPTS[2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

@@ -21,7 +21,8 @@ import torch
 
 from pdkv.config import MAX_SPEC_TOKENS, ConfigError, SpeculativeConfig
 from pdkv.engine.request import Request
-from pdkv.kv import KVCache, PageAllocator
+from pdkv.engine.spec.paged import PagedProposer
+from pdkv.kv import KVCache
 
 
 @dataclass
@@ -42,14 +43,12 @@ def check_same_vocabulary(target_path: Path, target_tok, target_vocab: int, draf
                           f"tokenizer than the target {target_path} (their token -> id maps differ)")
 
 
-class DraftProposer:
+class DraftProposer(PagedProposer):
     def __init__(self, model, backend, kv: KVCache, device):
-        self.model, self.backend, self.kv, self.device = model, backend, kv, torch.device(device)
-        self.allocator = PageAllocator(kv.num_pages)
+        # handoff(req) -> (pages, num_tokens, None): the draft KV of req's first num_tokens tokens
+        super().__init__(kv)
+        self.model, self.backend, self.device = model, backend, torch.device(device)
         self.states: dict[str, _DraftState] = {}
-        # Disaggregated decode (pdkv/disagg/spec_handoff.py): handoff(req) -> (pages, num_tokens,
-        # None) | None, the draft KV of req's first num_tokens prompt tokens, prefilled remotely
-        self.handoff = None
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> DraftProposer:
@@ -79,9 +78,6 @@ class DraftProposer:
         backend.use_cpu_kernel &= mc.cpu_kernels
         return cls(loaded.model, backend, kv, mc.device)
 
-    def _pages_for(self, n: int) -> int:
-        return -(-n // self.kv.page_size)
-
     def _truncate(self, st: _DraftState, n: int) -> None:
         del st.tokens[n:]
         keep = self._pages_for(n)
@@ -90,12 +86,7 @@ class DraftProposer:
             del st.pages[keep:]
 
     def _grow(self, st: _DraftState, n: int) -> bool:
-        need = self._pages_for(len(st.tokens) + n) - len(st.pages)
-        if need > 0:
-            if not self.allocator.can_allocate(need):
-                return False
-            st.pages.extend(self.allocator.allocate(need))
-        return True
+        return self._grow_to(st, len(st.tokens) + n)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
@@ -166,12 +157,3 @@ class DraftProposer:
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                             self.backend, meta)
         return hidden, torch.tensor([last[j] for j in range(len(items))], device=self.device)
-
-    def finished(self, req: Request) -> None:
-        st = self.states.pop(req.request_id, None)
-        if st is not None:
-            self.allocator.free(st.pages)
-
-    @property
-    def num_pages_used(self) -> int:
-        return self.allocator.num_used

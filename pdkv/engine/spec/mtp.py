@@ -26,7 +26,8 @@ from torch import nn
 from pdkv.models.cpu_kernels import linear
 from pdkv.config import ConfigError, SpeculativeConfig
 from pdkv.engine.request import Request
-from pdkv.kv import KVCache, PageAllocator
+from pdkv.engine.spec.paged import PagedProposer
+from pdkv.kv import KVCache
 
 
 NUM_MTP_LAYERS = 1  # drafts chain the checkpoint's first MTP layer (SGLang's and vLLM's default)
@@ -97,15 +98,14 @@ class _MTPState:
     last: torch.Tensor | None = None  # o at position num_valid - 1: drafts t_{num_valid + 1}
 
 
-class MTPProposer:
+class MTPProposer(PagedProposer):
     def __init__(self, module: MTPModule, target, backend, kv: KVCache, k: int, device):
-        self.module, self.target, self.backend, self.kv, self.k = module, target, backend, kv, k
+        # handoff(req) -> (pages, n - 1, o [H]): the MTP KV of req's prompt positions 0..n-2 and
+        # o_{n-2}, computed by the prefill node
+        super().__init__(kv)
+        self.module, self.target, self.backend, self.k = module, target, backend, k
         self.device = torch.device(device)
-        self.allocator = PageAllocator(kv.num_pages)
         self.states: dict[str, _MTPState] = {}
-        # Disaggregated decode (pdkv/disagg/spec_handoff.py): handoff(req) -> (pages, n - 1, o [H])
-        # | None, the MTP KV of req's prompt positions 0..n-2 and o_{n-2}, computed by the prefill node
-        self.handoff = None
 
     @classmethod
     def build(cls, sc: SpeculativeConfig, parts) -> MTPProposer:
@@ -126,14 +126,6 @@ class MTPProposer:
         backend.use_cpu_kernel &= mc.cpu_kernels
         return cls(module, parts.loaded.model, backend, kv, sc.num_tokens, mc.device)
 
-    def _grow(self, st: _MTPState, n: int) -> bool:
-        need = -(-n // self.kv.page_size) - len(st.pages)
-        if need > 0:
-            if not self.allocator.can_allocate(need):
-                return False
-            st.pages.extend(self.allocator.allocate(need))
-        return True
-
     def run_over(self, items) -> list[torch.Tensor]:
         """items: (page ids, first position, token ids [n], h [n, H]) → each one's o [n, H]; the
         module's KV for those positions goes into the given pages of this cache (a prefill node's
@@ -147,7 +139,7 @@ class MTPProposer:
             return None
         pages, num_valid, last = got
         st = self.states[req.request_id] = _MTPState(num_valid, list(pages), last.to(self.device).reshape(1, -1))
-        if not self._grow(st, st.num_valid + self.k):
+        if not self._grow_to(st, st.num_valid + self.k):
             st.last = None  # no room for the drafts' KV now: no drafts until observe finds some
         return st
 
@@ -185,7 +177,7 @@ class MTPProposer:
             st = self.states.setdefault(req.request_id, _MTPState())
             st.num_valid = min(st.num_valid, e.start)  # recomputed or rolled-back positions
             end = min(e.start + e.num_tokens, req.num_computed_tokens, req.num_tokens - 1)
-            if st.num_valid < e.start or end <= st.num_valid or not self._grow(st, end + self.k):
+            if st.num_valid < e.start or end <= st.num_valid or not self._grow_to(st, end + self.k):
                 continue  # a gap (no hidden state for it) or nothing new: no drafts from it
             lo = st.num_valid
             h = hidden[e.row + lo - e.start:e.row + end - e.start]
@@ -217,12 +209,3 @@ class MTPProposer:
             for (i, _, _), t in zip(live, nxt):
                 drafts[i].append(t)
         return drafts
-
-    def finished(self, req: Request) -> None:
-        st = self.states.pop(req.request_id, None)
-        if st is not None:
-            self.allocator.free(st.pages)
-
-    @property
-    def num_pages_used(self) -> int:
-        return self.allocator.num_used
