@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("tcp", "verbs", "libfabric")
+TRANSPORTS = ("tcp", "verbs", "libfabric", "shm")
 LIBFABRIC_PROVIDERS = ("auto", "efa", "tcp;ofi_rxm", "sockets", "shm")
 STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
@@ -118,7 +118,10 @@ class LibfabricConfig:
 @dataclass(frozen=True)
 class MessengerConfig:
     # Reserved for the disaggregation issues: filled in as they land.
-    transport: str = "tcp"  # tcp | verbs | libfabric
+    transport: str = "tcp"  # tcp | verbs | libfabric | shm (both nodes on this host: pdkv/csrc/shm.c)
+    # shm: where the decode node's registered memory is made shared (an unnamed file; its free
+    # space is checked at start). Prefill peers map only their granted pages of it.
+    shm_dir: str = "/dev/shm"
     host: str = "127.0.0.1"
     port: int = 0
     nics: tuple[str, ...] = ("auto",)

@@ -136,7 +136,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
             for name, path in tls.items():
                 need(Path(path).is_file(), f"messenger.tls.{name}", "a PEM file that exists", path)
     need(not ms.tls_data or ms.transport == "tcp", "messenger.tls_data",
-         "false with transport verbs (encrypted data streams are tcp's; RDMA has none)", ms.tls_data)
+         f"false with transport {ms.transport} (encrypted data streams are tcp's; RDMA and shm have none)",
+         ms.tls_data)
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:

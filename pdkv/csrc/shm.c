@@ -46,17 +46,17 @@ static socklen_t addr_of(const char *name, struct sockaddr_un *a) {
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n);
 }
 
-static int send_msg(int fd, const shm_hdr *h, const void *p, size_t plen, int pass_fd) {
+static int send_fds(int fd, const shm_hdr *h, const void *p, size_t plen, const int *fds, int nfds) {
     struct iovec iov[2] = {{(void *)h, sizeof *h}, {(void *)p, plen}};
-    char ctl[CMSG_SPACE(sizeof(int))];
+    char ctl[CMSG_SPACE(sizeof(int) * SHM_MAX_SEGS)];
     struct msghdr m = {.msg_iov = iov, .msg_iovlen = plen ? 2 : 1};
-    if (pass_fd >= 0) {
+    if (nfds > 0) {
         memset(ctl, 0, sizeof ctl);
         m.msg_control = ctl;
-        m.msg_controllen = sizeof ctl;
+        m.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
         struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-        c->cmsg_level = SOL_SOCKET, c->cmsg_type = SCM_RIGHTS, c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+        c->cmsg_level = SOL_SOCKET, c->cmsg_type = SCM_RIGHTS, c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
     }
     /* never blocks for long: a peer that stopped reading (frozen, or its listener stuck) fails
      * this after SHM_REPLY_MS instead of stalling the poster's thread for good */
@@ -71,9 +71,15 @@ static int send_msg(int fd, const shm_hdr *h, const void *p, size_t plen, int pa
     }
 }
 
-/* One message: its payload length (>= 0) or -errno; *fd_in gets a passed descriptor (or -1). */
+static int send_msg(int fd, const shm_hdr *h, const void *p, size_t plen, int pass_fd) {
+    return send_fds(fd, h, p, plen, &pass_fd, pass_fd >= 0 ? 1 : 0);
+}
+
+/* One message: its payload length (>= 0) or -errno; fd_in[0..SHM_MAX_SEGS) the passed
+ * descriptors in order (-1 past the last; fd_in NULL: none wanted, any that came are closed). */
 static ssize_t recv_msg(int fd, shm_hdr *h, void *p, size_t cap, int *fd_in, int timeout_ms) {
-    if (fd_in) *fd_in = -1;
+    if (fd_in)
+        for (int i = 0; i < SHM_MAX_SEGS; i++) fd_in[i] = -1;
     if (timeout_ms >= 0) {
         struct pollfd pf = {fd, POLLIN, 0};
         int r;
@@ -82,26 +88,24 @@ static ssize_t recv_msg(int fd, shm_hdr *h, void *p, size_t cap, int *fd_in, int
         if (r == 0) return -ETIMEDOUT;
     }
     struct iovec iov[2] = {{h, sizeof *h}, {p, cap}};
-    char ctl[CMSG_SPACE(sizeof(int) * 4)];
+    char ctl[CMSG_SPACE(sizeof(int) * SHM_MAX_SEGS)];
     struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = ctl, .msg_controllen = sizeof ctl};
     ssize_t r;
     do r = recvmsg(fd, &m, MSG_CMSG_CLOEXEC | (timeout_ms >= 0 ? 0 : MSG_DONTWAIT));
     while (r < 0 && errno == EINTR);
     if (r < 0) return -errno;
-    int got = -1;
+    int got = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
         if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
             for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
                 int f;
                 memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-                if (got < 0 && fd_in) got = f;
-                else close(f); /* never more than one is sent; never keep a stray one */
+                if (fd_in && got < SHM_MAX_SEGS) fd_in[got++] = f;
+                else close(f); /* never keep a stray one */
             }
-    if (fd_in) *fd_in = got;
-    if (r == 0) return -ECONNRESET;
-    if ((size_t)r < sizeof *h || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
-        if (got >= 0) close(got), *fd_in = -1;
-        return -EPROTO;
+    if (r == 0 || (size_t)r < sizeof *h || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        for (int i = 0; fd_in && i < got; i++) close(fd_in[i]), fd_in[i] = -1;
+        return r == 0 ? -ECONNRESET : -EPROTO;
     }
     return r - (ssize_t)sizeof *h;
 }
@@ -129,19 +133,30 @@ static void unmap_all(shm_conn *c) {
     pthread_mutex_unlock(&c->map_mu);
 }
 
-static int do_map(shm_conn *c, const shm_hdr *h, int fd, char *why, size_t n) {
+/* Map the granted range: h->len bytes of the region's pages as pieces of its files, laid out
+ * contiguously (a PROT_NONE reservation, each piece MAP_FIXED into it); h->file_off: where the
+ * range starts in that mapping. */
+static int do_map(shm_conn *c, const shm_hdr *h, const shm_piece *pc, uint32_t np, const int *fds,
+                  char *why, size_t n) {
     const uint64_t pg = pdkv_shm_page();
-    if (fd < 0) return pdkv_seterr(why, n, -EPROTO, "grant of key 0x%llx came without its memory",
-                                   (unsigned long long)h->key);
-    uint64_t fo = h->file_off + h->off;
-    if (!h->len || fo < h->off || fo + h->len < fo)
-        return pdkv_seterr(why, n, -EINVAL, "bad granted range [%llu, +%llu)", (unsigned long long)h->off,
-                           (unsigned long long)h->len);
-    uint64_t b0 = fo & ~(pg - 1), b1 = (fo + h->len + pg - 1) & ~(pg - 1);
-    struct stat st;
-    if (fstat(fd, &st) < 0 || (uint64_t)st.st_size < b1) /* mapping past its end would SIGBUS */
-        return pdkv_seterr(why, n, -ERANGE, "granted range ends at byte %llu of a %lld-byte region file",
-                           (unsigned long long)b1, (long long)st.st_size);
+    uint64_t total = 0;
+    if (!np || np > SHM_MAX_SEGS || !h->len)
+        return pdkv_seterr(why, n, -EPROTO, "malformed grant of key 0x%llx", (unsigned long long)h->key);
+    for (uint32_t i = 0; i < np; i++) {
+        struct stat st;
+        if (fds[i] < 0) return pdkv_seterr(why, n, -EPROTO, "grant of key 0x%llx came without its memory",
+                                           (unsigned long long)h->key);
+        if (pc[i].at != total || pc[i].len % pg || pc[i].foff % pg || !pc[i].len)
+            return pdkv_seterr(why, n, -EPROTO, "malformed grant piece %u of key 0x%llx", i,
+                               (unsigned long long)h->key);
+        if (fstat(fds[i], &st) < 0 || (uint64_t)st.st_size < pc[i].foff + pc[i].len) /* would SIGBUS */
+            return pdkv_seterr(why, n, -ERANGE, "granted piece ends at byte %llu of a %lld-byte region file",
+                               (unsigned long long)(pc[i].foff + pc[i].len), (long long)st.st_size);
+        total += pc[i].len;
+    }
+    if (h->file_off > total || h->len > total - h->file_off)
+        return pdkv_seterr(why, n, -EPROTO, "granted range [%llu, +%llu) exceeds its %llu mapped bytes",
+                           (unsigned long long)h->file_off, (unsigned long long)h->len, (unsigned long long)total);
     pthread_mutex_lock(&c->map_mu);
     for (uint32_t i = 0; i < c->num_maps; i++)
         if (c->maps[i].key == h->key && c->maps[i].off == h->off && c->maps[i].len == h->len) {
@@ -155,14 +170,22 @@ static int do_map(shm_conn *c, const shm_hdr *h, int fd, char *why, size_t n) {
         if (!m) rc = pdkv_seterr(why, n, -ENOMEM, "too many granted ranges (%u)", c->num_maps);
         else c->maps = m, c->cap_maps = cap;
     }
+    uint8_t *base = MAP_FAILED;
     if (!rc) {
-        uint8_t *base = mmap(NULL, b1 - b0, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)b0);
+        base = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (base == MAP_FAILED)
-            rc = pdkv_seterr(why, n, -errno, "mapping %llu granted bytes: %s", (unsigned long long)(b1 - b0),
+            rc = pdkv_seterr(why, n, -errno, "reserving %llu bytes for a grant: %s", (unsigned long long)total,
                              strerror(errno));
-        else
-            c->maps[c->num_maps++] = (shm_map){h->key, h->off, h->len, base, b1 - b0, base + (fo - b0)};
     }
+    for (uint32_t i = 0; !rc && i < np; i++)
+        if (mmap(base + pc[i].at, pc[i].len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[i],
+                 (off_t)pc[i].foff) == MAP_FAILED)
+            rc = pdkv_seterr(why, n, -errno, "mapping %llu granted bytes: %s", (unsigned long long)pc[i].len,
+                             strerror(errno));
+    if (!rc)
+        c->maps[c->num_maps++] = (shm_map){h->key, h->off, h->len, base, total, base + h->file_off};
+    else if (base != MAP_FAILED)
+        munmap(base, total);
     pthread_mutex_unlock(&c->map_mu);
     return rc;
 }
@@ -185,17 +208,14 @@ static shm_conn *live_conn(shm_t *t, uint64_t peer) {
     return NULL;
 }
 
-/* Ask the peer of c to map / unmap, and wait for its answer. */
-static int request(shm_conn *c, shm_hdr *h, int pass_fd) {
-    char reason[PDKV_REASON_MAX];
-    shm_hdr r;
-    pthread_mutex_lock(&c->out_mu);
-    int rc = c->out_fd < 0 ? -ENOTCONN : send_msg(c->out_fd, h, NULL, 0, pass_fd);
+/* Wait for the answer to the request just sent on c->out_fd (rc: the send's result); called
+ * with c->out_mu held, releases it. */
+static int finish_request(shm_conn *c, int rc, shm_hdr *r, char *reason, size_t cap) {
     ssize_t got = 0;
     if (!rc) {
-        got = recv_msg(c->out_fd, &r, reason, sizeof reason - 1, NULL, SHM_REPLY_MS);
+        got = recv_msg(c->out_fd, r, reason, cap - 1, NULL, SHM_REPLY_MS);
         if (got < 0) rc = (int)got;
-        else if (r.type != SHM_ACK) rc = -EPROTO;
+        else if (r->type != SHM_ACK) rc = -EPROTO;
     }
     if (rc < 0) { /* a peer that cannot answer is dropped: it unmaps everything when it sees that */
         if (c->out_fd >= 0) shutdown(c->out_fd, SHUT_RDWR);
@@ -204,24 +224,58 @@ static int request(shm_conn *c, shm_hdr *h, int pass_fd) {
                     strerror(-rc));
     }
     pthread_mutex_unlock(&c->out_mu);
-    if ((int32_t)r.n < 0) {
+    if ((int32_t)r->n < 0) {
         reason[got] = 0;
-        return serr((int32_t)r.n, "shm: peer %llu could not map the grant: %s", (unsigned long long)c->peer,
+        return serr((int32_t)r->n, "shm: peer %llu could not map the grant: %s", (unsigned long long)c->peer,
                     reason);
     }
     return 0;
 }
 
+/* Ask the peer of c to unmap, and wait for its answer. */
+static int request(shm_conn *c, shm_hdr *h) {
+    char reason[PDKV_REASON_MAX];
+    shm_hdr r;
+    pthread_mutex_lock(&c->out_mu);
+    int rc = c->out_fd < 0 ? -ENOTCONN : send_msg(c->out_fd, h, NULL, 0, -1);
+    return finish_request(c, rc, &r, reason, sizeof reason);
+}
+
 static int map_in_peer(shm_t *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len) {
+    const uint64_t pg = pdkv_shm_page();
+    shm_piece pc[SHM_MAX_SEGS];
+    int fds[SHM_MAX_SEGS], np = 0;
     pthread_mutex_lock(&t->mu);
     shm_conn *c = live_conn(t, peer);
     shm_file *f = file_of(t, key);
-    shm_hdr h = {.type = SHM_MAP, .key = key, .off = off, .len = len, .file_off = f ? f->file_off : 0};
-    int fd = f ? f->fd : -1;
+    uint64_t g0 = 0;
+    if (f) { /* the granted bytes, page-rounded, as pieces of the region's files */
+        uint64_t a = f->addr + off;
+        g0 = a & ~(pg - 1);
+        uint64_t g1 = (a + len + pg - 1) & ~(pg - 1), at = 0;
+        for (uint32_t i = 0; i < f->nseg; i++) {
+            const shm_seg *s = &f->seg[i];
+            uint64_t p0 = s->va0 > g0 ? s->va0 : g0, p1 = s->va1 < g1 ? s->va1 : g1;
+            if (p0 >= p1) continue;
+            pc[np] = (shm_piece){at, p1 - p0, s->foff + (p0 - s->va0)};
+            fds[np++] = s->fd;
+            at += p1 - p0;
+        }
+        g0 = a - g0; /* where the range starts in the writer's mapping */
+    }
+    shm_hdr h = {.type = SHM_MAP, .n = (uint32_t)np, .key = key, .off = off, .len = len, .file_off = g0};
+    if (!c || !f) {
+        pthread_mutex_unlock(&t->mu);
+        /* not connected yet: complete() maps what is granted by then */
+        return f ? 0 : serr(-ENOENT, "shm: unknown region key 0x%llx", (unsigned long long)key);
+    }
+    /* the fds stay open while t->mu is held: a dereg racing this cannot close them under us */
+    char reason[PDKV_REASON_MAX];
+    shm_hdr r;
+    pthread_mutex_lock(&c->out_mu);
+    int rc = c->out_fd < 0 ? -ENOTCONN : send_fds(c->out_fd, &h, pc, (size_t)np * sizeof *pc, fds, np);
     pthread_mutex_unlock(&t->mu);
-    if (!c) return 0; /* not connected yet: complete() maps what is granted by then */
-    if (fd < 0) return serr(-ENOENT, "shm: unknown region key 0x%llx", (unsigned long long)key);
-    return request(c, &h, fd);
+    return finish_request(c, rc, &r, reason, sizeof reason);
 }
 
 static int unmap_in_peer(shm_t *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len, int type) {
@@ -230,7 +284,7 @@ static int unmap_in_peer(shm_t *t, uint64_t key, uint64_t peer, uint64_t off, ui
     pthread_mutex_unlock(&t->mu);
     shm_hdr h = {.type = (uint32_t)type, .key = key, .off = off, .len = len};
     /* no connection, or a dropped one: the peer holds no mapping (it unmaps all at disconnect) */
-    return c ? request(c, &h, -1) == -ENOENT ? -ENOENT : 0 : 0;
+    return c ? request(c, &h) == -ENOENT ? -ENOENT : 0 : 0;
 }
 
 static uint64_t region_len(shm_t *t, uint64_t key) {
@@ -241,17 +295,17 @@ static uint64_t region_len(shm_t *t, uint64_t key) {
 
 static int s_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
     shm_t *t = (shm_t *)bt;
-    int fd;
-    uint64_t foff;
+    shm_file f;
     if (!len) return serr(-EINVAL, "shm: cannot register an empty region");
-    int rc = pdkv_shm_share(t->dir, addr, len, &fd, &foff, tls_err, sizeof tls_err);
+    int rc = pdkv_shm_share(t->dir, addr, len, &f, tls_err, sizeof tls_err);
     if (rc < 0) return rc;
     pthread_mutex_lock(&t->mu);
     if (t->num_files == SHM_MAX_FDS) rc = serr(-ENOSPC, "shm: at most %d registered regions", SHM_MAX_FDS);
     else rc = pdkv_regions_add(&t->regions, addr, len, key, tls_err, sizeof tls_err);
-    if (!rc) t->files[t->num_files++] = (shm_file){*key, fd, foff};
+    if (!rc) f.key = *key, t->files[t->num_files++] = f;
     pthread_mutex_unlock(&t->mu);
-    if (rc) close(fd);
+    if (rc)
+        for (uint32_t i = 0; i < f.nseg; i++) close(f.seg[i].fd);
     return rc;
 }
 
@@ -318,7 +372,7 @@ static int s_dereg(pdkv_transport *bt, uint64_t k) {
         if (t->conns[i].state == 2) peers[np++] = t->conns[i].peer;
     shm_file *f = file_of(t, k);
     if (f) {
-        close(f->fd);
+        for (uint32_t i = 0; i < f->nseg; i++) close(f->seg[i].fd);
         *f = t->files[--t->num_files];
     }
     pthread_mutex_unlock(&t->mu);
@@ -559,8 +613,8 @@ static void on_closed(shm_t *t, shm_conn *c) {
 static void on_message(shm_t *t, shm_conn *c) {
     shm_hdr h;
     static __thread shm_imm buf[IMM_PER_MSG];
-    int fd = -1;
-    ssize_t got = recv_msg(c->in_fd, &h, buf, sizeof buf, &fd, -1);
+    int fd[SHM_MAX_SEGS];
+    ssize_t got = recv_msg(c->in_fd, &h, buf, sizeof buf, fd, -1);
     if (got == -EAGAIN) return;
     if (got < 0) {
         on_closed(t, c);
@@ -570,7 +624,9 @@ static void on_message(shm_t *t, shm_conn *c) {
     int rc = 0;
     switch (h.type) {
     case SHM_MAP:
-        rc = do_map(c, &h, fd, why, sizeof why);
+        rc = (size_t)got == h.n * sizeof(shm_piece)
+                 ? do_map(c, &h, (const shm_piece *)buf, h.n, fd, why, sizeof why)
+                 : pdkv_seterr(why, sizeof why, -EPROTO, "malformed grant message");
         break;
     case SHM_UNMAP:
     case SHM_UNMAP_KEY:
@@ -597,7 +653,8 @@ static void on_message(shm_t *t, shm_conn *c) {
     default:
         rc = -EPROTO;
     }
-    if (fd >= 0) close(fd); /* a mapping keeps the memory; the descriptor is not needed */
+    for (int i = 0; i < SHM_MAX_SEGS; i++) /* a mapping keeps the memory; no descriptor is kept */
+        if (fd[i] >= 0) close(fd[i]);
     if (h.type == SHM_MAP || h.type == SHM_UNMAP || h.type == SHM_UNMAP_KEY) {
         shm_hdr a = {.type = SHM_ACK, .n = (uint32_t)rc};
         send_msg(c->in_fd, &a, why, strlen(why), -1);
@@ -668,7 +725,8 @@ static void s_destroy(pdkv_transport *bt) {
         pthread_mutex_destroy(&c->out_mu);
         pthread_mutex_destroy(&c->map_mu);
     }
-    for (uint32_t i = 0; i < t->num_files; i++) close(t->files[i].fd);
+    for (uint32_t i = 0; i < t->num_files; i++)
+        for (uint32_t k = 0; k < t->files[i].nseg; k++) close(t->files[i].seg[k].fd);
     if (t->listen_fd >= 0) close(t->listen_fd);
     if (t->wake_fd >= 0) close(t->wake_fd);
     pdkv_regions_destroy(&t->regions);

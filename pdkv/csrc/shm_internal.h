@@ -52,7 +52,12 @@ typedef struct shm_conn {
     uint64_t writes, bytes;
 } shm_conn;
 
-typedef struct shm_file { uint64_t key; int fd; uint64_t file_off; } shm_file;
+#define SHM_MAX_SEGS 8
+/* A region's page-rounded memory as runs of shared files (one, unless a neighbour registered
+ * earlier already moved an edge page onto its own file): [va0, va1) is file fd from foff. */
+typedef struct shm_seg { uint64_t va0, va1, foff; int fd; } shm_seg;
+typedef struct shm_file { uint64_t key, addr; uint32_t nseg; shm_seg seg[SHM_MAX_SEGS]; } shm_file;
+typedef struct shm_piece { uint64_t at, len, foff; } shm_piece; /* MAP payload, one per fd */
 
 typedef struct shm_t {
     pdkv_transport base;
@@ -72,11 +77,10 @@ typedef struct shm_t {
     uint64_t refused_writes, refused_conns;
 } shm_t;
 
-/* Make [addr, addr+len) memory of a shared file: *fd_out (owned by the caller) holds the region
- * at *file_off. Private anonymous memory is moved onto a new unnamed file in `dir` in place (its
- * bytes kept; `dir`'s free space checked first); a shared mapping is reopened. */
-int pdkv_shm_share(const char *dir, void *addr, uint64_t len, int *fd_out, uint64_t *file_off,
-                   char *why, size_t n);
+/* Make [addr, addr+len) (page-rounded) memory of shared files: f->seg (fds owned by the caller).
+ * Private anonymous memory is moved onto a new unnamed file in `dir` in place (its bytes kept;
+ * `dir`'s free space checked first); shared mappings are reopened. */
+int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char *why, size_t n);
 /* This host's identity (the kernel's boot id) into out. */
 void pdkv_shm_host_id(char *out, size_t n);
 uint64_t pdkv_shm_page(void);

@@ -56,38 +56,9 @@ static int all_zero(const uint8_t *p, uint64_t n) {
     return 1;
 }
 
-int pdkv_shm_share(const char *dir, void *addr, uint64_t len, int *fd_out, uint64_t *file_off,
-                   char *why, size_t n) {
-    const uint64_t pg = pdkv_shm_page();
-    uint64_t a0 = (uint64_t)addr & ~(pg - 1), a1 = ((uint64_t)addr + len + pg - 1) & ~(pg - 1);
-    vma v[64];
-    int k = vmas_of(a0, a1, v, 64);
-    if (k <= 0 || v[0].start > a0 || v[k - 1].end < a1)
-        return pdkv_seterr(why, n, -EFAULT, "shm: [%p, +%llu) is not mapped memory", addr,
-                           (unsigned long long)len);
-    for (int i = 1; i < k; i++)
-        if (v[i].start != v[i - 1].end)
-            return pdkv_seterr(why, n, -EFAULT, "shm: [%p, +%llu) has a hole", addr, (unsigned long long)len);
-    if (k == 1 && v[0].perms[3] == 's') { /* already shared (a TP rank's /dev/shm file): reopen it */
-        char p[64];
-        snprintf(p, sizeof p, "/proc/self/map_files/%llx-%llx", (unsigned long long)v[0].start,
-                 (unsigned long long)v[0].end);
-        int fd = open(p, O_RDWR | O_CLOEXEC);
-        if (fd < 0)
-            return pdkv_seterr(why, n, -errno, "shm: cannot reopen the shared mapping of %s at %p (%s; "
-                               "needs CAP_CHECKPOINT_RESTORE): use messenger.transport tcp", v[0].path,
-                               addr, strerror(errno));
-        *fd_out = fd;
-        *file_off = v[0].pgoff + ((uint64_t)addr - v[0].start);
-        return 0;
-    }
-    for (int i = 0; i < k; i++) /* private anonymous memory only: its pages can move onto a file */
-        if (v[i].perms[3] != 'p' || v[i].perms[0] != 'r' || v[i].perms[1] != 'w' ||
-            (v[i].path[0] && strcmp(v[i].path, "[heap]")))
-            return pdkv_seterr(why, n, -EINVAL, "shm: [%p, +%llu) lies in a mapping the shm transport "
-                               "cannot share (%s %s): register private anonymous or shared memory",
-                               addr, (unsigned long long)len, v[i].perms, v[i].path[0] ? v[i].path : "anon");
-    const uint64_t size = a1 - a0;
+/* Move the private anonymous pages [a0, a1) onto a new unnamed file in dir, in place. */
+static int move_anon(const char *dir, uint64_t a0, uint64_t a1, shm_seg *sg, char *why, size_t n) {
+    const uint64_t pg = pdkv_shm_page(), size = a1 - a0;
     struct statvfs sv;
     if (statvfs(dir, &sv) < 0)
         return pdkv_seterr(why, n, -errno, "shm: %s: %s", dir, strerror(errno));
@@ -98,14 +69,8 @@ int pdkv_shm_share(const char *dir, void *addr, uint64_t len, int *fd_out, uint6
                            dir, (unsigned long long)avail, (unsigned long long)size);
     int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600); /* unnamed: gone with its last user */
     if (fd < 0) return pdkv_seterr(why, n, -errno, "shm: unnamed file in %s: %s", dir, strerror(errno));
-    if (ftruncate(fd, (off_t)size) < 0) {
-        int e = errno;
-        close(fd);
-        return pdkv_seterr(why, n, -e, "shm: sizing a %llu-byte file in %s: %s", (unsigned long long)size,
-                           dir, strerror(e));
-    }
     /* every page now: a full /dev/shm is this error at start, never a SIGBUS while serving */
-    int frc = posix_fallocate(fd, 0, (off_t)size);
+    int frc = ftruncate(fd, (off_t)size) < 0 ? errno : posix_fallocate(fd, 0, (off_t)size);
     if (frc) {
         close(fd);
         return pdkv_seterr(why, n, -frc, "shm: %s: allocating %llu bytes (%llu were free): %s", dir,
@@ -123,10 +88,68 @@ int pdkv_shm_share(const char *dir, void *addr, uint64_t len, int *fd_out, uint6
     if (mmap((void *)a0, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
         int e = errno;
         close(fd);
-        return pdkv_seterr(why, n, -e, "shm: moving [%p, +%llu) onto shared memory: %s", addr,
-                           (unsigned long long)len, strerror(e));
+        return pdkv_seterr(why, n, -e, "shm: moving [0x%llx, +%llu) onto shared memory: %s",
+                           (unsigned long long)a0, (unsigned long long)size, strerror(e));
     }
-    *fd_out = fd;
-    *file_off = (uint64_t)addr - a0;
+    *sg = (shm_seg){a0, a1, 0, fd};
     return 0;
+}
+
+static int anon_rw(const vma *v) {
+    return v->perms[3] == 'p' && v->perms[0] == 'r' && v->perms[1] == 'w' &&
+           (!v->path[0] || !strcmp(v->path, "[heap]"));
+}
+
+int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char *why, size_t n) {
+    const uint64_t pg = pdkv_shm_page();
+    uint64_t a0 = (uint64_t)addr & ~(pg - 1), a1 = ((uint64_t)addr + len + pg - 1) & ~(pg - 1);
+    vma v[64];
+    int k = vmas_of(a0, a1, v, 64), rc = 0;
+    if (k <= 0 || v[0].start > a0 || v[k - 1].end < a1)
+        return pdkv_seterr(why, n, -EFAULT, "shm: [%p, +%llu) is not mapped memory", addr,
+                           (unsigned long long)len);
+    for (int i = 1; i < k; i++)
+        if (v[i].start != v[i - 1].end)
+            return pdkv_seterr(why, n, -EFAULT, "shm: [%p, +%llu) has a hole", addr, (unsigned long long)len);
+    for (int i = 0; i < k; i++)
+        if (v[i].perms[3] != 's' && !anon_rw(&v[i]))
+            return pdkv_seterr(why, n, -EINVAL, "shm: [%p, +%llu) lies in a mapping the shm transport "
+                               "cannot share (%s %s): register private anonymous or shared memory",
+                               addr, (unsigned long long)len, v[i].perms, v[i].path[0] ? v[i].path : "anon");
+    f->addr = (uint64_t)addr;
+    f->nseg = 0;
+    for (int i = 0; i < k && !rc;) {
+        uint64_t s0 = v[i].start > a0 ? v[i].start : a0;
+        if (f->nseg == SHM_MAX_SEGS) {
+            rc = pdkv_seterr(why, n, -E2BIG, "shm: [%p, +%llu) spans more than %d mappings", addr,
+                             (unsigned long long)len, SHM_MAX_SEGS);
+            break;
+        }
+        shm_seg *sg = &f->seg[f->nseg];
+        if (v[i].perms[3] == 's') { /* a neighbour's moved page, or a TP rank's file: reopen it */
+            uint64_t s1 = v[i].end < a1 ? v[i].end : a1;
+            char p[64];
+            snprintf(p, sizeof p, "/proc/self/map_files/%llx-%llx", (unsigned long long)v[i].start,
+                     (unsigned long long)v[i].end);
+            int fd = open(p, O_RDWR | O_CLOEXEC);
+            if (fd < 0) {
+                rc = pdkv_seterr(why, n, -errno, "shm: cannot reopen the shared mapping of %s at %p (%s; "
+                                 "needs CAP_CHECKPOINT_RESTORE): use messenger.transport tcp", v[i].path,
+                                 addr, strerror(errno));
+                break;
+            }
+            *sg = (shm_seg){s0, s1, v[i].pgoff + (s0 - v[i].start), fd};
+            i++;
+        } else { /* a run of private anonymous mappings */
+            int j = i;
+            while (j < k && anon_rw(&v[j])) j++;
+            uint64_t s1 = v[j - 1].end < a1 ? v[j - 1].end : a1;
+            rc = move_anon(dir, s0, s1, sg, why, n);
+            i = j;
+        }
+        if (!rc) f->nseg++;
+    }
+    if (rc)
+        for (uint32_t i = 0; i < f->nseg; i++) close(f->seg[i].fd);
+    return rc;
 }
