@@ -42,6 +42,10 @@ class ModelConfig:
     # kernels (models/cpu_kernels.py, models/attention/cpu_decode.py) where the CPU has AVX2+FMA;
     # false: torch's GEMMs and attention for every step. No effect on a GPU.
     cpu_kernels: bool = True
+    # One copy of the weights per host (pdkv/shared_weights.py): "auto": a CPU process attaches to
+    # the copy another process on this host serves for the same model (checked: fingerprint, sizes,
+    # index checksum), else loads its own and serves it; "off": always a private copy.
+    share_weights: str = "off"  # auto | off
 
 
 @dataclass(frozen=True)
