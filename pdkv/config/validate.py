@@ -195,7 +195,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         # (pdkv.disagg.staged.staging_mode), not here: validation imports no GPU module.
         need(ms.staging != "cpu", "messenger.staging", "auto or off with model.device cuda ('cpu' runs "
              "the staging pipeline on host KV through the CPU copy engine)", ms.staging)
-        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric")), "messenger.staging",
+        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric", "shm")), "messenger.staging",
              f"auto with model.device cuda and messenger.transport {ms.transport} ({ms.transport} moves host "
              "memory: GPU KV must be staged through pinned host memory)", ms.staging)
     if cfg.role == "decode":
