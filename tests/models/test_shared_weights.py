@@ -56,6 +56,7 @@ def _private_tokens(path):
     return [o.output_token_ids for o in outs]
 
 
+@pytest.mark.slow  # two child processes with an engine each: ~25 s idle, ~55 s on a loaded machine
 def test_second_process_maps_the_owners_weights_and_outlives_it(model_dir):
     torch.set_num_threads(1)
     want = _private_tokens(model_dir)
