@@ -76,6 +76,11 @@ cdef extern from "transport.h" nogil:
     int pdkv_tcp_port(pdkv_transport *t)
 
 
+cdef extern from "shm.h" nogil:
+    ctypedef struct pdkv_shm_opts:
+        const char *dir
+
+
 cdef extern from "core.h" nogil:
     enum:
         PDKV_EV_BATCH_DONE

@@ -27,7 +27,7 @@ include "_messenger_errors.pxi"
 HAVE_VERBS = bool(pdkv_have_verbs())
 HAVE_CRYPTO = bool(pdkv_have_crypto())  # tcp sealed data streams (messenger.tls_data)
 HAVE_LIBFABRIC = bool(pdkv_transport_available(b"libfabric"))
-_KNOWN = ("tcp", "verbs", "libfabric", "fake")
+_KNOWN = ("tcp", "verbs", "libfabric", "fake", "shm")
 
 
 def transports():
@@ -102,7 +102,7 @@ cdef class Messenger:
                  int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
                  uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
                  bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None,
-                 str provider="auto", domains=(), bint fabric_table_keys=False):
+                 str provider="auto", domains=(), bint fabric_table_keys=False, str shm_dir="/dev/shm"):
         cdef char err[PDKV_ERR_MAX]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
@@ -111,6 +111,7 @@ cdef class Messenger:
         cdef const char *nic_ptrs[17]
         cdef const char *dom_ptrs[17]
         cdef pdkv_libfabric_opts fabric
+        cdef pdkv_shm_opts shm
         if not 0 <= port <= 65535:
             raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {port}")
         if num_streams < 1 or qps_per_peer < 1 or spin_us < 0 or yield_us < 0 or sleep_us < 0:
@@ -160,9 +161,14 @@ cdef class Messenger:
         cdef const char *name_p = name_b
         cdef pdkv_transport *t
         cdef bint is_fabric = transport == "libfabric"
+        cdef bint is_shm = transport == "shm"
+        shm_dir_b = shm_dir.encode()
+        shm.dir = shm_dir_b
         with nogil:
             if is_fabric:
                 t = pdkv_transport_open(name_p, node_id, &fabric, err, sizeof(err))
+            elif is_shm:
+                t = pdkv_transport_open(name_p, node_id, &shm, err, sizeof(err))
             else:
                 t = pdkv_transport_create(name_p, node_id, &tcp, &verbs, err, sizeof(err))
         if t == NULL:

@@ -141,6 +141,8 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
     elif cfg.transport == "libfabric":
         # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain
         kwargs.update(provider=cfg.libfabric.provider, domains=list(where.nics))
+    elif cfg.transport == "shm":
+        kwargs.update(shm_dir=cfg.shm_dir)
     m = Messenger(cfg.transport, node_id, **kwargs)
     m.rank_nics = where.rank_nics
     return m

@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.disagg", "pdkv.server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
     # node; the router proxies HTTP to nodes (it holds no engine)
     ("pdkv.engine",),  # LLMEngine, scheduler, runner, KV connector, the engine loop
-    ("pdkv.tp",),  # tensor-parallel ranks the runner drives
+    ("pdkv.tp", "pdkv.shared_weights"),  # tensor-parallel ranks the runner drives; one host's shared copy
+    # of a model's weights (the engine's loader for share_weights auto)
     ("pdkv.models",),  # model families, layers, attention backends
     ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model"),
     ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("tcp", "verbs", "libfabric")
+TRANSPORTS = ("tcp", "verbs", "libfabric", "shm")
 LIBFABRIC_PROVIDERS = ("auto", "efa", "tcp;ofi_rxm", "sockets", "shm")
 STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
@@ -43,6 +43,10 @@ class ModelConfig:
     # kernels (models/cpu_kernels.py, models/attention/cpu_decode.py) where the CPU has AVX2+FMA;
     # false: torch's GEMMs and attention for every step. No effect on a GPU.
     cpu_kernels: bool = True
+    # One copy of the weights per host (pdkv/shared_weights.py): "auto": a CPU process attaches to
+    # the copy another process on this host serves for the same model (checked: fingerprint, sizes,
+    # index checksum), else loads its own and serves it; "off": always a private copy.
+    share_weights: str = "off"  # auto | off
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,10 @@ class LibfabricConfig:
 @dataclass(frozen=True)
 class MessengerConfig:
     # Reserved for the disaggregation issues: filled in as they land.
-    transport: str = "tcp"  # tcp | verbs | libfabric
+    transport: str = "tcp"  # tcp | verbs | libfabric | shm (both nodes on this host: pdkv/csrc/shm.c)
+    # shm: where the decode node's registered memory is made shared (an unnamed file; its free
+    # space is checked at start). Prefill peers map only their granted pages of it.
+    shm_dir: str = "/dev/shm"
     host: str = "127.0.0.1"
     port: int = 0
     nics: tuple[str, ...] = ("auto",)

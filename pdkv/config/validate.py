@@ -83,6 +83,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.api_key is None or sv.api_key.strip() != "", "server.api_key", "a non-empty key or null", sv.api_key)
     need(sv.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024", sv.max_body_bytes)
     one_of("messenger.transport", ms.transport, TRANSPORTS)
+    one_of("model.share_weights", m.share_weights, ("auto", "off"))
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
     need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
          "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
@@ -137,7 +138,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
             for name, path in tls.items():
                 need(Path(path).is_file(), f"messenger.tls.{name}", "a PEM file that exists", path)
     need(not ms.tls_data or ms.transport == "tcp", "messenger.tls_data",
-         "false with transport verbs (encrypted data streams are tcp's; RDMA has none)", ms.tls_data)
+         f"false with transport {ms.transport} (encrypted data streams are tcp's; RDMA and shm have none)",
+         ms.tls_data)
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:
@@ -194,7 +196,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         # (pdkv.disagg.staged.staging_mode), not here: validation imports no GPU module.
         need(ms.staging != "cpu", "messenger.staging", "auto or off with model.device cuda ('cpu' runs "
              "the staging pipeline on host KV through the CPU copy engine)", ms.staging)
-        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric")), "messenger.staging",
+        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric", "shm")), "messenger.staging",
              f"auto with model.device cuda and messenger.transport {ms.transport} ({ms.transport} moves host "
              "memory: GPU KV must be staged through pinned host memory)", ms.staging)
     if cfg.role == "decode":

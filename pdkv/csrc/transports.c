@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "fake.h"
+#include "shm.h"
 #include "transport.h"
 
 int pdkv_have_verbs(void) {
@@ -21,6 +22,10 @@ static pdkv_transport *open_tcp(uint64_t id, const void *o, char *err, size_t n)
 static pdkv_transport *open_fake(uint64_t id, const void *o, char *err, size_t n) {
     (void)o;
     return pdkv_fake_create(id, err, n);
+}
+
+static pdkv_transport *open_shm(uint64_t id, const void *o, char *err, size_t n) {
+    return pdkv_shm_create(id, o, err, n);
 }
 
 #ifdef PDKV_HAVE_VERBS
@@ -58,6 +63,7 @@ static const struct {
     {"libfabric", open_libfabric, "pdkv was built without libfabric headers (install "
                                   "libfabric-dev and rebuild)"},
     {"fake", open_fake, NULL},
+    {"shm", open_shm, NULL}, /* same host only: complete() refuses a peer on another host */
 };
 #define NUM_TRANSPORTS (sizeof TABLE / sizeof TABLE[0])
 
@@ -80,7 +86,7 @@ int pdkv_transport_available(const char *name) {
 }
 
 const char *pdkv_transport_names(void) {
-    return "tcp, verbs, libfabric, fake"; /* TABLE's names, in its order */
+    return "tcp, verbs, libfabric, fake, shm"; /* TABLE's names, in its order */
 }
 
 pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,

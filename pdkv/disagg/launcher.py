@@ -97,6 +97,10 @@ def role_configs(path: str, overrides: list[str], workdir: Path) -> dict:
             d = _merge(data, sections[role])
             d["role"] = role
             m = d.setdefault("messenger", {})
+            # every node runs on this host: one copy of the weights (pdkv/shared_weights.py) and KV
+            # handed over through shared memory (pdkv/csrc/shm.c), unless the file says otherwise
+            m.setdefault("transport", "shm")
+            d.setdefault("model", {}).setdefault("share_weights", "auto")
             if role == "prefill" and (n > 1 or not m.get("control_port")):
                 m["control_port"] = _free_port(m.get("control_host", "127.0.0.1"))
             if role == "decode":

@@ -147,8 +147,15 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
                       num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
                       expert_parallel=parallel.expert_parallel)
-    loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
-                        tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
+    if model.share_weights == "auto" and tp is None and torch.device(device).type == "cpu":
+        from pdkv.shared_weights import load_shared  # noqa: PLC0415
+
+        loaded, shared = load_shared(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
+                                     model.cpu_kernels, _fingerprint)
+        loaded.shared = shared  # the owner's server / the attached mapping: lives with the model
+    else:
+        loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
+                            tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
     arch = loaded.arch
     max_model_len = model.max_model_len or arch.max_position_embeddings
 

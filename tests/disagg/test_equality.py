@@ -59,8 +59,13 @@ def test_pages_to_send_covers_each_page_once_whatever_the_chunking():
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False), (64, False)])
-def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout, messenger=None):
-    """``messenger``: overrides of both nodes' messenger section (default: tcp)."""
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, layout, transport,
+                                                    messenger=None):
+    """``messenger``: overrides of both nodes' messenger section (default: ``transport``). shm: the
+    decode node's KV, hidden rows and pages are shared memory; each request's granted pages are
+    mapped into the prefill node's transport and written there with a memcpy."""
+    messenger = messenger or ({"transport": transport} if transport != "tcp" else None)
     want_tokens, want_hidden = _colocated(tiny_model_dir)
     want_kv = colocated_kv(tiny_model_dir, PROMPTS)  # HND: read_kv compares layouts position by position
     over = {"scheduler__chunk_size": chunk, "messenger__layerwise": layerwise, "kv_cache__layout": layout}
@@ -216,5 +221,5 @@ def libfabric_messenger(provider: str) -> dict:
 def test_greedy_tokens_hidden_and_kv_equal_colocated_over_libfabric(tiny_model_dir, provider):
     """The same equality over the libfabric transport: every page a write of its own MR's range
     (one per request, layer and run of pages), immediates as remote CQ data."""
-    test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, 4, True, "HND",
+    test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, 4, True, "HND", "libfabric",
                                                      messenger=libfabric_messenger(provider))

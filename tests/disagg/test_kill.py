@@ -4,6 +4,7 @@ requests (clearly), returns every page, and keeps serving."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -15,15 +16,29 @@ from _procs import NodeProc, free_port, node_dict
 from pdkv.disagg.node import DecodeNode
 from pdkv.server.app import NODE
 from pdkv.server.runner import ServerThread
+import pytest
 
 
-def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path):
+def _shm_files() -> set[int]:
+    """Inodes of the unnamed /dev/shm files this process maps (shm transport: its own registered
+    memory, and the ranges peers granted it)."""
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return {int(p[4]) for p in (line.split(maxsplit=5) for line in f) if len(p) == 6 and p[5].startswith("/dev/shm/#")}
+
+
+# NOTE: tcp only: the prefill node is frozen (SIGSTOP) before the PREFILL; on shm the decode node's
+# grant waits for the prefill process to map it (up to SHM_REPLY_MS, csrc/shm_internal.h), so
+# there is no "PREFILL sent, KV awaited" state to kill it in (docs/TRANSPORTS.md, shm)
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path, transport):
     cport = free_port()
-    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport))
+    pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
+                                                  transport=transport))
     try:
         pre.wait_healthy()
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
-                           messenger__lease_s=30.0)  # the death is seen by the broken connection
+                           messenger__lease_s=30.0,  # the death is seen by the broken connection
+                           messenger__transport=transport)
         eng = make_engine(dcfg)
         with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
@@ -57,16 +72,19 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
         pre.stop()
 
 
-def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
-    pcfg = node_config(tiny_model_dir, "prefill", messenger__lease_s=30.0)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path, transport):
+    pcfg = node_config(tiny_model_dir, "prefill", messenger__lease_s=30.0, messenger__transport=transport)
     peng = make_engine(pcfg)
     with serve_node(pcfg, peng) as pre:
         pnode = pre.app[NODE]
+        own = _shm_files()  # shm: the prefill node's own registered memory
         hook = peng.connector.after_layer
         # FAULT INJECTION (slow prefill): 20 ms per layer, so the kill lands mid-stream
         peng.connector.after_layer = lambda layer: (time.sleep(0.02), hook(layer))
         dec = NodeProc(tmp_path, "decode", node_dict(tiny_model_dir, "decode", port=free_port(),
-                                                     peers=[f"127.0.0.1:{pnode.control_port}"], chunk=8))
+                                                     peers=[f"127.0.0.1:{pnode.control_port}"], chunk=8,
+                                                     transport=transport))
         try:
             dec.wait_healthy()
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
@@ -78,14 +96,19 @@ def test_decode_sigkilled_while_prefill_streams(tiny_model_dir, tmp_path):
             threading.Thread(target=doomed, daemon=True).start()
             coord = pnode.coordinator
             wait_for(lambda: any(j.num_writes for j in list(coord.jobs.values())), 20, "writes streaming")
+            if transport == "shm":  # the decode node's granted pages are mapped here while it streams
+                assert _shm_files() - own
             dec.signal(signal.SIGKILL)
             wait_for(lambda: peng.allocator.num_free == peng.allocator.num_total and not coord.jobs, 10,
                      "prefill pool full")
+            if transport == "shm":  # and none of them once it died
+                wait_for(lambda: not _shm_files() - own, 10, "the dead node's pages unmapped here")
         finally:
             dec.stop()
         peng.connector.after_layer = hook
         # the prefill node still serves a new decode node
-        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"])
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"],
+                           messenger__transport=transport)
         with serve_node(dcfg, make_engine(dcfg)) as d2:
             name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
             assert_colocated_answer(d2.url, name, tiny_model_dir, range(5, 30), 3)

@@ -30,15 +30,16 @@ def test_close_with_writes_in_flight(spawn, connect, transport):
     try:
         _flood(a, ca, lkey, rkey)
         a.sleep(0.3)
-        with pytest.raises(Exception, match="RegionBusyError"):
-            a.m("deregister", lkey)  # never frees memory a pending write reads
+        if transport != "shm":  # shm: a write is a memcpy inside post; none is left in flight
+            with pytest.raises(Exception, match="RegionBusyError"):
+                a.m("deregister", lkey)  # never frees memory a pending write reads
         a.close()  # returns although the peer is frozen mid-transfer
         assert a.resources() == a.get_baseline()
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
     # the receiver sees its writer go away (tcp: the stream closes; with one-sided RDMA nothing
     # tells the responder, so liveness comes from the control channel's lease), and is healthy
-    if transport == "tcp":
+    if transport in ("tcp", "shm"):
         assert any(e[0] == "error" for e in b.wait("error", timeout=10))
     assert b.guards_ok("dst")
     b.close()

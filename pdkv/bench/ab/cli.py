@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                    help="an already running OpenAI-compatible server (client-side metrics only)")
     g.add_argument("--pd", help="P:D node counts for disaggregated architectures (default: the file's)")
-    g.add_argument("--transport", choices=("tcp", "verbs"), help="KV transport of disaggregated architectures")
+    g.add_argument("--transport", choices=("tcp", "verbs", "shm"), help="KV transport of disaggregated architectures")
     g.add_argument("--cpus", help="the hardware budget every architecture gets (default: every allowed CPU)")
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a role-config field on every node, e.g. kv_cache.memory_gib=0.5")

@@ -1,7 +1,9 @@
 """What an architecture costs the machine: resident memory, CPU time, energy.
 
 * Memory: the summed RSS of every process of the architecture, sampled every ``period`` s during
-  the replay (peak and mean), plus the weight bytes each node loads. Disaggregation keeps one
+  the replay (peak and mean), plus the weight bytes each node loads. RSS counts a page shared by
+  two processes twice (shared weights, the shm transport's KV pool): the peak summed PSS (each
+  shared page split among its users) is the memory the architecture really holds. Disaggregation keeps one
   copy of the weights per node, so duplicated weight memory = (nodes - 1) x weight bytes.
 * Energy: RAPL package counters (``/sys/class/powercap/intel-rapl:*/energy_uj``) when readable;
   they count the whole package, other processes included. Otherwise CPU-seconds consumed by the
@@ -27,6 +29,17 @@ def rss_bytes(pid: int) -> int:
         return int(open(f"/proc/{pid}/statm").read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages divided among the processes mapping them."""
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -61,7 +74,7 @@ class Sampler:
     def __init__(self, pids: Callable[[], list[int]], period: float = 0.25):
         self._pids, self._period = pids, period
         self._stop = threading.Event()
-        self.peak_rss = 0
+        self.peak_rss = self.peak_pss = 0
         self._rss_sum, self._n = 0, 0
         self._cpu0: dict[int, float] = {}
         self._cpu_last: dict[int, float] = {}
@@ -75,14 +88,16 @@ class Sampler:
         return self
 
     def _sample(self) -> None:
-        total = 0
+        total = pss = 0
         for p in self._pids():
             total += rss_bytes(p)
+            pss += pss_bytes(p)
             c = cpu_seconds(p)
             if c:
                 self._cpu_last[p] = c
                 self._cpu0.setdefault(p, 0.0)  # a process started during the replay counts from 0
         self.peak_rss = max(self.peak_rss, total)
+        self.peak_pss = max(self.peak_pss, pss)
         self._rss_sum += total
         self._n += 1
 
@@ -96,7 +111,7 @@ class Sampler:
         self._thread.join(5)
         wall = time.monotonic() - self._t0
         cpu = sum(self._cpu_last[p] - self._cpu0.get(p, 0.0) for p in self._cpu_last)
-        out = {"peak_rss_bytes": self.peak_rss, "mean_rss_bytes": self._rss_sum // max(1, self._n),
+        out = {"peak_rss_bytes": self.peak_rss, "peak_pss_bytes": self.peak_pss, "mean_rss_bytes": self._rss_sum // max(1, self._n),
                "cpu_seconds": cpu, "wall_seconds": wall}
         rapl1 = rapl_uj()
         if self._rapl0 and rapl1:

@@ -1,0 +1,16 @@
+/* Same-host transport: the receiver's registered memory is shared; a grant maps just the granted
+ * page-rounded range into the writer, a revoke unmaps it there; writes are memcpy's
+ * (shm_internal.h). Both peers must be on one host and in one network namespace (the sockets
+ * are abstract Unix sockets; the connection info carries the kernel's boot id). */
+#ifndef PDKV_SHM_H
+#define PDKV_SHM_H
+
+#include "transport.h"
+
+typedef struct pdkv_shm_opts {
+    const char *dir; /* where the shared files are made (unnamed, O_TMPFILE); NULL: /dev/shm */
+} pdkv_shm_opts;
+
+pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, char *err, size_t errlen);
+
+#endif
