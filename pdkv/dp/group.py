@@ -94,6 +94,7 @@ class DPGroup:
         self._state = {"broken": False}
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.chans, self._state)
         self.error: DPRankError | None = None
+        self.step_grace_s = STEP_GRACE_S
         self.rank_of: dict[str, int] = {}  # unfinished request -> its rank
         self._last: dict[str, RequestOutput | None] = {}  # its latest output (a dead rank's are failed here)
         self._prompts: dict[str, int] = {}  # its prompt length
@@ -166,8 +167,10 @@ class DPGroup:
             self._alive(r)  # raises if it exited
             raise self._broken(DPRankError(f"data-parallel rank {r} closed its channel during {what}")) from None
         if msg is None:
-            raise self._broken(DPRankError(f"data-parallel rank {r} did not answer {what} within "
-                                           f"{deadline - time.monotonic() + 0:.0f} s of its deadline"))
+            raise self._broken(DPRankError(
+                f"data-parallel rank {r} did not answer {what} in time (parallel.timeout_s={self.timeout_s:g} "
+                f"+ {self.step_grace_s:g} s for a step, parallel.startup_timeout_s={self.startup_timeout_s:g} "
+                "to start); this group cannot run further steps"))
         return msg
 
     def _wait_all(self, kind: str, timeout_s: float) -> list:
@@ -181,15 +184,15 @@ class DPGroup:
             out.append(payload)
         return out
 
-    def _call(self, r: int, kind: str, payload=None, timeout_s: float | None = None):
-        if self.error is not None:
+    def _call(self, r: int, kind: str, payload=None, timeout_s: float | None = None, broken_ok: bool = False):
+        if self.error is not None and not broken_ok:
             raise self.error
         try:
             self.chans[r].send(kind, payload)
         except ChannelClosed:
             self._alive(r)
             raise
-        k, answer = self._recv(r, time.monotonic() + (timeout_s or self.timeout_s + STEP_GRACE_S), repr(kind))
+        k, answer = self._recv(r, time.monotonic() + (timeout_s or self.timeout_s + self.step_grace_s), repr(kind))
         if k == "err":
             raise answer
         return answer
@@ -238,18 +241,20 @@ class DPGroup:
         sent = []
         outputs: list[RequestOutput] = []
         failure: DPRankError | None = None
+        silent: list[int] = []  # ranks that did not answer (gone, or stuck)
         for r, ch in enumerate(self.chans):
             try:
                 ch.send_packed(framed)
                 sent.append(r)
             except ChannelClosed:
                 failure = failure or self._probe(r)
-        deadline = time.monotonic() + self.timeout_s + STEP_GRACE_S
+        deadline = time.monotonic() + self.timeout_s + self.step_grace_s
         for r in sent:
             try:
                 k, rep = self._recv(r, deadline, "step")
             except DPRankError as e:
                 failure = failure or e
+                silent.append(r)
                 continue
             if k != "ok":
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r} failed a step: {rep}"))
@@ -268,8 +273,31 @@ class DPGroup:
             else:
                 self._last[o.request_id] = o
         if failure is not None:
+            self._diagnose(silent)
             outputs += self._fail_all()
         return outputs
+
+    def _diagnose(self, silent: list[int]) -> None:
+        """After a failed step: a rank that exited, or else one that never answered, is the cause
+        (the others' all-to-alls failed because of it), so the group's error names it; an exited
+        process gets a moment to be reaped."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            for r in range(self.size):
+                code = self.procs[r].poll()
+                if code is not None:
+                    self.error = DPRankError(f"data-parallel rank {r} (pid {self.procs[r].pid}) exited with code "
+                                             f"{code}; this group cannot run further steps (first failure seen: "
+                                             f"{self.error})")
+                    return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if silent:
+            r = silent[0]
+            self.error = DPRankError(f"data-parallel rank {r} (pid {self.procs[r].pid}) is alive but did not answer "
+                                     f"the step within parallel.timeout_s={self.timeout_s:g} + {self.step_grace_s:g} s "
+                                     f"(stuck); this group cannot run further steps (first failure seen: {self.error})")
 
     def _probe(self, r: int) -> DPRankError:
         try:
@@ -310,10 +338,23 @@ class DPGroup:
     def load(self) -> dict:
         """Per rank (its engine's counts, forwards, dummy forwards, all-to-all seconds and pairs)
         and summed: what /load and /metrics report for the group."""
-        ranks = [self._call(r, "load") for r in range(self.size)]
-        total = {k: sum(x[k] for x in ranks) for k in ranks[0]}
+        ranks = [self._rank_load(r) for r in range(self.size)]
+        live = [x for x in ranks if x is not None]
+        total = {k: sum(x[k] for x in live) for k in live[0]} if live else {}
         return {"dp": self.size, "ranks": ranks, "total": total, "healthy": self.error is None,
+                "error": None if self.error is None else str(self.error),
                 "placed_by_affinity": self.placer.placed_by_affinity, "placed_by_load": self.placer.placed_by_load}
+
+    def _rank_load(self, r: int) -> dict | None:
+        """Rank r's counts; after a failure, those of the ranks still alive (None: gone)."""
+        if self.error is None:
+            return self._call(r, "load")
+        if self.procs[r].poll() is not None:
+            return None
+        try:
+            return self._call(r, "load", broken_ok=True, timeout_s=self.timeout_s + self.step_grace_s)
+        except (DPRankError, ChannelClosed, OSError):
+            return None
 
     def record(self, on: bool) -> list | None:
         """Starts (True) or ends (False) every rank's dispatch log; False returns them by rank."""
