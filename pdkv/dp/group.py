@@ -34,7 +34,7 @@ import weakref
 from pdkv.config import KVCacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdkv.dp.placement import Placer
 from pdkv.engine.params import SamplingParams
-from pdkv.engine.request import RequestOutput
+from pdkv.engine.request import RequestOutput, RequestStatus
 from pdkv.errors import PdkvError
 from pdkv.tp.channel import Channel, ChannelClosed
 
@@ -98,6 +98,7 @@ class DPGroup:
         self.rank_of: dict[str, int] = {}  # unfinished request -> its rank
         self._last: dict[str, RequestOutput | None] = {}  # its latest output (a dead rank's are failed here)
         self._prompts: dict[str, int] = {}  # its prompt length
+        self._status: dict = {}  # its RequestStatus as the front knows it (the server's queue-wait metric)
         self._loads: list[dict] = []
         self._ids = itertools.count()
         self.steps = 0
@@ -127,6 +128,8 @@ class DPGroup:
             raise
         self.experts = [tuple(x["experts"]) for x in ready]  # each rank's routed experts
         self._loads = [x["load"] for x in ready]
+        self._stats = [x["stats"] for x in ready]
+        self.vocab_size = ready[0]["vocab_size"]
         self.max_model_len, self.page_size = ready[0]["max_model_len"], ready[0]["page_size"]
         self.model_name = ready[0]["model_name"]
         self.placer = Placer(n, self.page_size, balance_tokens)
@@ -134,7 +137,7 @@ class DPGroup:
         try:
             from pdkv.tokenizer import Tokenizer  # noqa: PLC0415
 
-            self.tokenizer = Tokenizer(model.path) if model.path else None
+            self.tokenizer = Tokenizer(model.path, tuple(ready[0]["eos"])) if model.path else None
         except Exception:  # noqa: BLE001 - text prompts are then placed by load alone
             self.tokenizer = None
 
@@ -214,6 +217,7 @@ class DPGroup:
         self._call(rank, "add", (request_id, ids if ids is not None else prompt, params, arrival))
         self.placer.placed(ids, rank)
         self.rank_of[request_id] = rank
+        self._status[request_id] = _Seen(RequestStatus.WAITING)
         self._last[request_id] = None
         self._prompts[request_id] = len(ids) if ids is not None else 0
         load = self._loads[rank]  # until the rank's next report: count what was just placed
@@ -221,10 +225,74 @@ class DPGroup:
         load["free_pages"] -= -(-len(ids or ()) // self.page_size)
         return rank
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, quarantine: bool = False, reason: str = "abort") -> None:
+        """As LLMEngine.abort, on the request's rank (its final output comes from the next step)."""
         r = self.rank_of.get(request_id)
         if r is not None:
-            self._call(r, "abort", request_id)
+            self._call(r, "abort", (request_id, quarantine, reason))
+
+    # ---- what the server's engine loop and routes read (pdkv/engine/loop.py, server/) ----------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks that need no rank (each rank's engine checks everything again at admission)."""
+        from pdkv.errors import InvalidRequest  # noqa: PLC0415
+
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the model's context length ({self.max_model_len})")
+
+    def in_transfer(self, request_id: str) -> bool:
+        return False  # colocated: no remote write can touch a request's pages
+
+    def release(self, request_id: str) -> int:
+        return 0
+
+    def release_all(self) -> None:
+        pass
+
+    @property
+    def requests(self) -> dict:
+        """request id -> its status as the front last saw it (WAITING until a step ran a chunk)."""
+        return self._status
+
+    @property
+    def allocator(self):
+        """The ranks' page counts summed, as of their last step (what /health reads)."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        st = self.stats()
+        return SimpleNamespace(num_free=st.get("num_pages_free", 0), num_total=st.get("num_pages_total", 0),
+                               num_evictable=st.get("num_pages_cached", 0), num_used=st.get("num_pages_used", 0))
+
+    @property
+    def num_held_pages(self) -> int:
+        return sum(s.get("num_pages_held", 0) for s in self._stats)
+
+    def stats(self) -> dict:
+        """The ranks' engine stats (as of their last step) summed, plus each rank's under "ranks"."""
+        total: dict = {}
+        for st in self._stats:
+            for k, v in st.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        total["page_size"] = self.page_size
+        return {**total, "dp": self.size, "healthy": self.error is None, "ranks": [dict(s) for s in self._stats]}
+
+    def load_report(self, in_flight: int = 0) -> dict:
+        """What /load serves for a group: the summed counts a router reads, and each rank's."""
+        st = self.stats()
+        ranks = [{"rank": r, "num_running": x.get("num_running", 0), "num_waiting": x.get("num_waiting", 0),
+                  "queued_tokens": self._loads[r]["tokens"], "num_pages_free": x.get("num_pages_free", 0),
+                  "num_pages_total": x.get("num_pages_total", 0)} for r, x in enumerate(self._stats)]
+        return {"in_flight": in_flight, "num_running": st.get("num_running", 0),
+                "num_waiting": st.get("num_waiting", 0) + st.get("num_waiting_remote_kv", 0),
+                "queued_prompt_tokens": sum(r["queued_tokens"] for r in ranks),
+                "num_pages_free": st.get("num_pages_free", 0), "num_pages_total": st.get("num_pages_total", 0),
+                "dp": self.size, "healthy": self.error is None, "ranks": ranks}
 
     def has_work(self) -> bool:
         return bool(self.rank_of)
@@ -260,6 +328,11 @@ class DPGroup:
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r} failed a step: {rep}"))
                 continue
             self._loads[r] = rep["load"]
+            self._stats[r] = rep["stats"]
+            for rid in rep["running"]:
+                seen = self._status.get(rid)
+                if seen is not None:
+                    seen.status = RequestStatus.RUNNING
             self.dummy_steps[r] += rep["dummy"]
             if rep["error"] is not None:
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r}: {rep['error']}"))
@@ -268,6 +341,7 @@ class DPGroup:
         for o in outputs:
             if o.finished:
                 self.rank_of.pop(o.request_id, None)
+                self._status.pop(o.request_id, None)
                 self._last.pop(o.request_id, None)
                 self._prompts.pop(o.request_id, None)
             else:
@@ -315,6 +389,7 @@ class DPGroup:
             out.append(RequestOutput(rid, [], "", True, "error", self._prompts.get(rid, 0), len(ids), ids,
                                      last.text if last is not None else ""))
         self.rank_of.clear()
+        self._status.clear()
         self._last.clear()
         self._prompts.clear()
         return out
@@ -365,10 +440,29 @@ class DPGroup:
     def healthy(self) -> bool:
         return self.error is None
 
+    @classmethod
+    def from_config(cls, cfg) -> DPGroup:
+        """The group of a pdkv.config.Config (role colocated; its model, kv_cache, scheduler and
+        parallel sections: the scheduler and cache are each rank's)."""
+        if cfg.role != "colocated":
+            raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} runs colocated only for now: role "
+                             f"{cfg.role!r} would need the decode group to reserve on a chosen rank and tell the "
+                             "prefill node which (not implemented)")
+        return cls(cfg.model, cfg.kv_cache, cfg.scheduler, cfg.parallel)
+
     def close(self) -> None:
         """Stops every rank (kills them if the group is broken: they may sit in a collective)."""
         self._finalizer()
         self._store = None
+
+
+class _Seen:
+    """A request's status as the front knows it (what server/async_engine.py reads of a request)."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, status: RequestStatus):
+        self.status = status
 
 
 def validate_parallel(parallel: ParallelConfig, where: str = "") -> None:

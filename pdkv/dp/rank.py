@@ -52,7 +52,8 @@ def step(engine, group) -> dict:
         for rid in list(engine.requests):
             engine.abort(rid, reason="error")
         outputs += engine.step()  # nothing left to schedule: only the aborts' final outputs
-    return {"outputs": outputs, "dummy": dummy, "load": load_info(engine), "error": error}
+    return {"outputs": outputs, "dummy": dummy, "load": load_info(engine), "error": error, "stats": engine.stats(),
+            "running": [r.request_id for r in engine.scheduler.running]}
 
 
 def serve(ch) -> None:
@@ -76,11 +77,13 @@ def serve(ch) -> None:
     group = ExpertGroup(rank, size, store, device, init["timeout_s"])
     engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=init["num_threads"], ep=group)
     ch.send("ready", {"pid": os.getpid(), "load": load_info(engine), "max_model_len": engine.max_model_len,
+                      "stats": engine.stats(), "vocab_size": engine.vocab_size,
+                      "eos": list(engine.tokenizer.eos_token_ids),
                       "page_size": engine.kv.page_size, "experts": list(engine.loaded.arch.moe.local_experts),
                       "model_name": engine.model_name})
     handlers = {
         "add": lambda p: engine.add_request(*p),
-        "abort": lambda rid: engine.abort(rid),
+        "abort": lambda p: engine.abort(*p),
         "step": lambda _: step(engine, group),
         "load": lambda _: {**load_info(engine), "forwards": group.forwards, "dummies": group.dummies,
                            "comm_s": group.dispatcher.comm_s, "dispatch_s": group.dispatcher.total_s,

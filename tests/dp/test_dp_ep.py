@@ -166,3 +166,50 @@ def test_placement_by_load_and_prefix_affinity(groups):
     rc = g.add_request("c", p + [1, 2], GREEDY)  # the same first pages: where they were cached
     assert rc == ra and g.placer.placed_by_affinity == before + 1
     _run_all(g)
+
+
+def test_one_endpoint_serves_the_group(groups, moe_models):
+    """The group's front behind the OpenAI server: completions equal TP1's greedy tokens, /load
+    and /metrics report each rank and the sum, /health is ok."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from pdkv.config import load_config
+    from pdkv.server import ServerThread
+
+    family = "qwen3_moe"
+    g = groups[family]
+    prompts = [SHORT[0], SHORT[2]]
+    ref = _reference(moe_models[family], prompts)
+    cfg = load_config(None, [f"model.path={moe_models[family]}", "server.port=0", "parallel.dp=2", "parallel.ep=true"])
+    thread = ServerThread(cfg, g).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                async def one(p):
+                    body = {"model": g.model_name, "prompt": p, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True}
+                    async with s.post(thread.url + "/v1/completions", data=json.dumps(body),
+                                      headers={"Content-Type": "application/json"}) as r:
+                        return r.status, await r.json()
+                outs = await asyncio.gather(*(one(p) for p in prompts))
+                async with s.get(thread.url + "/load") as r:
+                    load = await r.json()
+                async with s.get(thread.url + "/metrics") as r:
+                    metrics = await r.text()
+                async with s.get(thread.url + "/health") as r:
+                    health = r.status
+                return outs, load, metrics, health
+        outs, load, metrics, health = asyncio.run(go())
+    finally:
+        thread.stop()
+    assert all(status == 200 for status, _ in outs), outs
+    texts = [g.tokenizer.decode(r) for r in ref]
+    assert [body["choices"][0]["text"] for _, body in outs] == texts
+    assert load["dp"] == 2 and len(load["ranks"]) == 2 and health == 200
+    assert load["num_pages_total"] == sum(r["num_pages_total"] for r in load["ranks"]) == 2 * KV.num_pages
+    rows = [line for line in metrics.splitlines() if line.startswith("pdkv_dp_rank_num_pages_total{")]
+    assert len(rows) == 2 and all(line.endswith(f" {float(KV.num_pages)}") for line in rows)
+    assert 'dp_rank="0"' in rows[0] + rows[1] and 'dp_rank="1"' in rows[0] + rows[1]
