@@ -223,7 +223,7 @@ def _check_cuda_graphs(cfg: Config, need) -> None:
 
 def _check_dp(cfg: Config, need) -> None:
     """parallel.dp / parallel.ep (pdkv/dp): what can run; the model's own fit (dp divides the
-    routed experts, a MoE model at all) is checked against config.json (``check_dp_model``)."""
+    routed experts, a MoE model at all) is checked against config.json (pdkv.dp.group.check_dp_model)."""
     pc = cfg.parallel
     need(pc.dp >= 1, "parallel.dp", "a positive integer (data-parallel ranks)", pc.dp)
     if pc.dp > 1:
@@ -238,16 +238,3 @@ def _check_dp(cfg: Config, need) -> None:
         need(not pc.ep, "parallel.ep", "false with parallel.dp 1 (a TP node's expert split is "
              "parallel.expert_parallel)", pc.ep)
 
-
-def check_dp_model(parallel, hf_config: dict, source: str) -> None:
-    """Raises ConfigError when ``parallel.dp`` with ``parallel.ep`` cannot split this model's
-    experts: a dense model, or an expert count dp does not divide."""
-    if parallel.dp <= 1:
-        return
-    from pdkv.models.config import parse_arch_config  # noqa: PLC0415
-    from pdkv.models.parallel import DataParallelError, ExpertLayout  # noqa: PLC0415
-
-    try:
-        ExpertLayout(0, parallel.dp, parse_arch_config(hf_config, source))
-    except DataParallelError as e:
-        raise ConfigError(f"{source}: {e}") from None

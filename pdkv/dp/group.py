@@ -78,7 +78,6 @@ class DPGroup:
 
         validate_parallel(parallel, model.path)
         if model.path:  # the model's fit (a MoE model; dp divides its experts), before any process starts
-            from pdkv.config.validate import check_dp_model  # noqa: PLC0415
             from pdkv.models.loader import read_json  # noqa: PLC0415
 
             from pathlib import Path  # noqa: PLC0415
@@ -477,3 +476,18 @@ def validate_parallel(parallel: ParallelConfig, where: str = "") -> None:
     if parallel.tp != 1:
         raise ValueError(f"{pre}parallel.tp={parallel.tp} with parallel.dp={parallel.dp}: tensor-parallel "
                          "attention inside a data-parallel rank is not implemented; use tp: 1")
+
+
+def check_dp_model(parallel, hf_config: dict, source: str) -> None:
+    """Raises ConfigError when ``parallel.dp`` with ``parallel.ep`` cannot split this model's
+    experts: a dense model, or an expert count dp does not divide."""
+    if parallel.dp <= 1:
+        return
+    from pdkv.config import ConfigError  # noqa: PLC0415
+    from pdkv.models.config import parse_arch_config  # noqa: PLC0415
+    from pdkv.models.parallel import DataParallelError, ExpertLayout  # noqa: PLC0415
+
+    try:
+        ExpertLayout(0, parallel.dp, parse_arch_config(hf_config, source))
+    except DataParallelError as e:
+        raise ConfigError(f"{source}: {e}") from None

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from pdkv.config import ConfigError, KVCacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdkv.config.validate import check_dp_model
-from pdkv.dp.group import DPGroup, DPRankError
+from pdkv.dp.group import DPGroup, DPRankError, check_dp_model
 from pdkv.engine import SamplingParams
 from pdkv.models.loader import read_json
 
