@@ -88,6 +88,7 @@ class DPGroup:
         self.timeout_s, self.startup_timeout_s = parallel.timeout_s, parallel.startup_timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = num_threads or max(1, cores // n)  # the ranks share this host's cores
+        cpu_sets = rank_cpu_sets(parallel.cpus, n)  # parallel.cpus: a share of the set per rank
         self.procs: list[subprocess.Popen] = []
         self.chans: list[Channel] = []
         self._state = {"broken": False}
@@ -119,13 +120,14 @@ class DPGroup:
                     "startup_timeout_s": self.startup_timeout_s, "model": model, "kv_cache": kv_cache,
                     "scheduler": scheduler, "num_threads": threads}
             for r, ch in enumerate(self.chans):
-                ch.send("init", {**init, "rank": r})
+                ch.send("init", {**init, "rank": r, "cpus": cpu_sets[r]})
             self.pids = self._wait_all("hello", self.startup_timeout_s)
             ready = self._wait_all("ready", self.startup_timeout_s)
         except BaseException:
             self.close()
             raise
         self.experts = [tuple(x["experts"]) for x in ready]  # each rank's routed experts
+        self.rank_cpus = [tuple(x["cpus"]) for x in ready]  # each rank's CPU affinity
         self._loads = [x["load"] for x in ready]
         self._stats = [x["stats"] for x in ready]
         self.vocab_size = ready[0]["vocab_size"]
@@ -453,6 +455,26 @@ class DPGroup:
         """Stops every rank (kills them if the group is broken: they may sit in a collective)."""
         self._finalizer()
         self._store = None
+
+
+def rank_cpu_sets(text: str, dp: int) -> list[str]:
+    """``parallel.cpus`` split into ``dp`` contiguous shares, one per rank (a rank's torch threads
+    and its all-to-all stay on its own cores); "" for every rank when it is empty."""
+    from pdkv.cpus import parse_cpu_list  # noqa: PLC0415
+
+    cpus = parse_cpu_list(text)
+    if not cpus:
+        return [""] * dp
+    if len(cpus) < dp:
+        raise ValueError(f"parallel.cpus={text!r} lists {len(cpus)} CPU(s) for parallel.dp={dp} ranks: each rank "
+                         "needs at least one")
+    base, extra = divmod(len(cpus), dp)
+    out, i = [], 0
+    for r in range(dp):
+        n = base + (r < extra)
+        out.append(",".join(str(c) for c in cpus[i:i + n]))
+        i += n
+    return out
 
 
 class _Seen:

@@ -71,14 +71,19 @@ def serve(ch) -> None:
     device = torch.device(model.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    threads = init["num_threads"]
+    if init.get("cpus"):  # this rank's share of parallel.cpus (pdkv/dp/group.py rank_cpu_sets)
+        from pdkv.cpus import pin_cpus  # noqa: PLC0415
+
+        threads = len(pin_cpus(init["cpus"]))
     ch.send("hello", os.getpid())
     store = dist.TCPStore(init["host"], init["port"], size, False,
                           timeout=datetime.timedelta(seconds=init["startup_timeout_s"]))
     group = ExpertGroup(rank, size, store, device, init["timeout_s"])
-    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=init["num_threads"], ep=group)
+    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group)
     ch.send("ready", {"pid": os.getpid(), "load": load_info(engine), "max_model_len": engine.max_model_len,
                       "stats": engine.stats(), "vocab_size": engine.vocab_size,
-                      "eos": list(engine.tokenizer.eos_token_ids),
+                      "eos": list(engine.tokenizer.eos_token_ids), "cpus": sorted(os.sched_getaffinity(0)),
                       "page_size": engine.kv.page_size, "experts": list(engine.loaded.arch.moe.local_experts),
                       "model_name": engine.model_name})
     handlers = {

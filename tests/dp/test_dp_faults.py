@@ -13,22 +13,26 @@ import time
 import pytest
 
 from pdkv.config import ConfigError, KVCacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdkv.dp.group import DPGroup, DPRankError, check_dp_model
+from pdkv.dp.group import DPGroup, DPRankError, check_dp_model, rank_cpu_sets
 from pdkv.engine import SamplingParams
 from pdkv.models.loader import read_json
 
 KV = KVCacheConfig(page_size=4, num_pages=64)
 SCHED = SchedulerConfig(max_num_batched_tokens=24, chunk_size=8, max_num_seqs=4)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+_ALLOWED = sorted(os.sched_getaffinity(0))
+CPUS = f"{_ALLOWED[0]},{_ALLOWED[1]}" if len(_ALLOWED) >= 2 else ""
 
 
 @pytest.mark.slow  # a group of its own per case (it is broken after): ~30 s to start on a loaded box
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_rank_that_dies_or_hangs_fails_the_group_cleanly_and_in_bounded_time(sig, moe_models):
     g = DPGroup(ModelConfig(path=str(moe_models["qwen3_moe"])), KV, SCHED,
-                ParallelConfig(dp=2, ep=True, timeout_s=4.0, startup_timeout_s=300.0))
+                ParallelConfig(dp=2, ep=True, timeout_s=4.0, startup_timeout_s=300.0, cpus=CPUS))
     g.step_grace_s = 4.0
     try:
+        if CPUS:  # parallel.cpus: each rank pinned to its share
+            assert g.rank_cpus == [tuple(int(c) for c in s.split(",")) for s in rank_cpu_sets(CPUS, 2)]
         g.add_request("a", [5, 6, 7, 8], GREEDY, rank=0)
         g.add_request("b", [9, 10, 11], GREEDY, rank=1)
         for _ in range(3):
@@ -73,6 +77,9 @@ def test_bad_dp_settings_are_named(moe_models, tiny_model_dir):
                             (ParallelConfig(ep=True), "parallel.ep"), (ParallelConfig(dp=0), "parallel.dp")]:
         with pytest.raises(ConfigError, match=field):
             validate(Config(parallel=parallel), {}, check_paths=False)
+    assert rank_cpu_sets("0-4", 2) == ["0,1,2", "3,4"] and rank_cpu_sets("", 3) == ["", "", ""]
+    with pytest.raises(ValueError, match=r"parallel.cpus='0' lists 1 CPU\(s\) for parallel.dp=2"):
+        rank_cpu_sets("0", 2)
     t0 = time.monotonic()  # refused before any rank process starts
     with pytest.raises(ConfigError, match="parallel.dp=3"):
         DPGroup(ModelConfig(path=str(moe_models["deepseek_v3"])), KV, SCHED, ParallelConfig(dp=3, ep=True))
