@@ -37,11 +37,17 @@ def _checkpoint_index(full: torch.nn.Module, qc: QuantConfig) -> dict:
 
 
 def rank_weight_bytes(arch: ArchConfig, tp: int, dtype: torch.dtype, qc: QuantConfig | None,
-                      source: str, expert_parallel: bool = False) -> int:
+                      source: str, expert_parallel: bool = False, dp: int = 1) -> int:
     """Bytes of rank 0's parameters (every rank holds the same shapes). Raises
     TensorParallelError for a degree the model cannot split, ModelLoadError for a split that
-    cuts an FP8 block."""
-    layout = TPLayout(0, tp, arch, expert_parallel) if tp > 1 else None
+    cuts an FP8 block. ``dp`` > 1: a rank of a data-parallel expert-parallel group (everything
+    whole but 1/dp of the routed experts: models/parallel.py ExpertLayout; DataParallelError)."""
+    if dp > 1:
+        from pdkv.models.parallel import ExpertLayout  # noqa: PLC0415
+
+        layout = ExpertLayout(0, dp, arch)
+    else:
+        layout = TPLayout(0, tp, arch, expert_parallel) if tp > 1 else None
     local = layout.local_arch() if layout is not None else arch
     cls = MODEL_REGISTRY[arch.architecture]
     with torch.device("meta"):

@@ -107,11 +107,13 @@ def disable_cpu_kernels(model: torch.nn.Module) -> None:
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None,
                progress: Callable[[int, int], None] | None = None, tp=None,
-               cpu_kernels: bool = True) -> LoadedModel:
+               cpu_kernels: bool = True, ep=None) -> LoadedModel:
     """Builds the model for ``path``'s config.json and loads its weights onto ``device``.
 
     ``tp`` (a models.parallel.TensorParallel): load only this rank's slice of every tensor and
-    all-reduce the row-parallel outputs in the forward pass. ``cpu_kernels`` (``model.cpu_kernels``):
+    all-reduce the row-parallel outputs in the forward pass. ``ep`` (a pdkv.dp.ExpertGroup: data
+    parallelism with expert parallelism): load every tensor whole but only this rank's routed
+    experts, and route the MoE blocks' tokens through its dispatcher. ``cpu_kernels`` (``model.cpu_kernels``):
     on the CPU, run decode-sized GEMMs through pdkv's kernel (models/cpu_kernels.py) where this CPU
     has it; False: torch's GEMMs only (and torch's attention: the engine tells the backend)."""
     from safetensors import safe_open  # noqa: PLC0415
@@ -135,6 +137,14 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         try:
             layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False))
         except ValueError as e:
+            raise ModelLoadError(f"{config_path}: {e}") from None
+        arch = layout.local_arch()
+    elif ep is not None and ep.size > 1:
+        from pdkv.models.parallel import DataParallelError, ExpertLayout  # noqa: PLC0415
+
+        try:
+            layout = ExpertLayout(ep.rank, ep.size, full_arch)
+        except DataParallelError as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         arch = layout.local_arch()
     quant = parse_quant_config(hf_config, str(config_path))
@@ -218,10 +228,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if hasattr(model, "post_load"):
         model.post_load()
     model.init_rope(max_positions or arch.max_position_embeddings, device)
-    if layout is not None:
+    if layout is not None and tp is not None:
         from pdkv.models.parallel import attach  # noqa: PLC0415
 
         attach(model, tp)
+    elif layout is not None:
+        ep.attach(model)
     model.eval()
     scales = {i: (d.get("k", d.get("kv", 1.0)), d.get("v", d.get("kv", 1.0))) for i, d in kv_scales.items()}
     return LoadedModel(model, arch, hf_config, torch_dtype, folder, full_arch, scales)

@@ -145,6 +145,19 @@ class Experts(nn.Module):
                 out = y if out is None else out.add_(y)  # the first: what 0 + y gives
         return torch.zeros_like(x) if out is None else out
 
+    def run_sorted(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows: [N, H] grouped by local expert, ``counts[e]`` rows for local expert e → each
+        row through its expert [N, H], unweighted (expert parallelism: the rows of every rank's
+        tokens routed here; the caller weights and sums them where the tokens live)."""
+        out = torch.empty_like(rows)
+        start, I = 0, self.inter
+        gate_up, down = self._expert_views()
+        for e, n in enumerate(counts):
+            if n:  # the grouped path's kernel calls, on the same rows
+                out[start:start + n] = gated_mlp(rows[start:start + n], gate_up[e], down[e], I)
+                start += n
+        return out
+
     _views: tuple = (None, None, None)  # ((both storages), [gate_up_proj's E views], [down_proj's])
 
     def _expert_views(self) -> tuple[list, list]:
@@ -166,10 +179,19 @@ class SparseMoE(nn.Module):
         shared = cfg.moe.shared_intermediate_size if shared_intermediate is None else shared_intermediate
         self.shared_experts = MLP(cfg, dtype, shared) if shared else None
 
+    # Data parallelism with expert parallelism (pdkv/dp): ``dispatch(layer, x, ids, weights,
+    # experts)`` sends each token to the ranks holding its top-k experts and returns the combined
+    # routed output [T, H]; None: this rank's experts see only its own tokens (one rank, or TP).
+    dispatch = None
+    layer_index = -1  # this block's decoder layer (the dispatcher checks ranks agree on it)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] → [T, H] (a partial sum under tensor parallelism, reduced by the layer)."""
         ids, weights = self.gate.forward(x)
-        out = self.experts.forward(x, ids, weights)
+        if self.dispatch is not None:
+            out = self.dispatch(self.layer_index, x, ids, weights, self.experts)
+        else:
+            out = self.experts.forward(x, ids, weights)
         if self.shared_experts is not None:
             out += self.shared_experts.forward(x)
         return out

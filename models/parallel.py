@@ -200,6 +200,55 @@ def _rows(name: str, tensor: torch.Tensor, full: int, part: range, unit: int) ->
     return tensor[part.start * unit:part.stop * unit]
 
 
+class DataParallelError(ValueError):
+    """A data-parallel expert-parallel layout that cannot be built; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Rank ``rank`` of a data-parallel group of ``size`` with expert parallelism (DP attention
+    + EP MoE, as SGLang's --enable-dp-attention with EP and vLLM's --data-parallel-size with
+    --enable-expert-parallel): attention, dense MLPs, shared experts, embeddings and the LM head
+    are whole on every rank (each rank runs its own requests through them); the routed experts
+    are split whole, rank r holding [r * E / size, (r + 1) * E / size). Tokens reach the ranks of
+    their experts through a dispatcher (pdkv/dp/dispatch.py), never through an all-reduce."""
+
+    rank: int
+    size: int
+    arch: ArchConfig
+    expert_parallel = True  # read by the loader's FP8 messages like TPLayout's field
+    tp = 1  # attention is not split
+
+    def __post_init__(self) -> None:
+        m = self.arch.moe
+        if not 0 <= self.rank < self.size:
+            raise DataParallelError(f"parallel.dp={self.size}: rank {self.rank} is out of range")
+        if m is None:
+            raise DataParallelError(f"parallel.ep: true needs a mixture-of-experts model; "
+                                    f"{self.arch.architecture} is dense (set parallel.ep: false, or dp: 1)")
+        if m.num_experts % self.size:
+            raise DataParallelError(f"parallel.dp={self.size} must divide the {m.num_experts} routed experts "
+                                    f"(num_experts / n_routed_experts) for expert parallelism")
+
+    @property
+    def experts(self) -> range:
+        n = self.arch.moe.num_experts // self.size
+        return range(self.rank * n, self.rank * n + n)
+
+    def owner(self, expert: int) -> int:
+        """The rank that holds routed expert ``expert``."""
+        return expert // (self.arch.moe.num_experts // self.size)
+
+    def local_arch(self) -> ArchConfig:
+        e = self.experts
+        return dataclasses.replace(self.arch, moe=dataclasses.replace(self.arch.moe, expert_start=e.start,
+                                                                     num_local_experts=len(e)))
+
+    def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Every tensor a rank loads is whole (other ranks' experts are skipped at load)."""
+        return tensor
+
+
 class TensorParallel:
     """One rank's membership of a TP group: ``all_reduce`` sums in place across ranks.
 

@@ -96,6 +96,14 @@ def load_engine(cfg: Config):
 
     where = cfg.model.path or "the shipped default model"
     log.info("loading %s (%s, %s)", where, cfg.model.dtype, cfg.model.device)
+    if cfg.parallel.dp > 1:  # a data-parallel expert-parallel group: its front serves it (pdkv/dp)
+        from pdkv.dp.group import DPGroup
+        from pdkv.errors import PdkvError
+
+        try:
+            return DPGroup.from_config(cfg)
+        except ValueError as e:  # ConfigError too: a role or a model the group cannot run, named
+            raise PdkvError(str(e)) from None
     kw = {}
     # one contiguous KV buffer, registered with the messenger (with tp > 1 pdkv.tp makes every rank's)
     if cfg.role in ("prefill", "decode") and cfg.parallel.tp == 1:

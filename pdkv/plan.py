@@ -48,6 +48,7 @@ class Side:
     kv_dtype: str = "bfloat16"  # the cache's element type, resolved (kv_cache.dtype)
     memory_fraction: float = 0.85  # kv_cache.memory_fraction: of the GPU memory left after weights
     expert_parallel: bool = False  # parallel.expert_parallel: whole experts per rank
+    dp: int = 1  # parallel.dp with parallel.ep: a data-parallel expert-parallel group of dp ranks
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def load_deployment(path: str | Path) -> Deployment:
                            _get(dep, f"{role}_engines_per_node", source, 1, int), dtype,
                            _get(cfg, "kv_cache.page_size", where, 16, int), layout,
                            dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype][0], float(fraction),
-                           _get(cfg, "parallel.expert_parallel", where, False) is True)
+                           _get(cfg, "parallel.expert_parallel", where, False) is True,
+                           _dp(cfg, where))
     gpu = dep.get("gpu_memory_gib")
     if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (int, float)) or gpu <= 0):
         raise PlanError(f"{source}: deployment.gpu_memory_gib must be a positive number, got {gpu!r}")
@@ -129,8 +131,18 @@ def load_deployment(path: str | Path) -> Deployment:
                       None if gpu is None else float(gpu))
 
 
+def _dp(cfg: dict, where: str) -> int:
+    dp = _get(cfg, "parallel.dp", where, 1, int)
+    if dp > 1 and _get(cfg, "parallel.ep", where, False) is not True:
+        raise PlanError(f"{where}: parallel.dp={dp} needs parallel.ep: true (data-parallel attention shares the "
+                        "MoE layers by expert parallelism)")
+    if dp > 1 and _get(cfg, "parallel.tp", where, 1, int) != 1:
+        raise PlanError(f"{where}: parallel.tp must be 1 with parallel.dp={dp}")
+    return dp
+
+
 def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "config.json",
-                          expert_parallel: bool = False) -> list[int]:
+                          expert_parallel: bool = False, dp: int = 1) -> list[int]:
     """Parameter bytes of each of ``tp`` ranks in the checkpoint's real dtype (FP8 + block scales
     for a quantized one: models/footprint.py), from models built on the meta device. Every rank
     holds the same shapes (TPLayout only accepts even splits), so rank 0 is built and repeated.
@@ -139,12 +151,12 @@ def weight_bytes_per_rank(arch, tp: int, dtype: str, quant=None, source: str = "
     import torch  # noqa: PLC0415
 
     from pdkv.models.footprint import rank_weight_bytes  # noqa: PLC0415
-    from pdkv.models.parallel import TensorParallelError  # noqa: PLC0415
+    from pdkv.models.parallel import DataParallelError, TensorParallelError  # noqa: PLC0415
 
     try:
-        return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source, expert_parallel)] * tp
-    except TensorParallelError as e:
-        raise PlanError(str(e)) from None
+        return [rank_weight_bytes(arch, tp, getattr(torch, dtype), quant, source, expert_parallel, dp)] * max(tp, dp)
+    except (TensorParallelError, DataParallelError) as e:
+        raise PlanError(f"{source}: {e}") from None
 
 
 def memory_verdict(weights: int | None, kv_per_token: int, gpu_gib: float | None, fraction: float,
@@ -236,10 +248,11 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
     weights, memory, known = {}, {}, {}
     for s in (p, d):
         refused = None
-        key = (s.tp, s.dtype, s.expert_parallel)
+        key = (s.tp, s.dtype, s.expert_parallel, s.dp)
         if key not in known:  # both roles alike (the common case): built once
             try:
-                known[key] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path, s.expert_parallel), None)
+                known[key] = (weight_bytes_per_rank(arch, s.tp, s.dtype, quant, config_path, s.expert_parallel,
+                                                    s.dp), None)
             except ModelLoadError as e:  # an FP8 block the split would cut: the loader refuses it
                 known[key] = (None, str(e))
         weights[s.role], refused = known[key]
@@ -248,6 +261,22 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
                           "weight_bytes_per_rank": w, "gpu_memory_gib": gpu,
                           **memory_verdict(w, kv_bytes_per_token(arch, s.tp, elem), gpu, s.memory_fraction,
                                            refused)}
+    dp_vs_tp = None
+    if d.dp > 1:  # the same GPUs as one TP-dp decode node: what DP changes per request and per node
+        tp_plan = plan_transfers(p.tp, d.dp, geo)
+        tp_wire = sum(sum(sg.length for sg in pair.segments) * pages * L for pair in tp_plan.active_pairs(seed))
+        dp_wire = sum(r["bytes"] for r in pair_rows)
+        try:
+            tp_w = weight_bytes_per_rank(arch, d.dp, d.dtype, quant, config_path, d.expert_parallel)[0]
+            tp_mem = memory_verdict(tp_w, kv_bytes_per_token(arch, d.dp, elem), gpu, d.memory_fraction)
+        except (PlanError, ModelLoadError) as e:
+            tp_w, tp_mem = None, memory_verdict(None, 0, gpu, d.memory_fraction, str(e))
+        dp_mem = memory[d.role]
+        dp_vs_tp = {"dp": d.dp, "dp_wire_bytes": dp_wire + hidden, "tp_wire_bytes": tp_wire + hidden,
+                    "tp_weight_bytes_per_rank": tp_w, "tp_memory": tp_mem,
+                    # TP replicates the latent: a node holds what one rank holds; DP ranks hold different requests
+                    "node_kv_tokens_tp": tp_mem.get("kv_tokens"),
+                    "node_kv_tokens_dp": None if dp_mem.get("kv_tokens") is None else d.dp * dp_mem["kv_tokens"]}
     return {
         "deployment": dep.source, "model": str(dep.model_path), "architecture": arch.architecture,
         "num_layers": L, "cache": ("latent" if geo.kv_parts == 1 else "kv"),
@@ -265,7 +294,7 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
         "expected_immediates": expected_writes(plan, pages, L),
         "expected_writes_per_decode_rank": [plan.expected_writes(r, pages, L) for r in range(d.tp)],
         "prefill_rank_share": {str(r): share[r] / total_share for r in range(p.tp)},
-        "weight_bytes_per_rank": weights, "memory": memory,
+        "weight_bytes_per_rank": weights, "memory": memory, "dp_vs_tp": dp_vs_tp,
     }
 
 
@@ -276,6 +305,9 @@ def _gib(n: int) -> str:
 def render(r: dict) -> str:
     p, d = r["prefill"], r["decode"]
     dp = f" x {d['engines_per_node']} engines/node (data parallel)" if d["engines_per_node"] > 1 else ""
+    if d.get("dp", 1) > 1:
+        dp = (f" DP{d['dp']}-EP: {d['dp']} ranks, each its own requests and latent cache, 1/{d['dp']} of the routed "
+              "experts (all-to-all)")
     lines = [
         f"deployment {r['deployment']}: {r['architecture']}, {r['num_layers']} layers, {r['dtype']}, "
         f"page {r['page_size']} tokens, {r['layout']}",
@@ -305,6 +337,17 @@ def render(r: dict) -> str:
         w = "?" if m["weight_bytes_per_rank"] is None else _gib(m["weight_bytes_per_rank"])
         gpu = "" if m["gpu_memory_gib"] is None else f" on a {m['gpu_memory_gib']:g} GiB GPU"
         lines.append(f"  {side}: weights {w}, KV {m['kv_bytes_per_token_per_rank']:,} B/token{gpu}: {m['text']}")
+    c = r.get("dp_vs_tp")
+    if c is not None:
+        n = c["dp"]
+        lines.append(f"DP{n}-EP decode vs TP{n} decode on the same {n} GPUs:")
+        lines.append(f"  wire bytes per request: DP {c['dp_wire_bytes']:,} vs TP {c['tp_wire_bytes']:,} "
+                     f"({c['dp_wire_bytes'] / c['tp_wire_bytes']:.3f}x: one rank's copy instead of one per rank)")
+        tw = "?" if c["tp_weight_bytes_per_rank"] is None else _gib(c["tp_weight_bytes_per_rank"])
+        lines.append(f"  TP{n} per rank: weights {tw}: {c['tp_memory']['text']}")
+        if c["node_kv_tokens_dp"] is not None and c["node_kv_tokens_tp"]:
+            lines.append(f"  KV tokens per node: DP {c['node_kv_tokens_dp']:,} vs TP {c['node_kv_tokens_tp']:,} "
+                         f"({c['node_kv_tokens_dp'] / c['node_kv_tokens_tp']:.1f}x: TP replicates the latent)")
     return "\n".join(lines)
 
 

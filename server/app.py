@@ -115,6 +115,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
         if not alive:
             return error_response("the engine thread is not running", 503)
+        if not getattr(engine, "healthy", True):  # a data-parallel group whose rank failed (pdkv/dp)
+            return error_response(f"the data-parallel group failed: {engine.error}", 503)
         a = engine.allocator
         body = {"status": "ok", "model": name, "role": cfg.role, "num_pages_free": a.num_free,
                 "num_pages_total": a.num_total, "num_pages_cached": a.num_evictable,
@@ -131,6 +133,9 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
         if not alive:
             return error_response("the engine thread is not running", 503)
+        if hasattr(engine, "load_report"):  # a data-parallel group: summed, and per rank (pdkv/dp)
+            return web.json_response({"role": cfg.role, **engine.load_report(
+                aengine.num_in_flight if aengine is not None else 0)})
         s, a = engine.scheduler, engine.allocator
         waiting = list(s.waiting)
         body = {"role": cfg.role, "in_flight": aengine.num_in_flight if aengine is not None else 0,

@@ -25,6 +25,8 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.engine_stats: dict = {}
+        self.model_name = model_name
+        self._dp_gauges = None  # per data-parallel rank, made on a group's first stats
         labels = ["model_name"]
         r = self.registry
 
@@ -118,6 +120,20 @@ class ServerMetrics:
         self._prefix_seen = (queries, hits)
         if "spec_num_drafts" in stats:
             self._spec(stats)
+        if "ranks" in stats:  # a data-parallel group (pdkv/dp): the gauges above are summed; each rank's too
+            self._dp_ranks(stats["ranks"])
+
+    def _dp_ranks(self, ranks: list[dict]) -> None:
+        if self._dp_gauges is None:
+            names = {"num_running": "Requests running on this data-parallel rank",
+                     "num_waiting": "Requests waiting on this data-parallel rank",
+                     "num_pages_used": "KV pages in use on this data-parallel rank",
+                     "num_pages_total": "KV pages of this data-parallel rank"}
+            self._dp_gauges = {k: Gauge(f"pdkv_dp_rank_{k}", doc, ["model_name", "dp_rank"], registry=self.registry)
+                               for k, doc in names.items()}
+        for r, st in enumerate(ranks):
+            for k, g in self._dp_gauges.items():
+                g.labels(self.model_name, str(r)).set(st.get(k, 0))
 
     def _spec(self, stats: dict) -> None:
         """Counters advance by what the engine's totals grew since the last copy."""

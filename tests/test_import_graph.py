@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     # weights); the RDMA probe (tools/topo --probe, pdkv serve's start-up check)
     ("pdkv.disagg", "pdkv.server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
     # node; the router proxies HTTP to nodes (it holds no engine)
+    ("pdkv.dp",),  # a data-parallel expert-parallel group: engine processes whose MoE layers share experts
     ("pdkv.engine",),  # LLMEngine, scheduler, runner, KV connector, the engine loop
     ("pdkv.tp", "pdkv.shared_weights"),  # tensor-parallel ranks the runner drives; one host's shared copy
     # of a model's weights (the engine's loader for share_weights auto)

@@ -162,7 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print where each batch size's decode steps spent their time (cProfile)")
     ap.add_argument("--out", default="bench-results/engine.json")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="with --ep: a DP-EP group of this many ranks vs TP of as many vs as many TP1 engines "
+                         "(pdkv/bench/dp.py; MoE model kinds only)")
+    ap.add_argument("--ep", action="store_true", help="expert parallelism across the --dp ranks")
     a = ap.parse_args(argv)
+    if a.dp > 1 or a.ep:
+        from pdkv.bench.dp import run  # noqa: PLC0415
+
+        if a.out == "bench-results/engine.json":
+            a.out = "bench-results/engine-dp.json"
+        return run(a)
 
     from pdkv.models import cpu_kernels
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig

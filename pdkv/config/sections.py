@@ -219,6 +219,11 @@ class ParallelConfig:
     # experts' rows (Qwen3-Coder-480B-FP8 at tp 8: 2560 / 8 = 320), as vLLM's --enable-expert-parallel.
     expert_parallel: bool = False
     cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
+    # Data-parallel attention with expert-parallel MoE (pdkv/dp): dp ranks, each its own requests,
+    # scheduler and latent KV cache; the routed experts split whole across them (dp divides the
+    # expert count), tokens travel to their experts by all-to-all. ep must be true with dp > 1.
+    dp: int = 1
+    ep: bool = False
 
 
 SPEC_METHODS = ("ngram", "draft", "mtp")

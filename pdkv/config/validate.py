@@ -49,6 +49,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(pc.startup_timeout_s > 0, "parallel.startup_timeout_s", "a positive number of seconds",
          pc.startup_timeout_s)
     need(_cpus_ok(pc.cpus), "parallel.cpus", "a CPU list like 0 or 0-3,8 (empty: every CPU)", pc.cpus)
+    _check_dp(cfg, need)
     one_of("role", cfg.role, ROLES)
     one_of("model.dtype", m.dtype, DTYPES)
     one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
@@ -221,3 +222,22 @@ def _check_cuda_graphs(cfg: Config, need) -> None:
     need(sizes[-1] <= cfg.scheduler.max_num_seqs, "model.cuda_graph_batch_sizes",
          f"at most scheduler.max_num_seqs ({cfg.scheduler.max_num_seqs}): a larger graph is never replayed",
          list(sizes))
+
+
+def _check_dp(cfg: Config, need) -> None:
+    """parallel.dp / parallel.ep (pdkv/dp): what can run; the model's own fit (dp divides the
+    routed experts, a MoE model at all) is checked against config.json (pdkv.dp.group.check_dp_model)."""
+    pc = cfg.parallel
+    need(pc.dp >= 1, "parallel.dp", "a positive integer (data-parallel ranks)", pc.dp)
+    if pc.dp > 1:
+        need(pc.ep, "parallel.ep", f"true with parallel.dp {pc.dp} (data-parallel attention shares the MoE "
+             "layers by expert parallelism; dense models: separate engines behind the router)", pc.ep)
+        need(pc.tp == 1, "parallel.tp", f"1 with parallel.dp {pc.dp} (tensor-parallel attention inside a "
+             "data-parallel rank is not implemented)", pc.tp)
+        need(cfg.speculative.method is None, "speculative.method",
+             f"null with parallel.dp {pc.dp} (a verification would run a second forward in a lock step)",
+             cfg.speculative.method)
+    else:
+        need(not pc.ep, "parallel.ep", "false with parallel.dp 1 (a TP node's expert split is "
+             "parallel.expert_parallel)", pc.ep)
+

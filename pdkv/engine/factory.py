@@ -109,11 +109,12 @@ def _salt_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                 progress: Callable[[int, int], None] | None = None, kv_buffer=None,
-                num_threads: int | None = None, parallel=None) -> EngineParts:
+                num_threads: int | None = None, parallel=None, ep=None) -> EngineParts:
     """``kv_buffer``: memory for the KV cache (see pdkv.kv.KVCache), e.g. one the messenger
     registered, or a callable ``f(nbytes) -> buffer`` that makes it once the size is known;
     ``num_threads``: torch threads on the CPU (default: one per core); ``parallel``: a
-    pdkv.config.ParallelConfig (None: one rank)."""
+    pdkv.config.ParallelConfig (None: one rank); ``ep``: this process's pdkv.dp.ExpertGroup when
+    it is one rank of a data-parallel group with expert parallelism (pdkv/dp/rank.py)."""
     from pdkv.models import load_model  # noqa: PLC0415 - keeps `import pdkv.engine` light
     from pdkv.models.attention import get_backend  # noqa: PLC0415
     from pdkv.models.loader import read_json, resolve_dtype  # noqa: PLC0415
@@ -147,7 +148,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
                       num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
                       expert_parallel=parallel.expert_parallel)
-    if model.share_weights == "auto" and tp is None and torch.device(device).type == "cpu":
+    if model.share_weights == "auto" and tp is None and ep is None and torch.device(device).type == "cpu":
         from pdkv.shared_weights import load_shared  # noqa: PLC0415
 
         loaded, shared = load_shared(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
@@ -155,7 +156,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         loaded.shared = shared  # the owner's server / the attached mapping: lives with the model
     else:
         loaded = load_model(path, model.dtype, str(device), model.max_model_len or max_pos, progress,
-                            tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels)
+                            tp=tp.parallel if tp is not None else None, cpu_kernels=model.cpu_kernels, ep=ep)
     arch = loaded.arch
     max_model_len = model.max_model_len or arch.max_position_embeddings
 
@@ -197,7 +198,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                         "using %s", want, cpu_kernels.GEMM_PATH)
     tokenizer = Tokenizer(path, arch.eos_token_id)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed, tokenizer.eos_token_ids), num_threads,
-                         followers=tp)
+                         followers=tp if tp is not None else ep)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
         from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415
 

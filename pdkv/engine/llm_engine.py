@@ -38,12 +38,12 @@ class LLMEngine:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                  progress: Callable[[int, int], None] | None = None, kv_buffer=None,
                  num_threads: int | None = None, parallel=None, speculative: SpeculativeConfig | None = None,
-                 spec_drafts: bool = True):
+                 spec_drafts: bool = True, ep=None):
         """Loads the model and wires the parts (pdkv/engine/factory.py: ``kv_buffer``,
-        ``num_threads``, ``parallel`` are explained there); ``build_engine(cfg)`` is the usual way.
+        ``num_threads``, ``parallel``, ``ep`` are explained there); ``build_engine(cfg)`` is the usual way.
         ``speculative``: speculative decoding (pdkv/engine/spec); None: off. ``spec_drafts``:
         False on a prefill node (its proposer only computes what it hands off)."""
-        p = build_parts(model, kv_cache, scheduler, progress, kv_buffer, num_threads, parallel)
+        p = build_parts(model, kv_cache, scheduler, progress, kv_buffer, num_threads, parallel, ep)
         self.spec = build_spec_decoder(speculative, p, p.runner.sampler.generator, spec_drafts)  # None: off
         if self.spec is not None:
             p.runner.verify = self.spec.verify

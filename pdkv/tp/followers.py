@@ -28,7 +28,7 @@ class TPRankError(PdkvError, RuntimeError):
 
 
 def _repo_root() -> str:
-    import pdkv.models  # noqa: PLC0415
+    import pdkv.models as models  # noqa: PLC0415
 
     return str(Path(pdkv.models.__file__).resolve().parent.parent)
 

@@ -62,13 +62,19 @@ def test_deepseek_r1_tp8_to_tp8_matches_the_hand_computation(capsys):
 
 def test_deepseek_r1_data_parallel_decode_moves_one_copy(capsys):
     r = _plan(capsys, "configs/deepseek-r1/cluster-dp8.yaml", 1000)
-    assert r["decode"]["tp"] == 1 and r["decode"]["engines_per_node"] == 8
-    (pair,) = r["pairs"]  # one engine's one rank, fed by one seeded prefill rank
+    assert r["decode"]["tp"] == 1 and r["decode"]["dp"] == 8
+    (pair,) = r["pairs"]  # the one DP rank that decodes it, fed by one seeded prefill rank
     pages = -(-999 // 64)
     assert pair["writes"] == pages * 61 and r["expected_immediates"] == pages * 61 + 1
     assert r["wire_bytes"] == pages * 61 * 64 * 576 * 2 + 7168 * 2
-    assert r["weight_bytes_per_rank"]["decode"] == [r1_fp8_weights_per_rank(1)]
+    # A DP8-EP rank: everything whole but 32 of the 256 routed experts: more than a TP8 rank, less than TP1.
+    w = r["weight_bytes_per_rank"]["decode"]
+    assert len(w) == 8 and r1_fp8_weights_per_rank(8) < w[0] < r1_fp8_weights_per_rank(1) / 4
     assert all(abs(s - 1 / 8) < 0.02 for s in r["prefill_rank_share"].values())
+    c = r["dp_vs_tp"]  # next to TP8 on the same GPUs: 1/8 of the wire bytes, more KV per node
+    assert c["dp_wire_bytes"] == r["wire_bytes"] and c["tp_wire_bytes"] - 7168 * 2 == 8 * (r["wire_bytes"] - 7168 * 2)
+    assert c["tp_weight_bytes_per_rank"] == r1_fp8_weights_per_rank(8)
+    assert c["node_kv_tokens_dp"] > 5 * c["node_kv_tokens_tp"] > 0
 
 
 def test_qwen3_coder_tp8_to_tp8_moves_each_rank_one_head(capsys):

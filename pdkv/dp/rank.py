@@ -1,0 +1,143 @@
+"""One rank of a data-parallel group (``python -m pdkv.dp.rank CONTROL_FD``): its own engine
+(scheduler, paged latent KV cache, prefix cache, requests) over a model whose routed experts are
+this rank's share, stepping when the group's front says so (pdkv/dp/group.py).
+
+Control messages (pdkv/tp/channel.py framing), front → rank:
+  ("init", dict) ("add", (request_id, prompt, params)) ("abort", request_id) ("step", None)
+  ("load", None) ("record", bool) ("stop", None)
+and each answered, rank → front, by ("ok", payload) or ("err", exception); first ("hello", pid)
+and ("ready", info) or ("error", traceback text).
+
+A step is lock-step: every rank gets ("step") for every group step and runs exactly one forward
+pass: its engine's, or, when its scheduler has nothing to compute (no requests, or only ones
+waiting), a dummy one that joins every MoE layer's all-to-all with zero tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import traceback
+
+log = logging.getLogger("pdkv.dp.rank")
+
+
+def load_info(engine) -> dict:
+    """What the front places requests by (pdkv/dp/placement.py) and reports in /load."""
+    s = engine.scheduler
+    return {"running": len(s.running), "waiting": len(s.waiting),
+            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting)),
+            "free_pages": engine.allocator.num_free, "total_pages": engine.allocator.num_total,
+            "requests": len(engine.requests), "held_pages": engine.num_held_pages}
+
+
+def step(engine, group) -> dict:
+    """One lock-step step: the engine's forward if it has one to run, else a dummy."""
+    before = group.forwards
+    outputs = engine.step() if engine.has_work() else []
+    dummy = group.forwards == before
+    error = None
+    if dummy:
+        try:
+            group.dummy_forward()
+        except Exception as e:  # noqa: BLE001 - the group is broken: report it, fail nothing here twice
+            error = str(e)
+    broken = group.dispatcher.broken
+    if broken is not None:
+        error = str(broken)
+        # The group cannot step again: every request left fails now, its pages freed.
+        for rid in list(engine.requests):
+            engine.abort(rid, reason="error")
+        outputs += engine.step()  # nothing left to schedule: only the aborts' final outputs
+    return {"outputs": outputs, "dummy": dummy, "load": load_info(engine), "error": error, "stats": engine.stats(),
+            "running": [r.request_id for r in engine.scheduler.running]}
+
+
+def serve(ch) -> None:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pdkv.dp.expert import ExpertGroup  # noqa: PLC0415
+    from pdkv.engine import LLMEngine  # noqa: PLC0415
+
+    kind, init = ch.recv()
+    if kind != "init":
+        raise RuntimeError(f"expected an 'init' message first, got {kind!r}")
+    rank, size = init["rank"], init["size"]
+    model = init["model"]
+    device = torch.device(model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = init["num_threads"]
+    if init.get("cpus"):  # this rank's share of parallel.cpus (pdkv/dp/group.py rank_cpu_sets)
+        from pdkv.cpus import pin_cpus  # noqa: PLC0415
+
+        threads = len(pin_cpus(init["cpus"]))
+    ch.send("hello", os.getpid())
+    store = dist.TCPStore(init["host"], init["port"], size, False,
+                          timeout=datetime.timedelta(seconds=init["startup_timeout_s"]))
+    group = ExpertGroup(rank, size, store, device, init["timeout_s"])
+    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group)
+    ch.send("ready", {"pid": os.getpid(), "load": load_info(engine), "max_model_len": engine.max_model_len,
+                      "stats": engine.stats(), "vocab_size": engine.vocab_size,
+                      "eos": list(engine.tokenizer.eos_token_ids), "cpus": sorted(os.sched_getaffinity(0)),
+                      "page_size": engine.kv.page_size, "experts": list(engine.loaded.arch.moe.local_experts),
+                      "model_name": engine.model_name})
+    handlers = {
+        "add": lambda p: engine.add_request(*p),
+        "abort": lambda p: engine.abort(*p),
+        "step": lambda _: step(engine, group),
+        "load": lambda _: {**load_info(engine), "forwards": group.forwards, "dummies": group.dummies,
+                           "comm_s": group.dispatcher.comm_s, "dispatch_s": group.dispatcher.total_s,
+                           "pairs_sent": group.dispatcher.pairs_sent,
+                           "pairs_received": group.dispatcher.pairs_received},
+        "record": lambda on: _record(group, on),
+        "cached": lambda prompt: engine.cached_prefix_tokens(prompt),
+    }
+    while True:
+        kind, payload = ch.recv()
+        if kind == "stop":
+            break
+        try:
+            ch.send("ok", handlers[kind](payload))
+        except Exception as e:  # noqa: BLE001 - the front re-raises it for the caller
+            ch.send("err", e)
+    engine.release_all()
+
+
+def _record(group, on: bool):
+    """Starts (True) or ends (False, returning it) the dispatcher's log of moved pairs."""
+    d = group.dispatcher
+    if on:
+        d.record = []
+        return None
+    out, d.record = d.record, None
+    return out
+
+
+def main(argv: list[str]) -> int:
+    from pdkv.tp.channel import Channel, ChannelClosed  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dp-rank %(levelname)s %(message)s")
+    ch = Channel(socket.socket(fileno=int(argv[0])))
+    try:
+        serve(ch)
+        return 0
+    except ChannelClosed:
+        return 0  # the front is gone: nothing to report to
+    except BaseException:  # noqa: BLE001 - reported to the front, then we exit
+        text = traceback.format_exc()
+        try:
+            ch.send("error", text)
+        except Exception:  # noqa: BLE001
+            print(text, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ch.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
