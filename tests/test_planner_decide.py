@@ -108,3 +108,12 @@ def test_config_names_infeasible_slo_and_bad_fields():
     with pytest.raises(ConfigError, match=r"prefill.points\[0\].ttft_ms must be a positive number"):
         planner_config_from_dict({**base, "capacities": {"prefill": {"points": [{"tokens_per_s": 1}]},
                                                          "decode": {"points": [{"streams": 1, "itl_ms": 1}]}}})
+
+
+def test_noisy_curve_is_made_monotone():
+    caps = capacities_from_dict({
+        "prefill": {"points": [{"tokens_per_s": 196, "ttft_ms": 5216}, {"tokens_per_s": 128, "ttft_ms": 15424},
+                               {"tokens_per_s": 516, "ttft_ms": 25298}]},
+        "decode": {"points": [{"streams": 1, "itl_ms": 12}]}})
+    assert caps.prefill.latencies_ms == (5216, 5216, 25298)
+    assert caps.prefill_tokens_per_s(6000) == pytest.approx(196 + (6000 - 5216) / (25298 - 5216) * 320)

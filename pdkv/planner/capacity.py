@@ -122,7 +122,13 @@ def _curve(where: str, role: str, sec, load_key: str, lat_key: str) -> RoleCurve
         rows.append((_num(f"{where}: {role}.points[{i}].{load_key}", p.get(load_key)),
                      _num(f"{where}: {role}.points[{i}].{lat_key}", p.get(lat_key))))
     rows.sort()
-    return RoleCurve(role, tuple(r[0] for r in rows), tuple(r[1] for r in rows))
+    # a point at a higher load with a lower latency (noise, or batching paying off) says the lower
+    # loads can do at least as well: each latency becomes the least of it and those past it, so
+    # the curve rises with load and the SLO reads off it once
+    lats = [r[1] for r in rows]
+    for i in range(len(lats) - 2, -1, -1):
+        lats[i] = min(lats[i], lats[i + 1])
+    return RoleCurve(role, tuple(r[0] for r in rows), tuple(lats))
 
 
 def capacities_from_dict(d, where: str = "capacities") -> Capacities:
