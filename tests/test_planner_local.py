@@ -117,8 +117,14 @@ def test_local_actuator_scales_prefill_then_decode_up_and_drains_down(tmp_path):
         gone = [n for n in plan["nodes"] if n["state"] == "gone"]
         assert sorted(n["role"] for n in gone) == ["decode", "prefill"], plan["nodes"]
         assert all(n["exit_code"] == 0 for n in gone), plan["nodes"]
-        changes = [(c["previous"], c["desired"]) for c in plan["changes"]]
-        assert len(changes) == 4, changes  # +prefill, +decode, -one, -the other: nothing else (no flapping)
+        moves = [(r, c["desired"][r] - c["previous"][r]) for c in plan["changes"] for r in ("prefill", "decode")
+                 if c["desired"][r] != c["previous"][r]]
+        # +prefill, then +decode, and one step down each: nothing else (no flapping)
+        assert moves[:2] == [("prefill", 1), ("decode", 1)] and sorted(moves[2:]) == [("decode", -1), ("prefill", -1)], \
+            plan["changes"]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{plan_port}/metrics", timeout=2).read().decode()
+        assert 'pdkv_planner_desired_nodes{role="prefill"} 1.0' in metrics
+        assert 'pdkv_planner_decisions_total{direction="up",role="decode"} 1.0' in metrics
         time.sleep(1.0)  # the router's poll notices the drained decode node is gone
         after: list = []
         _complete(api, long_prompt, 2, after)
@@ -126,9 +132,6 @@ def test_local_actuator_scales_prefill_then_decode_up_and_drains_down(tmp_path):
         results += after
         assert all(r[0] == 200 for r in results), results
         assert len(results) == 22 and [r[1] for r in results[-2:]] == [2, 8]
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{plan_port}/metrics", timeout=2).read().decode()
-        assert 'pdkv_planner_desired_nodes{role="prefill"} 1.0' in metrics
-        assert 'pdkv_planner_decisions_total{direction="up",role="decode"} 1.0' in metrics
     finally:
         proc.terminate()
         try:
