@@ -9,19 +9,21 @@ import base64
 import copy
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from k8s_render import render
-from pdkv.auth import SECRET_ENV
-from pdkv.config import load_config
-from pdkv.config.router import load_router_config
-from pdkv.planner.config import load_planner_config
-from pdkv.planner.service import PlannerMetrics
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the renderer beside this file (k8s_render.py)
+from k8s_render import render  # noqa: E402
+from pdkv.auth import SECRET_ENV  # noqa: E402
+from pdkv.config import load_config  # noqa: E402
+from pdkv.config.router import load_router_config  # noqa: E402
+from pdkv.planner.config import load_planner_config  # noqa: E402
+from pdkv.planner.service import PlannerMetrics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 SOURCES = {"deepseek-r1-1p1d-tp8": "deepseek-r1", "qwen3-coder-1p3d": "qwen3-coder"}

@@ -21,8 +21,8 @@ import yaml
 
 from pdkv.ports import free_port
 
-pytestmark = pytest.mark.timeout(240)
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _get(url: str, timeout: float = 2.0):
