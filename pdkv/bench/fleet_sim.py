@@ -161,14 +161,36 @@ class FleetSim:
         self.timeline: list[tuple[float, int, int]] = []
         self._win_prompt = 0
         self._win_ttft: list[float] = []
+        self._live_cache: dict = {}
+        self.rng = random.Random(1)
 
     def push(self, t: float, kind: str, a=None, b=None) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, a, b))
 
+    # ---- choosing a node: the exact least loaded of a small fleet, else the lesser of CHOICES drawn
+    # at random (the power of d choices: a router's O(1) answer, and the simulator's at 1000s of nodes)
+    CHOICES = 4
+
+    def _live(self, nodes: list, now: float) -> list:
+        key = id(nodes)
+        cached = self._live_cache.get(key)
+        if cached is None or cached[0] > now or (cached[1] is not None and cached[1] <= now):
+            live = [n for n in nodes if n.gone is None and not n.draining]
+            ready = [n for n in live if n.ready_at <= now]
+            if not ready:  # every node still loading: the first to be ready takes it
+                ready = [min(live, key=lambda n: n.ready_at)]
+            pending = [n.ready_at for n in live if n.ready_at > now]
+            cached = self._live_cache[key] = (now, min(pending) if pending else None, ready)
+        return cached[2]
+
+    def _pick(self, nodes: list, now: float, load):
+        live = self._live(nodes, now)
+        if len(live) > 2 * self.CHOICES:
+            live = [live[self.rng.randrange(len(live))] for _ in range(self.CHOICES)]
+        return min(live, key=load)
+
     # ---- prefill ----
-    def _live_p(self, now: float) -> list[PNode]:
-        return [n for n in self.p if n.gone is None and not n.draining and n.ready_at <= now]
 
     def _start_prefill(self, n: PNode, now: float) -> None:
         if n.busy is None and n.queue:
@@ -179,10 +201,7 @@ class FleetSim:
 
     def arrive(self, r: Req, now: float) -> None:
         self._win_prompt += r.prompt
-        live = self._live_p(now)
-        if not live:  # every node still loading: the first to be ready takes it
-            live = [min((n for n in self.p if n.gone is None and not n.draining), key=lambda n: n.ready_at)]
-        n = min(live, key=lambda n: n.queued_tokens)
+        n = self._pick(self.p, now, lambda n: n.queued_tokens)
         n.queue.append(r)
         n.queued_tokens += r.prompt
         if n.ready_at <= now:
@@ -219,9 +238,7 @@ class FleetSim:
         heapq.heappush(n.active, (n.v + (r.out - 1), self.seq, r))
 
     def decode_in(self, r: Req, now: float) -> None:
-        live = [n for n in self.d if n.gone is None and not n.draining and n.ready_at <= now] or \
-            [min((n for n in self.d if n.gone is None and not n.draining), key=lambda n: n.ready_at)]
-        n = min(live, key=lambda n: len(n.active) + len(n.waiting))
+        n = self._pick(self.d, now, lambda n: len(n.active) + len(n.waiting))
         self._advance(n, now)
         if len(n.active) < self.max_streams and n.ready_at <= now:
             self._activate(n, r, now)
@@ -268,6 +285,7 @@ class FleetSim:
         self.timeline.append((now, sum(1 for n in self.p if n.gone is None), sum(1 for n in self.d if n.gone is None)))
 
     def _apply(self, desired: dict, now: float) -> None:
+        self._live_cache.clear()
         for role, nodes, cls in (("prefill", self.p, PNode), ("decode", self.d, DNode)):
             live = [n for n in nodes if n.gone is None and not n.draining]
             for _ in range(desired[role] - len(live)):
@@ -349,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-ms", type=float, required=True)
     ap.add_argument("--itl-ms", type=float, required=True)
     ap.add_argument("--loads", default="1,10,100,1000", help="multiples of 1x (see the module doc)")
+    ap.add_argument("--unit-rate", type=float, default=None,
+                    help="1x as a multiple of the trace's native rate (default: one pair of --capacities' nodes "
+                         "filled; give this machine's 1x to run GPU capacities at multiples of this machine's load)")
     ap.add_argument("--fleets", default="1p1d,1p3d,planner")
     ap.add_argument("--max-nodes", type=int, default=4096, help="the planner's max_nodes per role")
     ap.add_argument("--interval-s", type=float, default=10.0)
@@ -370,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     caps = load_capacities(a.capacities)
     trace = load_trace(a.trace, tdir)
     m1, share = unit_rate(trace, caps, a.ttft_ms, a.itl_ms)
+    if a.unit_rate is not None:
+        share["one_pair_of_these_nodes_at"] = f"{m1:.4g} x native"
+        m1 = a.unit_rate
     policy = Policy(ttft_ms=a.ttft_ms, itl_ms=a.itl_ms, min_nodes={"prefill": 1, "decode": 1},
                     max_nodes={"prefill": a.max_nodes, "decode": a.max_nodes}, interval_s=a.interval_s,
                     scale_down_cooldown_s=a.scale_down_cooldown_s, scale_down_stable_s=a.scale_down_stable_s)
