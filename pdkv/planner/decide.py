@@ -16,7 +16,8 @@ SLO (pdkv/planner/capacity.py):
 Hysteresis: a role grows when its load needs more nodes at ``target_utilization`` of their
 capacity; it shrinks only when the load would fit the smaller fleet at the lower
 ``scale_down_utilization``, has done so for ``scale_down_stable_s`` without a break, and the
-role's last change is ``scale_down_cooldown_s`` old; one node at a time. Growth reads the
+role's last change is ``scale_down_cooldown_s`` old; by one node, or ``scale_down_fraction`` of a
+big fleet, never below what the load needs at that lower band. Growth reads the
 larger of the latest sample and its moving average (react at once), shrinking the average
 only. A measured latency over its SLO while the capacity model says the fleet suffices adds a
 node (the model is wrong somewhere: trust the measurement) and blocks any shrink.
@@ -44,6 +45,8 @@ class Policy:
     scale_down_cooldown_s: float = 60.0
     scale_down_stable_s: float = 30.0
     max_step_up: int = 1 << 20
+    scale_down_fraction: float = 0.25  # a shrink removes max(1, this share of the role's nodes), never
+    # below what the load needs at scale_down_utilization: one at a time for a few nodes, a quarter of a big fleet
     backlog_horizon_s: float | None = None  # None: max(ttft, 2 intervals)
     interval_s: float = 5.0
     smoothing: float = 0.3  # weight of the newest sample in the moving averages
@@ -156,11 +159,13 @@ class Planner:
                 elif obs.t - self._last_change[r] < p.scale_down_cooldown_s:
                     why.append(f"held: scale-down cool-down ({p.scale_down_cooldown_s:g} s) since the last change")
                 else:
-                    self.desired[r] = cur - 1
+                    step = max(1, int(cur * p.scale_down_fraction))
+                    new = max(need_down, p.min_nodes[r], cur - step)
+                    self.desired[r] = new
                     self._last_change[r] = obs.t
                     self._fits_smaller_since[r] = obs.t  # the next step down waits its own stable span
                     why.append(f"load {avg[r]:.1f} {units[r]} fits {max(need_down, p.min_nodes[r])} node(s) at "
-                               f"{p.scale_down_utilization:.0%}: one fewer")
+                               f"{p.scale_down_utilization:.0%}: {cur - new} fewer")
             else:
                 self._fits_smaller_since[r] = None
                 if not why:

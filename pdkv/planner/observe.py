@@ -32,7 +32,7 @@ def parse_metrics(text: str) -> dict:
     out = {"prompt_tokens": 0.0, "ttft": {}, "itl": {}}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in (PROMPT + "_total", PROMPT) and fam.type == "counter":
+            if s.name == PROMPT + "_total":
                 out["prompt_tokens"] += s.value
             elif s.name in (TTFT + "_bucket", ITL + "_bucket"):
                 key = "ttft" if s.name.startswith(TTFT) else "itl"

@@ -117,3 +117,52 @@ def test_noisy_curve_is_made_monotone():
         "decode": {"points": [{"streams": 1, "itl_ms": 12}]}})
     assert caps.prefill.latencies_ms == (5216, 5216, 25298)
     assert caps.prefill_tokens_per_s(6000) == pytest.approx(196 + (6000 - 5216) / (25298 - 5216) * 320)
+
+
+def test_shipped_planner_config_loads():
+    from pathlib import Path
+
+    from pdkv.planner.config import load_planner_config
+
+    cfg = load_planner_config(Path(__file__).resolve().parents[2] / "configs" / "planner.yaml")
+    assert cfg.actuator == "local" and cfg.policy.max_nodes == {"prefill": 2, "decode": 2}
+    assert cfg.caps.prefill_tokens_per_s(cfg.policy.ttft_ms) > 0
+
+
+def test_observer_reads_counters_and_histogram_deltas():
+    from pdkv.planner.observe import NodeSample, Observer, parse_metrics, quantile
+
+    def text(prompt, ttft_counts):
+        les = ["0.1", "1.0", "+Inf"]
+        rows = [f'pdkv_time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {c}'
+                for le, c in zip(les, ttft_counts)]
+        return ("# TYPE pdkv_prompt_tokens_total counter\n"
+                f'pdkv_prompt_tokens_total{{model_name="m"}} {prompt}\n'
+                "# TYPE pdkv_time_to_first_token_seconds histogram\n" + "\n".join(rows) + "\n")
+
+    assert quantile({0.1: 5, 1.0: 10, float("inf"): 10}, 0.5) == pytest.approx(0.1)
+    assert quantile({0.1: 0, 1.0: 10, float("inf"): 10}, 0.9) == pytest.approx(0.91)
+    assert quantile({}, 0.9) is None
+    o = Observer(0.9)
+    load = {"role": "decode", "num_running": 3, "num_waiting": 4, "num_remote": 2, "queued_prompt_tokens": 100}
+    first = o.observe(10.0, [NodeSample("http://d", "decode", load, parse_metrics(text(1000, [0, 0, 0])))])
+    assert first.prompt_tokens_per_s == 0 and first.ttft_ms is None  # no baseline yet
+    assert first.decode_streams == 5 and first.queued_prompt_tokens == 100  # remote waits are not streams
+    pre = NodeSample("http://p", "prefill", {"role": "prefill", "queued_prompt_tokens": 900},
+                     parse_metrics(text(99999, [0, 0, 0])))
+    nxt = o.observe(12.0, [NodeSample("http://d", "decode", load, parse_metrics(text(3000, [0, 10, 10]))), pre])
+    assert nxt.prompt_tokens_per_s == pytest.approx(1000)  # 2000 tokens in 2 s; the prefill node's not counted
+    assert nxt.queued_prompt_tokens == 1000 and nxt.ttft_ms == pytest.approx(910)
+    restarted = o.observe(14.0, [NodeSample("http://d", "decode", load, parse_metrics(text(10, [0, 1, 1])))])
+    assert restarted.prompt_tokens_per_s == 0 and restarted.ttft_ms is None  # counters went down: new baseline
+
+
+def test_big_fleet_shrinks_by_a_quarter_never_below_the_need():
+    p = Planner(policy(smoothing=1.0, max_nodes={"prefill": 8, "decode": 100}), CAPS, initial={"decode": 100})
+    plan = None
+    for t in range(0, 11):
+        plan = p.decide(obs(t, streams=200))  # 200 / (8 * 0.6) -> 42 nodes at the lower band
+    assert plan.desired["decode"] == 75  # 100 - 25 at t=10 (5 s stable, 10 s since... no change before)
+    for t in range(11, 60):
+        plan = p.decide(obs(t, streams=200))
+    assert plan.desired["decode"] == 42  # 75 -> 57 -> 43 -> 42: floors at the need

@@ -1,0 +1,65 @@
+"""bench fleet-sim's discrete-event model, on small synthetic traces (seconds)."""
+
+import json
+
+import pytest
+
+from pdkv.bench import fleet_sim as fs
+from pdkv.planner.capacity import capacities_from_dict
+from pdkv.planner.decide import Planner, Policy
+
+CAPS = capacities_from_dict({"prefill": {"points": [{"tokens_per_s": 1000, "ttft_ms": 500},
+                                                    {"tokens_per_s": 2000, "ttft_ms": 2000}]},
+                             "decode": {"points": [{"streams": 1, "itl_ms": 10}, {"streams": 20, "itl_ms": 40}],
+                                        "max_streams": 32}})
+
+
+def trace(n, gap_s, prompt, out):
+    return [(i * gap_s, prompt, out) for i in range(n)]
+
+
+def run(tr, fleet=None, planner=False, startup_s=5.0):
+    pol = Policy(ttft_ms=2000, itl_ms=40, min_nodes={"prefill": 1, "decode": 1},
+                 max_nodes={"prefill": 64, "decode": 64}, interval_s=2.0, scale_down_cooldown_s=20,
+                 scale_down_stable_s=10)
+    sim = fs.FleetSim(CAPS, fleet, pol if planner else None, startup_s, 0.0, 2.0)
+    rep = sim.run(tr, tail_s=120)
+    return sim, rep, fs.summarize(rep["reqs"], 2000, 40, sim.rate)
+
+
+def test_light_load_meets_the_slo_on_one_pair_with_exact_times():
+    sim, rep, s = run(trace(10, 10.0, 500, 11), {"prefill": 1, "decode": 1})
+    assert s["slo_attainment"] == 1.0 and s["unfinished"] == 0
+    r = rep["reqs"][0]
+    assert r.first - r.arrival == pytest.approx(0.25)  # 500 tokens at 2000 tokens/s, nothing queued
+    assert r.itl == pytest.approx(0.010)  # alone on its decode node: the curve's first point
+    assert rep["node_hours"] == pytest.approx(2 * (90 + 120) / 3600)  # two nodes over the trace + the tail
+
+
+def test_overload_the_planner_grows_the_right_role_and_meets_what_fixed_fleets_miss():
+    long_prompts = trace(600, 0.1, 1500, 2)  # 15k prompt tokens/s: ~9 prefill nodes, few streams
+    _, _, fixed = run(long_prompts, {"prefill": 1, "decode": 3})
+    sim, _, managed = run(long_prompts, planner=True)
+    assert isinstance(sim.planner, Planner)  # the planner's own decision code in the loop
+    assert fixed["slo_attainment"] < 0.1 and managed["slo_attainment"] > 0.8
+    peak_p = max(t[1] for t in sim.timeline)
+    peak_d = max(t[2] for t in sim.timeline)
+    assert peak_p >= 8 and peak_d <= 2
+    chats = trace(600, 0.1, 50, 200)  # 200-token answers: ~200 streams at once, prefill is trivial
+    sim, _, managed = run(chats, planner=True)
+    assert max(t[1] for t in sim.timeline) <= 2 and max(t[2] for t in sim.timeline) >= 8
+    assert sim.timeline[-1][1:] == (1, 1)  # drained back down after the load ended
+
+
+def test_scaling_the_trace_keeps_its_shape(tmp_path):
+    tr = trace(1000, 1.0, 100, 10)
+    assert len(fs.scale_trace(tr, 0.5, 1.0, 0)) == pytest.approx(500, abs=60)
+    assert len(fs.scale_trace(tr, 3.0, 1.0, 0)) == 3000
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": t * 1000, "input_length": i, "output_length": o}) + "\n"
+                         for t, i, o in [(5, 10, 2), (0, 20, 3)]))
+    assert fs.load_trace(str(p), tmp_path) == [(0.0, 20, 3), (5.0, 10, 2)]
+    c = tmp_path / "t.csv"
+    c.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.5000000,374,44\r\n"
+                 "2023-11-16 18:15:47.0000000,10,5")
+    assert fs.load_trace(str(c), tmp_path) == [(0.0, 374, 44), (0.5, 10, 5)]
