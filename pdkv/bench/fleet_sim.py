@@ -275,8 +275,9 @@ class FleetSim:
         if self.planner is not None:
             ttft = sorted(self._win_ttft)
             itls = [self.caps.decode_itl_ms(len(n.active)) for n in self.d if n.gone is None and n.active]
+            prompts = sum(len(n.queue) + (n.busy is not None) for n in self.p if n.gone is None)
             obs = Observation(t=now, prompt_tokens_per_s=self._win_prompt / self.interval_s,
-                              queued_prompt_tokens=int(queued), decode_streams=streams,
+                              queued_prompt_tokens=int(queued), queued_prompts=prompts, decode_streams=streams,
                               ttft_ms=ttft[int(0.9 * (len(ttft) - 1))] * 1000.0 if ttft else None,
                               itl_ms=sorted(itls)[int(0.9 * (len(itls) - 1))] if itls else None)
             plan = self.planner.decide(obs)

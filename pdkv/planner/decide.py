@@ -8,8 +8,9 @@ call the same code, so what the simulator shows is what the planner does.
 Per role, as Dynamo's SLA planner does, the load is divided by what one node sustains within the
 SLO (pdkv/planner/capacity.py):
 
-- prefill: offered prompt tokens/s plus the backlog (prompt tokens queued, not yet computed)
-  drained over ``backlog_horizon_s``, over one node's prefill tokens/s at ``slo.ttft_ms``;
+- prefill: offered prompt tokens/s (averaged over ``rate_window_s``) plus the backlog (prompt
+  tokens queued, not yet computed) drained over ``backlog_horizon_s`` -- but no more than its
+  prompts can use, one node each --, over one node's prefill tokens/s at ``slo.ttft_ms``;
 - decode: concurrent streams (running + waiting on decode nodes) over one node's streams at
   ``slo.itl_ms``.
 
@@ -48,6 +49,7 @@ class Policy:
     scale_down_fraction: float = 0.25  # a shrink removes max(1, this share of the role's nodes), never
     # below what the load needs at scale_down_utilization: one at a time for a few nodes, a quarter of a big fleet
     backlog_horizon_s: float | None = None  # None: max(ttft, 2 intervals)
+    rate_window_s: float = 30.0  # prompt tokens/s averaged over this window (a lone long prompt is no trend)
     interval_s: float = 5.0
     smoothing: float = 0.3  # weight of the newest sample in the moving averages
 
@@ -58,6 +60,7 @@ class Observation:
     prompt_tokens_per_s: float  # prompt tokens admitted per second over the last interval
     queued_prompt_tokens: int  # prompt tokens waiting to be prefilled, all nodes
     decode_streams: float  # requests running or waiting on decode nodes
+    queued_prompts: int | None = None  # how many prompts those are (None: unknown); k prompts use <= k nodes
     ttft_ms: float | None = None  # measured TTFT quantile over the last interval (None: no sample)
     itl_ms: float | None = None
     ready: dict = field(default_factory=dict)  # role -> nodes that answered (for the report)
@@ -101,6 +104,7 @@ class Planner:
         self._last_change = {r: -math.inf for r in ROLES}
         self._fits_smaller_since: dict[str, float | None] = {r: None for r in ROLES}
         self.last: Plan | None = None
+        self._window: list[tuple[float, float]] = []  # (t, prompt tokens/s) of the last rate_window_s
 
     def _smooth(self, role: str, x: float) -> float:
         a = self._avg[role]
@@ -110,8 +114,15 @@ class Planner:
     def decide(self, obs: Observation) -> Plan:
         p = self.policy
         horizon = p.backlog_horizon_s or max(p.ttft_ms / 1000.0, 2 * p.interval_s)
-        now_load = {"prefill": obs.prompt_tokens_per_s + obs.queued_prompt_tokens / horizon,
-                    "decode": float(obs.decode_streams)}
+        win = self._window
+        win.append((obs.t, obs.prompt_tokens_per_s))
+        while len(win) > 1 and obs.t - win[0][0] >= max(p.rate_window_s, p.interval_s):
+            win.pop(0)
+        rate = sum(x for _, x in win) / len(win)
+        backlog = obs.queued_prompt_tokens / horizon
+        if obs.queued_prompts is not None:  # one prompt is computed by one node: k queued use k at most
+            backlog = min(backlog, obs.queued_prompts * self.cap["prefill"] * p.target_utilization)
+        now_load = {"prefill": rate + backlog, "decode": float(obs.decode_streams)}
         avg = {r: self._smooth(r, now_load[r]) for r in ROLES}
         over = {"prefill": obs.ttft_ms is not None and obs.ttft_ms > p.ttft_ms,
                 "decode": obs.itl_ms is not None and obs.itl_ms > p.itl_ms}

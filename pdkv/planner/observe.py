@@ -87,7 +87,7 @@ class Observer:
 
     def observe(self, t: float, samples: list[NodeSample], unreachable: int = 0) -> Observation:
         tps = 0.0
-        queued = 0
+        queued = prompts = 0
         streams = 0.0
         ttft: dict = {}
         itl: dict = {}
@@ -96,6 +96,10 @@ class Observer:
             ready[s.role] = ready.get(s.role, 0) + 1
             ld = s.load
             queued += int(ld.get("queued_prompt_tokens", 0))
+            if s.role == "prefill":
+                prompts += int(ld.get("num_waiting", 0))
+            elif s.role in ("decode", "colocated"):  # prompts it prefills itself (remote ones wait for KV)
+                prompts += max(0, int(ld.get("num_waiting", 0)) - int(ld.get("num_remote", 0)))
             if s.role in ("decode", "colocated"):
                 remote = int(ld.get("num_remote", 0))
                 streams += int(ld.get("num_running", 0)) + max(0, int(ld.get("num_waiting", 0)) - remote)
@@ -114,7 +118,8 @@ class Observer:
         q_ttft, q_itl = quantile(ttft, self.quantile), quantile(itl, self.quantile)
         if unreachable:
             ready["unreachable"] = unreachable
-        return Observation(t=t, prompt_tokens_per_s=tps, queued_prompt_tokens=queued, decode_streams=streams,
+        return Observation(t=t, prompt_tokens_per_s=tps, queued_prompt_tokens=queued, queued_prompts=prompts,
+                           decode_streams=streams,
                            ttft_ms=None if q_ttft is None else q_ttft * 1000.0,
                            itl_ms=None if q_itl is None else q_itl * 1000.0, ready=ready)
 
