@@ -125,6 +125,8 @@ def test_local_actuator_scales_prefill_then_decode_up_and_drains_down(tmp_path):
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{plan_port}/metrics", timeout=2).read().decode()
         assert 'pdkv_planner_desired_nodes{role="prefill"} 1.0' in metrics
         assert 'pdkv_planner_decisions_total{direction="up",role="decode"} 1.0' in metrics
+        if os.environ.get("PDKV_PLANNER_RECORD"):  # docs/FLEET.md's timeline of this run
+            Path(os.environ["PDKV_PLANNER_RECORD"]).write_text(json.dumps(plan, indent=1))
         time.sleep(1.0)  # the router's poll notices the drained decode node is gone
         after: list = []
         _complete(api, long_prompt, 2, after)
