@@ -60,7 +60,8 @@ class Observation:
     prompt_tokens_per_s: float  # prompt tokens admitted per second over the last interval
     queued_prompt_tokens: int  # prompt tokens waiting to be prefilled, all nodes
     decode_streams: float  # requests running or waiting on decode nodes
-    queued_prompts: int | None = None  # how many prompts those are (None: unknown); k prompts use <= k nodes
+    queued_prompts: int | None = None  # prompts not prefilled yet, computing ones included (None: unknown);
+    # k prompts use at most k nodes
     ttft_ms: float | None = None  # measured TTFT quantile over the last interval (None: no sample)
     itl_ms: float | None = None
     ready: dict = field(default_factory=dict)  # role -> nodes that answered (for the report)
@@ -142,6 +143,11 @@ class Planner:
                 want = need_up
                 why.append(f"load {up_load:.1f} {units[r]} needs {need_up} node(s) at {p.target_utilization:.0%} of "
                            f"{cap:.1f} per node (have {cur})")
+            elif over[r] and r == "prefill" and obs.queued_prompts is not None and obs.queued_prompts <= cur:
+                # every unfinished prompt has a node to itself: a TTFT over the SLO is the prompts' own
+                # length, which no further node shortens (it still blocks shrinking)
+                why.append(f"measured TTFT {val:.0f} ms > SLO {slo:g} ms with no prompt waiting behind another "
+                           f"({obs.queued_prompts} on {cur} node(s)): long prompts, not too few nodes")
             elif over[r]:
                 want = cur + 1
                 why.append(f"measured {name} {val:.0f} ms > SLO {slo:g} ms although the load ({up_load:.1f} "

@@ -96,8 +96,8 @@ class Observer:
             ready[s.role] = ready.get(s.role, 0) + 1
             ld = s.load
             queued += int(ld.get("queued_prompt_tokens", 0))
-            if s.role == "prefill":
-                prompts += int(ld.get("num_waiting", 0))
+            if s.role == "prefill":  # waiting and computing jobs
+                prompts += int(ld.get("num_waiting", 0)) + int(ld.get("num_running", 0))
             elif s.role in ("decode", "colocated"):  # prompts it prefills itself (remote ones wait for KV)
                 prompts += max(0, int(ld.get("num_waiting", 0)) - int(ld.get("num_remote", 0)))
             if s.role in ("decode", "colocated"):

@@ -166,3 +166,13 @@ def test_big_fleet_shrinks_by_a_quarter_never_below_the_need():
     for t in range(11, 60):
         plan = p.decide(obs(t, streams=200))
     assert plan.desired["decode"] == 42  # 75 -> 57 -> 43 -> 42: floors at the need
+
+
+def test_a_long_prompt_over_the_ttft_slo_with_no_queue_adds_no_node():
+    p = Planner(policy(), CAPS, initial={"prefill": 2})
+    plan = p.decide(Observation(t=0, prompt_tokens_per_s=100, queued_prompt_tokens=900, decode_streams=1,
+                                queued_prompts=1, ttft_ms=5000))
+    assert plan.desired["prefill"] == 2 and "long prompts, not too few nodes" in plan.reasons["prefill"][0]
+    plan = p.decide(Observation(t=1, prompt_tokens_per_s=100, queued_prompt_tokens=900, decode_streams=1,
+                                queued_prompts=3, ttft_ms=5000))
+    assert plan.desired["prefill"] == 3  # now prompts wait behind others: one more node
