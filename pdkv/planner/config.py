@@ -111,7 +111,8 @@ def planner_config_from_dict(d: dict, where: str = "<dict>", base: Path | None =
         if k not in POLICY_KEYS:
             raise ConfigError(f"{where}: unknown field 'policy.{k}' (known: {', '.join(sorted(POLICY_KEYS))})")
         integer = k == "max_step_up"
-        kw[k] = _pos(f"{where}: policy.{k}", v, integer=integer, zero=k.endswith("_s") or k in ("smoothing", "scale_down_fraction"))
+        zero = k.endswith("_s") or k in ("smoothing", "scale_down_fraction")
+        kw[k] = _pos(f"{where}: policy.{k}", v, integer=integer, zero=zero)
     interval = _pos(f"{where}: interval_s", d.get("interval_s", 5.0))
     policy = Policy(ttft_ms=float(ttft), itl_ms=float(itl), min_nodes={r: rng[r][0] for r in ROLES},
                     max_nodes={r: rng[r][1] for r in ROLES}, interval_s=float(interval), **kw)

@@ -188,7 +188,8 @@ class Planner:
                 if not why:
                     why.append(f"steady: load {up_load:.1f} {units[r]} on {cur} node(s) of {cap:.1f}")
         plan = Plan(obs.t, dict(self.desired), previous, reasons,
-                    {"prefill_tokens_per_s": round(now_load["prefill"], 2), "decode_streams": round(now_load["decode"], 2),
+                    {"prefill_tokens_per_s": round(now_load["prefill"], 2),
+                     "decode_streams": round(now_load["decode"], 2),
                      "prefill_avg": round(avg["prefill"], 2), "decode_avg": round(avg["decode"], 2),
                      "ttft_ms": obs.ttft_ms, "itl_ms": obs.itl_ms, "ready": dict(obs.ready)},
                     {"prefill_tokens_per_s": round(self.cap["prefill"], 2),

@@ -101,7 +101,6 @@ class LocalActuator:
         d["role"] = role
         m = d.setdefault("messenger", {})
         s = d.setdefault("server", {})
-        host = s.get("host", "127.0.0.1")
         s["port"] = port
         if role == "prefill":
             m["control_port"] = free_port(m.get("control_host", "127.0.0.1"))
@@ -119,7 +118,6 @@ class LocalActuator:
             cfg = load_config(f, sets)
         except ConfigError as e:
             raise ConfigError(str(e).replace(str(f), f"{self.cluster} ({role} node)")) from None
-        _ = host
         return f, sets, cfg
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
@@ -286,7 +284,8 @@ class LocalActuator:
     async def close(self) -> None:
         """Stop everything: the router, then decode nodes, then prefill nodes (as `pdkv up`)."""
         groups = [[self.router] if self.router else [],
-                  [n.proc for n in self.nodes if n.role == "decode"], [n.proc for n in self.nodes if n.role == "prefill"]]
+                  [n.proc for n in self.nodes if n.role == "decode"],
+                  [n.proc for n in self.nodes if n.role == "prefill"]]
         for group in groups:
             live = [p for p in group if p.poll() is None]
             for p in live:

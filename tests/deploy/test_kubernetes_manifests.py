@@ -110,7 +110,8 @@ def check_wiring(docs, tmp: Path) -> list[str]:
             expect(g["path"] == "/health" and g["port"] == "http", f"{role}: {probe} {g}")
         env = {e["name"]: e for e in c["env"]}
         ref = env.get(SECRET_ENV, {}).get("valueFrom", {}).get("secretKeyRef", {})
-        expect(ref.get("name") in secret_names and ref.get("key") in secret_names.get(ref.get("name"), {}).get("data", {}),
+        keys = secret_names.get(ref.get("name"), {}).get("data", {})
+        expect(ref.get("name") in secret_names and ref.get("key") in keys,
                f"{role}: ${SECRET_ENV} comes from {ref}, which no rendered Secret has")
         res = c["resources"]
         gpus = res["limits"].get("nvidia.com/gpu")
@@ -125,8 +126,8 @@ def check_wiring(docs, tmp: Path) -> list[str]:
         pdb = by(docs, "PodDisruptionBudget", f"pdkv-{role}")
         expect(pdb["spec"]["selector"]["matchLabels"].items() <= labels[role].items(), f"{role}: PDB selects no pod")
         if role == "prefill":
-            expect(_port(c, "control") == cfg.messenger.control_port, f"prefill: containerPort control != "
-                                                                      f"messenger.control_port {cfg.messenger.control_port}")
+            expect(_port(c, "control") == cfg.messenger.control_port,
+                   f"prefill: containerPort control != messenger.control_port {cfg.messenger.control_port}")
             expect(_svc_port(svc, "control") == (cfg.messenger.control_port, "control"), "prefill: Service control")
     if "prefill" in cfgs and "decode" in cfgs:
         pre_sts = by(docs, "StatefulSet", "pdkv-prefill")

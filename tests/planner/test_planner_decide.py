@@ -176,3 +176,20 @@ def test_a_long_prompt_over_the_ttft_slo_with_no_queue_adds_no_node():
     plan = p.decide(Observation(t=1, prompt_tokens_per_s=100, queued_prompt_tokens=900, decode_streams=1,
                                 queued_prompts=3, ttft_ms=5000))
     assert plan.desired["prefill"] == 3  # now prompts wait behind others: one more node
+
+
+def test_pdkv_planner_refuses_an_slo_no_count_meets(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    f = tmp_path / "planner.yaml"
+    f.write_text(yaml.safe_dump({"slo": {"ttft_ms": 50, "itl_ms": 40}, "capacities": CAPS.to_json()}))
+    r = subprocess.run([sys.executable, "-m", "pdkv", "planner", "-c", str(f)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 2
+    assert "no number of prefill nodes can meet a TTFT SLO of 50 ms" in r.stderr and str(f) in r.stderr

@@ -120,7 +120,8 @@ def test_local_actuator_scales_prefill_then_decode_up_and_drains_down(tmp_path):
         moves = [(r, c["desired"][r] - c["previous"][r]) for c in plan["changes"] for r in ("prefill", "decode")
                  if c["desired"][r] != c["previous"][r]]
         # +prefill, then +decode, and one step down each: nothing else (no flapping)
-        assert moves[:2] == [("prefill", 1), ("decode", 1)] and sorted(moves[2:]) == [("decode", -1), ("prefill", -1)], \
+        assert moves[:2] == [("prefill", 1), ("decode", 1)], plan["changes"]
+        assert sorted(moves[2:]) == [("decode", -1), ("prefill", -1)], \
             plan["changes"]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{plan_port}/metrics", timeout=2).read().decode()
         assert 'pdkv_planner_desired_nodes{role="prefill"} 1.0' in metrics
