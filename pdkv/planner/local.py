@@ -16,8 +16,8 @@ lists only the decode nodes started after it use it.
 
 Scale-in drains: SIGTERM (a node's drain: it takes nothing new, finishes what it has, exits 0),
 then waits up to ``drain_timeout_s`` for the exit before it kills. The node drained is the
-role's least loaded, the newest of equals. Decode nodes are drained before prefill nodes and a
-prefill node is only drained while another one is ready.
+role's least loaded, the newest of equals; never a role's last ready node (while the count is
+above the plan because a node is still loading, the drain waits until it is ready).
 """
 
 from __future__ import annotations
@@ -277,8 +277,8 @@ class LocalActuator:
                 ready = [n for n in have if n.state == "ready"]
                 extra = len(have) - want
                 ready.sort(key=lambda n: (n.in_flight, -n.started))
-                keep_one = 1 if role == "prefill" else 0
-                for n in ready[:max(0, min(extra, len(ready) - keep_one))]:
+                # never the role's last ready node: the one replacing it may still be loading
+                for n in ready[:max(0, min(extra, len(ready) - 1))]:
                     self._drain(n)
 
     async def close(self) -> None:
