@@ -163,6 +163,8 @@ class FleetSim:
         self._win_ttft: list[float] = []
         self._live_cache: dict = {}
         self.rng = random.Random(1)
+        self.warm = True
+        self.initial = dict(init)
 
     def push(self, t: float, kind: str, a=None, b=None) -> None:
         self.seq += 1
@@ -303,8 +305,25 @@ class FleetSim:
                         n.gone = now
         # a live node list is never empty: the planner's min_nodes >= 1 keeps one of each
 
+    def warm_start(self, trace, window_s: float = 60.0) -> dict:
+        """The managed fleet as the planner sizes it for the trace's first ``window_s`` (ready at 0):
+        an hour of a trace is a sample of traffic that was flowing before it, not a cold start
+        (without this, every load starts on 1P:1D and waits --startup-s for its first nodes)."""
+        head = [r for r in trace if r[0] < window_s] or trace[:1]
+        span = max(1.0, min(window_s, trace[-1][0] if trace else 1.0))
+        tps = sum(r[1] for r in head) / span
+        streams = sum(max(0, r[2] - 1) for r in head) / span * self.caps.decode_itl_ms(
+            self.planner.cap["decode"]) / 1000.0  # Little: arrivals/s x tokens x ITL at the SLO's load
+        plan = self.planner.decide(Observation(t=-1.0, prompt_tokens_per_s=tps, queued_prompt_tokens=0,
+                                               decode_streams=streams))
+        self.p = [PNode(0.0, 0.0) for _ in range(plan.desired["prefill"])]
+        self.d = [DNode(0.0, 0.0) for _ in range(plan.desired["decode"])]
+        return plan.desired
+
     def run(self, trace, tail_s: float) -> dict:
         reqs = [Req(t, i, o) for t, i, o in trace]
+        if self.planner is not None and self.warm:
+            self.initial = self.warm_start(trace)
         end = (trace[-1][0] if trace else 0.0) + tail_s
         for k in range(int(end / self.interval_s) + 1):
             self.push(k * self.interval_s + 1e-6, "tick")
@@ -374,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="1x as a multiple of the trace's native rate (default: one pair of --capacities' nodes "
                          "filled; give this machine's 1x to run GPU capacities at multiples of this machine's load)")
     ap.add_argument("--fleets", default="1p1d,1p3d,planner")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="the managed fleet starts at 1P:1D (default: sized by the planner for the first minute)")
     ap.add_argument("--max-nodes", type=int, default=4096, help="the planner's max_nodes per role")
     ap.add_argument("--interval-s", type=float, default=10.0)
     ap.add_argument("--startup-s", type=float, default=60.0, help="a new node's time to serve")
@@ -414,10 +435,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             sim = FleetSim(caps, fleets[name], policy if name == "planner" else None, a.startup_s, a.transfer_ms,
                            a.interval_s)
+            sim.warm = not a.cold_start
             rep = sim.run(scaled, a.tail_s)
             s = summarize(rep["reqs"], a.ttft_ms, a.itl_ms, sim.rate, a.transfer_ms)
             peak = (max(t[1] for t in sim.timeline), max(t[2] for t in sim.timeline)) if sim.timeline else (0, 0)
-            row = {"load": k, "fleet": name, "requests": rep["requests"], "node_hours": round(rep["node_hours"], 2),
+            row = {"load": k, "fleet": name, "initial": sim.initial, "requests": rep["requests"],
+                   "node_hours": round(rep["node_hours"], 2),
                    "peak_prefill": peak[0], "peak_decode": peak[1], **s,
                    "sim_wall_s": round(time.perf_counter() - t0, 1)}
             results.append(row)

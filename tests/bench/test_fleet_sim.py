@@ -18,11 +18,12 @@ def trace(n, gap_s, prompt, out):
     return [(i * gap_s, prompt, out) for i in range(n)]
 
 
-def run(tr, fleet=None, planner=False, startup_s=5.0):
+def run(tr, fleet=None, planner=False, startup_s=5.0, warm=False):
     pol = Policy(ttft_ms=2000, itl_ms=40, min_nodes={"prefill": 1, "decode": 1},
                  max_nodes={"prefill": 64, "decode": 64}, interval_s=2.0, scale_down_cooldown_s=20,
                  scale_down_stable_s=10)
     sim = fs.FleetSim(CAPS, fleet, pol if planner else None, startup_s, 0.0, 2.0)
+    sim.warm = warm  # cold: the managed fleet starts at 1P:1D and has to grow
     rep = sim.run(tr, tail_s=120)
     return sim, rep, fs.summarize(rep["reqs"], 2000, 40, sim.rate)
 
@@ -63,3 +64,9 @@ def test_scaling_the_trace_keeps_its_shape(tmp_path):
     c.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.5000000,374,44\r\n"
                  "2023-11-16 18:15:47.0000000,10,5")
     assert fs.load_trace(str(c), tmp_path) == [(0.0, 374, 44), (0.5, 10, 5)]
+
+
+def test_warm_start_sizes_the_managed_fleet_for_the_first_minute():
+    sim, _, managed = run(trace(600, 0.1, 1500, 2), planner=True, warm=True)
+    assert sim.initial["prefill"] >= 8 and sim.initial["decode"] == 1  # 15k tokens/s at 80% of 2000
+    assert managed["slo_attainment"] > 0.95
