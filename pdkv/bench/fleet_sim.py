@@ -412,9 +412,15 @@ def main(argv: list[str] | None = None) -> int:
     tdir = Path(a.traces_dir) if a.traces_dir else next(
         (p / "shared" / "traces" for p in (root.parent, root.parent.parent) if (p / "shared" / "traces").is_dir()),
         root.parent / "shared" / "traces")
-    caps = load_capacities(a.capacities)
-    trace = load_trace(a.trace, tdir)
-    m1, share = unit_rate(trace, caps, a.ttft_ms, a.itl_ms)
+    from pdkv.config import ConfigError
+
+    try:  # a capacities file that is not one, or an SLO no count of these nodes meets: one line, status 2
+        caps = load_capacities(a.capacities)
+        trace = load_trace(a.trace, tdir)
+        m1, share = unit_rate(trace, caps, a.ttft_ms, a.itl_ms)
+    except ConfigError as e:
+        print(f"fleet-sim: {e}", file=sys.stderr)
+        return 2
     if a.unit_rate is not None:
         share["one_pair_of_these_nodes_at"] = f"{m1:.4g} x native"
         m1 = a.unit_rate

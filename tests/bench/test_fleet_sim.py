@@ -70,3 +70,32 @@ def test_warm_start_sizes_the_managed_fleet_for_the_first_minute():
     sim, _, managed = run(trace(600, 0.1, 1500, 2), planner=True, warm=True)
     assert sim.initial["prefill"] >= 8 and sim.initial["decode"] == 1  # 15k tokens/s at 80% of 2000
     assert managed["slo_attainment"] > 0.95
+
+
+def test_an_slo_no_node_meets_is_one_line(tmp_path, capsys):
+    caps = tmp_path / "c.json"
+    caps.write_text(json.dumps(CAPS.to_json()))
+    tr = tmp_path / "t.jsonl"
+    tr.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 2}) + "\n")
+    assert fs.main(["--trace", str(tr), "--capacities", str(caps), "--ttft-ms", "100", "--itl-ms", "40"]) == 2
+    assert "no number of prefill nodes can meet a TTFT SLO of 100 ms" in capsys.readouterr().err
+    assert fs.main(["--trace", str(tr), "--capacities", str(tmp_path / "none.json"), "--ttft-ms", "1000",
+                    "--itl-ms", "40"]) == 2
+    assert "cannot read the capacities file" in capsys.readouterr().err
+
+
+def test_main_writes_the_table_json_and_plot(tmp_path):
+    caps = tmp_path / "c.json"
+    caps.write_text(json.dumps(CAPS.to_json()))
+    tr = tmp_path / "t.jsonl"
+    tr.write_text("".join(json.dumps({"timestamp": i * 500, "input_length": 800, "output_length": 20}) + "\n"
+                          for i in range(200)))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert fs.main(["--trace", str(tr), "--capacities", str(caps), "--ttft-ms", "2000", "--itl-ms", "40",
+                    "--loads", "1,4", "--tail-s", "60", "--out", str(out), "--plot", str(png)]) == 0
+    d = json.loads(out.read_text())
+    assert [(r["load"], r["fleet"]) for r in d["results"]] == [(1, "1p1d"), (1, "1p3d"), (1, "planner"),
+                                                               (4, "1p1d"), (4, "1p3d"), (4, "planner")]
+    four = {r["fleet"]: r for r in d["results"] if r["load"] == 4}
+    assert four["planner"]["slo_attainment"] > four["1p1d"]["slo_attainment"]
+    assert png.stat().st_size > 10_000
