@@ -7,6 +7,7 @@
     pdkv config -c configs/colocated.yaml [--set ...]     # print the resolved config as YAML
     pdkv default-model                                     # print the shipped default model's path
     pdkv plan   -c configs/deepseek-r1/cluster-tp8.yaml    # one request's KV plan (pdkv/plan.py)
+    pdkv planner -c configs/planner.yaml                   # scale prefill and decode apart (pdkv/planner)
 
 Config errors exit with status 2 and one line that names the file (or --set), the field and
 what was expected; a model that cannot be loaded exits with status 1.
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                       help="each GPU's memory for the fits / does-not-fit verdict (default: the file's "
                            "deployment.gpu_memory_gib)")
+    pl = sub.add_parser("planner", help="size the prefill and decode pools from measured load and the SLOs "
+                                         "(/plan, pdkv_planner_desired_nodes); actuators local | kubernetes")
+    pl.add_argument("-c", "--config", metavar="FILE", required=True, help="planner YAML (configs/planner.yaml)")
+    pl.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                    help="override a planner field, e.g. --set slo.ttft_ms=1500")
+    pl.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     return p
 
 
@@ -201,6 +208,17 @@ def cmd_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_planner(args: argparse.Namespace) -> int:
+    import asyncio
+
+    _setup_logging(args.log_level)
+    from pdkv.planner.config import load_planner_config
+    from pdkv.planner.service import serve_planner
+
+    cfg = load_planner_config(args.config, args.overrides)  # ConfigError (an SLO no count meets too): status 2
+    return asyncio.run(serve_planner(cfg, args.log_level))
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from pdkv.errors import PdkvError
     from pdkv.plan import cmd_plan
@@ -215,7 +233,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"serve": cmd_serve, "up": cmd_up, "router": cmd_router, "config": cmd_config,
-                "default-model": cmd_default_model, "plan": _cmd_plan}
+                "default-model": cmd_default_model, "plan": _cmd_plan,
+                "planner": cmd_planner}
     try:
         return commands[args.command](args)
     except ConfigError as e:

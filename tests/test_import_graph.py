@@ -21,8 +21,9 @@ PACKAGES = {"pdkv": "pdkv", "server": "pdkv.server", "models": "pdkv.models"}
 LAYERS: list[tuple[str, ...]] = [
     ("pdkv.__main__",),  # python -m pdkv
     ("pdkv.cli", "pdkv.bench"),  # entry points: build a node (engine + connector) and run it
-    ("pdkv.plan", "pdkv.probe"),  # `pdkv plan`: a deployment's per-request costs from its configs (no
-    # weights); the RDMA probe (tools/topo --probe, pdkv serve's start-up check)
+    ("pdkv.plan", "pdkv.probe", "pdkv.planner"),  # `pdkv plan`: a deployment's per-request costs from its
+    # configs (no weights); the RDMA probe (tools/topo --probe, pdkv serve's start-up check); `pdkv planner`
+    # (node counts from load and SLOs; starts `pdkv serve` processes, imports no role)
     ("pdkv.disagg", "pdkv.server", "pdkv.router"),  # roles plug into the engine; the server serves HTTP around a
     # node; the router proxies HTTP to nodes (it holds no engine)
     ("pdkv.dp",),  # a data-parallel expert-parallel group: engine processes whose MoE layers share experts

@@ -9,10 +9,12 @@ import pdkv.bench
 
 def main(argv: list[str]) -> int:
     names = sorted(m.name for m in pkgutil.iter_modules(pdkv.bench.__path__) if not m.name.startswith("_"))
-    if not argv or argv[0] not in names:
-        print(f"usage: python -m pdkv.bench {{{'|'.join(names)}}} [args...]", file=sys.stderr)
+    name = argv[0].replace("-", "_") if argv else ""  # `fleet-sim` runs fleet_sim.py
+    if name not in names:
+        print(f"usage: python -m pdkv.bench {{{'|'.join(names)}}} [args...]",
+              file=sys.stderr)
         return 2
-    module = importlib.import_module(f"pdkv.bench.{argv[0]}")
+    module = importlib.import_module(f"pdkv.bench.{name}")
     return module.main(argv[1:]) or 0
 
 
