@@ -44,6 +44,11 @@ def test_every_shipped_config_is_valid():
             assert [r[2].role for r in roles.values()][0] == "prefill", f
             assert {r[2].role for r in roles.values()} == {"prefill", "decode"}, f
             continue
+        if "slo" in yaml.safe_load(f.read_text()):  # a `pdkv planner` file
+            from pdkv.planner.config import load_planner_config
+
+            assert load_planner_config(f).policy, f
+            continue
         if "nodes" in yaml.safe_load(f.read_text()):  # a `pdkv router` file
             from pdkv.config.router import load_router_config
 
