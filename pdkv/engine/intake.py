@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pdkv.engine.connector import Admission, KVConnector
+from pdkv.engine.logits import join_masks
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request
 from pdkv.errors import InvalidRequest, ResourceBusy
@@ -154,7 +155,9 @@ class Intake:
         if not self.connector().admit(req):
             self.scheduler.abort(req)  # gives the pages back (unpinned); nobody saw the request
             raise ResourceBusy(f"request {req.request_id!r}: the KV connector has no free resources for it now")
-        if params.constraint is not None and not plan.prefill_only:
-            # closed when the request leaves (LLMEngine._left)
-            req.mask = params.constraint.new_mask(req.prompt_token_ids)
+        if not plan.prefill_only:
+            # one TokenMask seam (pdkv/engine/logits.py) for the grammar and token healing's
+            # first tokens; closed when the request leaves (LLMEngine._left)
+            grammar = params.constraint.new_mask(req.prompt_token_ids) if params.constraint is not None else None
+            req.mask = join_masks(grammar, req.healing)
         self.requests[req.request_id] = req
