@@ -244,3 +244,15 @@ def test_the_openai_client_reads_the_streamed_calls(scripted):
     r = client.chat.completions.create(model=scripted.model, messages=[{"role": "user", "content": "w?"}],
                                        tools=[WEATHER, TIME], max_tokens=200)
     assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == CALLS
+
+
+def test_a_named_function_streams_its_arguments():
+    """tool_choice naming a function: the forced answer is the arguments, sent as they come."""
+    req = _req(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    parsers = OutputParsers(None, "hermes")
+    whole = ChatOutput(parsers, req).message('{"tz": "CET"}')["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [("get_time", '{"tz": "CET"}')]
+    for pieces in (['{"tz"', ': "CET"}'], list('{"tz": "CET"}')):
+        frags = {}
+        assert _streamed(parsers, req, pieces, frags)[2] == [("get_time", '{"tz": "CET"}')]
+        assert frags[0][0] == pieces[0] and len(frags[0]) == len(pieces)  # one fragment per delta
