@@ -25,18 +25,12 @@ import json
 import re
 from dataclasses import dataclass
 
+from pdkv.server.reasoning import _held
+
 # architecture -> parser, when server.tool_parser is auto (Qwen3-MoE serves both Qwen3 and
 # Qwen3-Coder: the chat template tells them apart)
 BY_ARCH = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
            "Qwen3MoeForCausalLM": "hermes", "Qwen3ForCausalLM": "hermes", "Qwen2ForCausalLM": "hermes"}
-
-
-def _held(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could be the start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass

@@ -83,8 +83,8 @@ def run_structured(device: str = "cuda") -> tuple[str, dict]:
         folder = make_tiny_model(Path(tmp) / "m", vocab_size=512)
         outs = {}
         for overlap in (True, False):
-            engine = LLMEngine(ModelConfig(path=str(folder), device=device), KVCacheConfig(page_size=16, num_pages=128),
-                               SchedulerConfig(max_num_seqs=8))
+            engine = LLMEngine(ModelConfig(path=str(folder), device=device),
+                               KVCacheConfig(page_size=16, num_pages=128), SchedulerConfig(max_num_seqs=8))
             engine.runner.overlap_masks = overlap
             c = GrammarCache(engine.tokenizer, engine.vocab_size).get("json", json.dumps(SCHEMA))
             params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s, constraint=c) for s in range(8)]

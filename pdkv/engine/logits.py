@@ -95,7 +95,8 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def process(logits: torch.Tensor, groups: list, eos_token_ids=(), masks: PendingMasks | None = None) -> torch.Tensor:
+def process(logits: torch.Tensor, groups: list, eos_token_ids=(),
+            masks: PendingMasks | None = None) -> torch.Tensor:
     """logits: [R, V] float32, consecutive rows per group; ``groups``: (request, drafts) pairs in
     row order, each with len(drafts) + 1 rows (row i after the request's output + drafts[:i]).
     ``masks``: what ``start_masks`` began for the same groups before the forward pass (None:

@@ -180,7 +180,8 @@ def test_healing_mask_accepts_rolls_back_and_fills_what_allowed_gives(tok):
     heal, V = HealingState(index, h), tok.vocab_size
     bm = torch.zeros(1, bitmask_width(V), dtype=torch.int32)
     heal.fill(bm, 0)
-    assert set(allowed_from_bitmask(bm, V)[0].nonzero().flatten().tolist()) == set(index.allowed(h.removed).tolist())
+    filled = set(allowed_from_bitmask(bm, V)[0].nonzero().flatten().tolist())
+    assert filled == set(index.allowed(h.removed).tolist())
     good, bad = tok._tok.token_to_id("ĊĠĠĠ"), tok._tok.token_to_id("x")
     assert not heal.accept(bad) and heal.left == h.removed  # refused: unchanged
     assert heal.accept(good) and heal.left is None and heal.accept(bad) and heal.accept(bad)
