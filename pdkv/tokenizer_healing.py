@@ -156,26 +156,63 @@ class TokenHealer:
 
 
 class HealingState:
-    """One request's healing as it generates: the removed bytes still to be given back."""
+    """One request's healing as it generates, and its TokenMask (pdkv/engine/logits.py): the
+    same seam structured output's grammars use, so plain sampling, speculative verification
+    (the drafts are accepted, and rolled back, like a grammar's) and the drafts' pre-check all
+    see it. Once the removed bytes are given back it allows everything (the sampler then skips
+    its rows)."""
 
     def __init__(self, healer: TokenHealer, healing: Healing):
         self.healer, self.healing = healer, healing
         self.left: bytes | None = healing.removed
+        # what rollback restores: ``left`` before each accept while healing was going on, then a
+        # count of the accepts after it was done (bounded: at most a few entries)
+        self._trail: list[bytes] = []
+        self._after = 0
 
     def allowed_next(self) -> torch.Tensor | None:
         """The ids the next token may take; None once healing is done (no constraint)."""
         return None if self.left is None else self.healer.allowed(self.left)
 
-    def allowed_after(self, tokens: list[int]) -> list[torch.Tensor | None]:
-        """The constraint on each of ``len(tokens) + 1`` next positions if ``tokens`` (drafts)
-        were accepted: what speculative verification masks its rows with."""
-        out, left = [], self.left
-        for t in tokens:
-            out.append(None if left is None else self.healer.allowed(left))
-            left = None if left is None else self.healer.advance(left, t)
-        out.append(None if left is None else self.healer.allowed(left))
-        return out
+    def allows(self, token: int) -> bool:
+        if self.left is None:
+            return True
+        pieces = self.healer.pieces
+        piece = pieces[token] if 0 <= token < len(pieces) else None
+        return bool(piece) and (piece.startswith(self.left) or self.left.startswith(piece))
 
-    def advance(self, token: int) -> None:
-        if self.left is not None:
-            self.left = self.healer.advance(self.left, token)
+    # ---- TokenMask ---------------------------------------------------------------------------
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.left is None:
+            bitmask[row] = -1
+            return
+        width = bitmask.shape[1]
+        ids = self.allowed_next()
+        bits = torch.zeros(width * 32, dtype=torch.bool)
+        bits[ids[ids < width * 32]] = True
+        words = (bits.view(width, 32).long() << torch.arange(32)).sum(1)  # 32 bits in an int64
+        bitmask[row] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)  # ... as int32
+
+    def accept(self, token_id: int) -> bool:
+        if self.left is None:
+            self._after += 1
+            return True
+        if not self.allows(token_id):
+            return False
+        self._trail.append(self.left)
+        self.left = self.healer.advance(self.left, token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            if self._after:
+                self._after -= 1
+            else:
+                self.left = self._trail.pop()
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def allows_all(self) -> bool:
+        return self.left is None

@@ -3,7 +3,13 @@
 
 Reasoning comes first and tools apply to the answer only. With ``tool_choice`` ``required`` or a
 named function the answer is the JSON that structured output forced (vLLM's way): a list of
-{name, parameters}, or the named function's arguments; it becomes tool_calls when it ends.
+{name, parameters}, which becomes tool_calls when it ends, or the named function's arguments,
+streamed as they come.
+
+Streamed tool calls take OpenAI's (and vLLM's) delta shape: a call's first delta has its index,
+id, type and name with the arguments written so far (maybe empty), the later ones the index and
+``function.arguments`` fragments only; the fragments of a call concatenate to the arguments a
+whole (non-streamed) message gives it.
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ class ChatOutput:
             self.parser = PARSERS[parsers.tools](spec.functions)
         self.answer = ""  # the answer text so far (after any reasoning)
         self.sent = 0  # characters of the answer already given out as content
-        self.num_calls = 0  # tool calls already given out
+        self.num_calls = 0  # tool calls already given out (announced, for a stream)
+        self.args_sent: list[int] = []  # per call given out: characters of its arguments sent
         self.in_calls = False
+        self.whole = False  # a whole message: only the complete, well-formed calls
 
     # ---- streaming ---------------------------------------------------------------------------
     def delta(self, text: str, final: bool = False) -> dict:
@@ -73,6 +81,10 @@ class ChatOutput:
         return out
 
     def _answer(self, final: bool) -> tuple[str, list]:
+        if self.forced == "named" and not self.whole:  # the answer is the arguments: stream them
+            from pdkv.server.tool_parsers import Call  # noqa: PLC0415
+
+            return "", self._stream_calls([Call(self.req.tools.name, self.answer, final)])
         if self.forced is not None:
             if not final:
                 return "", []
@@ -89,10 +101,28 @@ class ChatOutput:
             return content, []
         content = self.answer[self.sent:start] if not self.in_calls else ""
         self.in_calls, self.sent = True, len(self.answer)
-        calls = self.parser.calls(self.answer[start:])
-        new = calls[self.num_calls:]
-        self.num_calls = len(calls)
-        return content, [self._call(self.num_calls - len(new) + i, c) for i, c in enumerate(new)]
+        if self.whole:
+            calls = self.parser.calls(self.answer[start:])
+            self.num_calls = len(calls)
+            return content, [self._call(i, c) for i, c in enumerate(calls)]
+        return content, self._stream_calls(self.parser.scan(self.answer[start:]))
+
+    def _stream_calls(self, scanned: list) -> list:
+        """The deltas that bring the client up to ``scanned`` (pdkv.server.tool_parsers.Call,
+        in order): a call is announced once its name is written (a later one waits for it),
+        then sent the arguments it has beyond what was sent."""
+        out = []
+        for i, c in enumerate(scanned):
+            if c.name is None:
+                break
+            if i == self.num_calls:
+                out.append(self._call(i, {"name": c.name, "arguments": c.arguments}))
+                self.args_sent.append(len(c.arguments))
+                self.num_calls += 1
+            elif len(c.arguments) > self.args_sent[i]:
+                out.append({"index": i, "function": {"arguments": c.arguments[self.args_sent[i]:]}})
+                self.args_sent[i] = len(c.arguments)
+        return out
 
     def _forced_calls(self) -> list:
         try:
@@ -100,7 +130,8 @@ class ChatOutput:
         except json.JSONDecodeError:
             return []  # cut short (finish_reason length): no call can be made of it
         if self.forced == "named":
-            calls = [{"name": self.req.tools.name, "arguments": json.dumps(obj, ensure_ascii=False)}]
+            del obj  # the arguments as written: what a stream sends in fragments
+            calls = [{"name": self.req.tools.name, "arguments": self.answer}]
         else:
             calls = [{"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}
                      for c in obj if isinstance(c, dict) and "name" in c]
@@ -114,6 +145,7 @@ class ChatOutput:
 
     # ---- whole -------------------------------------------------------------------------------
     def message(self, text: str) -> dict:
+        self.whole = True
         d = self.delta(text, final=True)
         msg = {"role": "assistant", "content": d.get("content") if (d.get("content") or not d.get("tool_calls"))
                else None}

@@ -23,17 +23,24 @@ class Grammars:
         self.cache = None  # pdkv.engine.structured.GrammarCache, built on first use
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdkv-grammar")
 
-    def _get(self, spec: StructuredSpec):
+    def _build(self) -> None:
         if self.cache is None:
             from pdkv.engine.structured import GrammarCache  # noqa: PLC0415 - imports xgrammar
 
             self.cache = GrammarCache(self.engine.tokenizer, self.engine.vocab_size, self.cache_size)
+
+    def _get(self, spec: StructuredSpec):
+        self._build()
         return self.cache.get(spec.kind, spec.value, spec.field)
 
     async def constraint(self, spec: StructuredSpec):
-        """The compiled constraint for ``spec``; APIError 400 naming ``spec.field`` otherwise."""
+        """The compiled constraint for ``spec``; APIError 400 naming ``spec.field`` otherwise.
+        The cache's one-time build (the vocabulary pass: seconds on a loaded CPU) is waited for
+        outside the time limit, which bounds what the request's own constraint costs."""
         loop = asyncio.get_running_loop()
         try:
+            if self.cache is None:
+                await loop.run_in_executor(self._executor, self._build)
             return await asyncio.wait_for(loop.run_in_executor(self._executor, self._get, spec), self.timeout_s)
         except InvalidRequest as e:
             raise APIError(str(e), 400, param=spec.field) from None

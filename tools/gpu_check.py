@@ -79,6 +79,7 @@ CHECKS = [
     Check("copy-engine", dev.check_copy_engine),
     Check("decode-roofline", models.check_decode_roofline),
     Check("decode-graphs", models.check_decode_graphs),  # the engine's decode under CUDA graphs, ~60 s
+    Check("structured-masks", models.check_structured_masks),  # grammar masks applied on the device, ~10 s
     # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
     Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess", "pdkv._messenger"}), isolate=300.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow

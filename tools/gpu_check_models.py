@@ -241,6 +241,14 @@ def check_decode_graphs() -> tuple[str, dict]:
     return gpu_check_graphs.run_graphs(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"))
 
 
+def check_structured_masks() -> tuple[str, dict]:
+    """Structured output's masks on the device (tools/gpu_check_structured.py; ``--dry-run``:
+    the same torch ops on the CPU)."""
+    import gpu_check_structured  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
+
+    return gpu_check_structured.run_structured(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"))
+
+
 def check_decode_graphs_flashinfer() -> tuple[str, dict]:
     """The same with attention_backend flashinfer (its use_cuda_graph decode wrappers)."""
     try:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from pdkv.engine.connector import NOT_YET, RESERVE, Answer, KVConnector, Verdict
+from pdkv.engine.logits import join_masks
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import Request, RequestStatus
 from pdkv.errors import InvalidRequest
@@ -170,9 +171,12 @@ class Intake:
         cache = self.scheduler.cache
         if cache is not None and reuse and (plan.prefill_only or plan.num_external_tokens):
             cache.record_query(req.num_prompt_tokens, num_cached)
-        if params.constraint is not None and not plan.prefill_only:
-            # closed when the request leaves (LLMEngine._left), or below if it is not admitted now
-            req.mask = params.constraint.new_mask(req.prompt_token_ids)
+        if not plan.prefill_only:
+            # one TokenMask seam (pdkv/engine/logits.py) for the grammar and token healing's
+            # first tokens; closed when the request leaves (LLMEngine._left), or below if it is
+            # not admitted now (healing's part holds nothing: joined again at the next try)
+            grammar = params.constraint.new_mask(req.prompt_token_ids) if params.constraint is not None else None
+            req.mask = join_masks(grammar, req.healing)
         try:
             answer = self.connector().admit(req)
         except BaseException:

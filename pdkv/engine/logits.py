@@ -41,6 +41,8 @@ class TokenMask(Protocol):
     def close(self) -> None:
         """The request left: let go of what the mask holds."""
 
+    # Optional: ``allows_all``, True while the mask allows every token (its rows are skipped).
+
 
 class BothMasks:
     """Two TokenMasks at once (a token is allowed where both allow it): how a second restriction
@@ -71,6 +73,10 @@ class BothMasks:
         self.first.close()
         self.second.close()
 
+    @property
+    def allows_all(self) -> bool:
+        return getattr(self.first, "allows_all", False) and getattr(self.second, "allows_all", False)
+
 
 def join_masks(current, new):
     """``Request.mask`` with ``new`` added (None: nothing to add)."""
@@ -89,26 +95,32 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def process(logits: torch.Tensor, groups: list, eos_token_ids=()) -> torch.Tensor:
+def process(logits: torch.Tensor, groups: list, eos_token_ids=(),
+            masks: PendingMasks | None = None) -> torch.Tensor:
     """logits: [R, V] float32, consecutive rows per group; ``groups``: (request, drafts) pairs in
     row order, each with len(drafts) + 1 rows (row i after the request's output + drafts[:i]).
-    Returns the processed logits (a new tensor), or ``logits`` itself when nothing applies."""
+    ``masks``: what ``start_masks`` began for the same groups before the forward pass (None:
+    the masks are filled here). Returns the processed logits (a new tensor), or ``logits``
+    itself when nothing applies."""
     procs = any(req.params.needs_processing for req, _ in groups)
-    masks = any(getattr(req, "mask", None) is not None for req, _ in groups)
-    if not (procs or masks):
+    if masks is None and any(getattr(req, "mask", None) is not None for req, _ in groups):
+        masks = PendingMasks(fill_masks(groups, logits.shape[1]))
+    bitmask, masked = masks.result() if masks is not None else (None, [])
+    if masked and bitmask.shape[1] != bitmask_width(logits.shape[1]):  # filled for another width
+        bitmask, masked = fill_masks(groups, logits.shape[1])
+    if not (procs or masked):
         return logits
     logits = logits.clone()
-    R, V = logits.shape
-    rows = []  # (row, request, tokens before it: output + drafts[:i], draft index i)
-    r = 0
-    for req, drafts in groups:
-        for i in range(len(drafts) + 1):
-            rows.append((r, req, drafts[:i]))
-            r += 1
     if procs:
+        rows = []  # (row, request, tokens before it: output + drafts[:i], draft index i)
+        r = 0
+        for req, drafts in groups:
+            for i in range(len(drafts) + 1):
+                rows.append((r, req, drafts[:i]))
+                r += 1
         _penalise(logits, [x for x in rows if x[1].params.needs_processing], eos_token_ids)
-    if masks:
-        _mask(logits, groups)
+    if masked:
+        apply_bitmask(logits, bitmask, masked)
     return logits
 
 
@@ -177,12 +189,16 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
         logits[idx] -= f * counts + pr * (counts > 0).to(logits.dtype)
 
 
-def _mask(logits: torch.Tensor, groups: list) -> None:
-    """Each masked request's rows: its mask as it is, then after each draft it accepts; after a
+def fill_masks(groups: list, vocab: int, pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The bitmask of every row of ``groups`` ([R, ceil(vocab / 32)] int32, CPU; pinned memory
+    when ``pin``, for a copy to the device that does not wait) and the rows it restricts.
+
+    Each masked request's rows: its mask as it is, then after each draft it accepts; after a
     draft it refuses, the rows repeat the last mask (verification rejects that draft there, so
-    those rows are never sampled). The mask is rolled back to where it was."""
-    R, V = logits.shape
-    bitmask = torch.full((R, bitmask_width(V)), -1, dtype=torch.int32)
+    those rows are never sampled). The mask is rolled back to where it was. A row whose mask
+    says it ``allows_all`` now (a reasoning gate still thinking, healing given back) is left out."""
+    R = sum(len(d) + 1 for _, d in groups)
+    bitmask = torch.full((R, bitmask_width(vocab)), -1, dtype=torch.int32, pin_memory=pin)
     masked, r = [], 0
     for req, drafts in groups:
         mask = getattr(req, "mask", None)
@@ -190,24 +206,96 @@ def _mask(logits: torch.Tensor, groups: list) -> None:
             advanced, ok = 0, True
             for i in range(len(drafts) + 1):
                 if ok:
-                    mask.fill(bitmask, r + i)
+                    if not getattr(mask, "allows_all", False):
+                        mask.fill(bitmask, r + i)
+                        masked.append(r + i)
                     if i < len(drafts):
                         ok = mask.accept(drafts[i])
                         advanced += ok
                 else:
                     bitmask[r + i] = bitmask[r + i - 1]
-                masked.append(r + i)
+                    if masked and masked[-1] == r + i - 1:
+                        masked.append(r + i)
             if advanced:
                 mask.rollback(advanced)
         r += len(drafts) + 1
+    return bitmask, masked
+
+
+class PendingMasks:
+    """A step's bitmask, being filled (a Future of ``fill_masks``) or filled."""
+
+    def __init__(self, value, future=None):
+        self._value, self._future = value, future
+
+    def result(self) -> tuple[torch.Tensor, list[int]]:
+        if self._future is not None:
+            self._value, self._future = self._future.result(), None  # re-raises the fill's error
+        return self._value
+
+    def wait(self) -> None:
+        """Waits for the fill and drops it (the step failed): no matcher is left mid-fill."""
+        if self._future is not None:
+            self._future.exception()
+            self._future = None
+
+
+_WORKER: list = []
+# On a CPU, below this much mask work (rows x vocabulary) the hand-off to the worker costs more
+# than the fill it hides: the default model's 4,096 tokens at B = 32 measured slower overlapped.
+OVERLAP_MIN_CPU_WORK = 1 << 20
+
+
+def start_masks(groups: list, vocab: int, device, overlap: bool | None = None) -> PendingMasks | None:
+    """Begins filling the bitmask of ``groups`` on the mask worker thread, to be read by
+    ``process`` after the forward pass: vLLM's and SGLang's overlap. The fills need only the
+    tokens already accepted (and the step's drafts), not the step's logits; xgrammar's fill
+    releases the GIL and so do the forward pass's torch ops, so on a CPU the two share the
+    cores and on a GPU the fill is hidden behind the kernels. None: no request of ``groups``
+    has a mask, or the fill is too small to hide (``overlap`` None, on a CPU: see
+    OVERLAP_MIN_CPU_WORK; True: always; False: never): ``process`` fills the masks itself. The
+    caller must not touch the masks until ``result()`` or ``wait()``."""
+    if overlap is False or not any(getattr(req, "mask", None) is not None for req, _ in groups):
+        return None
+    device = torch.device(device)
+    if overlap is None and device.type == "cpu":
+        rows = sum(len(d) + 1 for req, d in groups if getattr(req, "mask", None) is not None)
+        if rows * vocab < OVERLAP_MIN_CPU_WORK:
+            return None
+    if not _WORKER:
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="pdkv-masks"))
+    pin = device.type == "cuda"
+    return PendingMasks(None, _WORKER[0].submit(fill_masks, groups, vocab, pin))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf in ``rows`` of ``logits`` outside ``bitmask`` (``fill_masks``'s), in place, in one
+    batched op: xgrammar's C++ kernel for float32 logits on a CPU (~2x the best torch ops here),
+    torch ops on any other device (``apply_bitmask_torch``)."""
     kernel = _cpu_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if kernel is not None:  # xgrammar's C++ loop: ~5x the torch ops below on a CPU
-        kernel(logits, bitmask, indices=masked)
+    if kernel is not None:
+        kernel(logits, bitmask, indices=rows)
         return
-    idx = torch.tensor(masked, dtype=torch.long)
-    allowed = allowed_from_bitmask(bitmask[idx], V).to(logits.device)
-    dev_idx = idx.to(logits.device)
-    logits[dev_idx] = logits[dev_idx].masked_fill(~allowed, NEG_INF)
+    apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The device path of ``apply_bitmask``, in torch ops on ``logits``' device (a GPU: no
+    kernel to compile, nothing imported). The rows' bitmask is copied there (without waiting when
+    it is pinned), unpacked to [n, V] and applied with one masked_fill over the gathered rows;
+    on a CPU the same ops run as its stand-in (tests)."""
+    dev, V = logits.device, logits.shape[1]
+    idx = torch.tensor(rows, dtype=torch.long)
+    words = bitmask if len(rows) == bitmask.shape[0] else bitmask[idx]
+    if dev.type != "cpu":  # a pinned source copies without a wait; a gathered one is small
+        words, idx = words.to(dev, non_blocking=words.is_pinned()), idx.to(dev)
+    banned = ~allowed_from_bitmask(words, V)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, NEG_INF)
+    else:
+        logits[idx] = logits[idx].masked_fill(banned, NEG_INF)
 
 
 _KERNEL: list = []

@@ -78,8 +78,8 @@ class Request:
     # the token after the prompt when it is known but not part of it (a prefill node's request:
     # the decode node's held-back last prompt token): the last prompt row scores it too
     prompt_next_token: int | None = None
-    # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: what the
-    # next tokens must give back (the sampler's mask hook reads it); None: no constraint
+    # pdkv.tokenizer_healing.HealingState when token healing took prompt tokens off: the text
+    # the output starts with (not the client's); it is also one of the TokenMasks of ``mask``
     healing: object = None
     priority: int = 0  # scheduler.policy priority: lower runs first (vLLM's request field)
     seq: int = 0  # submission order on this node (the scheduler's tie-break after arrival)
@@ -115,8 +115,6 @@ class Request:
             if self.mask is not None:
                 self.mask.accept(token)
             self.output_token_ids.append(token)
-            if self.healing is not None:
-                self.healing.advance(token)
             ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
             if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
                 self.detok.add(token)

@@ -52,6 +52,10 @@ class ModelRunner:
         # pdkv.engine.cuda_graphs.DecodeGraphs (model.cuda_graphs): decode-only steps replay a
         # captured graph; None: every step runs eagerly
         self.graphs = None
+        # Fill the step's grammar masks on a worker thread during the forward pass: None where
+        # that pays (pdkv.engine.logits.start_masks), True always, False never (after the
+        # forward, on this thread: the benchmark's "before")
+        self.overlap_masks: bool | None = None
 
     @staticmethod
     def _set_threads(n: int) -> None:
@@ -97,6 +101,30 @@ class ModelRunner:
             t0 = time.perf_counter()
         batch = AttentionBatch(q_lens, kv_lens, [s.request.pages for s in seqs], num_decodes)
         layout = ForwardBatch(tuple(entries), len(ids))
+        groups = _groups(sampled)
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
+        # the grammar masks of this step fill on their worker while the forward pass runs
+        masks = proc.start_masks(groups, vocab, self.device, self.overlap_masks) if vocab else None
+        try:
+            hidden = self._forward(seqs, ids, positions, batch, layout, connector)
+            if prompt_rows:
+                self.prompt_logprobs(hidden, prompt_rows)
+            if not sampled:
+                return {}
+            if len(sample_rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)  # [rows, V] float32
+            tokens = self._tokens(logits, sampled, groups, masks)
+        except BaseException:
+            if masks is not None:  # no matcher is left being filled behind the failed step
+                masks.wait()
+            raise
+        if tuned:
+            # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
+            self.tuner.record(threads, time.perf_counter() - t0)
+        return tokens
+
+    def _forward(self, seqs, ids, positions, batch, layout, connector) -> torch.Tensor:
         connector.before_forward(layout)
         graphed = self.graphs is not None and self.graphs.fallback_reason(seqs, connector) is None
         try:
@@ -112,18 +140,7 @@ class ModelRunner:
             raise
         connector.after_forward(layout, hidden)
         self.last_forward = (layout, hidden)  # the MTP proposer reads the target's hidden states
-        if prompt_rows:
-            self.prompt_logprobs(hidden, prompt_rows)
-        if not sampled:
-            return {}
-        if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # [rows, V] float32
-        tokens = self._tokens(logits, sampled)
-        if tuned:
-            # Per step, not per row: a memory-bound step costs the same for 1 to 4 rows.
-            self.tuner.record(threads, time.perf_counter() - t0)
-        return tokens
+        return hidden
 
     def prompt_logprobs(self, hidden: torch.Tensor, rows: list) -> None:
         """Appends to each request's ``prompt_logprobs`` the prompt token after each of ``rows``
@@ -142,8 +159,10 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _tokens(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> dict[str, list[int]]:
-        """logits: each sampled sequence's rows in order (num_draft + 1 of them)."""
+    def _tokens(self, logits: torch.Tensor, sampled: list[ScheduledSeq], groups=None,
+                masks=None) -> dict[str, list[int]]:
+        """logits: each sampled sequence's rows in order (num_draft + 1 of them); ``groups``:
+        ``_groups(sampled)``; ``masks``: their bitmask begun before the forward pass."""
         last, row = [], -1
         for s in sampled:
             row += s.num_draft + 1
@@ -153,9 +172,8 @@ class ModelRunner:
         else:
             self.last_logits = logits  # kept for tests and debugging (each request's last row only)
         self.last_sampled_ids = [s.request.request_id for s in sampled]
-        groups = [(s.request, s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else [])
-                  for s in sampled]
-        processed = proc.process(logits, groups, self.eos_token_ids)
+        groups = _groups(sampled) if groups is None else groups
+        processed = proc.process(logits, groups, self.eos_token_ids, masks)
         if processed is not logits:
             logits = processed
             last_rows = logits[torch.tensor(last, device=logits.device)]
@@ -185,6 +203,11 @@ class ModelRunner:
                 self.last_logprobs[s.request.request_id] = [_record(lp[j], t, p.logprobs)
                                                             for j, t in enumerate(tokens)]
         return out
+
+
+def _groups(sampled: list[ScheduledSeq]) -> list:
+    """(request, drafts) of each sampled sequence: what pdkv.engine.logits processes."""
+    return [(s.request, s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else []) for s in sampled]
 
 
 def _record(lp: torch.Tensor, token: int, num_top: int) -> TokenLogprob:

@@ -4,11 +4,8 @@ per-request generator when the request has a seed (same seed → same tokens, wh
 Temperature, top-k and top-p are applied to the whole batch at once (one sort at most); only the
 final draw runs per row, because each seeded request owns its generator.
 
-``constrain_allowed`` is the one hook that limits which tokens a request may take next: rows of a
-request with a constraint get -inf outside its allowed ids, before anything else (plain
-sampling and speculative verification alike, so both draw from the same distribution). Token
-healing (``Request.healing``, pdkv/tokenizer_healing.py) is what sets one now; a request with
-none costs one attribute check per row.
+What a request may not take (bans, biases, penalties, its TokenMask: structured output's
+grammar, token healing's first tokens) is already in the logits it gets (pdkv/engine/logits.py).
 """
 
 from __future__ import annotations
@@ -35,43 +32,6 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return x
 
 
-def allowed_next(req, drafts: list[int] = ()) -> list[torch.Tensor | None] | None:
-    """The ids each of ``req``'s next ``len(drafts) + 1`` positions may take, were ``drafts``
-    accepted (None in the list: anything); None: no constraint at all."""
-    healing = getattr(req, "healing", None)
-    if healing is None or healing.left is None:
-        return None
-    return healing.allowed_after(list(drafts))
-
-
-def _mask_row(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    allowed = allowed.to(row.device)
-    out = torch.full_like(row, float("-inf"))
-    out[allowed] = row[allowed]
-    return out
-
-
-def constrain_allowed(logits: torch.Tensor, requests: list, drafts: list[int] | None = None) -> torch.Tensor:
-    """The mask hook. ``drafts`` None: row i is requests[i]'s next token (plain sampling);
-    otherwise ``logits`` are one request's [len(drafts) + 1, V] verification rows. Returns
-    ``logits`` itself when nothing is constrained, else a masked copy."""
-    if drafts is None:
-        healing = [i for i, r in enumerate(requests) if getattr(r, "healing", None) is not None]
-        if not healing:  # the common case: one attribute check per row
-            return logits
-        masks = [(i, allowed_next(requests[i])) for i in healing]
-        rows = [(i, m[0]) for i, m in masks if m is not None]
-    else:
-        masks = allowed_next(requests[0], drafts)
-        rows = [] if masks is None else [(i, m) for i, m in enumerate(masks) if m is not None]
-    if not rows:
-        return logits
-    out = logits.clone()
-    for i, allowed in rows:
-        out[i] = _mask_row(out[i], allowed)
-    return out
-
-
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids=()):
         """``eos_token_ids``: what min_tokens holds back (pdkv/engine/logits.py)."""
@@ -81,7 +41,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list) -> list[int]:
         """logits: [N, V] float32, row i for requests[i], already processed by the requests'
         penalties and masks (pdkv/engine/logits.py) → N token ids."""
-        logits = constrain_allowed(logits, requests)
         greedy = logits.argmax(-1).tolist()
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:

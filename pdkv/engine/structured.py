@@ -95,6 +95,10 @@ class ReasoningGate:
     def close(self) -> None:
         self.inner.close()
 
+    @property
+    def allows_all(self) -> bool:
+        return self.opened_at is None
+
 
 class GrammarMask:
     """A request's xgrammar matcher as a TokenMask."""

@@ -123,3 +123,60 @@ def test_two_masks_allow_what_both_allow(base_engine, cache):
     both.rollback(1)
     assert _allowed(both, V) == set(some) & letters
     both.close()
+
+
+def test_the_device_path_equals_the_cpu_kernel_and_skips_rows_that_allow_all():
+    """apply_bitmask_torch is what a GPU runs (torch ops on the logits' device); on the CPU it is
+    the stand-in and must equal xgrammar's kernel bit for bit. A row whose mask allows
+    everything is left out of the bitmask's rows."""
+    from types import SimpleNamespace
+
+    from pdkv.engine.logits import apply_bitmask, apply_bitmask_torch, fill_masks
+
+    g = torch.Generator().manual_seed(0)
+    V = 1000  # not a multiple of 32: the last word's spare bits are ignored
+    bm = torch.randint(-2**31, 2**31 - 1, (6, bitmask_width(V)), dtype=torch.int32, generator=g)
+    logits = torch.randn(6, V, generator=g)
+    for rows in ([0, 1, 2, 3, 4, 5], [1, 4]):
+        a, b = logits.clone(), logits.clone()
+        apply_bitmask(a, bm, rows)  # xgrammar's kernel on a CPU
+        apply_bitmask_torch(b, bm, rows)
+        assert torch.equal(a, b) and torch.isinf(b[rows]).any() and torch.equal(b[0], logits[0]) == (0 not in rows)
+    thinking = OnlyTokens([1, 2])
+    thinking.allows_all = True
+    some = OnlyTokens([1, 2])
+    reqs = [SimpleNamespace(mask=m, params=None) for m in (thinking, None, some)]
+    bitmask, rows = fill_masks([(r, []) for r in reqs], V)
+    assert rows == [2] and bool((bitmask[:2] == -1).all())
+    assert set(allowed_from_bitmask(bitmask[2:], V)[0].nonzero().flatten().tolist()) == {1, 2}
+
+
+def test_masks_filled_during_the_forward_give_the_same_tokens(base_engine, cache):
+    from types import SimpleNamespace
+
+    from pdkv.engine import logits as proc
+
+    c = cache.get("grammar", 'root ::= "<" [a-c]+ ">" [0-9]')
+    outs = {}
+    try:
+        for overlap in (True, False, None):
+            base_engine.runner.overlap_masks = overlap
+            outs[overlap] = [o.output_token_ids for o in base_engine.generate(
+                [[5, 6, 7]] * 4, [SamplingParams(max_tokens=30, seed=s, constraint=c) for s in range(4)])]
+    finally:
+        base_engine.runner.overlap_masks = None
+    assert outs[True] == outs[False] == outs[None] and cache.num_live_masks == 0
+    # below OVERLAP_MIN_CPU_WORK a CPU fills after the forward; a fill's error reaches the step
+    m = SimpleNamespace(mask=OnlyTokens([1]), params=None)
+    assert proc.start_masks([(m, [])], 100, "cpu") is None
+    assert proc.start_masks([(SimpleNamespace(mask=None), [])], 100, "cpu", True) is None
+
+    class Broken(OnlyTokens):
+        def fill(self, bitmask, row):
+            raise RuntimeError("matcher gone")
+
+    pending = proc.start_masks([(SimpleNamespace(mask=Broken([1])), [])], 100, "cpu", True)
+    with pytest.raises(RuntimeError, match="matcher gone"):
+        pending.result()
+    pending = proc.start_masks([(SimpleNamespace(mask=Broken([1])), [])], 100, "cpu", True)
+    pending.wait()  # a failed step waits for the fill without raising its error again

@@ -11,6 +11,7 @@ import torch
 
 from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdkv.engine import LLMEngine, SamplingParams
+from pdkv.engine.logits import allowed_from_bitmask, bitmask_width, process
 from pdkv.engine.request import Request
 from pdkv.engine.spec.verify import Verifier
 from pdkv.tokenizer import Tokenizer
@@ -143,6 +144,8 @@ def test_ngram_speculation_gives_the_same_tokens(boundary_model_dir, tok):
 
 
 def test_verifier_refuses_drafts_outside_the_mask(tok):
+    """Healing is a TokenMask like a grammar: the rows of a verification are masked by
+    pdkv.engine.logits.process (after the drafts before each), the drafts are rolled back."""
     index = tok.healer()
     short, h = index.heal(tok.encode("def add(a, b):\n"))
     allowed = set(index.allowed(h.removed).tolist())
@@ -154,12 +157,37 @@ def test_verifier_refuses_drafts_outside_the_mask(tok):
     logits[1, bad] = 10.0  # after good, healing is done: row 1 is not masked
     ver = Verifier(torch.Generator().manual_seed(0))
     for temperature in (0.0, 1.0):
-        req = Request("r", short, SamplingParams(temperature=temperature), detok=None,
-                      healing=HealingState(index, h))
+        heal = HealingState(index, h)
+        req = Request("r", short, SamplingParams(temperature=temperature), detok=None, healing=heal, mask=heal)
+
+        def verify(drafts):
+            out = ver(process(logits, [(req, drafts)]), req, drafts)
+            assert heal.left == h.removed  # the drafts were accepted and rolled back
+            return out
+
         for _ in range(20):
-            out = ver(logits, req, [bad, bad])
+            out = verify([bad, bad])
             assert out[0] in allowed and out[0] != bad, out
         if temperature == 0.0:
-            assert ver(logits, req, [bad, bad]) == [good]
+            assert verify([bad, bad]) == [good]
             # an allowed draft is kept, and once the text is given back nothing is masked
-            assert ver(logits, req, [good, bad]) == [good, bad, 0]
+            assert verify([good, bad]) == [good, bad, 0]
+
+
+def test_healing_mask_accepts_rolls_back_and_fills_what_allowed_gives(tok):
+    index = tok.healer()
+    _, h = index.heal(tok.encode("def add(a, b):\n"))
+    heal, V = HealingState(index, h), tok.vocab_size
+    bm = torch.zeros(1, bitmask_width(V), dtype=torch.int32)
+    heal.fill(bm, 0)
+    filled = set(allowed_from_bitmask(bm, V)[0].nonzero().flatten().tolist())
+    assert filled == set(index.allowed(h.removed).tolist())
+    good, bad = tok._tok.token_to_id("ĊĠĠĠ"), tok._tok.token_to_id("x")
+    assert not heal.accept(bad) and heal.left == h.removed  # refused: unchanged
+    assert heal.accept(good) and heal.left is None and heal.accept(bad) and heal.accept(bad)
+    heal.fill(bm, 0)
+    assert bool((bm == -1).all())  # done: everything allowed (the sampler skips the row)
+    heal.rollback(2)
+    assert heal.left is None
+    heal.rollback(1)
+    assert heal.left == h.removed

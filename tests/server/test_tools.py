@@ -46,10 +46,12 @@ def _calls(tool_calls) -> list:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
 
 
-def _streamed(parsers, req, pieces) -> tuple[str, str, list]:
-    """What a client assembles from the deltas of ``pieces`` (a token-emitting stand-in's text)."""
+def _streamed(parsers, req, pieces, fragments=None) -> tuple[str, str, list]:
+    """What a client assembles from the deltas of ``pieces`` (a token-emitting stand-in's text),
+    checking OpenAI's delta shape: a call's first delta has its id, type and name, the later
+    ones only ``function.arguments`` fragments. ``fragments``: filled with each call's."""
     out = ChatOutput(parsers, req)
-    content, reasoning, calls = "", "", {}
+    content, reasoning, calls, frags = "", "", {}, {}
     for i, p in enumerate(pieces):
         d = out.delta(p)
         if i == len(pieces) - 1:
@@ -57,9 +59,20 @@ def _streamed(parsers, req, pieces) -> tuple[str, str, list]:
         content += d.get("content", "")
         reasoning += d.get("reasoning_content", "")
         for c in d.get("tool_calls", []):
-            assert c["index"] not in calls and c["id"].startswith("call_")
-            calls[c["index"]] = c
-    return content, reasoning, _calls([calls[i] for i in sorted(calls)])
+            if c["index"] not in calls:
+                assert c["id"].startswith("call_") and c["type"] == "function" and c["function"]["name"]
+                assert c["index"] == len(calls)  # in order
+                calls[c["index"]] = {**c, "function": dict(c["function"])}
+                frags[c["index"]] = [c["function"]["arguments"]]
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}, c
+                assert c["function"]["arguments"]  # no empty fragments
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+                frags[c["index"]].append(c["function"]["arguments"])
+    if fragments is not None:
+        fragments.update(frags)
+    return content, reasoning, [(calls[i]["function"]["name"], calls[i]["function"]["arguments"])
+                                for i in sorted(calls)]
 
 
 def _splits(text: str):
@@ -85,10 +98,27 @@ def test_golden_outputs_whole_and_streamed_in_every_split(name, reasoning):
     assert (msg["content"] or "") == content and _calls(msg.get("tool_calls", [])) == calls
     if reasoning:
         assert msg["reasoning_content"].strip() == "weather needs a tool"
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
     for pieces in _splits(think + text):
         got = _streamed(parsers, req, pieces)
-        assert got[0] == content and got[2] == calls, pieces
+        # the fragments of each call concatenate to the whole message's arguments, exactly
+        assert got[0] == content and got[2] == whole, pieces
         assert got[1].strip() == ("weather needs a tool" if reasoning else "")
+    frags = {}
+    _streamed(parsers, req, list(think + text), frags)  # a character per delta
+    # the arguments come as they are written, not in one piece at the call's end
+    assert all(len(f) > 2 for f in frags.values()) and len(frags) == len(calls)
+
+
+def test_a_streamed_call_cut_short_and_a_malformed_one():
+    parsers = OutputParsers(None, "hermes")
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    content, _, calls = _streamed(parsers, _req(), list(cut))
+    assert content == "" and calls == [("get_weather", '{"city": "Pa')]  # what was written so far
+    msg = ChatOutput(parsers, _req()).message(cut)
+    assert "tool_calls" not in msg  # a whole message keeps the complete calls only
+    bad = '<tool_call>{"name": "get_time", "arguments": {"tz": CET}}</tool_call>'
+    assert "tool_calls" not in ChatOutput(parsers, _req()).message(bad)
 
 
 def test_tool_choice_none_and_no_parser_leave_the_text_as_content():
@@ -131,8 +161,17 @@ def test_http_tool_calls_and_reasoning_whole_and_streamed(api, scripted):
     assert _calls(ch["message"]["tool_calls"]) == CALLS
     events = api.stream(scripted.url, "/v1/chat/completions", body)
     deltas = [e["choices"][0] for e in events[:-1] if e["choices"]]
-    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
-    assert _calls(calls) == CALLS and deltas[-1]["finish_reason"] == "tool_calls"
+    calls = {}
+    for c in (c for d in deltas for c in d["delta"].get("tool_calls", [])):
+        if c["index"] in calls:  # an arguments fragment
+            calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+        else:
+            calls[c["index"]] = c
+    streamed = [calls[i] for i in sorted(calls)]
+    assert [c["function"]["arguments"] for c in streamed] == \
+        [c["function"]["arguments"] for c in ch["message"]["tool_calls"]]
+    assert _calls(streamed) == CALLS and deltas[-1]["finish_reason"] == "tool_calls"
+    assert sum(1 for d in deltas for c in d["delta"].get("tool_calls", [])) > len(CALLS)  # fragments
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Let me check.\n"
     assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == "\nweather needs a tool"
 
@@ -197,9 +236,23 @@ def test_the_openai_client_reads_the_streamed_calls(scripted):
                                              tools=[WEATHER, TIME], max_tokens=200, stream=True):
         for c in ch.choices:
             reasons.append(c.finish_reason)
-            for tc in c.delta.tool_calls or []:
-                calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
-    assert [calls[i] for i in sorted(calls)] == CALLS and reasons[-1] == "tool_calls"
+            for tc in c.delta.tool_calls or []:  # the name first, then arguments fragments
+                name, args = calls.get(tc.index, (tc.function.name, ""))
+                calls[tc.index] = (name, args + (tc.function.arguments or ""))
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == CALLS
+    assert reasons[-1] == "tool_calls"
     r = client.chat.completions.create(model=scripted.model, messages=[{"role": "user", "content": "w?"}],
                                        tools=[WEATHER, TIME], max_tokens=200)
     assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == CALLS
+
+
+def test_a_named_function_streams_its_arguments():
+    """tool_choice naming a function: the forced answer is the arguments, sent as they come."""
+    req = _req(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    parsers = OutputParsers(None, "hermes")
+    whole = ChatOutput(parsers, req).message('{"tz": "CET"}')["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [("get_time", '{"tz": "CET"}')]
+    for pieces in (['{"tz"', ': "CET"}'], list('{"tz": "CET"}')):
+        frags = {}
+        assert _streamed(parsers, req, pieces, frags)[2] == [("get_time", '{"tz": "CET"}')]
+        assert frags[0][0] == pieces[0] and len(frags[0]) == len(pieces)  # one fragment per delta

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pdkv.engine.request import Request
-from pdkv.engine.sampler import constrain_allowed, filter_logits
+from pdkv.engine.sampler import filter_logits
 
 
 class Verifier:
@@ -35,10 +35,10 @@ class Verifier:
                  draft_probs: torch.Tensor | None = None) -> list[int]:
         """logits: [len(drafts) + 1, V] float32, row i scored after draft i-1 (row 0 after the
         request's last token); draft_probs: [len(drafts), V] the proposer's q, None for a
-        deterministic proposer. Returns the accepted drafts followed by one target token. A
-        request whose next tokens are constrained (token healing) has its rows masked first: a
-        draft outside a row's allowed ids has target probability 0 there and is never kept."""
-        logits = constrain_allowed(logits, [req], drafts)
+        deterministic proposer. Returns the accepted drafts followed by one target token. The
+        rows come masked by the request's TokenMask (pdkv/engine/logits.py: a grammar, token
+        healing), each after the drafts before it: a draft outside a row's mask has target
+        probability 0 there and is never kept."""
         if req.params.greedy:
             return self.greedy(logits, drafts)
         probs = self.target_probs(logits, req)
