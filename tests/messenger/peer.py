@@ -18,9 +18,13 @@ import msgpack
 import numpy as np
 
 from pdkv._messenger import Messenger  # loaded before the baseline is taken
+from pdkv.transports import options_class
 
 GUARD = 4096  # guard bytes on each side of every buffer
 GUARD_BYTE = 0xA5
+
+
+POLLER_KWARGS = ("spin_us", "yield_us", "sleep_us", "cpus")
 
 
 class Agent:
@@ -33,7 +37,10 @@ class Agent:
 
     # -- setup --
     def create(self, transport: str, node_id: int, kwargs: dict) -> None:
-        self.m = Messenger(transport, node_id, **kwargs)
+        # the poller's settings are the Messenger's; the rest are the transport's own options
+        poller = {k: kwargs.pop(k) for k in POLLER_KWARGS if k in kwargs}
+        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+        self.m = Messenger(transport, node_id, options_class(transport)(**opts), **poller)
 
     def alloc(self, name: str, size: int, seed: int | None = None) -> None:
         raw = np.full(size + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
