@@ -259,7 +259,7 @@ def main(argv: list[str]) -> int:
         _transport_options(a.transport, a.streams, a.nic)  # a missing --nic fails before any work
     fabric = {"provider": a.provider, "domain": a.domain} if a.transport == "libfabric" else {}
     if fabric:
-        print(f"libfabric provider {a.provider}, domain {_transport_options(a.transport, 0, None, **fabric).domains}")
+        print(f"libfabric provider {a.provider}, domain {list(_transport_options(a.transport, 0, None, **fabric).domains)}")
     pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic, **fabric)
     # libfabric: the tcp transport beside it, same run, same machine state
     over_tcp = bench_pdkv(sizes, a.seconds, "tcp", a.streams) if fabric else None
