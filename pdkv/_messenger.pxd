@@ -11,6 +11,7 @@ cdef extern from "transport.h" nogil:
         PDKV_ERR_MAX
         PDKV_REG_DMABUF
         PDKV_REG_PEERMEM
+        PDKV_REG_HMEM
 
     ctypedef struct pdkv_transport_counters:
         uint64_t refused_writes, refused_conns, pending_conns, rx_threads
@@ -65,6 +66,7 @@ cdef extern from "transport.h" nogil:
         const char *provider
         const char *const *domains
         int table_keys
+        int hmem_system
 
     pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
                                         size_t errlen)

@@ -180,6 +180,7 @@ cdef class Messenger:
             fabric.provider = keep[-1]
             fabric.domains = names
             fabric.table_keys = options.table_keys
+            fabric.hmem_system = options.hmem_system
             opts = &fabric
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
@@ -307,11 +308,13 @@ cdef class Messenger:
         return key
 
     def register_device(self, int fd, uint64_t offset, uint64_t length, uint64_t addr=0):
-        """verbs: register device (GPU) memory for GPUDirect RDMA -> (key, "dmabuf" | "peermem").
+        """Register device (GPU) memory -> (key, "dmabuf" | "peermem" | "hmem").
 
-        First the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1: skip; the fd is not taken:
-        the transport keeps its own dup), then the device pointer `addr` (ibv_reg_mr through
-        nvidia-peermem; 0: skip). TransportUnavailableError naming both attempts when neither
+        verbs (GPUDirect RDMA): first the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1:
+        skip; the fd is not taken: the transport keeps its own dup), then the device pointer
+        `addr` (ibv_reg_mr through nvidia-peermem; 0: skip). libfabric (a provider with FI_HMEM,
+        e.g. EFA): the dma-buf (FI_MR_DMABUF, libfabric >= 1.20), then the device pointer
+        through FI_HMEM ("hmem"). TransportUnavailableError naming both attempts when neither
         works. pdkv.gpu.gpudirect.register_on_messenger obtains the fd from the CUDA driver."""
         cdef uint64_t key = 0
         cdef uint32_t method = 0
@@ -320,7 +323,7 @@ cdef class Messenger:
         self._check()
         if self.t.ops.reg_device == NULL:
             raise InvalidRequestError(_errno.EOPNOTSUPP, f"the {self.transport} transport cannot register "
-                                      "device memory (GPUDirect RDMA is verbs only; tcp stages through host memory)")
+                                      "device memory (verbs and libfabric with FI_HMEM can; it stages through host memory)")
         self._enter()
         try:
             with nogil:
@@ -332,7 +335,7 @@ cdef class Messenger:
             if rc == -_errno.EOPNOTSUPP:
                 raise TransportUnavailableError(-rc, f"register_device: {msg.decode('utf-8', 'replace')}")
             _raise(rc, msg, "register_device")
-        return key, "dmabuf" if method == PDKV_REG_DMABUF else "peermem"
+        return key, {PDKV_REG_DMABUF: "dmabuf", PDKV_REG_HMEM: "hmem"}.get(method, "peermem")
 
     def grant(self, uint64_t key, uint64_t peer):
         """Allow node `peer` to write anywhere in region `key` -> the key that peer must name

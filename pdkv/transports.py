@@ -138,7 +138,9 @@ class VerbsOptions:
 class LibfabricOptions:
     """libfabric RDM endpoints (provider "efa", "tcp;ofi_rxm", "sockets", "shm" or "auto"; domains:
     fabric domain names, () for the provider's first; a fabric domain per peer enforces grants).
-    table_keys: the provider-key path EFA takes, on a provider that lets us choose keys (tests)."""
+    table_keys: the provider-key path EFA takes, on a provider that lets us choose keys (tests).
+    hmem_system: register_device takes host memory through the FI_HMEM calls (iface
+    FI_HMEM_SYSTEM): the CPU stand-in for GPU memory on a provider with FI_HMEM (tests)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capability]
@@ -147,6 +149,7 @@ class LibfabricOptions:
     provider: str = "auto"
     domains: tuple[str, ...] = ()
     table_keys: bool = False
+    hmem_system: bool = False
 
     @classmethod
     def from_config(cls, ms, where) -> LibfabricOptions:

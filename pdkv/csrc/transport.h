@@ -63,7 +63,9 @@ typedef struct pdkv_write {
 
 typedef struct pdkv_transport pdkv_transport;
 
-enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2 }; /* reg_device's way */
+/* reg_device's way: a dma-buf, peer memory (verbs: nvidia-peermem), or libfabric FI_HMEM with the
+ * device pointer */
+enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2, PDKV_REG_HMEM = 3 };
 
 /* What one NIC carried (verbs over several NICs; stats() and /metrics). */
 typedef struct pdkv_nic_stats {
@@ -198,6 +200,8 @@ typedef struct pdkv_libfabric_opts {
     int table_keys;             /* the FI_MR_PROV_KEY key path (per-peer keys, the region table in
                                  * the connection info) on a provider that takes requested keys:
                                  * the CPU stand-in for EFA's provider keys (tests) */
+    int hmem_system;            /* reg_device registers through FI_HMEM with iface FI_HMEM_SYSTEM
+                                 * (host memory): the CPU stand-in for GPU memory (tests) */
 } pdkv_libfabric_opts;
 /* Defined only when built with libfabric (PDKV_HAVE_LIBFABRIC), see fabric.c. */
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *opts, char *err,

@@ -9,6 +9,7 @@ at stderr so that nothing else can corrupt the reply stream).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import sys
@@ -18,7 +19,7 @@ import msgpack
 import numpy as np
 
 from pdkv._messenger import Messenger  # loaded before the baseline is taken
-from pdkv.transports import options_class
+from pdkv.transports import OPTIONS, options_class
 
 GUARD = 4096  # guard bytes on each side of every buffer
 GUARD_BYTE = 0xA5
@@ -39,8 +40,14 @@ class Agent:
     def create(self, transport: str, node_id: int, kwargs: dict) -> None:
         # the poller's settings are the Messenger's; the rest are the transport's own options
         poller = {k: kwargs.pop(k) for k in POLLER_KWARGS if k in kwargs}
-        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-        self.m = Messenger(transport, node_id, options_class(transport)(**opts), **poller)
+        # (a test's tcp setting such as num_streams means nothing to the other transports)
+        cls = options_class(transport)
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for c in OPTIONS.values() for f in dataclasses.fields(c)}
+        if set(kwargs) - known:  # a typo is an error, never dropped
+            raise TypeError(f"no transport takes {sorted(set(kwargs) - known)}")
+        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items() if k in names}
+        self.m = Messenger(transport, node_id, cls(**opts), **poller)
 
     def alloc(self, name: str, size: int, seed: int | None = None) -> None:
         raw = np.full(size + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
