@@ -30,7 +30,7 @@ class TPRankError(PdkvError, RuntimeError):
 def _repo_root() -> str:
     import pdkv.models  # noqa: PLC0415
 
-    return str(Path(models.__file__).resolve().parent.parent)
+    return str(Path(pdkv.models.__file__).resolve().parent.parent)
 
 
 class Followers:
