@@ -66,6 +66,7 @@ cdef extern from "transport.h" nogil:
         const char *provider
         const char *const *domains
         int table_keys
+        int device_memory
         int hmem_system
 
     pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,

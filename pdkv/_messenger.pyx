@@ -180,6 +180,7 @@ cdef class Messenger:
             fabric.provider = keep[-1]
             fabric.domains = names
             fabric.table_keys = options.table_keys
+            fabric.device_memory = options.device_memory
             fabric.hmem_system = options.hmem_system
             opts = &fabric
         cpus = list(cpus or ())[:64]

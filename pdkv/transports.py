@@ -139,8 +139,11 @@ class LibfabricOptions:
     """libfabric RDM endpoints (provider "efa", "tcp;ofi_rxm", "sockets", "shm" or "auto"; domains:
     fabric domain names, () for the provider's first; a fabric domain per peer enforces grants).
     table_keys: the provider-key path EFA takes, on a provider that lets us choose keys (tests).
-    hmem_system: register_device takes host memory through the FI_HMEM calls (iface
-    FI_HMEM_SYSTEM): the CPU stand-in for GPU memory on a provider with FI_HMEM (tests)."""
+    device_memory: ask the provider for FI_HMEM, so that register_device takes GPU memory (EFA);
+    off by default: FI_HMEM changes some providers' protocols (shm's 64 KiB writes ~10x slower
+    here), and the node stages GPU KV on libfabric. hmem_system: register_device takes host
+    memory through the FI_HMEM calls (iface FI_HMEM_SYSTEM): the CPU stand-in for GPU memory on
+    a provider with FI_HMEM (tests; implies device_memory)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capability]
@@ -149,6 +152,7 @@ class LibfabricOptions:
     provider: str = "auto"
     domains: tuple[str, ...] = ()
     table_keys: bool = False
+    device_memory: bool = False
     hmem_system: bool = False
 
     @classmethod

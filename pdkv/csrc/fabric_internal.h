@@ -139,6 +139,7 @@ typedef struct fb_transport {
     int prov_key;          /* ... chosen by the provider (not the stand-in) */
     int mr_local;          /* FI_MR_LOCAL: descriptors on every write */
     int hmem;              /* the provider registers device memory (FI_HMEM, FI_MR_HMEM) */
+    int hmem_asked;        /* the options asked for it (device_memory) */
     int hmem_system;       /* the stand-in: reg_device takes host memory through FI_HMEM_SYSTEM */
     uint64_t complete_flag; /* FI_DELIVERY_COMPLETE, or 0 (shm: FI_TRANSMIT_COMPLETE) */
     int batch_more;        /* FI_MORE on all but the last write of a burst (fabric_post.c) */

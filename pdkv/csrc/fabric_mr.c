@@ -152,8 +152,9 @@ int fb_reg_device(pdkv_transport *base, int fd, uint64_t offset, uint64_t len, v
     fb_transport *t = (fb_transport *)base;
     if (!t->hmem && !t->hmem_system)
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' does not register device memory "
-                                    "(no FI_HMEM / FI_MR_HMEM): GPU KV is staged through host "
-                                    "memory (messenger.staging auto)", t->provider);
+                                    "(%s): GPU KV is staged through host memory (messenger.staging "
+                                    "auto)", t->provider, t->hmem_asked ? "no FI_HMEM / FI_MR_HMEM"
+                       : "the transport was made without device_memory");
     int iface = t->hmem_system ? FI_HMEM_SYSTEM : FI_HMEM_CUDA;
     char why_dmabuf[PDKV_REASON_MAX] = "no dma-buf fd given";
     if (fd >= 0) {

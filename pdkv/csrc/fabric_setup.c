@@ -110,11 +110,13 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     }
     t->info = fbl_dupinfo(pick);
     fbl_freeinfo(all);
-    /* device memory: the same provider and domain asked again with FI_HMEM (EFA offers it; the
-     * software providers only for system memory, or not at all); when offered, its info is the
-     * one used, so that every domain can register device memory (fb_reg_device) */
+    /* device memory, when asked for: the same provider and domain asked again with FI_HMEM (EFA
+     * offers it; the software providers only for system memory, or not at all); when offered,
+     * its info is the one used, so that every domain can register device memory (fb_reg_device) */
     struct fi_info *hm = NULL;
-    if (t->info && !get(t->info->fabric_attr->prov_name, FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_HMEM,
+    int want_hmem = o && (o->device_memory || o->hmem_system);
+    t->hmem_asked = want_hmem;
+    if (t->info && want_hmem && !get(t->info->fabric_attr->prov_name, FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_HMEM,
                         FB_MR_MODES | FI_MR_HMEM, &hm)) {
         for (struct fi_info *i = hm; i; i = i->next)
             if (!strcmp(i->domain_attr->name, t->info->domain_attr->name) &&

@@ -200,8 +200,12 @@ typedef struct pdkv_libfabric_opts {
     int table_keys;             /* the FI_MR_PROV_KEY key path (per-peer keys, the region table in
                                  * the connection info) on a provider that takes requested keys:
                                  * the CPU stand-in for EFA's provider keys (tests) */
+    int device_memory;          /* ask the provider for FI_HMEM, so that reg_device can register
+                                 * GPU memory (EFA); off: the plain hints (FI_HMEM changes some
+                                 * providers' protocols: shm's 64 KiB writes get 10x slower) */
     int hmem_system;            /* reg_device registers through FI_HMEM with iface FI_HMEM_SYSTEM
-                                 * (host memory): the CPU stand-in for GPU memory (tests) */
+                                 * (host memory): the CPU stand-in for GPU memory (tests; implies
+                                 * device_memory) */
 } pdkv_libfabric_opts;
 /* Defined only when built with libfabric (PDKV_HAVE_LIBFABRIC), see fabric.c. */
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *opts, char *err,

@@ -110,3 +110,27 @@ def test_a_provider_without_hmem_refuses_device_memory_with_the_fix(transport):
         pytest.skip(f"{transport} declares FI_HMEM here")
     assert "has no FI_HMEM" in got["no_hmem"], got
     assert "does not register device memory" in got["plain"] and "messenger.staging auto" in got["plain"], got
+
+
+@pytest.mark.parametrize("transport", fabric_params(["shm"]))
+def test_device_memory_is_asked_for(transport):
+    """Without device_memory the plain hints are used (FI_HMEM would change the provider's
+    protocols for every write) and register_device says what to ask for."""
+    r = subprocess.run([sys.executable, "-c", NOT_ASKED], capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "made without device_memory" in r.stdout and "messenger.staging auto" in r.stdout, r.stdout
+
+
+NOT_ASKED = r"""
+import numpy as np
+from pdkv._messenger import Messenger, TransportUnavailableError
+from pdkv.transports import LibfabricOptions
+m = Messenger("libfabric", 1, LibfabricOptions(provider="shm"))
+buf = np.zeros(4096, np.uint8)
+try:
+    m.register_device(-1, 0, buf.nbytes, buf.ctypes.data)
+    print("registered")
+except TransportUnavailableError as e:
+    print(e)
+m.close()
+"""
