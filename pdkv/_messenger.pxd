@@ -11,6 +11,7 @@ cdef extern from "transport.h" nogil:
         PDKV_ERR_MAX
         PDKV_REG_DMABUF
         PDKV_REG_PEERMEM
+        PDKV_REG_HMEM
 
     ctypedef struct pdkv_transport_counters:
         uint64_t refused_writes, refused_conns, pending_conns, rx_threads
@@ -65,12 +66,14 @@ cdef extern from "transport.h" nogil:
         const char *provider
         const char *const *domains
         int table_keys
+        int device_memory
+        int hmem_system
 
-    pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                          const pdkv_verbs_opts *verbs, char *err, size_t errlen)
     pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
                                         size_t errlen)
     int pdkv_transport_available(const char *name)
+    const char *pdkv_transport_name(unsigned i)
+    int pdkv_transport_caps(const char *name)
     int pdkv_have_verbs()
     int pdkv_have_crypto()
     int pdkv_tcp_port(pdkv_transport *t)
@@ -186,6 +189,7 @@ cdef class Messenger:
     cdef pdkv_core *core
     cdef pdkv_transport *t
     cdef readonly str transport
+    cdef readonly object options  # the transport's options (pdkv.transports), as given
     cdef readonly uint64_t node_id
     cdef public tuple rank_nics  # verbs: per TP rank, NIC indices (pdkv/messenger.py); () otherwise
     cdef dict _pinned       # key -> the Python object whose memory is registered

@@ -8,6 +8,7 @@ HAVE_CRYPTO: bool
 HAVE_LIBFABRIC: bool
 
 def transports() -> list[str]: ...
+def transport_capabilities(name: str) -> Any: ...
 def locked_memory_limit() -> int | None: ...  # None: unlimited or CAP_IPC_LOCK
 def check_lockable(nbytes: int, what: str = "the KV cache") -> None: ...  # TransportUnavailableError
 
@@ -33,16 +34,12 @@ _Pages = Sequence[int] | np.ndarray  # shape [num_pages], int64
 class Messenger:
     transport: str
     node_id: int
-    def __init__(self, transport: str = "tcp", node_id: int = 0, *, host: str = "127.0.0.1",
-                 port: int = 0, num_streams: int = 2, handshake_ms: int = 5000, max_pending: int = 64,
-                 max_per_source: int = 0,
-                 nics: Sequence[str] = (), port_num: int = 1,
-                 gid_index: int = -1, qps_per_peer: int = 1, isolate_peers: bool = False,
-                 remote_nics: int = 0,
-                 spin_us: int = 50, yield_us: int = 200,
-                 sleep_us: int = 20, cpus: Sequence[int] | None = None, provider: str = "auto",
-                 domains: Sequence[str] = (), fabric_table_keys: bool = False,
-                 shm_dir: str = "/dev/shm") -> None: ...
+    options: Any  # the transport's options dataclass (pdkv.transports), as given
+    def __init__(self, transport: str = "tcp", node_id: int = 0, options: Any = None, *,
+                 spin_us: int = 50, yield_us: int = 200, sleep_us: int = 20,
+                 cpus: Sequence[int] | None = None) -> None: ...
+    @property
+    def capabilities(self) -> Any: ...  # pdkv.transports.Capability
     def close(self) -> None: ...
     def __enter__(self) -> "Messenger": ...
     def __exit__(self, *exc: Any) -> None: ...

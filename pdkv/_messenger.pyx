@@ -24,15 +24,50 @@ from libc.stdlib cimport free, malloc
 
 include "_messenger_errors.pxi"
 
+from pdkv import transports as _transports
+
 HAVE_VERBS = bool(pdkv_have_verbs())
 HAVE_CRYPTO = bool(pdkv_have_crypto())  # tcp sealed data streams (messenger.tls_data)
 HAVE_LIBFABRIC = bool(pdkv_transport_available(b"libfabric"))
-_KNOWN = ("tcp", "verbs", "libfabric", "fake", "shm")
+
+
+def _table_names():
+    cdef unsigned i = 0
+    out = []
+    while pdkv_transport_name(i) != NULL:
+        out.append(pdkv_transport_name(i).decode())
+        i += 1
+    return tuple(out)
+
+
+_KNOWN = _table_names()  # every row of the C table (csrc/transports.c), built in or not
 
 
 def transports():
     """Names of the transports this build can create."""
     return [n for n in _KNOWN if pdkv_transport_available(n.encode())]
+
+
+def transport_capabilities(str name):
+    """The capabilities (pdkv.transports.Capability) transport `name` declares in the C table;
+    InvalidRequestError for a name not in it."""
+    cdef int caps = pdkv_transport_caps(name.encode())
+    if caps < 0:
+        raise InvalidRequestError(_errno.EINVAL, f"unknown transport {name!r} (expected one of {', '.join(_KNOWN)})")
+    return _transports.Capability(caps)
+
+
+cdef int _c_strings(object names, const char **out, list keep, str what) except -1:
+    """Fill out[0..16] with NUL-terminated copies of `names` (kept alive by `keep`), then NULL."""
+    cdef int i
+    names = [str(n).encode() for n in names]
+    if len(names) > 16:
+        raise InvalidRequestError(_errno.EINVAL, f"at most 16 {what}, got {len(names)}")
+    keep.extend(names)
+    for i in range(len(names)):
+        out[i] = <const char *>names[i]
+    out[len(names)] = NULL
+    return 0
 
 
 _CAP_IPC_LOCK = 14
@@ -75,16 +110,9 @@ cdef inline uint64_t _u64(object v, str name) except? 0:
 cdef class Messenger:
     """A node's end of the KV messenger.
 
-    transport: "libfabric" (provider: "efa", "tcp;ofi_rxm", "sockets", "shm" or "auto"; domains:
-    fabric domain names, [] for the provider's first; a fabric domain per peer enforces grants;
-    fabric_table_keys: the provider-key path EFA takes, on a provider that lets us choose keys),
-    "tcp" (host, port, num_streams; handshake_ms: an incoming stream that has not sent
-    a valid hello by then is closed, max_pending: such streams waiting at once, more are closed at
-    accept, max_per_source: of them from one IP address, 0: a quarter of max_pending; none of
-    them gets a thread), "verbs" (nics, port_num, gid_index,
-    qps_per_peer, isolate_peers) or "fake" (in-process, fault injection for tests). verbs with
-    isolate_peers gives every peer its own protection domain, so the NIC enforces grants (see
-    grant()); without it a region's key lets any connected peer write all of it. The poller spins for
+    transport: a name in the C table (transports(); csrc/transports.c), options: that transport's
+    own options (pdkv.transports: TcpOptions, VerbsOptions, LibfabricOptions, FakeOptions; None:
+    its defaults), kept as `options`; `capabilities` says what it can do. The poller spins for
     spin_us after its last work, yields for yield_us, then sleeps sleep_us per poll while
     batches are queued (or blocks when none are); cpus pins it.
     """
@@ -98,57 +126,68 @@ cdef class Messenger:
         self._closing = 0
         self.rank_nics = ()
 
-    def __init__(self, str transport="tcp", uint64_t node_id=0, *, str host="127.0.0.1", int port=0,
-                 int num_streams=2, uint32_t handshake_ms=5000, uint32_t max_pending=64,
-                 uint32_t max_per_source=0, nics=(), int port_num=1, int gid_index=-1, int qps_per_peer=1,
-                 bint isolate_peers=False, int remote_nics=0, int spin_us=50, int yield_us=200, int sleep_us=20, cpus=None,
-                 str provider="auto", domains=(), bint fabric_table_keys=False, str shm_dir="/dev/shm"):
+    def __init__(self, str transport="tcp", uint64_t node_id=0, options=None, *, int spin_us=50,
+                 int yield_us=200, int sleep_us=20, cpus=None):
         cdef char err[PDKV_ERR_MAX]
         cdef pdkv_tcp_opts tcp
         cdef pdkv_verbs_opts verbs
+        cdef pdkv_libfabric_opts fabric
         cdef pdkv_core_opts copts
         cdef int cpu_list[64]
-        cdef const char *nic_ptrs[17]
-        cdef const char *dom_ptrs[17]
-        cdef pdkv_libfabric_opts fabric
         cdef pdkv_shm_opts shm
-        if not 0 <= port <= 65535:
-            raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {port}")
-        if num_streams < 1 or qps_per_peer < 1 or spin_us < 0 or yield_us < 0 or sleep_us < 0:
-            raise InvalidRequestError(_errno.EINVAL, "num_streams and qps_per_peer must be >= 1, "
-                                      "spin_us / yield_us / sleep_us >= 0")
-        nic_bytes = [str(n).encode() for n in nics]
-        if len(nic_bytes) > 16:
-            raise InvalidRequestError(_errno.EINVAL, "at most 16 NICs")
-        for i, nb in enumerate(nic_bytes):
-            nic_ptrs[i] = nb
-        nic_ptrs[len(nic_bytes)] = NULL
-        dom_bytes = [str(d).encode() for d in domains]
-        if len(dom_bytes) > 16:
-            raise InvalidRequestError(_errno.EINVAL, "at most 16 fabric domains")
-        for i, db in enumerate(dom_bytes):
-            dom_ptrs[i] = db
-        dom_ptrs[len(dom_bytes)] = NULL
-        prov_b = provider.encode()
-        fabric.provider = prov_b
-        fabric.domains = dom_ptrs
-        fabric.table_keys = fabric_table_keys
-        host_b = host.encode()
-        name_b = transport.encode()
-        tcp.host = host_b
-        tcp.port = port
-        tcp.num_streams = num_streams
-        tcp.handshake_ms = handshake_ms
-        tcp.max_pending = max_pending
-        tcp.max_per_source = max_per_source
-        verbs.nics = nic_ptrs
-        verbs.port_num = port_num
-        verbs.gid_index = gid_index
-        verbs.qps_per_peer = qps_per_peer
-        verbs.isolate_peers = isolate_peers
-        if not 0 <= remote_nics <= 16:
-            raise InvalidRequestError(_errno.EINVAL, f"remote_nics must be 0..16, got {remote_nics}")
-        verbs.remote_nics = remote_nics
+        cdef const char *names[17]
+        cdef const void *opts = NULL
+        cdef list keep = []
+        if transport not in _KNOWN:
+            raise InvalidRequestError(_errno.EINVAL, f"cannot create transport {transport!r}: unknown transport "
+                                      f"{transport!r} (expected one of {', '.join(_KNOWN)})")
+        cls = _transports.OPTIONS.get(transport)
+        if options is None and cls is not None:
+            options = cls()
+        if cls is None or type(options) is not cls:
+            raise InvalidRequestError(_errno.EINVAL, f"transport {transport!r} takes "
+                                      f"{cls.__name__ if cls else 'no options class'} options, got {options!r}")
+        if spin_us < 0 or yield_us < 0 or sleep_us < 0:
+            raise InvalidRequestError(_errno.EINVAL, "spin_us / yield_us / sleep_us must be >= 0")
+        if cls is _transports.TcpOptions:
+            if not 0 <= options.port <= 65535:
+                raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {options.port}")
+            if options.num_streams < 1:
+                raise InvalidRequestError(_errno.EINVAL, f"num_streams must be >= 1, got {options.num_streams}")
+            keep.append(options.host.encode())
+            tcp.host = keep[0]
+            tcp.port = options.port
+            tcp.num_streams = options.num_streams
+            tcp.handshake_ms = options.handshake_ms
+            tcp.max_pending = options.max_pending
+            tcp.max_per_source = options.max_per_source
+            opts = &tcp
+        elif cls is _transports.VerbsOptions:
+            if options.qps_per_peer < 1:
+                raise InvalidRequestError(_errno.EINVAL, f"qps_per_peer must be >= 1, got {options.qps_per_peer}")
+            if not 0 <= options.remote_nics <= 16:
+                raise InvalidRequestError(_errno.EINVAL, f"remote_nics must be 0..16, got {options.remote_nics}")
+            _c_strings(options.nics, names, keep, "NICs")
+            verbs.nics = names
+            verbs.port_num = options.port_num
+            verbs.gid_index = options.gid_index
+            verbs.qps_per_peer = options.qps_per_peer
+            verbs.isolate_peers = options.isolate_peers
+            verbs.remote_nics = options.remote_nics
+            opts = &verbs
+        elif cls is _transports.LibfabricOptions:
+            _c_strings(options.domains, names, keep, "fabric domains")
+            keep.append(options.provider.encode())
+            fabric.provider = keep[-1]
+            fabric.domains = names
+            fabric.table_keys = options.table_keys
+            fabric.device_memory = options.device_memory
+            fabric.hmem_system = options.hmem_system
+            opts = &fabric
+        elif cls is _transports.ShmOptions:
+            keep.append(options.dir.encode())
+            shm.dir = keep[-1]
+            opts = &shm
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -158,29 +197,27 @@ cdef class Messenger:
         copts.cpus = cpu_list
         copts.num_cpus = len(cpus)
         err[0] = 0
+        name_b = transport.encode()
         cdef const char *name_p = name_b
         cdef pdkv_transport *t
-        cdef bint is_fabric = transport == "libfabric"
-        cdef bint is_shm = transport == "shm"
-        shm_dir_b = shm_dir.encode()
-        shm.dir = shm_dir_b
         with nogil:
-            if is_fabric:
-                t = pdkv_transport_open(name_p, node_id, &fabric, err, sizeof(err))
-            elif is_shm:
-                t = pdkv_transport_open(name_p, node_id, &shm, err, sizeof(err))
-            else:
-                t = pdkv_transport_create(name_p, node_id, &tcp, &verbs, err, sizeof(err))
+            t = pdkv_transport_open(name_p, node_id, opts, err, sizeof(err))
         if t == NULL:
-            cls = InvalidRequestError if transport not in _KNOWN else TransportUnavailableError
-            raise cls(_errno.ENODEV, f"cannot create transport {transport!r}: {err.decode('utf-8', 'replace')}")
+            raise TransportUnavailableError(_errno.ENODEV, f"cannot create transport {transport!r}: "
+                                            f"{err.decode('utf-8', 'replace')}")
         with nogil:
             self.core = pdkv_core_create(t, &copts, err, sizeof(err))
         if self.core == NULL:
             raise MessengerError(_errno.EIO, f"cannot start the messenger: {err.decode('utf-8', 'replace')}")
         self.t = t
         self.transport = transport
+        self.options = options
         self.node_id = node_id
+
+    @property
+    def capabilities(self):
+        """What this transport can do (pdkv.transports.Capability), as its C row declares."""
+        return transport_capabilities(self.transport)
 
     def __dealloc__(self):
         if self.core != NULL:
@@ -277,11 +314,13 @@ cdef class Messenger:
         return key
 
     def register_device(self, int fd, uint64_t offset, uint64_t length, uint64_t addr=0):
-        """verbs: register device (GPU) memory for GPUDirect RDMA -> (key, "dmabuf" | "peermem").
+        """Register device (GPU) memory -> (key, "dmabuf" | "peermem" | "hmem").
 
-        First the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1: skip; the fd is not taken:
-        the transport keeps its own dup), then the device pointer `addr` (ibv_reg_mr through
-        nvidia-peermem; 0: skip). TransportUnavailableError naming both attempts when neither
+        verbs (GPUDirect RDMA): first the dma-buf `fd` at `offset` (ibv_reg_dmabuf_mr; fd -1:
+        skip; the fd is not taken: the transport keeps its own dup), then the device pointer
+        `addr` (ibv_reg_mr through nvidia-peermem; 0: skip). libfabric (a provider with FI_HMEM,
+        e.g. EFA): the dma-buf (FI_MR_DMABUF, libfabric >= 1.20), then the device pointer
+        through FI_HMEM ("hmem"). TransportUnavailableError naming both attempts when neither
         works. pdkv.gpu.gpudirect.register_on_messenger obtains the fd from the CUDA driver."""
         cdef uint64_t key = 0
         cdef uint32_t method = 0
@@ -290,7 +329,7 @@ cdef class Messenger:
         self._check()
         if self.t.ops.reg_device == NULL:
             raise InvalidRequestError(_errno.EOPNOTSUPP, f"the {self.transport} transport cannot register "
-                                      "device memory (GPUDirect RDMA is verbs only; tcp stages through host memory)")
+                                      "device memory (verbs and libfabric with FI_HMEM can; it stages through host memory)")
         self._enter()
         try:
             with nogil:
@@ -302,7 +341,7 @@ cdef class Messenger:
             if rc == -_errno.EOPNOTSUPP:
                 raise TransportUnavailableError(-rc, f"register_device: {msg.decode('utf-8', 'replace')}")
             _raise(rc, msg, "register_device")
-        return key, "dmabuf" if method == PDKV_REG_DMABUF else "peermem"
+        return key, {PDKV_REG_DMABUF: "dmabuf", PDKV_REG_HMEM: "hmem"}.get(method, "peermem")
 
     def grant(self, uint64_t key, uint64_t peer):
         """Allow node `peer` to write anywhere in region `key` -> the key that peer must name

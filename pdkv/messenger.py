@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from pdkv import topo
+from pdkv import topo, transports
 from pdkv.config import MessengerConfig
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,13 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
     default ``[gpu_bus_id]`` then unknown for ranks 1.. . Raises ``topo.TopologyError`` (a
     ValueError) naming the problem: ``auto`` on a host without RDMA devices, ``auto`` mixed with
     names, a rank NIC that does not exist."""
-    if cfg.transport == "libfabric":
-        return _fabric_placement(cfg, gpu_bus_ids[0] if gpu_bus_ids else gpu_bus_id, sysfs_root)
-    if cfg.transport != "verbs":
+    placer = _PLACERS.get(cfg.transport)
+    if placer is None:
         return MessengerPlacement(cfg.transport, (), (), f"{cfg.transport}: no NIC choice")
+    return placer(cfg, gpu_bus_id, sysfs_root, gpu_bus_ids, num_ranks)
+
+
+def _verbs_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids, num_ranks) -> MessengerPlacement:
     num_ranks = max(num_ranks, len(cfg.rank_nics), len(gpu_bus_ids or ()), 1)
     gpus = list(gpu_bus_ids) if gpu_bus_ids else [gpu_bus_id]
     gpus += [None] * (num_ranks - len(gpus))
@@ -86,12 +89,13 @@ def plan_placement(cfg: MessengerConfig, gpu_bus_id: str | None = None,
     return MessengerPlacement("verbs", tuple(nics), tuple(usable), reason, tuple(per_rank))
 
 
-def _fabric_placement(cfg: MessengerConfig, gpu: str | None, sysfs_root: str) -> MessengerPlacement:
+def _fabric_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids, num_ranks) -> MessengerPlacement:
     """libfabric: ``domains: [auto]`` on EFA takes the EFA device nearest the (rank 0) GPU, as
     ``nics: [auto]`` does for verbs (EFA devices are RDMA devices in sysfs; libfabric names a
     device's RDM domain ``<device>-rdm``). One domain per transport: with several nearest (an
     AWS p5 has four EFA devices per GPU) the first is taken and the reason says so. Explicit
     names pass as they are; the poller is pinned near the GPU when sysfs knows it."""
+    gpu = gpu_bus_ids[0] if gpu_bus_ids else gpu_bus_id
     lf = cfg.libfabric
     if list(lf.domains) != ["auto"]:
         return MessengerPlacement("libfabric", tuple(lf.domains), (),
@@ -105,6 +109,10 @@ def _fabric_placement(cfg: MessengerConfig, gpu: str | None, sysfs_root: str) ->
     usable = sorted(set(p.cpus) & os.sched_getaffinity(0))
     return MessengerPlacement("libfabric", (domain,), tuple(usable),
                               f"libfabric efa: domain {domain} ({p.reason}){unused}")
+
+
+# transports that drive named devices, chosen from the node's topology; the others have one path
+_PLACERS = {"verbs": _verbs_placement, "libfabric": _fabric_placement}
 
 
 def _spread(num_nics: int, num_ranks: int) -> list[tuple[int, ...]]:
@@ -130,20 +138,8 @@ def open_messenger(cfg: MessengerConfig, node_id: int, *, gpu_bus_id: str | None
 
     where = plan_placement(cfg, gpu_bus_id, sysfs_root, gpu_bus_ids=gpu_bus_ids, num_ranks=num_ranks)
     log.info("messenger: %s transport; %s", cfg.transport, where.reason)
-    kwargs = dict(spin_us=cfg.spin_us, cpus=list(where.cpus) or None)
-    if cfg.transport == "tcp":
-        # unauthenticated data streams waiting for their hello: bounded per source address too
-        kwargs.update(host=cfg.host, port=cfg.port, num_streams=cfg.num_streams,
-                      max_per_source=cfg.max_control_per_source)
-    elif cfg.transport == "verbs":
-        # a protection domain per peer: only a connected, granted peer can write (pdkv/disagg/grants.py)
-        kwargs.update(nics=list(where.nics), isolate_peers=True, remote_nics=cfg.remote_nics)
-    elif cfg.transport == "libfabric":
-        # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain
-        kwargs.update(provider=cfg.libfabric.provider, domains=list(where.nics))
-    elif cfg.transport == "shm":
-        kwargs.update(shm_dir=cfg.shm_dir)
-    m = Messenger(cfg.transport, node_id, **kwargs)
+    options = transports.options_class(cfg.transport).from_config(cfg, where)
+    m = Messenger(cfg.transport, node_id, options, spin_us=cfg.spin_us, cpus=list(where.cpus) or None)
     m.rank_nics = where.rank_nics
     return m
 

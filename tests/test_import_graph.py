@@ -37,7 +37,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)
     ("pdkv.detokenizer", "pdkv.tokenizer_healing", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
     ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv._kernels", "pdkv.auth", "pdkv.ports", "pdkv.app_thread", "pdkv"),  # leaves
-    ("pdkv.cpus",),  # CPU-list parsing and pinning (the config validates parallel.cpus with it)
+    ("pdkv.cpus", "pdkv.transports"),  # CPU-list parsing and pinning (the config validates parallel.cpus
+    # with it); the transports' options and capabilities (the config, the staging choice and the
+    # compiled messenger read them)
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

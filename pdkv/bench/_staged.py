@@ -50,11 +50,11 @@ def _jobs(size: int, n: int, region: int, slot: int) -> list[np.ndarray]:
     return [pages[i:i + per] for i in range(0, n, per)]
 
 
-def _receiver(conn, transport: str, kwargs: dict, device: str, region: int, slot: int) -> None:
+def _receiver(conn, transport: str, opts, device: str, region: int, slot: int) -> None:
     from pdkv._messenger import Messenger
     from pdkv.gpu.staging import Span
 
-    m = Messenger(transport, 2, **kwargs)
+    m = Messenger(transport, 2, opts)
     copy, _ = _engine(device, region, 0, slot)
     ring = copy.ring
     key = m.register_address(ring.address, ring.nbytes)
@@ -99,7 +99,7 @@ def _receiver(conn, transport: str, kwargs: dict, device: str, region: int, slot
     conn.send("bye")
 
 
-def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict, device: str,
+def bench_staged(sizes: list[int], seconds: float, transport: str, opts, device: str,
                  region: int, num_writes) -> dict[int, tuple[float, float]]:
     """{size: (GB/s, writes/s)} of the staged pipeline, both ends."""
     from pdkv._messenger import Messenger
@@ -109,9 +109,9 @@ def bench_staged(sizes: list[int], seconds: float, transport: str, kwargs: dict,
     slot = max(SLOT, max(sizes))  # a page never spans slots (the roles refuse such a config)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, transport, kwargs, device, region, slot), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, transport, opts, device, region, slot), daemon=True)
     proc.start()
-    m = Messenger(transport, 1, **kwargs)
+    m = Messenger(transport, 1, opts)
     copy, dev = _engine(device, region, 1 << 20, slot)
     import torch
 

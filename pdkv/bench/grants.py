@@ -51,10 +51,12 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     from pdkv._messenger import Messenger
 
-    kw = {"nics": [a.nic], "isolate_peers": True} if a.transport == "verbs" else {}
+    from pdkv.transports import VerbsOptions
+
+    opts = VerbsOptions(nics=(a.nic,), isolate_peers=True) if a.transport == "verbs" else None
     if a.transport == "verbs" and not a.nic:
         raise SystemExit("--transport verbs needs --nic NAME (lo_verbs0 for the loopback device)")
-    m = Messenger(a.transport, 1, **kw)
+    m = Messenger(a.transport, 1, opts)
     page = a.page_kib << 10
     geo = Geometry(a.layers, page, a.pool * page)
     bufs = [np.empty(a.layers * geo.layer_nbytes, dtype=np.uint8) for _ in range(a.ranks)]

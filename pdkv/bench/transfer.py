@@ -49,24 +49,29 @@ def num_writes(size: int, seconds: float) -> int:
 
 # ---- pdkv ----
 
-def _messenger_kwargs(transport: str, streams: int, nic: str | None, provider: str = "auto",
-                      domain: str | None = None) -> dict:
-    """Messenger options of one bench endpoint: tcp streams, the verbs NIC (both ends use it), or
-    the libfabric provider and domain (default for tcp-based providers: the loopback interface)."""
+def _transport_options(transport: str, streams: int, nic: str | None, provider: str = "auto",
+                      domain: str | None = None):
+    """The transport options of one bench endpoint (pdkv.transports): tcp streams, the verbs NIC
+    (both ends use it), or the libfabric provider and domain (default for tcp-based providers:
+    the loopback interface)."""
+    from pdkv import transports
+
     if transport == "libfabric":
         dom = domain if domain is not None else ("" if provider in ("shm", "efa", "auto") else "lo")
-        return {"provider": provider, "domains": [dom] if dom else []}
+        return transports.LibfabricOptions(provider=provider, domains=(dom,) if dom else ())
     if transport == "verbs":
         if not nic:
             raise SystemExit("--transport verbs needs --nic NAME (an RDMA device, e.g. mlx5_0; `ibv_devices` lists them)")
-        return {"nics": [nic]}
-    return {"num_streams": streams}
+        return transports.VerbsOptions(nics=(nic,))
+    if transport == "tcp":
+        return transports.TcpOptions(num_streams=streams)
+    return transports.options_class(transport)()
 
 
-def _pdkv_receiver(conn, transport: str, kwargs: dict, data_key: bytes | None = None) -> None:
+def _pdkv_receiver(conn, transport: str, opts, data_key: bytes | None = None) -> None:
     from pdkv._messenger import Messenger
 
-    m = Messenger(transport, 2, **kwargs)
+    m = Messenger(transport, 2, opts)
     dst = np.zeros(REGION, dtype=np.uint8)
     key = m.register(dst)
     m.grant(key, 1)
@@ -100,12 +105,12 @@ def bench_pdkv(sizes: list[int], seconds: float, transport: str, streams: int,
     """``data_key``: tcp streams sealed with it (messenger.tls_data) at both ends."""
     from pdkv._messenger import Messenger
 
-    kwargs = _messenger_kwargs(transport, streams, nic, **fabric)
+    opts = _transport_options(transport, streams, nic, **fabric)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, kwargs, data_key), daemon=True)
+    proc = ctx.Process(target=_pdkv_receiver, args=(child, transport, opts, data_key), daemon=True)
     proc.start()
-    m = Messenger(transport, 1, **kwargs)
+    m = Messenger(transport, 1, opts)
     src = np.random.default_rng(0).integers(0, 255, REGION, dtype=np.uint8)
     lkey = m.register(src)
     rkey, rinfo = parent.recv()
@@ -252,10 +257,10 @@ def main(argv: list[str]) -> int:
     print(f"pdkv transfer benchmark: {a.transport}, {a.streams} streams, loopback, {os.cpu_count()} CPUs")
     memcpy = bench_memcpy()
     if a.transport == "verbs":
-        _messenger_kwargs(a.transport, a.streams, a.nic)  # a missing --nic fails before any work
+        _transport_options(a.transport, a.streams, a.nic)  # a missing --nic fails before any work
     fabric = {"provider": a.provider, "domain": a.domain} if a.transport == "libfabric" else {}
     if fabric:
-        print(f"libfabric provider {a.provider}, domain {_messenger_kwargs(a.transport, 0, None, **fabric)['domains']}")
+        print(f"libfabric provider {a.provider}, domain {list(_transport_options(a.transport, 0, None, **fabric).domains)}")
     pdkv = bench_pdkv(sizes, a.seconds, a.transport, a.streams, a.nic, **fabric)
     # libfabric: the tcp transport beside it, same run, same machine state
     over_tcp = bench_pdkv(sizes, a.seconds, "tcp", a.streams) if fabric or a.transport == "shm" else None
@@ -264,7 +269,7 @@ def main(argv: list[str]) -> int:
 
         # alternating rounds, best of each: on a busy machine one measurement each would compare
         # two different moments of the other load, not the two paths
-        kw = _messenger_kwargs(a.transport, a.streams, a.nic, **fabric)
+        kw = _transport_options(a.transport, a.streams, a.nic, **fabric)
         staged = bench_staged(sizes, a.seconds, a.transport, kw, a.device, REGION, num_writes)
         for _ in range(a.rounds - 1):
             memcpy = max(memcpy, bench_memcpy())

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdkv.transports import config_names
+
 ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("tcp", "verbs", "libfabric", "shm")
+TRANSPORTS = config_names()  # the registered transports (pdkv/transports.py)
 LIBFABRIC_PROVIDERS = ("auto", "efa", "tcp;ofi_rxm", "sockets", "shm")
 STAGING_MODES = ("auto", "off", "cpu")
 ATTENTION_BACKENDS = ("torch", "flashinfer")

@@ -9,6 +9,7 @@ from typing import Any
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS,
                                   MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
                                   SCHEDULING_POLICIES, SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
+from pdkv.transports import Capability, capabilities, names_with
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
 # a prefill node never samples, so it takes only methods whose proposer needs prefill-side work.
@@ -19,6 +20,18 @@ HANDOFF_METHODS = ("draft", "mtp")  # the prefill node computes the proposer's K
 _ROLE_SPEC_WHY = {"colocated": "", "decode": "",
                   "prefill": "the prefill node never samples; ngram needs nothing from it"}
 
+
+def _is_this_host(host: str) -> bool:
+    """A loopback name or address (a same-host transport's peers); no name resolution here."""
+    import ipaddress  # noqa: PLC0415
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 def _cpus_ok(text: str) -> bool:
     from pdkv.cpus import parse_cpu_list
@@ -85,6 +98,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024", sv.max_body_bytes)
     one_of("messenger.transport", ms.transport, TRANSPORTS)
     one_of("model.share_weights", m.share_weights, ("auto", "off"))
+    # what the transport can do (pdkv/transports.py), not its name, decides the checks below
+    caps = capabilities(ms.transport) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
     need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
          "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
@@ -138,15 +153,18 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         if check_paths:
             for name, path in tls.items():
                 need(Path(path).is_file(), f"messenger.tls.{name}", "a PEM file that exists", path)
-    need(not ms.tls_data or ms.transport == "tcp", "messenger.tls_data",
-         f"false with transport {ms.transport} (encrypted data streams are tcp's; RDMA and shm have none)",
-         ms.tls_data)
+    need(not ms.tls_data or Capability.SEALED_STREAMS in caps, "messenger.tls_data",
+         f"false with transport {ms.transport} (its data path cannot be encrypted; transports that can: "
+         f"{', '.join(names_with(Capability.SEALED_STREAMS))})", ms.tls_data)
     need(ms.lease_s > ms.heartbeat_s, "messenger.lease_s",
          f"longer than messenger.heartbeat_s ({ms.heartbeat_s})", ms.lease_s)
     for peer in ms.prefill_peers:
         host, _, port = peer.rpartition(":")
         need(bool(host) and port.isdigit() and 0 < int(port) <= 65535, "messenger.prefill_peers",
              "a list of host:port (each prefill node's messenger.control_port)", peer)
+        if Capability.SAME_HOST_ONLY in caps:
+            need(_is_this_host(host), "messenger.prefill_peers", f"addresses of this host (127.0.0.1, localhost, "
+                 f"::1) with messenger.transport {ms.transport}, which connects processes of one host only", peer)
     dg = cfg.disagg
     need(dg.local_prefill_max_tokens >= 0, "disagg.local_prefill_max_tokens",
          "zero or a positive number of prompt tokens (0: every multi-token prompt goes to a prefill node)",
@@ -197,7 +215,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         # (pdkv.disagg.staged.staging_mode), not here: validation imports no GPU module.
         need(ms.staging != "cpu", "messenger.staging", "auto or off with model.device cuda ('cpu' runs "
              "the staging pipeline on host KV through the CPU copy engine)", ms.staging)
-        need(not (ms.staging == "off" and ms.transport in ("tcp", "libfabric", "shm")), "messenger.staging",
+        need(not (ms.staging == "off" and Capability.DEVICE_MEMORY not in caps), "messenger.staging",
              f"auto with model.device cuda and messenger.transport {ms.transport} ({ms.transport} moves host "
              "memory: GPU KV must be staged through pinned host memory)", ms.staging)
     if cfg.role == "decode":

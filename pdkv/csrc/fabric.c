@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static void fb_destroy(pdkv_transport *t);
 
@@ -86,6 +87,7 @@ static const pdkv_transport_ops fb_ops = {
     .counters = fb_counters,
     .destroy = fb_destroy,
     .nic_stats = fb_nic_stats,
+    .reg_device = fb_reg_device,
 };
 
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *o, char *err,
@@ -137,6 +139,9 @@ static void fb_destroy(pdkv_transport *base)
     if (t->cq_ready)
         pdkv_cq_destroy(&t->cq);
     pthread_mutex_destroy(&t->mu);
+    for (uint32_t i = 0; t->regions && i < t->num_regions; i++)
+        if (t->regions[i].key && t->regions[i].dmabuf_fd >= 0)
+            close(t->regions[i].dmabuf_fd); /* device memory's dma-buf dup (fb_reg_device) */
     free(t->regions);
     free(t->domains);
     free(t->conns);

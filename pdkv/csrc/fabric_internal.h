@@ -58,6 +58,12 @@ typedef struct fb_region {
     uint8_t *addr;
     uint64_t key, len; /* key 0: free slot */
     uint32_t inflight; /* local writes from this region not yet completed */
+    /* device memory (reg_device): every MR of the region (local, grants) is registered with
+     * fi_mr_regattr naming it; iface FI_HMEM_SYSTEM and dmabuf_fd < 0: plain host memory */
+    int iface;         /* enum fi_hmem_iface */
+    uint64_t device;   /* the iface's device (CUDA: the ordinal) */
+    int dmabuf_fd;     /* our dup of the dma-buf (FI_MR_DMABUF), or -1 */
+    uint64_t dmabuf_off; /* where the region starts in it */
 } fb_region;
 
 /* A registration of (part of) a region that one peer may write: the grant itself (the provider
@@ -132,7 +138,11 @@ typedef struct fb_transport {
     int table;             /* provider keys (FI_MR_PROV_KEY, or the table_keys stand-in) */
     int prov_key;          /* ... chosen by the provider (not the stand-in) */
     int mr_local;          /* FI_MR_LOCAL: descriptors on every write */
+    int hmem;              /* the provider registers device memory (FI_HMEM, FI_MR_HMEM) */
+    int hmem_asked;        /* the options asked for it (device_memory) */
+    int hmem_system;       /* the stand-in: reg_device takes host memory through FI_HMEM_SYSTEM */
     uint64_t complete_flag; /* FI_DELIVERY_COMPLETE, or 0 (shm: FI_TRANSMIT_COMPLETE) */
+    int batch_more;        /* FI_MORE on all but the last write of a burst (fabric_post.c) */
     uint32_t tx_depth;
     fb_region *regions;
     uint32_t num_regions, gen;
@@ -177,11 +187,14 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o);
 int fb_open_domain(fb_transport *t, struct fid_domain **out);
 int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c);
 void fb_close_endpoint(fb_conn *c);
-int fb_mr_reg(fb_transport *t, struct fid_domain *dom, void *addr, uint64_t len, uint64_t access,
-              uint64_t key, struct fid_mr **out);
+/* An MR over [off, off+len) of region r (device memory through fi_mr_regattr, see fb_region) */
+int fb_mr_reg(fb_transport *t, struct fid_domain *dom, const fb_region *r, uint64_t off,
+              uint64_t len, uint64_t access, uint64_t key, struct fid_mr **out);
 
 /* fabric_mr.c: regions, per-peer domains, grants (caller holds t->mu unless named a vtable op) */
 int fb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
+int fb_reg_device(pdkv_transport *t, int fd, uint64_t offset, uint64_t len, void *addr,
+                  uint64_t *key_out, uint32_t *method_out);
 int fb_grant(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t *key_out);
 int fb_revoke(pdkv_transport *t, uint64_t key, uint64_t peer);
 int fb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len,

@@ -40,7 +40,7 @@ int fb_table_grant(fb_transport *t, fb_domain *d, uint32_t region, uint64_t off,
         for (uint32_t i = 0; i < d->num_grants && !taken; i++)
             taken = d->grants[i].wkey >> 32 == want;
     }
-    int rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, want, mr);
+    int rc = fb_mr_reg(t, d->dom, r, off, len, FI_REMOTE_WRITE, want, mr);
     if (rc)
         return rc;
     uint64_t key = fi_mr_key(*mr);

@@ -13,9 +13,11 @@
 #include "fabric_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define LOCAL_ACCESS (FI_WRITE | FI_READ)
 
@@ -30,7 +32,7 @@ fb_region *fb_find_region(fb_transport *t, uint64_t key)
 static int add_local(fb_transport *t, fb_domain *d, uint32_t i)
 {
     fb_region *r = &t->regions[i];
-    return fb_mr_reg(t, d->dom, r->addr, r->len, LOCAL_ACCESS, FB_LKEY(i), &d->lmr[i]);
+    return fb_mr_reg(t, d->dom, r, 0, r->len, LOCAL_ACCESS, FB_LKEY(i), &d->lmr[i]);
 }
 
 fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create)
@@ -90,9 +92,10 @@ void fb_domain_tidy(fb_transport *t, fb_domain *d)
         fb_domain_free(t, d);
 }
 
-int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
+/* A region of host memory (iface FI_HMEM_SYSTEM, no dma-buf) or of device memory. */
+static int reg_region(fb_transport *t, void *addr, uint64_t len, int iface, uint64_t device,
+                      int dmabuf_fd, uint64_t dmabuf_off, uint64_t *key_out)
 {
-    fb_transport *t = (fb_transport *)base;
     if (!addr || !len)
         return fb_fail(-EINVAL, "libfabric: cannot register an empty region (addr %p, len %llu)",
                        addr, (unsigned long long)len);
@@ -113,7 +116,9 @@ int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
     fb_region *r = &t->regions[i];
     *r = (fb_region){.addr = addr, .len = len,
                      .key = FB_RKEY(i, ++t->gen,
-                                    t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0)};
+                                    t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0),
+                     .iface = iface, .device = device, .dmabuf_fd = dmabuf_fd,
+                     .dmabuf_off = dmabuf_off};
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
             rc = add_local(t, &t->domains[k], i);
@@ -128,6 +133,61 @@ int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
 out:
     pthread_mutex_unlock(&t->mu);
     return rc;
+}
+
+int fb_reg(pdkv_transport *base, void *addr, uint64_t len, uint64_t *key_out)
+{
+    return reg_region((fb_transport *)base, addr, len, FI_HMEM_SYSTEM, 0, -1, 0, key_out);
+}
+
+/* Device (GPU) memory, what EFA offers through FI_HMEM: first the dma-buf `fd` at `offset`
+ * (FI_MR_DMABUF, libfabric >= 1.20), then the device pointer `addr` (FI_HMEM_CUDA: the provider
+ * resolves it through the CUDA driver). The region is then one like any other: its local MR in
+ * every peer's domain and every grant of it are registered naming the same memory. A provider
+ * without FI_HMEM is refused with the fix (stage through host memory); the stand-in
+ * (hmem_system) takes host memory through the same calls with iface FI_HMEM_SYSTEM. */
+int fb_reg_device(pdkv_transport *base, int fd, uint64_t offset, uint64_t len, void *addr,
+                  uint64_t *key_out, uint32_t *method_out)
+{
+    fb_transport *t = (fb_transport *)base;
+    if (!t->hmem && !t->hmem_system)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' does not register device memory "
+                                    "(%s): GPU KV is staged through host memory (messenger.staging "
+                                    "auto)", t->provider, t->hmem_asked ? "no FI_HMEM / FI_MR_HMEM"
+                       : "the transport was made without device_memory");
+    int iface = t->hmem_system ? FI_HMEM_SYSTEM : FI_HMEM_CUDA;
+    char why_dmabuf[PDKV_REASON_MAX] = "no dma-buf fd given";
+    if (fd >= 0) {
+#ifdef FI_MR_DMABUF
+        int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (dup_fd < 0) {
+            snprintf(why_dmabuf, sizeof why_dmabuf, "dup of dma-buf fd %d: %s", fd, strerror(errno));
+        } else {
+            /* the address peers aim at: the device pointer when given, else the offset */
+            void *at = addr ? addr : (void *)(uintptr_t)offset;
+            int rc = reg_region(t, at, len, iface, 0, dup_fd, offset, key_out);
+            if (!rc) {
+                *method_out = PDKV_REG_DMABUF;
+                return 0;
+            }
+            close(dup_fd);
+            snprintf(why_dmabuf, sizeof why_dmabuf, "%s", fb_errbuf());
+        }
+#else
+        snprintf(why_dmabuf, sizeof why_dmabuf, "these libfabric headers (%d.%d) predate "
+                 "FI_MR_DMABUF (1.20)", FI_MAJOR_VERSION, FI_MINOR_VERSION);
+#endif
+    }
+    if (!addr)
+        return fb_fail(-EOPNOTSUPP, "libfabric: cannot register device memory: dma-buf: %s; "
+                                    "device pointer: none given", why_dmabuf);
+    int rc = reg_region(t, addr, len, iface, 0, -1, 0, key_out);
+    if (rc)
+        return fb_fail(rc == -EINVAL ? -EINVAL : -EOPNOTSUPP, "libfabric: cannot register device "
+                       "memory: dma-buf: %s; device pointer (FI_HMEM): %s", why_dmabuf,
+                       fb_errbuf());
+    *method_out = PDKV_REG_HMEM;
+    return 0;
 }
 
 static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, uint64_t off,
@@ -152,7 +212,7 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
     } else {
         rc = whole ? 0 : fb_narrow_key(d, t->virt ? (uint64_t)(uintptr_t)r->addr : off, &wkey);
         if (!rc)
-            rc = fb_mr_reg(t, d->dom, r->addr + off, len, FI_REMOTE_WRITE, wkey, &mr);
+            rc = fb_mr_reg(t, d->dom, r, off, len, FI_REMOTE_WRITE, wkey, &mr);
     }
     if (rc)
         return rc;
@@ -294,6 +354,8 @@ int fb_dereg(pdkv_transport *base, uint64_t key)
                 fi_close(&d->lmr[idx]->fid), d->lmr[idx] = NULL;
             fb_domain_tidy(t, d);
         }
+        if (r->dmabuf_fd >= 0)
+            close(r->dmabuf_fd);
         r->key = 0;
         while (t->num_regions && !t->regions[t->num_regions - 1].key)
             t->num_regions--;

@@ -90,11 +90,17 @@ static int aim(const fb_conn *c, const pdkv_write *w, struct fi_rma_iov *rma)
     return 0;
 }
 
-/* Called with t->mu held. Returns how many writes the provider took. */
+/* Called with t->mu held. Returns how many writes the provider took. The writes of one pass
+ * go as one burst: each but the pass's last carries FI_MORE (the provider may hold them, e.g.
+ * ring the device's doorbell once, until a write without it). A pass that ends early on
+ * FI_EAGAIN after an FI_MORE write leaves the held writes to the provider's progress, which the
+ * progress thread drives before it pumps the rest (whose last write goes without FI_MORE). */
 int fb_pump(fb_transport *t, fb_conn *c)
 {
     int n = 0;
     fb_domain *d = &t->domains[c->domain];
+    uint32_t room = t->tx_depth - c->outstanding; /* free slots: tx_depth counts every used one */
+    uint32_t burst = c->bl_count < room ? c->bl_count : room;
     while (c->ready && !c->broken && c->bl_count && c->outstanding < t->tx_depth) {
         const pdkv_write *w = &c->backlog[c->bl_head];
         fb_region *r = fb_find_region(t, w->lkey);
@@ -106,6 +112,8 @@ int fb_pump(fb_transport *t, fb_conn *c)
         if (aim(c, w, &rma)) {
             c->bl_head = (c->bl_head + 1) % c->bl_cap;
             c->bl_count--;
+            if (burst)
+                burst--;
             if (r->inflight)
                 r->inflight--;
             fb_push_error(t, w->wr_id, c->peer, -EINVAL, "libfabric: key 0x%llx names no region "
@@ -120,11 +128,15 @@ int fb_pump(fb_transport *t, fb_conn *c)
                                  .rma_iov = &rma, .rma_iov_count = 1, .context = p,
                                  .data = w->imm};
         uint64_t flags = FI_COMPLETION | (w->has_imm ? FI_REMOTE_CQ_DATA : 0) | t->complete_flag;
+        if (burst > 1 && t->batch_more)
+            flags |= FI_MORE;
         ssize_t rc = fi_writemsg(c->ep, &msg, flags);
         if (rc == -FI_EAGAIN)
             break; /* the progress thread pumps again after reading the CQ */
         c->bl_head = (c->bl_head + 1) % c->bl_cap;
         c->bl_count--;
+        if (burst)
+            burst--;
         if (rc) {
             if (r->inflight)
                 r->inflight--;

@@ -19,7 +19,7 @@
 #define FB_API FI_VERSION(1, 9) /* fi_writemsg with FI_MORE, fi_context2 */
 #define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
 
-static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
+static struct fi_info *hints_for(const char *prov, uint64_t caps, uint64_t mr_modes)
 {
     struct fi_info *h = fbl_dupinfo(NULL);
     if (!h)
@@ -28,7 +28,7 @@ static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
     h->ep_attr->type = FI_EP_RDM;
     h->mode = FI_CONTEXT | FI_CONTEXT2; /* every write's context is an fb_pending */
     int every = FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM; /* explain(): any mode at all */
-    h->domain_attr->mr_mode = mr_modes ? FB_MR_MODES : every;
+    h->domain_attr->mr_mode = mr_modes ? (int)mr_modes : every;
     h->domain_attr->threading = FI_THREAD_DOMAIN; /* t->mu serializes every call */
     h->tx_attr->msg_order = FI_ORDER_NONE;
     if (prov && *prov && strcmp(prov, "auto"))
@@ -36,7 +36,7 @@ static struct fi_info *hints_for(const char *prov, uint64_t caps, int mr_modes)
     return h;
 }
 
-static int get(const char *prov, uint64_t caps, int mr_modes, struct fi_info **out)
+static int get(const char *prov, uint64_t caps, uint64_t mr_modes, struct fi_info **out)
 {
     struct fi_info *h = hints_for(prov, caps, mr_modes);
     if (!h)
@@ -67,7 +67,7 @@ static int explain(const char *prov, int rc)
     fbl_freeinfo(i);
     return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' demands an MR mode pdkv does not "
                                 "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY; "
-                                "FI_MR_ENDPOINT and FI_MR_HMEM are not supported yet)", name);
+                                "FI_MR_ENDPOINT is not supported yet)", name);
 }
 
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
@@ -80,7 +80,7 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
         return fb_fail(-EINVAL, "libfabric: one domain per transport (got several; run a node "
                                 "per device group)");
     struct fi_info *all = NULL;
-    int rc = get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, 1, &all);
+    int rc = get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, FB_MR_MODES, &all);
     if (rc || !all) {
         if (all)
             fbl_freeinfo(all);
@@ -110,8 +110,36 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     }
     t->info = fbl_dupinfo(pick);
     fbl_freeinfo(all);
+    /* device memory, when asked for: the same provider and domain asked again with FI_HMEM (EFA
+     * offers it; the software providers only for system memory, or not at all); when offered,
+     * its info is the one used, so that every domain can register device memory (fb_reg_device) */
+    struct fi_info *hm = NULL;
+    int want_hmem = o && (o->device_memory || o->hmem_system);
+    t->hmem_asked = want_hmem;
+    if (t->info && want_hmem && !get(t->info->fabric_attr->prov_name, FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_HMEM,
+                        FB_MR_MODES | FI_MR_HMEM, &hm)) {
+        for (struct fi_info *i = hm; i; i = i->next)
+            if (!strcmp(i->domain_attr->name, t->info->domain_attr->name) &&
+                i->domain_attr->cq_data_size >= FB_IMM_BYTES && (i->caps & FI_HMEM)) {
+                struct fi_info *dup = fbl_dupinfo(i);
+                if (dup) {
+                    fbl_freeinfo(t->info);
+                    t->info = dup;
+                    t->hmem = 1;
+                }
+                break;
+            }
+    }
+    if (hm)
+        fbl_freeinfo(hm);
+
     if (!t->info)
         return fb_fail(-ENOMEM, "libfabric: out of memory");
+    t->hmem_system = o && o->hmem_system;
+    if (t->hmem_system && !t->hmem)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' has no FI_HMEM: the system-memory "
+                                    "stand-in for device memory needs it",
+                       t->info->fabric_attr->prov_name);
     snprintf(t->provider, sizeof t->provider, "%s", t->info->fabric_attr->prov_name);
     snprintf(t->domain_name, sizeof t->domain_name, "%s", t->info->domain_attr->name);
     int mode = t->info->domain_attr->mr_mode;
@@ -120,6 +148,10 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     /* shm drops a refused write without ever completing it at delivery: transmit completion
      * there (the write is then reported done; the immediate the target waits for never comes) */
     t->complete_flag = strcmp(t->provider, "shm") ? FI_DELIVERY_COMPLETE : 0;
+    /* bursts with FI_MORE (fabric_post.c): a hint every provider may ignore; PDKV_FABRIC_NO_MORE=1
+     * posts each write on its own (A/B in `bench transfer`) */
+    const char *no_more = getenv("PDKV_FABRIC_NO_MORE");
+    t->batch_more = !(no_more && !strcmp(no_more, "1"));
     t->prov_key = !!(mode & FI_MR_PROV_KEY);
     t->table = t->prov_key || (o && o->table_keys);
     if (t->table && !t->virt)
@@ -148,14 +180,34 @@ int fb_open_domain(fb_transport *t, struct fid_domain **out)
     return 0;
 }
 
-int fb_mr_reg(fb_transport *t, struct fid_domain *dom, void *addr, uint64_t len, uint64_t access,
-              uint64_t key, struct fid_mr **out)
+int fb_mr_reg(fb_transport *t, struct fid_domain *dom, const fb_region *r, uint64_t off,
+              uint64_t len, uint64_t access, uint64_t key, struct fid_mr **out)
 {
-    int rc = fi_mr_reg(dom, addr, len, access, 0, key, 0, out, NULL);
+    if (r->iface == FI_HMEM_SYSTEM && r->dmabuf_fd < 0 && !t->hmem_system) {
+        int rc = fi_mr_reg(dom, r->addr + off, len, access, 0, key, 0, out, NULL);
+        if (rc)
+            return fb_fail(fb_errno(rc), "libfabric: fi_mr_reg(%llu bytes) on %s: %s",
+                           (unsigned long long)len, t->provider, fbl_strerror(-rc));
+        return 0;
+    }
+    /* device memory (or the stand-in's host memory through the same call) */
+    struct iovec iov = {.iov_base = r->addr + off, .iov_len = len};
+    struct fi_mr_attr attr = {.mr_iov = &iov, .iov_count = 1, .access = access,
+                              .requested_key = key, .iface = r->iface};
+    uint64_t flags = 0;
+    if (r->iface == FI_HMEM_CUDA)
+        attr.device.cuda = (int)r->device;
+#ifdef FI_MR_DMABUF
+    struct fi_mr_dmabuf dmabuf = {.fd = r->dmabuf_fd, .offset = r->dmabuf_off + off, .len = len,
+                                  .base_addr = r->addr + off};
+    if (r->dmabuf_fd >= 0)
+        attr.dmabuf = &dmabuf, flags |= FI_MR_DMABUF;
+#endif
+    int rc = fi_mr_regattr(dom, &attr, flags, out);
     if (rc)
-        return fb_fail(fb_errno(rc), "libfabric: fi_mr_reg(%llu bytes) on %s: %s",
-                       (unsigned long long)len, t->provider, fbl_strerror(-rc));
-    (void)t;
+        return fb_fail(fb_errno(rc), "libfabric: fi_mr_regattr(%llu bytes of %s memory%s) on %s: %s",
+                       (unsigned long long)len, r->iface == FI_HMEM_CUDA ? "CUDA" : "system",
+                       r->dmabuf_fd >= 0 ? ", dma-buf" : "", t->provider, fbl_strerror(-rc));
     return 0;
 }
 

@@ -63,7 +63,9 @@ typedef struct pdkv_write {
 
 typedef struct pdkv_transport pdkv_transport;
 
-enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2 }; /* reg_device's way */
+/* reg_device's way: a dma-buf, peer memory (verbs: nvidia-peermem), or libfabric FI_HMEM with the
+ * device pointer */
+enum pdkv_reg_method { PDKV_REG_DMABUF = 1, PDKV_REG_PEERMEM = 2, PDKV_REG_HMEM = 3 };
 
 /* What one NIC carried (verbs over several NICs; stats() and /metrics). */
 typedef struct pdkv_nic_stats {
@@ -198,28 +200,45 @@ typedef struct pdkv_libfabric_opts {
     int table_keys;             /* the FI_MR_PROV_KEY key path (per-peer keys, the region table in
                                  * the connection info) on a provider that takes requested keys:
                                  * the CPU stand-in for EFA's provider keys (tests) */
+    int device_memory;          /* ask the provider for FI_HMEM, so that reg_device can register
+                                 * GPU memory (EFA); off: the plain hints (FI_HMEM changes some
+                                 * providers' protocols: shm's 64 KiB writes get 10x slower) */
+    int hmem_system;            /* reg_device registers through FI_HMEM with iface FI_HMEM_SYSTEM
+                                 * (host memory): the CPU stand-in for GPU memory (tests; implies
+                                 * device_memory) */
 } pdkv_libfabric_opts;
 /* Defined only when built with libfabric (PDKV_HAVE_LIBFABRIC), see fabric.c. */
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *opts, char *err,
                                       size_t errlen);
 
-/* The transport seam: a table of (name, constructor taking that transport's options struct)
- * in transports.c. A transport is added by one row there (and its options struct here); names
- * a build lacks stay in the table with the reason, so asking for them is a clear error. */
+/* What a transport can do, declared in its row of the table (transports.c) and read by the layers
+ * above (config validation, staging) instead of its name; pdkv/transports.py mirrors the bits. */
+enum pdkv_capability {
+    PDKV_CAP_HOST_MEMORY = 1,     /* writes from and into registered host memory */
+    PDKV_CAP_DEVICE_MEMORY = 2,   /* registers device (GPU) memory itself (reg_device) */
+    PDKV_CAP_SAME_HOST_ONLY = 4,  /* both ends must be processes of one host */
+    PDKV_CAP_PEER_ISOLATION = 8,  /* grants per peer: a peer writes only what it was granted */
+    PDKV_CAP_GPUDIRECT = 16,      /* device memory reached by the NIC's DMA (dma-buf, peer memory) */
+    PDKV_CAP_SEALED_STREAMS = 32, /* the data path can be encrypted and authenticated (set_data_key) */
+};
+
+/* The transport seam: a table of (name, constructor taking that transport's options struct,
+ * capabilities) in transports.c. A transport is added by one row there (and its options struct
+ * here); names a build lacks stay in the table with the reason, so asking for them is a clear
+ * error. */
 typedef pdkv_transport *(*pdkv_transport_ctor)(uint64_t node_id, const void *opts, char *err,
                                                size_t errlen);
 /* By name with that transport's options (NULL: its defaults where it has any). NULL with a reason
  * in err for an unknown or unavailable name. */
 pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const void *opts, char *err,
                                     size_t errlen);
-/* 1 if `name` is in the table and built in; names of every built-in transport, comma-separated. */
+/* 1 if `name` is in the table and built in. */
 int pdkv_transport_available(const char *name);
-const char *pdkv_transport_names(void);
+/* The i-th row's name (NULL past the end): every transport, built in or not, in table order. */
+const char *pdkv_transport_name(unsigned i);
+/* The capabilities (enum pdkv_capability bits) `name` declares; -1 for a name not in the table. */
+int pdkv_transport_caps(const char *name);
 
-/* By name ("tcp", "verbs", "fake"), so callers need no #ifdefs (transports.c): the options of the
- * other transports are ignored. NULL with a reason in err for an unknown or unavailable name. */
-pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                      const pdkv_verbs_opts *verbs, char *err, size_t errlen);
 /* 1 if this build has the verbs transport (libibverbs headers were found at build time). */
 int pdkv_have_verbs(void);
 int pdkv_have_crypto(void); /* tcp sealed streams (messenger.tls_data) built in: libcrypto */

@@ -51,19 +51,26 @@ static pdkv_transport *open_libfabric(uint64_t id, const void *o, char *err, siz
 #define open_libfabric NULL
 #endif
 
-/* One row per transport; a NULL constructor: not in this build, `missing` says how to get it. */
+/* One row per transport: its name, constructor and capabilities (enum pdkv_capability, mirrored
+ * by pdkv/transports.py: tests/messenger/test_c_graph.py checks both agree). A NULL constructor:
+ * not in this build, `missing` says how to get it. */
 static const struct {
     const char *name;
     pdkv_transport_ctor create;
+    int caps;
     const char *missing;
 } TABLE[] = {
-    {"tcp", open_tcp, NULL},
-    {"verbs", open_verbs, "pdkv was built without libibverbs headers (install libibverbs-dev / "
-                          "rdma-core and rebuild)"},
-    {"libfabric", open_libfabric, "pdkv was built without libfabric headers (install "
-                                  "libfabric-dev and rebuild)"},
-    {"fake", open_fake, NULL},
-    {"shm", open_shm, NULL}, /* same host only: complete() refuses a peer on another host */
+    {"tcp", open_tcp, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SEALED_STREAMS, NULL},
+    {"verbs", open_verbs,
+     PDKV_CAP_HOST_MEMORY | PDKV_CAP_DEVICE_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_GPUDIRECT,
+     "pdkv was built without libibverbs headers (install libibverbs-dev / rdma-core and rebuild)"},
+    {"libfabric", open_libfabric, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION,
+     "pdkv was built without libfabric headers (install libfabric-dev and rebuild)"},
+    /* in-process: both ends are messengers of one process */
+    {"fake", open_fake, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SAME_HOST_ONLY, NULL},
+    /* same host only (complete() refuses a peer on another host); grants bound what the peer
+     * maps, but it holds the whole file: no isolation from a hostile process of the same user */
+    {"shm", open_shm, PDKV_CAP_HOST_MEMORY | PDKV_CAP_SAME_HOST_ONLY, NULL},
 };
 #define NUM_TRANSPORTS (sizeof TABLE / sizeof TABLE[0])
 
@@ -75,7 +82,10 @@ pdkv_transport *pdkv_transport_open(const char *name, uint64_t node_id, const vo
         snprintf(err, errlen, "transport '%s' is not available: %s", name, TABLE[i].missing);
         return NULL;
     }
-    snprintf(err, errlen, "unknown transport '%s' (expected %s)", name, pdkv_transport_names());
+    size_t at = (size_t)snprintf(err, errlen, "unknown transport '%s' (expected", name);
+    for (size_t i = 0; i < NUM_TRANSPORTS && at < errlen; i++)
+        at += (size_t)snprintf(err + at, errlen - at, "%s %s", i ? "," : "", TABLE[i].name);
+    if (at < errlen) snprintf(err + at, errlen - at, ")");
     return NULL;
 }
 
@@ -85,13 +95,12 @@ int pdkv_transport_available(const char *name) {
     return 0;
 }
 
-const char *pdkv_transport_names(void) {
-    return "tcp, verbs, libfabric, fake, shm"; /* TABLE's names, in its order */
+const char *pdkv_transport_name(unsigned i) {
+    return i < NUM_TRANSPORTS ? TABLE[i].name : NULL;
 }
 
-pdkv_transport *pdkv_transport_create(const char *name, uint64_t node_id, const pdkv_tcp_opts *tcp,
-                                      const pdkv_verbs_opts *verbs, char *err, size_t errlen) {
-    const void *opts = !strcmp(name, "tcp") ? (const void *)tcp
-                       : !strcmp(name, "verbs") ? (const void *)verbs : NULL;
-    return pdkv_transport_open(name, node_id, opts, err, errlen);
+int pdkv_transport_caps(const char *name) {
+    for (size_t i = 0; i < NUM_TRANSPORTS; i++)
+        if (!strcmp(name, TABLE[i].name)) return TABLE[i].caps;
+    return -1;
 }

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from pdkv import auth
+from pdkv import auth, transports
 from pdkv.disagg.decode import DecodeCoordinator
 from pdkv.disagg.metrics import DisaggMetrics
 from pdkv.disagg.prefill import PrefillCoordinator
@@ -52,7 +52,7 @@ class _Node:
         messenger.insecure. AuthError (a ValueError) names what is wrong."""
         ms = self.cfg.messenger
         self.secret = auth.load_secret(ms.secret_file)
-        listeners = {"messenger.host": ms.host} if ms.transport == "tcp" else {}
+        listeners = transports.options_class(ms.transport).listeners(ms)
         if self.cfg.role == "prefill":
             listeners["messenger.control_host"] = ms.control_host
         auth.check_exposure(listeners, self.secret, ms.insecure)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import enum
 
+from pdkv import transports
 from pdkv.config import ConfigError
+from pdkv.transports import Capability
 
 MIB = 1 << 20
 
@@ -67,7 +69,9 @@ def staging_mode(cfg, *, gpu_reason=None, gpudirect=None, can_register_gpu=None)
     reason = gpu_reason()
     if reason is not None:
         raise ConfigError(f"{where}: CUDA is not available here: {reason}")
-    if ms.transport in ("tcp", "libfabric"):  # libfabric: FI_MR_HMEM registration is not built yet
+    # what the transport can do decides, not its name: the registration below is GPUDirect's
+    # (the GPU allocation's dma-buf or peer memory handed to the NIC)
+    if Capability.GPUDIRECT not in transports.capabilities(ms.transport):
         if ms.staging == "off":
             raise ConfigError(f"{where}: messenger.staging off cannot work with messenger.transport "
                               f"{ms.transport} ({ms.transport} moves host memory only); use messenger.staging auto")
@@ -80,7 +84,7 @@ def staging_mode(cfg, *, gpu_reason=None, gpudirect=None, can_register_gpu=None)
     possible, why = gpudirect()
     if ms.staging == "off":
         if not possible:
-            raise ConfigError(f"{where}: messenger.transport verbs with messenger.staging off needs GPUDirect "
+            raise ConfigError(f"{where}: messenger.transport {ms.transport} with messenger.staging off needs GPUDirect "
                               f"RDMA, and this host offers neither dma-buf nor peer memory ({why}); use "
                               "messenger.staging auto to stage the KV through pinned host memory")
         if not can_register:

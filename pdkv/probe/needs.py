@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdkv import transports
 from pdkv.config import Config
 
 ROLES_WITH_MESSENGER = ("prefill", "decode")
@@ -33,7 +34,8 @@ class ConfigNeeds:
 
 
 def uses_verbs(cfg: Config) -> bool:
-    return cfg.role in ROLES_WITH_MESSENGER and cfg.messenger.transport == "verbs"
+    # the probe opens ibverbs devices: only a transport that drives them needs it
+    return cfg.role in ROLES_WITH_MESSENGER and transports.options_class(cfg.messenger.transport).probe_rdma
 
 
 def kv_cache_bytes(cfg: Config) -> int:

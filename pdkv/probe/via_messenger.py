@@ -108,6 +108,7 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
           netdev: str | None = None, gpu: DeviceMemory | None = None, sysfs_port=None,
           available: list[str] = ()) -> DeviceReport:
     from pdkv._messenger import Messenger, MessengerError  # noqa: PLC0415 - the compiled transport
+    from pdkv.transports import VerbsOptions  # noqa: PLC0415
 
     port = port_from_topo(sysfs_port) if sysfs_port is not None else None
     report = dict(name=name, backend="messenger", port=port_num, ports=(port,) if port else ())
@@ -116,7 +117,7 @@ def probe(name: str, port_num: int, host_bytes: int, what: str, limit: int | Non
     opened = []
     try:
         for node in (0x70b0e001, 0x70b0e002):
-            opened.append(Messenger("verbs", node, nics=[name], port_num=port_num))
+            opened.append(Messenger("verbs", node, VerbsOptions(nics=(name,), port_num=port_num)))
     except MessengerError as e:
         for m in opened:
             m.close()

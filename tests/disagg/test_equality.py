@@ -204,12 +204,13 @@ def libfabric_messenger(provider: str) -> dict:
     import os
 
     from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+    from pdkv.transports import LibfabricOptions
 
     domains = [] if provider == "shm" else ["lo"]
     try:
         if not HAVE_LIBFABRIC:
             raise RuntimeError("pdkv built without libfabric")
-        Messenger("libfabric", 1, provider=provider, domains=domains).close()
+        Messenger("libfabric", 1, LibfabricOptions(provider=provider, domains=tuple(domains))).close()
     except Exception as e:  # noqa: BLE001 - the reason is the skip's
         if os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1":
             raise

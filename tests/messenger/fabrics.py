@@ -28,10 +28,11 @@ def refusal_reported(transport: str) -> tuple[bool, bool]:
 _PROBE = """
 import json, sys
 from pdkv._messenger import HAVE_LIBFABRIC, Messenger
+from pdkv.transports import LibfabricOptions
 found, why = [], {}
 for p, domains in json.loads(sys.argv[1]):
     try:
-        Messenger("libfabric", 1, provider=p, domains=domains).close()
+        Messenger("libfabric", 1, LibfabricOptions(provider=p, domains=tuple(domains))).close()
         found.append(p)
     except Exception as e:
         why[p] = str(e)

@@ -9,6 +9,7 @@ at stderr so that nothing else can corrupt the reply stream).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import sys
@@ -18,9 +19,13 @@ import msgpack
 import numpy as np
 
 from pdkv._messenger import Messenger  # loaded before the baseline is taken
+from pdkv.transports import OPTIONS, options_class
 
 GUARD = 4096  # guard bytes on each side of every buffer
 GUARD_BYTE = 0xA5
+
+
+POLLER_KWARGS = ("spin_us", "yield_us", "sleep_us", "cpus")
 
 
 class Agent:
@@ -33,7 +38,16 @@ class Agent:
 
     # -- setup --
     def create(self, transport: str, node_id: int, kwargs: dict) -> None:
-        self.m = Messenger(transport, node_id, **kwargs)
+        # the poller's settings are the Messenger's; the rest are the transport's own options
+        poller = {k: kwargs.pop(k) for k in POLLER_KWARGS if k in kwargs}
+        # (a test's tcp setting such as num_streams means nothing to the other transports)
+        cls = options_class(transport)
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for c in OPTIONS.values() for f in dataclasses.fields(c)}
+        if set(kwargs) - known:  # a typo is an error, never dropped
+            raise TypeError(f"no transport takes {sorted(set(kwargs) - known)}")
+        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items() if k in names}
+        self.m = Messenger(transport, node_id, cls(**opts), **poller)
 
     def alloc(self, name: str, size: int, seed: int | None = None) -> None:
         raw = np.full(size + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)

@@ -13,18 +13,27 @@ import pytest
 from fabrics import fabric_params
 from pdkv._messenger import (HAVE_LIBFABRIC, HAVE_VERBS, InvalidRequestError, Messenger, MessengerError,
                              PeerConnectionError, TransportUnavailableError, transports)
+from pdkv.transports import Capability, FakeOptions, LibfabricOptions, TcpOptions, VerbsOptions
 
 
 def test_unknown_transport_and_bad_options():
     with pytest.raises(InvalidRequestError, match="unknown transport 'udp'"):
         Messenger("udp", 1)
     with pytest.raises(InvalidRequestError, match="port"):
-        Messenger("tcp", 1, port=70000)
+        Messenger("tcp", 1, TcpOptions(port=70000))
     with pytest.raises(InvalidRequestError, match="num_streams"):
-        Messenger("tcp", 1, num_streams=0)
+        Messenger("tcp", 1, TcpOptions(num_streams=0))
     with pytest.raises(TransportUnavailableError, match="not a numeric IP"):
-        Messenger("tcp", 1, host="not-an-ip")
+        Messenger("tcp", 1, TcpOptions(host="not-an-ip"))
     assert "tcp" in transports() and "fake" in transports()
+    with pytest.raises(InvalidRequestError, match="takes TcpOptions options"):
+        Messenger("tcp", 1, VerbsOptions())  # another transport's options: named, never ignored
+    with pytest.raises(InvalidRequestError, match="takes FakeOptions options"):
+        Messenger("fake", 1, {"host": "127.0.0.1"})
+    m = Messenger("tcp", 1, TcpOptions(num_streams=1))
+    assert m.options == TcpOptions(num_streams=1) and Capability.SEALED_STREAMS in m.capabilities
+    m.close()
+    assert Messenger("fake", 1).options == FakeOptions()  # None: the transport's defaults
 
 
 @pytest.mark.skipif(not HAVE_LIBFABRIC, reason="built without libfabric")
@@ -32,12 +41,12 @@ def test_libfabric_names_a_missing_provider_or_domain():
     """A provider libfabric lacks, or a domain the provider lacks, is a clear error naming it
     (never another transport); the config's choices are checked before (pdkv.config)."""
     with pytest.raises(TransportUnavailableError, match="provider 'psm2' is not available here"):
-        Messenger("libfabric", 1, provider="psm2")
+        Messenger("libfabric", 1, LibfabricOptions(provider="psm2"))
     with pytest.raises(TransportUnavailableError, match="has no domain 'nodev0'"):
-        Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["nodev0"])
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("nodev0",)))
     with pytest.raises(TransportUnavailableError, match="one domain per transport"):
-        Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo", "eth0"])
-    m = Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo"])
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo", "eth0")))
+    m = Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo",)))
     with pytest.raises(InvalidRequestError, match="connection info of 3 bytes"):
         m.complete(m.prepare(2)[0], b"abc")
     with pytest.raises(PeerConnectionError, match="not connected"):
@@ -59,7 +68,7 @@ def test_verbs_with_a_missing_nic_is_an_error_never_tcp():
     with the devices this host has -- or the statement that it has none; never tcp."""
     bogus = "pdkv_no_such_nic9"
     with pytest.raises(TransportUnavailableError, match="verbs") as ei:
-        Messenger("verbs", 1, nics=[bogus])
+        Messenger("verbs", 1, VerbsOptions(nics=(bogus,)))
     msg = str(ei.value)
     assert "tcp" not in type(ei.value).__name__
     rdma = host_rdma_devices()
@@ -70,7 +79,7 @@ def test_verbs_with_a_missing_nic_is_an_error_never_tcp():
     # "auto" is resolved by pdkv.messenger from the topology; the transport itself refuses it
     # on every host
     with pytest.raises(TransportUnavailableError, match="'auto' must be resolved"):
-        Messenger("verbs", 1, nics=["auto"])
+        Messenger("verbs", 1, VerbsOptions(nics=("auto",)))
 
 
 def test_bad_calls_name_the_problem():
@@ -122,11 +131,12 @@ CLOSE_RACE = r"""
 import json, sys, threading, time
 import numpy as np
 from pdkv._messenger import Messenger, MessengerError
+from pdkv.transports import LibfabricOptions, VerbsOptions
 
 transport, _, provider = sys.argv[1].partition(":")
-kw = ({"nics": ["lo_verbs0"]} if transport == "verbs" else
-      {"provider": provider, "domains": ["lo"]} if transport == "libfabric" else {})
-a, b = Messenger(transport, 1, **kw), Messenger(transport, 2, **kw)
+opts = (VerbsOptions(nics=("lo_verbs0",)) if transport == "verbs" else
+        LibfabricOptions(provider=provider, domains=("lo",)) if transport == "libfabric" else None)
+a, b = Messenger(transport, 1, opts), Messenger(transport, 2, opts)
 src, dst = np.ones(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
 lkey, rkey = a.register(src), b.register(dst)
 b.grant(rkey, 1)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from c_graph import call_graph, definitions, find_cycle, layers, strip  # noqa: E402
+from c_graph import (call_graph, capability_bits, check_registration, definitions, find_cycle, layers,  # noqa: E402
+                     registration_table, strip)
 
 CSRC = Path(__file__).resolve().parents[2] / "pdkv" / "csrc"
 
@@ -56,3 +57,51 @@ def test_a_back_call_from_a_leaf_is_a_cycle(tmp_path, leaf, top, name):
         f.write(f"\nvoid back_call_for_the_test(void) {{ (void){name}; }}\n")
     cycle = find_cycle(call_graph(tmp_path))
     assert cycle is not None and leaf in cycle and top in cycle
+
+
+# ---- the transport table: name -> constructor taking the transport's options, capabilities ----
+
+def test_every_registered_constructor_exists_and_every_transport_is_registered():
+    rows = registration_table(CSRC)
+    assert {"tcp", "verbs", "libfabric", "fake"} <= {name for name, _, _ in rows}  # the parser sees the rows
+    assert check_registration(CSRC) == []
+
+
+def _copy(tmp_path):
+    for p in list(CSRC.glob("*.c")) + list(CSRC.glob("*.h")):
+        shutil.copy(p, tmp_path / p.name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("change, problem", [
+    # a transport file nobody registered
+    (lambda s: s.replace('    {"fake", open_fake,', '    {"fake_gone", open_tcp,'), "fake.c defines transport 'fake', which has no row"),
+    # a row whose constructor is not there
+    (lambda s: s.replace('{"tcp", open_tcp,', '{"tcp", open_tcp_v2,'), "constructor open_tcp_v2 is not a function"),
+    # a row whose constructor makes another transport
+    (lambda s: s.replace('{"fake", open_fake,', '{"fake", open_tcp,'), "reaches no transport named 'fake'"),
+    # a capability transport.h does not declare
+    (lambda s: s.replace("PDKV_CAP_SAME_HOST_ONLY, NULL}", "PDKV_CAP_TELEPATHY, NULL}"), "['TELEPATHY'] are not in"),
+])
+def test_a_broken_table_is_caught(tmp_path, change, problem):
+    d = _copy(tmp_path)
+    src = (d / "transports.c").read_text()
+    assert change(src) != src  # the edit applies to today's table
+    (d / "transports.c").write_text(change(src))
+    problems = check_registration(d)
+    assert any(problem in p for p in problems), problems
+
+
+def test_python_options_classes_match_the_registered_transports():
+    """pdkv/transports.py mirrors the C table: the same names in the same order, the same
+    capabilities per row and the same bits, and the compiled table says so at run time."""
+    from pdkv import _messenger, transports
+
+    rows = registration_table(CSRC)
+    assert [name for name, _, _ in rows] == list(transports.OPTIONS)
+    assert capability_bits(CSRC) == {c.name: c.value for c in transports.Capability if c.value}
+    for name, _, caps in rows:
+        cls = transports.OPTIONS[name]
+        assert {c.name for c in transports.Capability if c.value and c in cls.capabilities} == caps, name
+        assert _messenger.transport_capabilities(name) == cls.capabilities, name
+    assert list(_messenger._KNOWN) == list(transports.OPTIONS)

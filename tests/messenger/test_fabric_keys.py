@@ -18,7 +18,7 @@ def transport(request):  # overrides conftest's: these tests need a provider tha
 
 @pytest.fixture
 def pair(spawn, connect):
-    a, b = spawn(1, fabric_table_keys=True), spawn(2, fabric_table_keys=True)
+    a, b = spawn(1, table_keys=True), spawn(2, table_keys=True)
     a.alloc("src", SIZE, seed=4)
     b.alloc("dst", SIZE)
     return a, b, a.register("src"), b.register("dst")
@@ -70,11 +70,12 @@ def test_a_region_registered_after_the_connection_is_named(pair, connect):
 
 def test_provider_keys_need_virtual_addresses():
     from pdkv._messenger import HAVE_LIBFABRIC, Messenger, TransportUnavailableError
+    from pdkv.transports import LibfabricOptions
 
     if not HAVE_LIBFABRIC:
         pytest.skip("pdkv built without libfabric")
     with pytest.raises(TransportUnavailableError, match="without FI_MR_VIRT_ADDR"):
-        Messenger("libfabric", 1, provider="tcp;ofi_rxm", domains=["lo"], fabric_table_keys=True)
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo",), table_keys=True))
 
 
 @pytest.mark.parametrize("provider", ["sockets", "shm"])

@@ -91,9 +91,10 @@ def test_idle_poller_blocks_instead_of_spinning(spawn):
 _OPEN_CLOSE = """
 import sys
 from pdkv._messenger import Messenger
-kw = {"provider": "shm", "domains": []} if sys.argv[1] == "libfabric" else {}
+from pdkv.transports import LibfabricOptions
+opts = LibfabricOptions(provider="shm") if sys.argv[1] == "libfabric" else None
 for _ in range(30):
-    Messenger(sys.argv[1], 1, **kw).close()
+    Messenger(sys.argv[1], 1, opts).close()
 """
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pdkv._messenger import Messenger
+from pdkv.transports import ShmOptions
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SIZE = 64 << 10
@@ -111,7 +112,7 @@ def test_shm_dir_too_small_names_bytes_needed_and_free():
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", d], capture_output=True).returncode:
         os.rmdir(d)
         pytest.skip("cannot mount a small tmpfs here (needs root)")
-    m = Messenger("shm", 1, shm_dir=d)
+    m = Messenger("shm", 1, ShmOptions(dir=d))
     try:
         buf = np.zeros(4 << 20, dtype=np.uint8)
         with pytest.raises(Exception, match=rf"{d} has 262144 bytes free, registering this region needs 419\d+"):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pdkv._messenger import (InvalidRequestError, Messenger, tcp_decode_info, tcp_frame, tcp_hello,
                              tcp_parse_frame)
+from pdkv.transports import TcpOptions
 
 SIZE = 16 << 10
 GUARD = 1024
@@ -57,7 +58,7 @@ class Receiver:
     connection whose token lets a raw socket pose as node 1."""
 
     def __init__(self):
-        self.m = Messenger("tcp", 2, num_streams=1)
+        self.m = Messenger("tcp", 2, TcpOptions(num_streams=1))
         self.raw = np.full(SIZE + 2 * GUARD, 0xA5, dtype=np.uint8)
         self.region = self.raw[GUARD:GUARD + SIZE]
         self.region[:] = 0

@@ -8,6 +8,7 @@ import os
 import socket
 
 from pdkv._messenger import Messenger
+from pdkv.transports import TcpOptions
 from pdkv.control import ControlChannel
 from pdkv.disagg import protocol as P
 
@@ -39,7 +40,7 @@ class HostileDecode:
         kv = prefill_coordinator.kv
         self.buf = bytearray(kv.regions[0].nbytes)
         self.hidden = bytearray(1 << 16)
-        self.m = Messenger("tcp", node_id, host="127.0.0.1")
+        self.m = Messenger("tcp", node_id, TcpOptions(host="127.0.0.1"))
         self.kv_key = self.m.register(self.buf)
         self.hidden_key = self.m.register(self.hidden)
         self.spec_key = None  # a speculative hand-off's proposer cache (its HELLO layout is the prefill node's)

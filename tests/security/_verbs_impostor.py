@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tests" / "disagg"))
 from _cluster import make_engine, node_config  # noqa: E402
 
 from pdkv._messenger import Messenger  # noqa: E402
+from pdkv.transports import TcpOptions, VerbsOptions  # noqa: E402
 from pdkv.auth import load_secret  # noqa: E402
 from pdkv.control import ControlChannel  # noqa: E402
 from pdkv.disagg import protocol as P  # noqa: E402
@@ -61,8 +62,8 @@ class Impostor:
         engine = make_engine(cfg)
         self.hello = P.make_hello(engine, NODE_ID, "prefill", transport, cfg.speculative)
         self.secret, self.mode, self.out = secret, mode, out
-        self.m = Messenger("verbs", NODE_ID, nics=["lo_verbs0"]) if transport == "verbs" else \
-            Messenger("tcp", NODE_ID, host="127.0.0.1")
+        self.m = Messenger("verbs", NODE_ID, VerbsOptions(nics=("lo_verbs0",))) if transport == "verbs" else \
+            Messenger("tcp", NODE_ID, TcpOptions(host="127.0.0.1"))
         self.src = bytearray(b"\xcd\xab" * (1 << 19))  # what a landed attack would leave behind
         self.lkey = self.m.register(self.src)
         self.record = {"prefills": 0, "attacks": []}

@@ -13,6 +13,7 @@ from _cluster import (Cluster, make_engine, node_config, post_completion, serve_
 from _hostile import proc_counts
 
 from pdkv._messenger import Messenger
+from pdkv.transports import TcpOptions
 from pdkv.auth import write_secret_file
 from pdkv.control import ControlChannel
 from pdkv.disagg import protocol as P
@@ -26,7 +27,7 @@ class HostilePrefill:
 
     def __init__(self, real_hello, secret: bytes):
         self.hello = dataclasses.replace(real_hello, node_id=0xBAD)
-        self.secret, self.m = secret, Messenger("tcp", 0xBAD, host="127.0.0.1")
+        self.secret, self.m = secret, Messenger("tcp", 0xBAD, TcpOptions(host="127.0.0.1"))
         self.src = bytearray(1 << 20)
         for i in range(len(self.src)):
             self.src[i] = 0xAB if i % 2 else 0xCD

@@ -11,6 +11,7 @@ import time
 from _cluster import make_engine, node_config, post_completion, serve_node, wait_for
 
 from pdkv._messenger import Messenger
+from pdkv.transports import TcpOptions
 from pdkv.auth import write_secret_file
 from pdkv.control import ControlChannel
 from pdkv.disagg import protocol as P
@@ -23,7 +24,7 @@ class SilentPrefill:
 
     def __init__(self, hello, secret: bytes):
         self.hello = hello
-        self.secret, self.m = secret, Messenger("tcp", 0x51E, host="127.0.0.1")
+        self.secret, self.m = secret, Messenger("tcp", 0x51E, TcpOptions(host="127.0.0.1"))
         self.src = bytearray(b"\xee" * (1 << 16))
         self.lkey = self.m.register(self.src)
         self.prefills: list[dict] = []
