@@ -55,6 +55,11 @@ class GenerateRequest:
     structured: StructuredSpec | None = None
     tools: ToolsSpec | None = None
     token_healing: bool | None = None  # extension (vLLM-style extra field); None: server.token_healing
+    # extension for the router's request migration (pdkv/router/migrate.py): the output tokens an
+    # earlier node already streamed (the prompt is extended by them, max_tokens counts them) and
+    # how many characters of their text the client already has
+    resume_token_ids: tuple[int, ...] | None = None
+    resume_text_chars: int = 0
 
 
 def _type_name(v: Any) -> str:
@@ -169,7 +174,22 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         stop_token_ids=list(stop_token_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
         token_healing=_bool(body, "token_healing", None),
+        **_resume(body),
     )
+
+
+def _resume(body: dict) -> dict:
+    r = body.get("pdkv_resume")
+    if r is None:
+        return {}
+    if not isinstance(r, dict) or not _token_ids(r.get("token_ids")) or not r.get("token_ids"):
+        raise _bad("pdkv_resume", "an object with token_ids (a non-empty list of integers) and text_chars", r)
+    chars = r.get("text_chars", 0)
+    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
+        raise _bad("pdkv_resume.text_chars", "a non-negative integer", chars)
+    if body.get("n", 1) != 1 or body.get("echo"):
+        raise APIError("pdkv_resume: only a request with n 1 and no echo can be resumed", 400, param="pdkv_resume")
+    return {"resume_token_ids": tuple(r["token_ids"]), "resume_text_chars": chars}
 
 
 def parse_completion(body: Any) -> GenerateRequest:
