@@ -115,7 +115,7 @@ async def _drain(cfg: Config, app, node, member, stop: asyncio.Event) -> int:
             # arrive: idle for a short while, not just once, before leaving
             idle_since = idle_since or now
             if now - idle_since >= 0.2:
-                log.info("drained in %.2f s", now - t0)
+                log.warning("drained in %.2f s; deregistering and stopping", now - t0)
                 return 0
         else:
             idle_since = None

@@ -249,7 +249,7 @@ class ClusterConfig:
     # Draining (SIGTERM or POST /admin/drain): how long in-flight requests may take before the
     # node stops anyway (its exit status is then 1), and how long a draining node stays
     # registered as draining before it deregisters (time for watchers to stop choosing it).
-    drain_timeout_s: float = 120.0
+    drain_timeout_s: float = 30.0  # Kubernetes' default terminationGracePeriodSeconds
     drain_notice_s: float = 0.5
 
 

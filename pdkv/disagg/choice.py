@@ -51,6 +51,10 @@ class Where(enum.Enum):
     LOCAL_SATURATED = "local_saturated"
     LOCAL_NO_PEER = "local_no_peer"
     REFUSED_NO_PEER = "refused_no_peer"
+    # server.admission shed: the expected TTFT at the least loaded prefill node is over the
+    # budget (pdkv/fleet/admission.py): prefilled here, or (local_fallback false) a 503 at once
+    LOCAL_SLO = "local_slo"
+    REFUSED_SLO = "refused_slo"
 
 
 @dataclass
@@ -176,6 +180,13 @@ class PrefillChooser:
             r = peer.route
             r.report, r.num_sent = None, 0
             r.sent.clear()
+
+    def least_queue(self) -> int:
+        """The shortest queue among live peers (tokens; 0 with none): what a new prompt waits for."""
+        now = time.monotonic()
+        with self.lock:
+            qs = [p.route.queued(now, self.expiry_s) for p in self.peers if not p.dead and not p.draining]
+        return min(qs, default=0)
 
     def snapshot(self) -> list[dict]:
         """Per peer: its queue as seen here and how many PREFILLs went to it (health, tests)."""

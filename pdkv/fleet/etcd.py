@@ -37,6 +37,10 @@ class EtcdUnavailable(EtcdError):
     """No endpoint answered (refused, reset, timed out)."""
 
 
+class _Transient(Exception):
+    """An endpoint that answered but cannot serve now: the next one is tried."""
+
+
 def _b64(b: bytes | str) -> str:
     return base64.b64encode(b.encode() if isinstance(b, str) else b).decode()
 
@@ -140,8 +144,10 @@ class EtcdClient:
                     if self.user and attempt == 0 and ("token" in msg or "auth" in msg):
                         self._token = None
                         continue
+                    if r.status == 408 or r.status >= 500:  # a member shutting down or without a leader
+                        raise _Transient(f"{path} answered {r.status}: {msg}")
                     raise EtcdError(f"etcd at {base}: {path} answered {r.status}: {msg}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, _Transient) as e:
                 errors.append(f"{base}: {type(e).__name__}: {e}".rstrip(": "))
         raise EtcdUnavailable("no etcd endpoint answered (" + "; ".join(errors) + ")")
 

@@ -99,4 +99,4 @@ def model_name(url: str) -> str:
 
 def pages_back(node: NodeProc) -> bool:
     h = get(node.url + "/health")
-    return h["num_pages_free"] + h.get("num_pages_cached", 0) == h["num_pages_total"] and not h["num_pages_held"]
+    return h["num_pages_free"] == h["num_pages_total"] and not h["num_pages_held"]  # free counts evictable ones
