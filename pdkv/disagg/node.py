@@ -180,6 +180,7 @@ class DecodeNode(_Node):
             return {}
         loads = c.chooser.snapshot()  # its queue as seen here, PREFILLs sent to it
         return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead, **load,
+                                   **({"state": "gone" if p.gone else "draining"} if p.gone or p.draining else {}),
                                    "grants": c.held.get(p.channel.peer.node_id, 0) if p.channel else 0}
                                   for p, load in zip(c.peers, loads)],
                 "transfers_in_flight": len(c.slots), "grants_held": sum(c.held.values()),

@@ -43,3 +43,19 @@ def test_join_under_load_then_kill9_leave(tiny_model_dir, tmp_path, etcd):
         for n in (p2, dec, p1):
             if n is not None:
                 n.stop()
+
+
+def test_serve_with_an_unreachable_etcd_fails_clearly_after_a_bounded_wait(tiny_model_dir, tmp_path):
+    from _procs import free_port
+
+    cfg = fleet_node(tiny_model_dir, "colocated", f"http://127.0.0.1:{free_port()}", "c")
+    cfg["cluster"]["connect_timeout_s"] = 1.0
+    cfg.pop("messenger")
+    node = NodeProc(tmp_path, "c", cfg)
+    try:
+        assert node.proc.wait(120) == 1
+        log = node.log_path.read_text()
+        assert "etcd did not answer within 1.0 s (cluster.connect_timeout_s)" in log, log[-2000:]
+        assert "cluster.required: false" in log
+    finally:
+        node.stop()
