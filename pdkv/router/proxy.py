@@ -87,6 +87,10 @@ class Proxy:
             if not candidates and retries > 0 and failures and failures[-1].endswith("(503)"):
                 candidates = self.healthy()  # a node that shed or lost its prefill node: again
             if not candidates:
+                if failures and all(f.endswith(("(503)", "(draining)")) for f in failures):
+                    self.metrics.no_node.inc()  # each one draining or busy: worth a retry shortly
+                    return error_response(f"no node can take the request now: {'; '.join(failures)}", 503,
+                                          "no_node_available", headers={"Retry-After": str(self.retry_after_s)})
                 if failures:  # every node tried failed before answering: say which and how
                     return error_response(f"no node could answer: {'; '.join(failures)}", 502, "node_failed")
                 return self.no_node()

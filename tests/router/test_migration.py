@@ -96,3 +96,31 @@ def test_streams_continue_exactly_after_kill9(rt, nodes, router_model_dir, tmp_p
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_node_resumes_a_stream_exactly(rt, nodes):
+    """pdkv_resume on a node: the rest of a greedy stream, the held-back text first; bad resumes
+    are a 400 naming the field."""
+    url = nodes[2].url
+    body = {"prompt": "una storia breve", **GREEDY, "max_tokens": 24, "return_token_ids": True}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            _, text, ids, _ = await _stream(s, url, body)
+            k = 9
+            async with s.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": k}) as r:
+                head = await r.json()
+            head_text = head["choices"][0]["text"]
+            assert text.startswith(head_text) and head["choices"][0]["token_ids"] == ids[:k]
+            held = 2 if len(head_text) >= 2 else 0  # as if a stop string's possible start was held back
+            resume = {"token_ids": ids[:k], "text_chars": len(head_text) - held}
+            _, rest, rest_ids, _ = await _stream(s, url, {**body, "pdkv_resume": resume})
+            bad = []
+            for extra in ({"n": 2}, {"echo": True}, {"max_tokens": k}):
+                async with s.post(url + "/v1/completions", json={**body, **extra, "pdkv_resume": resume}) as r:
+                    bad.append((r.status, (await r.json())["error"]["message"]))
+            return text, ids, head_text, held, rest, rest_ids, k, bad
+    text, ids, head_text, held, rest, rest_ids, k, bad = rt.run(main())
+    assert head_text[:len(head_text) - held] + rest == text
+    assert rest_ids == ids[k:]
+    assert all(st == 400 and "pdkv_resume" in msg for st, msg in bad), bad
