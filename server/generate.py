@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from pdkv.detokenizer import IncrementalDetokenizer
 from pdkv.engine import SamplingParams
 from pdkv.errors import InvalidRequest
 from pdkv.server.async_engine import AsyncEngine, EngineFailure
@@ -90,9 +91,26 @@ class Generation:
                                param="pdkv_resume")
             # the earlier tokens join the prompt: their KV is recomputed here, the next token is
             # sampled from the same context (greedy: the one an undisturbed run gives)
-            self.prompt_token_ids = [self.prompt_token_ids[0] + resume]
-            text = tok.decode(resume, skip_special_tokens=not self.keep_special_tokens)
-            self.resume_text = text[req.resume_text_chars:]
+            # their text as the engine's detokenizer made it (decoded in the prompt's context):
+            # what the client has is its first text_chars characters
+            prompt, skip = self.prompt_token_ids[0], 0
+            eng = list(req.resume_prompt_token_ids or ())
+            if eng and prompt[:len(eng)] == eng and len(eng) < len(prompt):
+                # the first node healed the prompt (ran it without its last tokens, and dropped
+                # their text from the output the tokens gave back): resume from the same prompt
+                healed = IncrementalDetokenizer(tok, eng, [], not self.keep_special_tokens)
+                for t in prompt[len(eng):]:
+                    healed.add(t)
+                prompt, skip = eng, len(healed.text)
+            det = IncrementalDetokenizer(tok, prompt, [], not self.keep_special_tokens)
+            for t in resume:
+                det.add(t)
+            # text the detokenizer still held for an incomplete character: the new engine request
+            # starts its window after these tokens, so it would never emit it
+            done = det._decode(det.ids[det.prefix_offset:det.read_offset])
+            pending = det._decode(det.ids[det.prefix_offset:])[len(done):]
+            self.resume_text = (det.text + pending)[skip + req.resume_text_chars:]
+            self.prompt_token_ids = [prompt + resume]
         bad_words = [w for word in req.bad_words for w in _word_ids(tok, word)]
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         for i, ids in enumerate(self.prompt_token_ids):

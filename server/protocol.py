@@ -60,6 +60,7 @@ class GenerateRequest:
     # how many characters of their text the client already has
     resume_token_ids: tuple[int, ...] | None = None
     resume_text_chars: int = 0
+    resume_prompt_token_ids: tuple[int, ...] | None = None  # the prompt as the first node ran it
 
 
 def _type_name(v: Any) -> str:
@@ -189,7 +190,11 @@ def _resume(body: dict) -> dict:
         raise _bad("pdkv_resume.text_chars", "a non-negative integer", chars)
     if body.get("n", 1) != 1 or body.get("echo"):
         raise APIError("pdkv_resume: only a request with n 1 and no echo can be resumed", 400, param="pdkv_resume")
-    return {"resume_token_ids": tuple(r["token_ids"]), "resume_text_chars": chars}
+    eng = r.get("prompt_token_ids")
+    if eng is not None and not _token_ids(eng):
+        raise _bad("pdkv_resume.prompt_token_ids", "a list of integers", eng)
+    return {"resume_token_ids": tuple(r["token_ids"]), "resume_text_chars": chars,
+            "resume_prompt_token_ids": tuple(eng) if eng else None}
 
 
 def parse_completion(body: Any) -> GenerateRequest:

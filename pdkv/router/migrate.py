@@ -46,6 +46,7 @@ class StreamState:
     first_id: str | None = None
     created: int | None = None
     resumed: int = 0  # tokens the current node was handed (usage is shifted by them)
+    prompt_token_ids: list[int] | None = None  # the prompt as the first node ran it (healed or not)
     buf: bytes = b""
 
     def feed(self, data: bytes, resumed_stream: bool) -> bytes:
@@ -82,6 +83,8 @@ class StreamState:
             msg["id"], msg["created"] = self.first_id, self.created
         keep = True
         for ch in msg.get("choices") or []:
+            if self.prompt_token_ids is None and isinstance(ch.get("prompt_token_ids"), list):
+                self.prompt_token_ids = ch["prompt_token_ids"]
             ids = ch.get("token_ids") or []
             self.token_ids.extend(ids)
             if self.chat:
@@ -113,4 +116,5 @@ class StreamState:
         self.resumed = len(self.token_ids)
         self.buf = b""
         return {**body, "return_token_ids": True,
-                "pdkv_resume": {"token_ids": list(self.token_ids), "text_chars": self.text_chars}}
+                "pdkv_resume": {"token_ids": list(self.token_ids), "text_chars": self.text_chars,
+                                **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids else {})}}

@@ -28,7 +28,8 @@ def test_completion_stream_split_anywhere_then_resumed():
     assert all("token_ids" not in e["choices"][0] and "prompt_token_ids" not in e["choices"][0] for e in evs)
     assert st.token_ids == [1, 2, 3] and st.text_chars == 5 and not st.done
     body = st.resume_body({"prompt": "x", "max_tokens": 9, "stream": True})
-    assert body["pdkv_resume"] == {"token_ids": [1, 2, 3], "text_chars": 5} and body["return_token_ids"] is True
+    assert body["pdkv_resume"] == {"token_ids": [1, 2, 3], "text_chars": 5, "prompt_token_ids": [9]}
+    assert body["return_token_ids"] is True
     out = st.feed(_ev({"id": "b", "created": 2, "choices": [{"text": " w", "token_ids": [4],
                                                              "prompt_token_ids": [9, 1, 2, 3], "finish_reason": None}]})
                   + _ev({"id": "b", "created": 2, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1,
