@@ -84,8 +84,8 @@ class Generation:
         if req.resume_token_ids:
             resume = list(req.resume_token_ids)
             if req.max_tokens is not None and req.max_tokens <= len(resume):
-                raise APIError(f"pdkv_resume: {len(resume)} tokens already produced, max_tokens is {req.max_tokens}: "
-                               f"nothing is left to generate", 400, param="pdkv_resume")
+                raise APIError(f"pdkv_resume: {len(resume)} tokens already produced, max_tokens is "
+                               f"{req.max_tokens}: nothing is left to generate", 400, param="pdkv_resume")
             if self.constraint is not None:  # its matcher would have to replay them (not done)
                 raise APIError("pdkv_resume: a request with structured output cannot be resumed", 400,
                                param="pdkv_resume")

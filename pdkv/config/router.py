@@ -86,7 +86,8 @@ def _validate(cfg: RouterConfig) -> None:
     if cfg.cluster.discovery == "etcd" and not cfg.cluster.etcd.endpoints:
         raise bad("cluster.etcd.endpoints", "must list at least one http(s)://host:port with discovery etcd")
     if not cfg.nodes and cfg.cluster.discovery == "static":
-        raise bad("nodes", "must list at least one node URL, e.g. [http://127.0.0.1:8001] (or cluster.discovery: etcd)")
+        raise bad("nodes", "must list at least one node URL, e.g. [http://127.0.0.1:8001] "
+                           "(or cluster.discovery: etcd)")
     if cfg.migration_limit < 0 or cfg.migration_max_tokens < 0:
         raise bad("migration_limit/migration_max_tokens", "must be >= 0 (migration_limit 0: off)")
     for url in cfg.nodes:

@@ -101,7 +101,8 @@ class PrefillChooser:
         held by this node's prefix cache."""
         if num_prompt_tokens - num_cached_tokens <= self.cfg.local_prefill_max_tokens or num_prompt_tokens <= 1:
             return Where.LOCAL_SHORT
-        live = [p for p in self.peers if not p.dead and not getattr(p, "draining", False)]  # a racy read is fine: a dead peer fails the request
+        # a racy read is fine: a dead peer fails the request; a draining one gets nothing new
+        live = [p for p in self.peers if not p.dead and not getattr(p, "draining", False)]
         if not live:
             return Where.LOCAL_NO_PEER if self.cfg.local_fallback else Where.REFUSED_NO_PEER
         bound = self.cfg.max_prefill_queue_tokens
@@ -185,7 +186,8 @@ class PrefillChooser:
         """The shortest queue among live peers (tokens; 0 with none): what a new prompt waits for."""
         now = time.monotonic()
         with self.lock:
-            qs = [p.route.queued(now, self.expiry_s) for p in self.peers if not p.dead and not getattr(p, "draining", False)]
+            qs = [p.route.queued(now, self.expiry_s) for p in self.peers
+                  if not p.dead and not getattr(p, "draining", False)]
         return min(qs, default=0)
 
     def snapshot(self) -> list[dict]:

@@ -37,6 +37,7 @@ from pdkv.disagg.decode_memory import DecodeMemory
 from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.fleet.admission import TTFTEstimator
 from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
@@ -72,8 +73,6 @@ class DecodeCoordinator(PrefillSender):
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
         self.chooser = self.links.chooser
-        from pdkv.fleet.admission import TTFTEstimator  # noqa: PLC0415
-
         self.ttft = TTFTEstimator(cfg.server.ttft_slo_ms, cfg.server.admission)  # server.admission shed
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden

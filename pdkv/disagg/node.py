@@ -161,7 +161,8 @@ class DecodeNode(_Node):
             links.set_draining(host, port, rec["state"] == "draining")
 
         self._addresses: dict[str, str] = {}
-        self.watcher = Watcher(self.cfg.cluster, "prefill", changed, fingerprint=self.coordinator.hello.model_fingerprint)
+        self.watcher = Watcher(self.cfg.cluster, "prefill", changed,
+                               fingerprint=self.coordinator.hello.model_fingerprint)
         self.watcher.start()
 
     async def stop(self) -> None:

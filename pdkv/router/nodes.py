@@ -64,8 +64,8 @@ class Node:
             self.last_error = why
 
     def describe(self) -> dict:
-        return {"url": self.url, "health": self.health.value,
-                **({"draining": True} if self.draining or self.reported.get("draining") else {}), "in_flight": self.in_flight, "load": self.reported,
+        draining = self.draining or self.reported.get("draining", False)
+        return {"url": self.url, "health": self.health.value, **({"draining": True} if draining else {}), "in_flight": self.in_flight, "load": self.reported,
                 **({"last_error": self.last_error} if self.health is not NodeHealth.UP and self.last_error else {})}
 
 
