@@ -62,8 +62,8 @@ class DecodeConnector(KVConnector):
             raise AdmissionRefused("no prefill node is connected to this decode node (it keeps dialling its "
                                    "prefill peers; retry shortly; disagg.local_fallback is false)",
                                    status=503, retry_after=2)
-        slo = self.coordinator.ttft
-        if where is Where.REMOTE and slo.shed:
+        slo = getattr(self.coordinator, "ttft", None)  # server.admission (pdkv/fleet/admission.py)
+        if where is Where.REMOTE and slo is not None and slo.shed:
             short = slo.over_budget(self.coordinator.chooser.least_queue() + req.num_prompt_tokens - cached)
             if short is not None and self.coordinator.cfg.disagg.local_fallback:
                 where = Where.LOCAL_SLO
