@@ -161,11 +161,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdkv.server import serve
 
     try:
-        serve(cfg, engine, build_node(cfg, engine))
+        return serve(cfg, engine, build_node(cfg, engine))
     except OSError as e:
         print(f"pdkv: {e.strerror or e}", file=sys.stderr)
         return 1
-    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:

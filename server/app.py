@@ -24,6 +24,7 @@ import logging
 from aiohttp import web
 
 from pdkv.config import Config
+from pdkv.fleet.drain import ADMIN_HEADER, DRAINING_HEADER, Drain, admin_refusal
 from pdkv.server.async_engine import AsyncEngine
 from pdkv.server.errors import MAX_BODY_BYTES, error_middleware, error_response
 from pdkv.server.metrics import ServerMetrics
@@ -36,6 +37,7 @@ ASYNC_ENGINE = web.AppKey("pdkv.async_engine", AsyncEngine)
 METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
 NODE = web.AppKey("pdkv.node", object)  # the disaggregated node (role prefill/decode), else None
 ROUTES = web.AppKey("pdkv.routes", object)  # the OpenAIRoutes (its grammars, parsers)
+DRAIN = web.AppKey("pdkv.drain", Drain)  # draining: no new API requests (pdkv/fleet/drain.py)
 
 
 def served_model_name(cfg: Config, engine) -> str:
@@ -59,6 +61,19 @@ def _auth_middleware(api_key: str):
     return auth
 
 
+def _drain_middleware(drain: Drain, retry_after_s: int = 1):
+    @web.middleware
+    async def refuse_new(request: web.Request, handler):
+        # A draining node finishes what it has and takes nothing new; the header tells a router
+        # that another node can serve the request (nothing was started here).
+        if drain.draining and request.path.startswith("/v1/") and request.method == "POST":
+            return error_response("this node is draining (shutting down): send the request to another node", 503,
+                                  code="draining", headers={"Retry-After": str(retry_after_s), DRAINING_HEADER: "1"})
+        return await handler(request)
+
+    return refuse_new
+
+
 def _held_pages(engine) -> int | None:
     """Pages quarantined until no write can land in them (read from the event loop while the
     engine thread may change the table: a count one step stale is fine, a torn read is retried)."""
@@ -77,7 +92,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         raise ValueError(f"{cfg.source}: role {cfg.role!r} needs its node (pdkv.disagg.node.build_node(cfg, "
                          f"engine)); the server only serves HTTP around it")
     serves_api = node is None or node.serves_api
-    middlewares = [error_middleware]
+    drain = Drain()
+    middlewares = [error_middleware, _drain_middleware(drain)]
     if cfg.server.api_key:
         middlewares.append(_auth_middleware(cfg.server.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=cfg.server.max_body_bytes)
@@ -87,6 +103,10 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app[MAX_BODY_BYTES] = cfg.server.max_body_bytes
     app[METRICS] = metrics
     app[NODE] = node
+    app[DRAIN] = drain
+    from pdkv import auth  # noqa: PLC0415
+
+    admin_secret = auth.load_secret(cfg.messenger.secret_file)  # AuthError names a bad file
     routes = OpenAIRoutes(None, name, cfg.model.path or "(embedded default model)", cfg.server.max_body_bytes,
                           cfg.server.max_prompts_x_n, cfg.server)
     app[ROUTES] = routes
@@ -123,6 +143,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
                 "num_pages_held": _held_pages(engine)}
         if node is not None:
             body.update(node.health())
+        body["state"] = "draining" if drain.draining else "ready"
         return web.json_response(body)
 
     async def load(request: web.Request) -> web.Response:
@@ -142,8 +163,16 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
                 "num_running": len(s.running), "num_waiting": len(waiting) + len(s.remote),
                 "num_remote": len(s.remote),  # of the waiting: for remote KV (not decode streams yet)
                 "queued_prompt_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting),
-                "num_pages_free": a.num_free, "num_pages_total": a.num_total}
+                "num_pages_free": a.num_free, "num_pages_total": a.num_total, "draining": drain.draining}
         return web.json_response(body)
+
+    async def admin_drain(request: web.Request) -> web.Response:
+        why = admin_refusal(admin_secret, request.headers.get(ADMIN_HEADER), request.remote, request.method,
+                            request.path)
+        if why is not None:
+            return error_response(f"drain refused: {why}", 403, code="forbidden")
+        started = drain.request("POST /admin/drain")
+        return web.json_response({"state": "draining", "started": started}, status=202)
 
     async def metrics_route(request: web.Request) -> web.Response:
         body, content_type = metrics.render()
@@ -162,6 +191,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/version", version)
+    app.router.add_post("/admin/drain", admin_drain)
     if serves_api:
         routes.add_to(app)
     return app

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from pdkv.detokenizer import IncrementalDetokenizer
 from pdkv.engine import SamplingParams
 from pdkv.errors import InvalidRequest
 from pdkv.server.async_engine import AsyncEngine, EngineFailure
@@ -79,6 +80,37 @@ class Generation:
         else:
             self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
                                      for p in req.prompts]
+        self.resume_text = ""  # text of the resumed tokens the client does not have yet
+        if req.resume_token_ids:
+            resume = list(req.resume_token_ids)
+            if req.max_tokens is not None and req.max_tokens <= len(resume):
+                raise APIError(f"pdkv_resume: {len(resume)} tokens already produced, max_tokens is "
+                               f"{req.max_tokens}: nothing is left to generate", 400, param="pdkv_resume")
+            if self.constraint is not None:  # its matcher would have to replay them (not done)
+                raise APIError("pdkv_resume: a request with structured output cannot be resumed", 400,
+                               param="pdkv_resume")
+            # the earlier tokens join the prompt: their KV is recomputed here, the next token is
+            # sampled from the same context (greedy: the one an undisturbed run gives)
+            # their text as the engine's detokenizer made it (decoded in the prompt's context):
+            # what the client has is its first text_chars characters
+            prompt, skip = self.prompt_token_ids[0], 0
+            eng = list(req.resume_prompt_token_ids or ())
+            if eng and prompt[:len(eng)] == eng and len(eng) < len(prompt):
+                # the first node healed the prompt (ran it without its last tokens, and dropped
+                # their text from the output the tokens gave back): resume from the same prompt
+                healed = IncrementalDetokenizer(tok, eng, [], not self.keep_special_tokens)
+                for t in prompt[len(eng):]:
+                    healed.add(t)
+                prompt, skip = eng, len(healed.text)
+            det = IncrementalDetokenizer(tok, prompt, [], not self.keep_special_tokens)
+            for t in resume:
+                det.add(t)
+            # text the detokenizer still held for an incomplete character: the new engine request
+            # starts its window after these tokens, so it would never emit it
+            done = det._decode(det.ids[det.prefix_offset:det.read_offset])
+            pending = det._decode(det.ids[det.prefix_offset:])[len(done):]
+            self.resume_text = (det.text + pending)[skip + req.resume_text_chars:]
+            self.prompt_token_ids = [prompt + resume]
         bad_words = [w for word in req.bad_words for w in _word_ids(tok, word)]
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         for i, ids in enumerate(self.prompt_token_ids):
@@ -88,10 +120,13 @@ class Generation:
                                400, param="echo")
             # Healing would change the prompt an echo returns, and a constrained output must
             # follow its grammar from the first token: neither is healed.
-            heal = (not req.echo and self.constraint is None
+            heal = (not req.echo and self.constraint is None and not req.resume_token_ids
                     and self._heals(req.prompts[i] if not req.chat else None))
             for j in range(req.n):
                 max_tokens = req.max_tokens
+                done = len(req.resume_token_ids or ())
+                if max_tokens is not None:
+                    max_tokens -= done
                 if max_tokens is None:  # chat default: whatever the context has room for
                     max_tokens = max(1, engine.max_model_len - len(ids))
                 params = SamplingParams(
@@ -101,7 +136,7 @@ class Generation:
                     skip_special_tokens=not self.keep_special_tokens,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
-                    min_tokens=req.min_tokens, bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,
+                    min_tokens=max(0, req.min_tokens - done), bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,
                     logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint,
                     token_healing=heal)
                 try:

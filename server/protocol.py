@@ -58,6 +58,12 @@ class GenerateRequest:
     # vLLM's extra field: lower is scheduled first under scheduler.policy priority; any non-zero
     # value is refused under fcfs (the engine checks it, as vLLM's processor does)
     priority: int = 0
+    # extension for the router's request migration (pdkv/router/migrate.py): the output tokens an
+    # earlier node already streamed (the prompt is extended by them, max_tokens counts them) and
+    # how many characters of their text the client already has
+    resume_token_ids: tuple[int, ...] | None = None
+    resume_text_chars: int = 0
+    resume_prompt_token_ids: tuple[int, ...] | None = None  # the prompt as the first node ran it
 
 
 def _type_name(v: Any) -> str:
@@ -173,7 +179,26 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         ignore_eos=_bool(body, "ignore_eos", False),
         token_healing=_bool(body, "token_healing", None),
         priority=_int(body, "priority", 0),
+        **_resume(body),
     )
+
+
+def _resume(body: dict) -> dict:
+    r = body.get("pdkv_resume")
+    if r is None:
+        return {}
+    if not isinstance(r, dict) or not _token_ids(r.get("token_ids")) or not r.get("token_ids"):
+        raise _bad("pdkv_resume", "an object with token_ids (a non-empty list of integers) and text_chars", r)
+    chars = r.get("text_chars", 0)
+    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
+        raise _bad("pdkv_resume.text_chars", "a non-negative integer", chars)
+    if body.get("n", 1) != 1 or body.get("echo"):
+        raise APIError("pdkv_resume: only a request with n 1 and no echo can be resumed", 400, param="pdkv_resume")
+    eng = r.get("prompt_token_ids")
+    if eng is not None and not _token_ids(eng):
+        raise _bad("pdkv_resume.prompt_token_ids", "a list of integers", eng)
+    return {"resume_token_ids": tuple(r["token_ids"]), "resume_text_chars": chars,
+            "resume_prompt_token_ids": tuple(eng) if eng else None}
 
 
 def parse_completion(body: Any) -> GenerateRequest:

@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.tp", "pdkv.shared_weights"),  # tensor-parallel ranks the runner drives; one host's shared copy
     # of a model's weights (the engine's loader for share_weights auto)
     ("pdkv.models",),  # model families, layers, attention backends
-    ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model"),
+    ("pdkv.kv", "pdkv.messenger", "pdkv.control", "pdkv.tokenizer", "pdkv.gpu", "pdkv.default_model",
+     "pdkv.fleet"),  # fleet: etcd membership, draining, admission (no engine, no role)
     ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)
     ("pdkv.control_wire",),  # control frames, HELLO and the control errors
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from pdkv.config.loader import _build, _coerce, _hints, _parse_value, _read_yaml
-from pdkv.config.sections import ConfigError
+from pdkv.config.sections import DISCOVERY, ClusterConfig, ConfigError
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
@@ -46,6 +46,16 @@ class RouterConfig:
     virtual_nodes: int = 64  # points per node on the ring: smooth shares, few keys move on a change
     request_timeout_s: float = 600.0  # one proxied request, end to end
     max_body_bytes: int = 1 << 20
+    # Fleet discovery (pdkv/fleet, docs/FLEET.md): cluster.discovery etcd: the decode and
+    # colocated nodes registered under cluster.name join and leave as their leases do (nodes: the
+    # ones known before etcd answers, may be empty).
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    # Request migration (pdkv/router/migrate.py): a stream whose node dies mid-generation goes on
+    # on another node (prompt + the tokens already streamed); at most migration_limit moves per
+    # request, and only while it has streamed at most migration_max_tokens tokens (the router
+    # holds them). 0: off (the client gets an SSE error naming the node, as without it).
+    migration_limit: int = 3
+    migration_max_tokens: int = 4096
     source: str = "<defaults>"
 
 
@@ -71,8 +81,15 @@ def _validate(cfg: RouterConfig) -> None:
     def bad(field: str, what: str) -> ConfigError:
         return ConfigError(f"{cfg.source}: {field} {what}")
 
-    if not cfg.nodes:
-        raise bad("nodes", "must list at least one node URL, e.g. [http://127.0.0.1:8001]")
+    if cfg.cluster.discovery not in DISCOVERY:
+        raise bad("cluster.discovery", f"must be one of {', '.join(DISCOVERY)}, got {cfg.cluster.discovery!r}")
+    if cfg.cluster.discovery == "etcd" and not cfg.cluster.etcd.endpoints:
+        raise bad("cluster.etcd.endpoints", "must list at least one http(s)://host:port with discovery etcd")
+    if not cfg.nodes and cfg.cluster.discovery == "static":
+        raise bad("nodes", "must list at least one node URL, e.g. [http://127.0.0.1:8001] "
+                           "(or cluster.discovery: etcd)")
+    if cfg.migration_limit < 0 or cfg.migration_max_tokens < 0:
+        raise bad("migration_limit/migration_max_tokens", "must be >= 0 (migration_limit 0: off)")
     for url in cfg.nodes:
         u = urlsplit(url)
         if u.scheme not in ("http",) or not u.hostname or u.port is None or u.path not in ("", "/"):

@@ -104,6 +104,13 @@ class ServerConfig:
     # tokens) and for prompts given as token ids (the client's own tokenization); on; off.
     # YAML reads a bare on/off as true/false: both spellings are taken.
     token_healing: str | bool = "auto"
+    # SLO-aware admission on a decode node (pdkv/fleet/admission.py): a request whose expected
+    # time to first token (its prompt against the chosen prefill node's queue and measured rate)
+    # exceeds ttft_slo_ms is prefilled here when the prefill chooser allows it, else -- with
+    # admission "shed" -- answered at once with 503 + Retry-After instead of queued past its
+    # budget. "queue" (default): every request waits its turn. null ttft_slo_ms: no budget.
+    admission: str = "queue"  # queue | shed
+    ttft_slo_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,44 @@ class ParallelConfig:
     ep: bool = False
 
 
+@dataclass(frozen=True)
+class EtcdConfig:
+    # etcd v3 (its JSON gateway, /v3/...): http(s)://host:port of each member; TLS with ca (and a
+    # client certificate: cert + key); user + password for etcd's own authentication.
+    endpoints: tuple[str, ...] = ()
+    prefix: str = "/pdkv"  # keys: <prefix>/<cluster.name>/<role>/<node_id>
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+    timeout_s: float = 2.0  # one etcd call (a watch stream excepted)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    # Fleet membership (pdkv/fleet, docs/FLEET.md). static: prefill peers and router nodes come
+    # from the config files (messenger.prefill_peers, router nodes); etcd: every node registers
+    # under a lease and decode nodes / routers watch who is there. etcd is never the trust anchor:
+    # a prefill node found there still has to pass the authenticated control handshake.
+    discovery: str = "static"  # static | etcd
+    name: str = "default"
+    node_id: str = ""  # the key's last part; "": <host>-<server port>
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    # etcd not answering at start-up: fail after connect_timeout_s (required) or start without
+    # it, registering once it answers (false).
+    required: bool = True
+    connect_timeout_s: float = 5.0
+    lease_ttl_s: int = 0  # the registration's lease; 0: from messenger.lease_s (at least 2 s)
+    # Draining (SIGTERM or POST /admin/drain): how long in-flight requests may take before the
+    # node stops anyway (its exit status is then 1), and how long a draining node stays
+    # registered as draining before it deregisters (time for watchers to stop choosing it).
+    drain_timeout_s: float = 30.0  # Kubernetes' default terminationGracePeriodSeconds
+    drain_notice_s: float = 0.5
+
+
+DISCOVERY = ("static", "etcd")
+ADMISSION = ("queue", "shed")
 SPEC_METHODS = ("ngram", "draft", "mtp")
 MAX_SPEC_TOKENS = 16  # drafts per step: more never pays (acceptance decays geometrically)
 
@@ -260,6 +305,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: str = "<defaults>"  # the file this config came from, for error messages
 
 

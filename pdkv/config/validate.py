@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.config.sections import (ATTENTION_BACKENDS, DTYPES, KV_DTYPES, LAYOUTS, LIBFABRIC_PROVIDERS,
-                                  MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS, ROLES,
-                                  SCHEDULING_POLICIES, SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config, ConfigError)
+                                  ADMISSION, DISCOVERY, MAX_AFFINITY_PAGES, MAX_CUDA_GRAPH_BATCH, MAX_SPEC_TOKENS,
+                                  ROLES, SCHEDULING_POLICIES, SPEC_METHODS, STAGING_MODES, TRANSPORTS, Config,
+                                  ConfigError)
 from pdkv.transports import Capability, capabilities, names_with
 
 # Speculative methods per role. A decode node drafts (ngram needs nothing from its prefill node);
@@ -218,9 +219,46 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
         need(not (ms.staging == "off" and Capability.DEVICE_MEMORY not in caps), "messenger.staging",
              f"auto with model.device cuda and messenger.transport {ms.transport} ({ms.transport} moves host "
              "memory: GPU KV must be staged through pinned host memory)", ms.staging)
-    if cfg.role == "decode":
+    _check_cluster(cfg, need, one_of)
+    if cfg.role == "decode" and cfg.cluster.discovery == "static":
         need(bool(ms.prefill_peers), "messenger.prefill_peers",
-             "at least one host:port for role decode (the prefill nodes to use)", list(ms.prefill_peers))
+             "at least one host:port for role decode (the prefill nodes to use; or cluster.discovery: etcd)",
+             list(ms.prefill_peers))
+
+
+def _check_cluster(cfg: Config, need, one_of) -> None:
+    """cluster (pdkv/fleet): discovery, etcd endpoints and credentials, admission."""
+    from urllib.parse import urlsplit
+
+    cl, e, sv = cfg.cluster, cfg.cluster.etcd, cfg.server
+    one_of("server.admission", sv.admission, ADMISSION)
+    need(sv.ttft_slo_ms is None or sv.ttft_slo_ms > 0, "server.ttft_slo_ms", "a positive number of ms or null",
+         sv.ttft_slo_ms)
+    need(sv.admission == "queue" or sv.ttft_slo_ms is not None, "server.ttft_slo_ms",
+         "set with server.admission shed (the budget a request is shed against)", sv.ttft_slo_ms)
+    one_of("cluster.discovery", cl.discovery, DISCOVERY)
+    ok_name = bool(cl.name) and all(c.isalnum() or c in "-_." for c in cl.name)
+    need(ok_name, "cluster.name", "a name of letters, digits, '-', '_' or '.'", cl.name)
+    need(not cl.node_id or all(c.isalnum() or c in "-_." for c in cl.node_id), "cluster.node_id",
+         "empty or a name of letters, digits, '-', '_' or '.'", cl.node_id)
+    need(cl.connect_timeout_s > 0, "cluster.connect_timeout_s", "a positive number of seconds", cl.connect_timeout_s)
+    need(cl.lease_ttl_s >= 0, "cluster.lease_ttl_s", "0 (from messenger.lease_s) or a number of seconds",
+         cl.lease_ttl_s)
+    need(cl.drain_timeout_s > 0, "cluster.drain_timeout_s", "a positive number of seconds", cl.drain_timeout_s)
+    need(cl.drain_notice_s >= 0, "cluster.drain_notice_s", "zero or a number of seconds", cl.drain_notice_s)
+    need(e.timeout_s > 0, "cluster.etcd.timeout_s", "a positive number of seconds", e.timeout_s)
+    need(e.prefix.startswith("/") and not e.prefix.endswith("/") or e.prefix == "", "cluster.etcd.prefix",
+         "a key prefix like /pdkv (leading '/', none trailing)", e.prefix)
+    if cl.discovery == "etcd":
+        need(bool(e.endpoints), "cluster.etcd.endpoints", "at least one http(s)://host:port with discovery etcd",
+             list(e.endpoints))
+    for url in e.endpoints:
+        u = urlsplit(url)
+        need(u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None and u.path in ("", "/"),
+             "cluster.etcd.endpoints", "a list of http(s)://host:port (etcd's client URLs)", url)
+    need(bool(e.user) == bool(e.password), "cluster.etcd.password", "set together with cluster.etcd.user",
+         "<set>" if e.password else "")
+    need(bool(e.cert) == bool(e.key), "cluster.etcd.key", "set together with cluster.etcd.cert", e.key)
 
 
 def _check_cuda_graphs(cfg: Config, need) -> None:

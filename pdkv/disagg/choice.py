@@ -51,6 +51,10 @@ class Where(enum.Enum):
     LOCAL_SATURATED = "local_saturated"
     LOCAL_NO_PEER = "local_no_peer"
     REFUSED_NO_PEER = "refused_no_peer"
+    # server.admission shed: the expected TTFT at the least loaded prefill node is over the
+    # budget (pdkv/fleet/admission.py): prefilled here, or (local_fallback false) a 503 at once
+    LOCAL_SLO = "local_slo"
+    REFUSED_SLO = "refused_slo"
 
 
 @dataclass
@@ -97,7 +101,8 @@ class PrefillChooser:
         held by this node's prefix cache."""
         if num_prompt_tokens - num_cached_tokens <= self.cfg.local_prefill_max_tokens or num_prompt_tokens <= 1:
             return Where.LOCAL_SHORT
-        live = [p for p in self.peers if not p.dead]  # a racy read is fine: a dead peer fails the request
+        # a racy read is fine: a dead peer fails the request; a draining one gets nothing new
+        live = [p for p in self.peers if not p.dead and not getattr(p, "draining", False)]
         if not live:
             return Where.LOCAL_NO_PEER if self.cfg.local_fallback else Where.REFUSED_NO_PEER
         bound = self.cfg.max_prefill_queue_tokens
@@ -116,7 +121,7 @@ class PrefillChooser:
         bound = self.cfg.max_prefill_queue_tokens
         now = time.monotonic()
         with self.lock:
-            live = [i for i, p in enumerate(self.peers) if not p.dead]
+            live = [i for i, p in enumerate(self.peers) if not p.dead and not getattr(p, "draining", False)]
             if not live:
                 return None
             q = {i: self.peers[i].route.queued(now, self.expiry_s) for i in live}
@@ -176,6 +181,14 @@ class PrefillChooser:
             r = peer.route
             r.report, r.num_sent = None, 0
             r.sent.clear()
+
+    def least_queue(self) -> int:
+        """The shortest queue among live peers (tokens; 0 with none): what a new prompt waits for."""
+        now = time.monotonic()
+        with self.lock:
+            qs = [p.route.queued(now, self.expiry_s) for p in self.peers
+                  if not p.dead and not getattr(p, "draining", False)]
+        return min(qs, default=0)
 
     def snapshot(self) -> list[dict]:
         """Per peer: its queue as seen here and how many PREFILLs went to it (health, tests)."""

@@ -37,6 +37,7 @@ from pdkv.disagg.decode_memory import DecodeMemory
 from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
+from pdkv.fleet.admission import TTFTEstimator
 from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
@@ -72,6 +73,7 @@ class DecodeCoordinator(PrefillSender):
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
         self.chooser = self.links.chooser
+        self.ttft = TTFTEstimator(cfg.server.ttft_slo_ms, cfg.server.admission)  # server.admission shed
         self.keep_hidden = keep_hidden
         self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
         # exposed transfer = landed (here) - end of the last prefill forward (DONE_AT); either may
@@ -145,6 +147,7 @@ class DecodeCoordinator(PrefillSender):
         slot.state = SlotState.LANDED
         now = time.perf_counter()
         self.metrics.ttft_transfer.observe(now - slot.t_sent)
+        self.ttft.observe(slot.num_pages * self.engine.kv.page_size, now - slot.t_sent)
         self.metrics.kv_bytes.inc(slot.nbytes)
         self.metrics.transferred(slot.num_pages, slot.skip, slot.expected)
         self._exposed(slot.rid, landed=time.time())

@@ -63,6 +63,18 @@ class DecodeConnector(KVConnector):
             return Answer.refuse("no prefill node is connected to this decode node (it keeps dialling its "
                                  "prefill peers; retry shortly; disagg.local_fallback is false)",
                                  status=503, retry_after=2)
+        slo = getattr(self.coordinator, "ttft", None)  # server.admission (pdkv/fleet/admission.py)
+        if where is Where.REMOTE and slo is not None and slo.shed:
+            short = slo.over_budget(self.coordinator.chooser.least_queue() + req.num_prompt_tokens - cached)
+            if short is not None and self.coordinator.cfg.disagg.local_fallback:
+                where = Where.LOCAL_SLO
+                self._decided = (rid, where)
+            elif short is not None:
+                self._decided = (rid, Where.REFUSED_SLO)
+                self.coordinator.metrics.decided(Where.REFUSED_SLO)  # final: admit never runs for it
+                return Answer.refuse(f"the expected time to first token is {short * 1000:.0f} ms over this "
+                                     f"node's budget (server.ttft_slo_ms {slo.slo_s * 1000:.0f}); retry shortly",
+                                     status=503, retry_after=slo.retry_after(short))
         if where is not Where.REMOTE:
             return LOCAL  # prefilled here, chunked like colocated
         landing = self.landing

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "refused_no_peer")  # choice.Where values
+WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "refused_no_peer",  # choice.Where values
+         "local_slo", "refused_slo")
 _T = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -65,7 +66,8 @@ class DisaggMetrics:
             self.failures.labels(*self._lab, reason)
         self.decisions = Counter("pdkv_disagg_prefill_decisions", "Decode: where each prompt was prefilled "
                                  "(remote, or here: local_short, local_saturated, local_no_peer; "
-                                 "refused_no_peer: a 503, disagg.local_fallback false).",
+                                 "refused_no_peer: a 503, disagg.local_fallback false; server.admission shed: "
+                                 "local_slo, refused_slo: expected TTFT over server.ttft_slo_ms).",
                                  lab + ["where"], registry=registry)
         if role == "decode":
             for where in WHERE:

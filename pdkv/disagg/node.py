@@ -79,6 +79,20 @@ class _Node:
             self.messenger = open_messenger(self.cfg.messenger, self.node_id, num_ranks=self.cfg.parallel.tp)
         return self.messenger
 
+    def fleet_record(self) -> dict:
+        """What this node's etcd record carries beyond the server's (pdkv/fleet/drain.py): the
+        model fingerprint and KV geometry HELLO checks, the transport, its NICs."""
+        c = getattr(self, "coordinator", None)
+        h = getattr(c, "hello", None)
+        if h is None:
+            return {}
+        ms = self.cfg.messenger
+        return {"model_fingerprint": h.model_fingerprint, "node_int_id": self.node_id,
+                "kv": {"dtype": h.kv_dtype or h.dtype, "layout": h.kv_layout, "page_size": h.page_size,
+                       "num_layers": h.extra.get("num_layers"), "page_nbytes": h.extra.get("page_nbytes")},
+                "transport": {"name": ms.transport, "host": ms.host}, "nics": list(ms.nics),
+                "parallel": dict(h.parallel)}
+
     def _close(self) -> None:
         if self.pump is not None:
             self.pump.close()
@@ -113,8 +127,47 @@ class DecodeNode(_Node):
             self.engine.set_connector(None)
             self._close()
             raise
+        self._watch_prefill()
+
+    def _watch_prefill(self) -> None:
+        """cluster.discovery etcd: prefill nodes come and go as their registrations do (still
+        dialled through the authenticated handshake; pdkv/fleet/registry.py)."""
+        self.watcher = None
+        if self.cfg.cluster.discovery != "etcd":
+            return
+        from pdkv.disagg.peers import split_address  # noqa: PLC0415
+        from pdkv.fleet.registry import Watcher  # noqa: PLC0415
+
+        links = self.coordinator.links
+
+        def changed(node_id: str, rec: dict | None) -> None:
+            addr = self._addresses.get(node_id) if rec is None else rec.get("control")
+            if rec is None:
+                self._addresses.pop(node_id, None)
+                if addr:
+                    links.leave(*split_address(addr), why=f"its etcd registration ({node_id}) ended")
+                return
+            try:
+                host, port = split_address(str(addr))
+            except ValueError:
+                log.warning("fleet: prefill node %s registered no usable control address (%r); ignored",
+                            node_id, addr)
+                return
+            old = self._addresses.get(node_id)
+            if old is not None and old != addr:
+                links.leave(*split_address(old), why=f"{node_id} registered again at {addr}")
+            self._addresses[node_id] = addr
+            links.join(host, port)
+            links.set_draining(host, port, rec["state"] == "draining")
+
+        self._addresses: dict[str, str] = {}
+        self.watcher = Watcher(self.cfg.cluster, "prefill", changed,
+                               fingerprint=self.coordinator.hello.model_fingerprint)
+        self.watcher.start()
 
     async def stop(self) -> None:
+        if getattr(self, "watcher", None) is not None:
+            await self.watcher.stop()
         if self.coordinator is not None:
             await self.coordinator.stop()
         self._close()
@@ -128,6 +181,7 @@ class DecodeNode(_Node):
             return {}
         loads = c.chooser.snapshot()  # its queue as seen here, PREFILLs sent to it
         return {"prefill_peers": [{"address": f"{p.host}:{p.port}", "connected": not p.dead, **load,
+                                   **({"state": "gone" if p.gone else "draining"} if p.gone or p.draining else {}),
                                    "grants": c.held.get(p.channel.peer.node_id, 0) if p.channel else 0}
                                   for p, load in zip(c.peers, loads)],
                 "transfers_in_flight": len(c.slots), "grants_held": sum(c.held.values()),
@@ -163,6 +217,18 @@ class PrefillNode(_Node):
 
     def is_alive(self) -> bool:
         return self.coordinator is not None and self.coordinator.is_alive()
+
+    def busy(self) -> int:
+        """Jobs in the table (a draining prefill node leaves once it has none)."""
+        return len(self.coordinator.jobs) if self.coordinator is not None else 0
+
+    def fleet_record(self) -> dict:
+        from pdkv.fleet.drain import advertised_host  # noqa: PLC0415
+
+        rec = super().fleet_record()
+        if self.control_port:
+            rec["control"] = f"{advertised_host(self.cfg.messenger.control_host)}:{self.control_port}"
+        return rec
 
     def health(self) -> dict:
         c = self.coordinator

@@ -41,6 +41,10 @@ class Peer:
     redial: asyncio.Task | None = None  # dialling it again after it died
     plan: object = None  # pdkv.shard.ShardPlan: the peer's ShardSpec -> ours (set by the handshake)
     route: PeerRoute = field(default_factory=PeerRoute)  # its queue as seen here (the chooser's, under its lock)
+    # fleet discovery (pdkv/fleet): draining: chosen for nothing new; gone: its registration
+    # ended, never dialled again (the entry stays: the chooser's affinity map holds indices)
+    draining: bool = False
+    gone: bool = False
 
 
 class PrefillPeers:
@@ -59,7 +63,7 @@ class PrefillPeers:
         self.tls = client_context(mcfg.tls)  # messenger.tls, or None (ConfigError names the field)
         # NOTE: Messenger.complete() may block for seconds (a data address that never answers):
         # it runs here, never on the event loop, one thread per peer at most
-        self._setups = ThreadPoolExecutor(max(1, len(mcfg.prefill_peers)), thread_name_prefix="pdkv-decode-setup")
+        self._setups = ThreadPoolExecutor(max(4, len(mcfg.prefill_peers)), thread_name_prefix="pdkv-decode-setup")
         self._on_message, self._on_dead = on_message, on_dead
         self.peers = [Peer(*split_address(p)) for p in mcfg.prefill_peers]
         self.chooser = PrefillChooser(dcfg or DisaggConfig(), self.peers, page_size, mcfg.lease_s)
@@ -148,7 +152,7 @@ class PrefillPeers:
         backoff, until it answers or this node stops; each failed try is logged."""
         delay = REDIAL_FIRST_S
         try:
-            while not self._stopping and peer.dead:
+            while not self._stopping and peer.dead and not peer.gone:
                 await asyncio.sleep(delay)
                 try:
                     await self._connect(peer, once=True)
@@ -163,8 +167,44 @@ class PrefillPeers:
 
     def redial(self, peer: Peer) -> None:
         """Start dialling a dead peer again (once: a redial already running is kept)."""
-        if not self._stopping and peer.redial is None:
+        if not self._stopping and not peer.gone and peer.redial is None:
             peer.redial = self.loop.create_task(self._redial(peer))
+
+    # ---- fleet discovery (pdkv/fleet): peers that come and go -----------------------------
+    def find(self, host: str, port: int) -> Peer | None:
+        return next((p for p in self.peers if p.host == host and p.port == port), None)
+
+    def join(self, host: str, port: int) -> Peer:
+        """A prefill node registered (or registered again): dial it through the authenticated
+        handshake, like a redial (a refused or unreachable one is retried with backoff)."""
+        peer = self.find(host, port)
+        if peer is None:
+            peer = Peer(host, port)
+            self.peers.append(peer)
+            log.info("decode: prefill node at %s:%d joined", host, port)
+        peer.gone = False
+        peer.draining = False
+        if peer.dead:
+            self.redial(peer)
+        return peer
+
+    def leave(self, host: str, port: int, why: str) -> None:
+        """A prefill node's registration ended: drop it (its requests fail as on a death)."""
+        peer = self.find(host, port)
+        if peer is None or peer.gone:
+            return
+        peer.gone = True
+        if peer.redial is not None:
+            peer.redial.cancel()
+        log.info("decode: prefill node at %s:%d left (%s)", host, port, why)
+        if not peer.dead or peer.channel is not None:
+            self._on_dead(peer, why)
+
+    def set_draining(self, host: str, port: int, draining: bool) -> None:
+        peer = self.find(host, port)
+        if peer is not None and peer.draining != draining:
+            peer.draining = draining
+            log.info("decode: prefill node at %s:%d is %s", host, port, "draining" if draining else "ready")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -177,10 +217,10 @@ class PrefillPeers:
                 peer.channel.close()
 
     def can_route(self) -> bool:  # engine thread: a racy read is fine (a dead peer fails the request)
-        return any(not p.dead for p in self.peers)
+        return any(not p.dead and not p.draining for p in self.peers)
 
     def live(self) -> list[Peer]:
-        return [p for p in self.peers if not p.dead]
+        return [p for p in self.peers if not p.dead and not p.draining]
 
 
 

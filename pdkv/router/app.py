@@ -42,11 +42,15 @@ def build_router_app(cfg: RouterConfig) -> web.Application:
                             metrics.observe_node)
         state.update(session=session, poller=poller)
         poller.start()
+        state["watchers"] = _watch_nodes(cfg, nodes, poller)
         await poller.wait_first_round(cfg.poll_timeout_s + cfg.down_after_s)
         app[PROXY] = Proxy(nodes, Policy(cfg.policy, cfg.virtual_nodes, cfg.balance_abs), metrics, session,
-                           cfg.affinity_prefix_chars)
+                           cfg.affinity_prefix_chars, migration_limit=cfg.migration_limit,
+                           migration_max_tokens=cfg.migration_max_tokens)
 
     async def stop(app: web.Application) -> None:
+        for w in state.get("watchers", []):
+            await w.stop()
         await state["poller"].stop()
         await state["session"].close()
 
@@ -93,6 +97,40 @@ def build_router_app(cfg: RouterConfig) -> web.Application:
     return app
 
 
+def _watch_nodes(cfg: RouterConfig, nodes: list[Node], poller: NodePoller) -> list:
+    """cluster.discovery etcd: decode and colocated nodes join and leave as their registrations
+    do (pdkv/fleet/registry.py); a draining one is chosen for nothing new."""
+    if cfg.cluster.discovery != "etcd":
+        return []
+    from pdkv.fleet.registry import Watcher  # noqa: PLC0415
+
+    static = {n.url for n in nodes}
+    urls: dict[tuple[str, str], str] = {}  # (role, node id) -> its URL
+
+    def changed(role: str, node_id: str, rec: dict | None) -> None:
+        old = urls.pop((role, node_id), None)
+        if old is not None and (rec is None or rec["http"].rstrip("/") != old) and old not in static:
+            log.info("node %s (%s) left", old, node_id)
+            poller.remove(old)
+        if rec is None:
+            return
+        url = rec["http"].rstrip("/")
+        urls[(role, node_id)] = url
+        node = next((n for n in nodes if n.url == url), None)
+        if node is None:
+            node = Node(url)
+            poller.add(node)
+            log.info("node %s (%s, %s) joined", url, role, node_id)
+        node.draining = rec["state"] == "draining"
+
+    watchers = []
+    for role in ("decode", "colocated"):
+        w = Watcher(cfg.cluster, role, lambda node_id, rec, role=role: changed(role, node_id, rec))
+        w.start()
+        watchers.append(w)
+    return watchers
+
+
 async def _start(cfg: RouterConfig) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(build_router_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
@@ -111,8 +149,9 @@ def serve_router(cfg: RouterConfig) -> None:
 
     async def main() -> None:
         runner, port = await _start(cfg)
-        log.info("pdkv router listening on http://%s:%d in front of %d node(s): %s", cfg.host, port,
-                 len(cfg.nodes), ", ".join(cfg.nodes))
+        log.info("pdkv router listening on http://%s:%d in front of %d node(s): %s%s", cfg.host, port,
+                 len(cfg.nodes), ", ".join(cfg.nodes),
+                 " (and those registered in etcd)" if cfg.cluster.discovery == "etcd" else "")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

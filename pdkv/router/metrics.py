@@ -24,6 +24,13 @@ class RouterMetrics:
         self.load = Gauge("pdkv_router_node_load", "The node's load as the router sees it", ["node"], registry=r)
         self.in_flight = Gauge("pdkv_router_node_in_flight", "Requests the router has in flight to the node",
                                ["node"], registry=r)
+        self.migrations = Counter("pdkv_router_migrations_total", "Streams moved to another node mid-generation, "
+                                  "by cause (node_failed: its connection broke; stream_cut: it ended without "
+                                  "[DONE]; node_error: it sent an error event) and result (ok, failed)",
+                                  ["cause", "result"], registry=r)
+        self.retries = Counter("pdkv_router_retries_total", "Requests sent again before anything reached the "
+                               "client, by cause (draining: the node refused as draining; unavailable: it "
+                               "answered 503)", ["cause"], registry=r)
         self.no_node = Counter("pdkv_router_no_healthy_node_total", "Requests answered 503: no node was in",
                                registry=r)
 

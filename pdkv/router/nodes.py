@@ -36,6 +36,12 @@ class Node:
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
     last_ok: float = field(default_factory=time.monotonic)  # last good poll (start-up counts as one)
+    draining: bool = False  # its etcd record says so (its /load's "draining" counts too)
+
+    @property
+    def choosable(self) -> bool:
+        """In, and not draining: may get new requests."""
+        return self.healthy and not self.draining and not self.reported.get("draining", False)
 
     @property
     def healthy(self) -> bool:
@@ -58,7 +64,8 @@ class Node:
             self.last_error = why
 
     def describe(self) -> dict:
-        return {"url": self.url, "health": self.health.value, "in_flight": self.in_flight, "load": self.reported,
+        draining = self.draining or self.reported.get("draining", False)
+        return {"url": self.url, "health": self.health.value, **({"draining": True} if draining else {}), "in_flight": self.in_flight, "load": self.reported,
                 **({"last_error": self.last_error} if self.health is not NodeHealth.UP and self.last_error else {})}
 
 
@@ -73,16 +80,30 @@ class NodePoller:
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_change = on_change  # called with a Node after each poll (metrics)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
         self._first = asyncio.Event()  # every node polled once, or one of them up
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(n), name=f"poll {n.url}") for n in self.nodes]
+        for n in self.nodes:
+            self._tasks[n.url] = asyncio.create_task(self._run(n), name=f"poll {n.url}")
+
+    def add(self, node: Node) -> None:
+        """A node that joined (fleet discovery): polled from now on."""
+        if node.url not in self._tasks:
+            self.nodes.append(node)
+            self._tasks[node.url] = asyncio.create_task(self._run(node), name=f"poll {node.url}")
+
+    def remove(self, url: str) -> None:
+        """A node that left: no longer polled nor chosen."""
+        task = self._tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
+        self.nodes[:] = [n for n in self.nodes if n.url != url]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in self._tasks.values():
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def wait_first_round(self, timeout: float) -> None:
         try:
