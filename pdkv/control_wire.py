@@ -65,6 +65,28 @@ def model_fingerprint(config: dict, param_shapes: dict[str, tuple[int, ...]]) ->
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """Sent by each side every heartbeat interval: its clock (``t``, time.time) and whatever the
+    role adds (``fields``: a prefill node's load, checked by the role that reads it)."""
+
+    t: float
+    fields: dict = field(default_factory=dict)
+
+    TYPE = "HEARTBEAT"
+
+    def to_wire(self) -> dict:
+        return {**self.fields, "type": self.TYPE, "t": self.t}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Heartbeat":
+        """ValueError naming ``t`` if it is no time; the other fields are the role's."""
+        t = msg.get("t")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t != t:
+            raise ValueError(f"HEARTBEAT t must be a time in seconds, got {t!r}"[:200])
+        return cls(float(t), {k: v for k, v in msg.items() if k not in ("type", "t")})
+
+
+@dataclass(frozen=True)
 class Hello:
     node_id: int
     role: str  # "prefill" | "decode"

@@ -92,9 +92,8 @@ class DecodeNode(_Node):
 
     serves_api = True
 
-    def __init__(self, cfg, engine, keep_hidden: bool = True, messenger_factory=None):
+    def __init__(self, cfg, engine, messenger_factory=None):
         super().__init__(cfg, engine, messenger_factory)
-        self.keep_hidden = keep_hidden
         self.coordinator: DecodeCoordinator | None = None
         self._commands = None
 
@@ -105,7 +104,7 @@ class DecodeNode(_Node):
         register_nic_metrics(metrics.registry, m, metrics._model_name, "decode")  # per NIC (verbs)
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
         self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
-                                                 self.keep_hidden, secret=self.secret)
+                                                 secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         try:
             await c.start()
