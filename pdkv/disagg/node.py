@@ -97,13 +97,13 @@ class DecodeNode(_Node):
         self.coordinator: DecodeCoordinator | None = None
         self._commands = None
 
-    async def start(self, metrics, loop, commands) -> None:
-        """``commands``: the server front-end's engine loop queue (EngineLoop.put)."""
+    async def start(self, metrics, loop, engine_loop) -> None:
+        """``engine_loop``: the server's; its front-end is the server's AsyncEngine."""
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
         register_nic_metrics(metrics.registry, m, metrics._model_name, "decode")  # per NIC (verbs)
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
-        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
+        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, engine_loop.put,
                                                  secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         try:
@@ -118,9 +118,6 @@ class DecodeNode(_Node):
             await self.coordinator.stop()
         self._close()
 
-    def is_alive(self) -> bool:
-        return self.coordinator is not None
-
     def health(self) -> dict:
         c = self.coordinator
         if c is None:
@@ -134,8 +131,8 @@ class DecodeNode(_Node):
 
 
 class PrefillNode(_Node):
-    """No OpenAI API: its clients are decode nodes, over the control channel. It runs its own
-    engine loop (pdkv.engine.loop.EngineLoop) whose front-end is the prefill coordinator."""
+    """No OpenAI API: its clients are decode nodes, over the control channel. The front-end of
+    the server's engine loop (pdkv.engine.loop.EngineLoop) is the prefill coordinator."""
 
     serves_api = False
 
@@ -144,11 +141,11 @@ class PrefillNode(_Node):
         self.coordinator: PrefillCoordinator | None = None
         self.control_port: int | None = None
 
-    async def start(self, metrics, loop, commands=None) -> None:
+    async def start(self, metrics, loop, engine_loop) -> None:
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
         register_nic_metrics(metrics.registry, m, metrics._model_name, "prefill")  # per NIC (verbs)
-        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
+        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, engine_loop, dm,
                                                   engine_stats=metrics.set_engine_stats, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         self.control_port = await c.start()
@@ -159,9 +156,6 @@ class PrefillNode(_Node):
         if self.coordinator is not None:
             await self.coordinator.stop()
         self._close()
-
-    def is_alive(self) -> bool:
-        return self.coordinator is not None and self.coordinator.is_alive()
 
     def health(self) -> dict:
         c = self.coordinator

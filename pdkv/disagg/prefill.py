@@ -48,9 +48,10 @@ PREFILL_PARAMS = SamplingParams(max_tokens=1)  # never sampled: a prefill-only r
 
 
 class PrefillCoordinator(LoopEvents):
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None, engine_stats=None,
-                 secret: bytes | None = None):
-        """``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
+    def __init__(self, cfg, engine, messenger, node_id: int, engine_loop: EngineLoop, metrics=None,
+                 engine_stats=None, secret: bytes | None = None):
+        """``engine_loop``: the server's (not started yet): this object attaches as its front-end;
+        ``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
         ``secret``: the cluster secret every decode node must prove (pdkv/auth.py), or None."""
         from pdkv.gpu.layer_counter import make_layer_counter
 
@@ -85,9 +86,8 @@ class PrefillCoordinator(LoopEvents):
         # the engine's last stats (engine thread after each step), for the load report; before its
         # first step the engine thread is not running yet, so reading them here is safe
         self.last_stats: dict | None = engine.stats()
-        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
-                                      max_waiting=cfg.server.max_waiting_requests)
-        self.commands = self.engine_loop.put
+        engine_loop.attach(self)
+        self.commands = engine_loop.put
         self.staging.on_free = lambda: self.commands(Wake())  # a request waiting for a row may fit
         self.loop: asyncio.AbstractEventLoop | None = None
         self.listener = DecodeLinks(self.mcfg, messenger, self.kv.spec, self.hidden_nbytes, self.spec is not None,
@@ -110,26 +110,22 @@ class PrefillCoordinator(LoopEvents):
 
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
-        """Start the engine thread and the control listener; returns the control port."""
+        """Start the control listener (the server starts the engine thread); returns the port."""
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative,
                                   hello_rank_nics(self.m), tls_data=self.cfg.messenger.tls_data)  # which NICs carry each rank's pages
-        self.engine_loop.start()
         self.port = await self.listener.start(self.hello)
         return self.port
 
     async def stop(self) -> None:
+        """After the engine loop stopped (it freed every page): the links go, their jobs with them."""
         self.listener.close()
         for link in list(self.links):
             self._peer_dead(link, "prefill node shutting down")
-        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
         self.engine.set_connector(None)
         if self.staged is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)
         self.listener.shutdown()
-
-    def is_alive(self) -> bool:
-        return self.engine_loop.is_alive()
 
     # ---- control (loop thread) --------------------------------------------------------------
     def _on_message(self, link: Link, msg: dict) -> None:

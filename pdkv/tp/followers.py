@@ -28,7 +28,7 @@ class TPRankError(PdkvError, RuntimeError):
 
 
 def _repo_root() -> str:
-    import pdkv.models  # noqa: PLC0415
+    from pdkv import models  # noqa: PLC0415
 
     return str(Path(models.__file__).resolve().parent.parent)
 
