@@ -26,12 +26,12 @@ from typing import Any, Awaitable, Callable
 
 from pdkv.control_handshake import Session, handshake
 from pdkv.control_wire import (MAX_FRAME, MUST_MATCH, PRE_AUTH_MAX_FRAME, PROTOCOL_VERSION,  # noqa: F401 - re-exported
-                               AuthenticationFailed, ControlError, HandshakeRefused, Heartbeat, Hello, TLSRefused,
+                               Auth, AuthenticationFailed, ControlError, HandshakeRefused, Heartbeat, Hello, Proof, Refuse, TLSRefused,
                                encode_frame, model_fingerprint, read_frame)
 from pdkv.tls import describe as _tls_reason
 
-__all__ = ["MAX_FRAME", "MUST_MATCH", "PRE_AUTH_MAX_FRAME", "PROTOCOL_VERSION", "AuthenticationFailed",
-           "ControlChannel", "ControlError", "HandshakeRefused", "Heartbeat", "Hello", "TLSRefused", "encode_frame",
+__all__ = ["MAX_FRAME", "MUST_MATCH", "PRE_AUTH_MAX_FRAME", "PROTOCOL_VERSION", "Auth", "AuthenticationFailed",
+           "ControlChannel", "ControlError", "HandshakeRefused", "Heartbeat", "Hello", "Proof", "Refuse", "TLSRefused", "encode_frame",
            "model_fingerprint", "read_frame"]
 
 log = logging.getLogger(__name__)

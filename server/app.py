@@ -15,6 +15,8 @@ this shape:
     async start(metrics, loop, engine_loop)  plug into the engine and its loop (commands go to
                             ``engine_loop.put``; a node that does not serve the API binds its
                             front-end with ``engine_loop.attach``)
+    async close()           take no more work, before the engine loop stops (a prefill node
+                            drops its decode nodes' links: their requests fail as transient)
     async stop()            after the engine loop stopped
     health() -> dict        merged into /health
 """
@@ -115,6 +117,8 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         aengine, engine_loop = app.get(ASYNC_ENGINE), app.get(ENGINE_LOOP)
         if aengine is not None:
             aengine.close()  # every request of a client aborted, no new one taken
+        if node is not None:
+            await node.close()
         if engine_loop is not None:  # NOTE: the thread frees what is left (pages, queued requests)
             await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop)
         if routes.grammars is not None:

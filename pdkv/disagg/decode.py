@@ -98,6 +98,10 @@ class DecodeCoordinator(PrefillSender):
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
 
+    def close(self) -> None:
+        """Nothing to do before the engine loop stops: the server's front-end aborted its clients'
+        requests; the transfers in flight end at ``stop``."""
+
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()

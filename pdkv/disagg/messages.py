@@ -10,6 +10,10 @@ the first bad one. A peer's map is never read field by field anywhere else.
     prefill -> decode  Connected, Refuse, CancelAck, Fail, PromptLogprobs, DoneAt; every
                        heartbeat carries a PrefillLoad (``load``)
 
+Before these, the handshake's own (AUTH, PROOF, HELLO, REFUSE) and the heartbeat are
+pdkv/control_wire.py's ``Auth``, ``Proof``, ``Hello``, ``Refuse`` (re-exported here: a prefill
+node answers CONNECT with it too) and ``Heartbeat``, built and checked the same way.
+
 What each field means is in pdkv/disagg/protocol.py's docstring. Fields a receiver can check only
 against its link (page counts, the page size, the shard plan, the hand-off) come as ``limits``:
 ``Prefill.parse(msg, PrefillLimits(...))``. Adding a field: give it a default (an older peer
@@ -22,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+from pdkv.control_wire import Refuse  # noqa: F401 - the handshake's REFUSE, also the answer to CONNECT
 from pdkv.disagg.range_keys import RangeKeys
 
 CONNECT, CONNECTED, REFUSE = "CONNECT", "CONNECTED", "REFUSE"
@@ -149,29 +154,6 @@ class Connected(Message):
     @classmethod
     def parse(cls, msg: dict) -> "Connected":
         return cls(_bytes(msg.get("info"), "CONNECTED info"))
-
-
-@dataclass(frozen=True)
-class Refuse(Message):
-    """prefill -> decode instead of CONNECTED: the pair cannot work (``busy``: the node is full
-    now, worth a redial)."""
-
-    TYPE: ClassVar[str] = REFUSE
-    reason: str
-    busy: bool = False
-
-    def to_wire(self) -> dict:
-        out = {"type": REFUSE, "reason": self.reason}
-        if self.busy:
-            out["busy"] = True
-        return out
-
-    @classmethod
-    def parse(cls, msg: dict) -> "Refuse":
-        # NOTE: a refusal is shown to the operator as sent: a reason that is no string is shown
-        # as what it was, never a second error hiding the first
-        reason = msg.get("reason")
-        return cls(reason if isinstance(reason, str) else repr(reason)[:200], msg.get("busy") is True)
 
 
 # ---- requests -------------------------------------------------------------------------------------

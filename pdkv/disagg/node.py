@@ -79,6 +79,11 @@ class _Node:
             self.messenger = open_messenger(self.cfg.messenger, self.node_id, num_ranks=self.cfg.parallel.tp)
         return self.messenger
 
+    async def close(self) -> None:
+        """Take no more work (before the server stops the engine loop)."""
+        if self.coordinator is not None:
+            self.coordinator.close()
+
     def _close(self) -> None:
         if self.pump is not None:
             self.pump.close()

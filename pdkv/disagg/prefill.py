@@ -23,7 +23,6 @@ import logging
 import time
 
 import numpy as np
-import torch
 
 from pdkv.control import ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
@@ -31,19 +30,16 @@ from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
-from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
+from pdkv.disagg.prefill_connector import PrefillConnector
+from pdkv.disagg.prefill_memory import PrefillMemory
 from pdkv.disagg.prefill_links import DecodeLinks, Link
-from pdkv.disagg.sharded import NodeKV, hello_rank_nics
-from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_prefill import build_sender
-from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.gpu.staging import CopyStatus
-from pdkv.messenger import rank_keys
 
 log = logging.getLogger(__name__)
-NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per admitted request)
 PREFILL_PARAMS = SamplingParams(max_tokens=1)  # never sampled: a prefill-only request
 
 
@@ -53,32 +49,19 @@ class PrefillCoordinator(LoopEvents):
         """``engine_loop``: the server's (not started yet): this object attaches as its front-end;
         ``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
         ``secret``: the cluster secret every decode node must prove (pdkv/auth.py), or None."""
-        from pdkv.gpu.layer_counter import make_layer_counter
-
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
-        # every rank's KV region, registered (one per rank) unless the pages go through the ring
-        self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
-        hidden = int(engine.loaded.arch.hidden_size)
-        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
-        self.handoff = P.spec_handoff(cfg.speculative, engine)
-        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
-        self.hidden_nbytes = self.staging.row_nbytes
-        buf = self.staging.buffer
-        self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
-        self.counter = make_layer_counter(torch.device(cfg.model.device))
-        self.watch = messenger.watch_address(self.counter.host_address)
+        # what the writes read from: KV regions, hidden staging rows, the layer counter, the hand-off
+        self.memory = mem = PrefillMemory(cfg, engine, messenger)
+        self.mode, self.kv, self.handoff, self.spec = mem.mode, mem.kv, mem.handoff, mem.spec
+        self.staging, self.hidden_nbytes, self.counter, self.watch = (mem.staging, mem.hidden_nbytes, mem.counter,
+                                                                      mem.watch)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
         self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
                                     self._copy_ended, metrics) if self.mode.staged else None)
-        proposer = handoff_proposer(engine, self.handoff)
-        self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
-            if proposer is not None else None
-        # the hidden row leaves through rank 0's NIC the seed picks, as rank 0's pages do
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          rank_keys(messenger, self.staging_key, 0), self.mcfg.layerwise,
+                                          mem.staging_keys, self.mcfg.layerwise,
                                           engine.kv.page_size, metrics,
                                           staged=self.staged, spec=self.spec)
         engine.set_connector(self.connector)
@@ -117,11 +100,16 @@ class PrefillCoordinator(LoopEvents):
         self.port = await self.listener.start(self.hello)
         return self.port
 
-    async def stop(self) -> None:
-        """After the engine loop stopped (it freed every page): the links go, their jobs with them."""
+    def close(self) -> None:
+        """Take no more work, before the engine loop stops: the listener closes and every link
+        goes (each decode node fails its requests as transient, as for a dead peer)."""
         self.listener.close()
         for link in list(self.links):
             self._peer_dead(link, "prefill node shutting down")
+
+    async def stop(self) -> None:
+        """After the engine loop stopped (it freed every page)."""
+        self.close()  # a no-op after the first
         self.engine.set_connector(None)
         if self.staged is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)

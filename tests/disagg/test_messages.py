@@ -9,7 +9,7 @@ import math
 import msgpack
 import pytest
 
-from pdkv.control import Heartbeat
+from pdkv.control import Auth, ControlError, Heartbeat, Hello, Proof, Refuse
 from pdkv.disagg import messages as M
 from pdkv.engine.request import TokenLogprob
 
@@ -184,5 +184,24 @@ def test_unknown_or_missing_type_is_refused(table):
 
 def test_every_message_class_is_received_by_one_side():
     classes = {c for c in vars(M).values() if isinstance(c, type) and issubclass(c, M.Message) and c is not M.Message}
-    assert classes == set(M.TO_PREFILL.values()) | set(M.TO_DECODE.values())
+    received = set(M.TO_PREFILL.values()) | set(M.TO_DECODE.values())
+    assert classes | {M.Refuse} == received  # REFUSE is the handshake's (pdkv.control_wire)
     assert all(cls.TYPE == kind for table in (M.TO_PREFILL, M.TO_DECODE) for kind, cls in table.items())
+
+
+@pytest.mark.parametrize("msg", [Auth(b"n" * 32, True), Proof(b"mac"), Refuse("different models"),
+                                 Refuse("full", busy=True)])
+def test_handshake_messages_round_trip(msg):
+    assert type(msg).parse(msgpack.unpackb(msgpack.packb(msg.to_wire()))) == msg
+
+
+def test_handshake_messages_name_what_is_wrong():
+    with pytest.raises(ControlError, match="no valid nonce"):
+        Auth.parse({"type": "AUTH", "nonce": b"short", "secret": True})
+    assert Refuse.parse({"type": "REFUSE", "reason": 5}).reason == "5"  # shown as sent, never a second error
+    hello = Hello(node_id=3, role="decode", model_fingerprint="f", dtype="float32", kv_layout="HND", page_size=4)
+    assert Hello.parse(msgpack.unpackb(msgpack.packb(hello.to_wire()))) == hello
+    with pytest.raises(ControlError, match="invalid node_id"):
+        Hello.parse({**hello.to_wire(), "node_id": 0})
+    with pytest.raises(ControlError, match="lacks page_size"):
+        Hello.parse({k: v for k, v in hello.to_wire().items() if k != "page_size"})
