@@ -140,7 +140,8 @@ class PrefillSender:
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self.chooser.sent(peer, len(job.tokens))
         # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
-        spec_keys = self.spec_grants.write_keys(ask.spec_pages, spec_granted, hidden=False) if spec_granted else None
+        spec_keys = (self.spec_grants.write_keys(ask.spec_pages, spec_granted, hidden=False)
+                     if spec_granted else None)
         self._send(peer, M.Prefill(rid, tuple(job.tokens), tuple(job.dst), imm, slot.hidden_row * self.hidden_nbytes,
                                    seed, job.cached, slot.expected, self.grants.write_keys(job.dst, granted),
                                    ask.spec_pages, ask.next_token, spec_keys, ask.prompt_logprobs,

@@ -444,10 +444,6 @@ class PrefillLoad:
     def to_wire(self) -> dict:
         return asdict(self)
 
-    def heartbeat(self) -> dict:
-        """The heartbeat's fields (pdkv.control ControlChannel.start_heartbeat ``payload``)."""
-        return {"load": self.to_wire()}
-
     @classmethod
     def parse(cls, raw) -> "PrefillLoad | None":
         """A heartbeat's ``load`` (None: it carries none, an older prefill node); unknown
@@ -460,6 +456,12 @@ class PrefillLoad:
         for name in cls.__dataclass_fields__:
             vals[name] = _int(raw.get(name, 0), f"HEARTBEAT load.{name}", 0, _COUNT_TOP, "a non-negative integer")
         return cls(**vals)
+
+
+def heartbeat_fields(load: PrefillLoad) -> dict:
+    """What a prefill node adds to each heartbeat (pdkv.control ControlChannel.start_heartbeat
+    ``payload``): its load."""
+    return {"load": load.to_wire()}
 
 
 # ---- receiving ------------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ class PrefillCoordinator(LoopEvents):
                 job.reason = "cancelled by the decode node"
                 self.commands(AbortRequest(job.key))
         else:
-            self._rlog.warning(f"unexpected:{kind.TYPE}", "prefill: ignoring unexpected control message %s", kind.TYPE)
+            self._rlog.warning(f"unexpected:{kind.TYPE}", "prefill: ignoring unexpected control message %s",
+                               kind.TYPE)
 
     def load_report(self, link: Link) -> PrefillLoad:
         """What the next heartbeat on ``link`` tells its decode node (pdkv/disagg/load.py)."""
@@ -178,7 +179,8 @@ class PrefillCoordinator(LoopEvents):
         """What a PREFILL on ``link`` is checked against (its decode node's pool and plan, this
         node's page size, prompt-logprobs bound and speculative hand-off)."""
         return M.PrefillLimits(link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size,
-                               link.plan.decode.tp, link.dst.num_layers, self.cfg.server.max_prompt_logprobs_tokens,
+                               link.plan.decode.tp, link.dst.num_layers,
+                               self.cfg.server.max_prompt_logprobs_tokens,
                                self.handoff.get("method") if self.spec is not None else None,
                                link.spec_num_pages, link.spec_dst.num_layers if link.spec_dst is not None else 0)
 

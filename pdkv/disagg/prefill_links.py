@@ -165,7 +165,7 @@ class DecodeLinks:
         log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
                  source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._on_dead(link, r),
-                           payload=lambda: self._load_report(link).heartbeat())
+                           payload=lambda: M.heartbeat_fields(self._load_report(link)))
         try:
             while not link.dead:
                 self._on_message(link, await ch.recv())

@@ -160,7 +160,7 @@ def test_prompt_logprobs_are_checked_against_what_was_asked():
 
 def test_load_round_trip_and_bad_field():
     load = M.PrefillLoad(queued_tokens=7, running=1, waiting=2, free_pages=30, seen=4)
-    hb = Heartbeat.parse(msgpack.unpackb(msgpack.packb(Heartbeat(3.5, load.heartbeat()).to_wire())))
+    hb = Heartbeat.parse(msgpack.unpackb(msgpack.packb(Heartbeat(3.5, M.heartbeat_fields(load)).to_wire())))
     assert hb.t == 3.5 and M.PrefillLoad.parse(hb.fields["load"]) == load
     assert M.PrefillLoad.parse(None) is None  # a plain heartbeat (an older prefill node)
     with pytest.raises(M.MessageError, match=r"HEARTBEAT load\.running must be a non-negative integer"):
@@ -183,7 +183,8 @@ def test_unknown_or_missing_type_is_refused(table):
 
 
 def test_every_message_class_is_received_by_one_side():
-    classes = {c for c in vars(M).values() if isinstance(c, type) and issubclass(c, M.Message) and c is not M.Message}
+    classes = {c for c in vars(M).values()
+               if isinstance(c, type) and issubclass(c, M.Message) and c is not M.Message}
     received = set(M.TO_PREFILL.values()) | set(M.TO_DECODE.values())
     assert classes | {M.Refuse} == received  # REFUSE is the handshake's (pdkv.control_wire)
     assert all(cls.TYPE == kind for table in (M.TO_PREFILL, M.TO_DECODE) for kind, cls in table.items())

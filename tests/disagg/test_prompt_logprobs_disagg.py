@@ -21,7 +21,8 @@ GOOD = [TokenLogprob(6, -1.0, ((6, -1.0), (9, -2.0))), TokenLogprob(7, -0.5, ((7
 
 def test_round_trip():
     assert PL.decode(PL.encode("r", GOOD), PROMPT, 2) == GOOD
-    p = M.Prefill.parse({**PREFILL, "prompt_logprobs": 2, "last_token": 8}, M.PrefillLimits(max_prompt_logprobs_tokens=4))
+    p = M.Prefill.parse({**PREFILL, "prompt_logprobs": 2, "last_token": 8},
+                        M.PrefillLimits(max_prompt_logprobs_tokens=4))
     assert (p.prompt_logprobs, p.last_token) == (2, 8)
     p = M.Prefill.parse(PREFILL, M.PrefillLimits(max_prompt_logprobs_tokens=4))
     assert p.prompt_logprobs is None  # not asked (an older decode node): nothing computed
