@@ -6,7 +6,8 @@ prompt is prefilled remotely at all is its ``decide``, at admission), ``expect(i
 imm_done arrives the KV and hidden state have landed and the engine gets RemoteKVReady. Every other
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
-and exactly those landed, or after the data connection to a dead peer was torn down. Dialling,
+and exactly those landed, or after the data connection to a dead peer was torn down: every
+ending is the request's one Reservation.release (pdkv/disagg/reservation.py). Dialling,
 the handshake and redialling a dead peer live in peers.py; granting a request's pages and
 sending its PREFILL in decode_send.py.
 
@@ -237,7 +238,7 @@ class DecodeCoordinator(PrefillSender):
             kind = M.message_class(raw, M.TO_DECODE)
             # PROMPT_LOGPROBS is checked against what its slot asked, below
             msg = kind.parse(raw) if kind is not M.PromptLogprobs else None
-            rid = msg.req if msg is not None else M.Cancel.parse(raw).req
+            rid = msg.req if msg is not None else M.request_id(raw)
         except M.MessageError as e:
             self._rlog.warning(f"bad_message:{peer.host}:{peer.port}", "decode: ignoring a control message from "
                                "prefill node at %s:%d: %s", peer.host, peer.port, e)

@@ -11,7 +11,9 @@ A slot's state machine::
       request's end──► RELEASED (its grants revoked first: the peer's later writes are refused)
     (a dead peer: every slot RELEASED at once, after its data connection was torn down)
 
-Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop.
+Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop;
+RELEASED (and LANDED, for what the engine does not take over) is the slot's Reservation's one
+``release`` (pdkv/disagg/reservation.py).
 """
 
 from __future__ import annotations

@@ -470,6 +470,12 @@ TO_DECODE = {CONNECTED: Connected, REFUSE: Refuse, CANCEL_ACK: CancelAck, FAIL: 
              PROMPT_LOGPROBS: PromptLogprobs}
 
 
+def request_id(msg: dict) -> str:
+    """The request a message is about (``req``), checked: for a message whose other fields are
+    checked later, against what its request asked (PROMPT_LOGPROBS)."""
+    return _req(msg.get("req"))
+
+
 def message_class(msg, table: dict) -> type:
     """The class of ``msg`` among ``table``'s (TO_PREFILL / TO_DECODE); MessageError naming the
     type otherwise."""

@@ -42,7 +42,13 @@ class Reservation:
         return self.releases > 0
 
     def granted(self, grantee: int, ranges: tuple) -> None:
+        """The grant thread made ``ranges`` for ``grantee``. Released meanwhile (the node is
+        stopping): they are revoked at once, nothing else goes back twice."""
         self.grantee, self.grants = grantee, tuple(ranges)
+        if self.released:
+            self.memory.grants.revoke(grantee, list(ranges))  # NOTE: a busy one goes with the messenger
+            self.memory.hold(grantee, -len(ranges))
+            self.grants = ()
 
     def release(self, pages: bool, then: Callable[[], None] | None = None) -> bool:
         """The request is over here and no write of it can land once the grants are gone: give

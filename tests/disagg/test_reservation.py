@@ -82,6 +82,15 @@ def test_landed_keeps_the_landing_slots_and_the_engine_keeps_the_pages():
     assert mem.events == [("revoke", 7, 3)] and sorted(mem.rows._free) == [0, 1]
 
 
+def test_grants_made_after_the_release_are_revoked_alone():
+    mem = _Memory()
+    res = Reservation("r", 0, mem)
+    res.release(pages=False)  # the node stopped while the grant thread ran
+    res.granted(7, (Range(1, 0, 8), Range(2, 0, 8)))
+    assert mem.events == [("landing", "r"), ("revoke", 7, 2)] and mem.held == {7: 1} and res.grants == ()
+    assert sorted(mem.rows._free) == [0, 1]  # the row went back once
+
+
 def test_an_unsent_reservation_gives_its_row_back():
     mem = _Memory(landing=False)
     res = Reservation("r", 0, mem)  # the grants were never made
