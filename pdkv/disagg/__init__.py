@@ -6,7 +6,7 @@ coordinators that drive the messenger and the control channel.
     range_keys.py         prefill side: the write key of the granted range each page falls in
     messages.py           every control message as a frozen dataclass: to_wire / parse (each field checked once)
     protocol.py           what the control messages mean (their type names) and the HELLO
-    prompt_logprobs.py    echo + logprobs: PREFILL's request fields, PROMPT_LOGPROBS (checked both ends)
+    prompt_logprobs.py    echo + logprobs: PROMPT_LOGPROBS entries (checked against what was asked)
     jobs.py               the prefill node's job table (state machine, answers), no threads
     prefill_connector.py  PrefillConnector: a forward pass's layout -> page + hidden-state writes
     prefill_memory.py     PrefillMemory: KV regions, hidden staging rows, the layer counter, the hand-off
