@@ -65,3 +65,8 @@ class Slot:
     @property
     def hidden_row(self) -> int:
         return self.res.row
+
+    @property
+    def grants(self) -> tuple:
+        """What the peer may write for it now (its reservation's; () once revoked)."""
+        return self.res.grants
