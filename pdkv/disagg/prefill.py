@@ -32,6 +32,7 @@ from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector
 from pdkv.disagg.prefill_memory import PrefillMemory
+from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.prefill_links import DecodeLinks, Link
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_prefill import build_sender
@@ -227,7 +228,7 @@ class PrefillCoordinator(LoopEvents):
     def _send_prompt_logprobs(self, key: str, logprobs: list) -> None:
         job = self.jobs.get(key)
         if job is not None and job.prompt_logprobs is not None and len(logprobs) == len(job.tokens):
-            self._send(job.link, M.PromptLogprobs(job.req, tuple(logprobs)).to_wire())
+            self._send(job.link, PL.encode(job.req, logprobs))  # messages.PromptLogprobs on the wire
 
     def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
         if self.staged is not None and end is not JobEnd.PREFILLED:
