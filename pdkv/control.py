@@ -26,12 +26,12 @@ from typing import Any, Awaitable, Callable
 
 from pdkv.control_handshake import Session, handshake
 from pdkv.control_wire import (MAX_FRAME, MUST_MATCH, PRE_AUTH_MAX_FRAME, PROTOCOL_VERSION,  # noqa: F401 - re-exported
-                               AuthenticationFailed, ControlError, HandshakeRefused, Hello, TLSRefused,
+                               Auth, AuthenticationFailed, ControlError, HandshakeRefused, Heartbeat, Hello, Proof, Refuse, TLSRefused,
                                encode_frame, model_fingerprint, read_frame)
 from pdkv.tls import describe as _tls_reason
 
-__all__ = ["MAX_FRAME", "MUST_MATCH", "PRE_AUTH_MAX_FRAME", "PROTOCOL_VERSION", "AuthenticationFailed",
-           "ControlChannel", "ControlError", "HandshakeRefused", "Hello", "TLSRefused", "encode_frame",
+__all__ = ["MAX_FRAME", "MUST_MATCH", "PRE_AUTH_MAX_FRAME", "PROTOCOL_VERSION", "Auth", "AuthenticationFailed",
+           "ControlChannel", "ControlError", "HandshakeRefused", "Heartbeat", "Hello", "Proof", "Refuse", "TLSRefused", "encode_frame",
            "model_fingerprint", "read_frame"]
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ class ControlChannel:
         self._lease = 0.0
         self._hb_task: asyncio.Task | None = None
         self._closed = False
-        # Called with every HEARTBEAT received (the whole message, unchecked: what the role added
-        # to it is the role's to check); None: heartbeats only refresh liveness.
-        self.on_heartbeat: Callable[[dict], None] | None = None
+        # Called with every HEARTBEAT received (its ``fields``, what the role added, are the
+        # role's to check); None: heartbeats only refresh liveness.
+        self.on_heartbeat: Callable[[Heartbeat], None] | None = None
 
     # -- establishing --------------------------------------------------------------------
     @classmethod
@@ -104,11 +104,13 @@ class ControlChannel:
         while True:
             msg = await read_frame(self.reader, self._in, self.max_frame)
             self.last_heard = time.monotonic()
-            if msg["type"] != "HEARTBEAT":
+            if msg["type"] != Heartbeat.TYPE:
                 return msg
             if self.on_heartbeat is not None:
                 try:
-                    self.on_heartbeat(msg)
+                    self.on_heartbeat(Heartbeat.parse(msg))
+                except ValueError as e:  # a malformed one still proves the peer alive
+                    log.warning("control: a malformed heartbeat from node %#x: %s", self.peer.node_id, e)
                 except Exception:  # noqa: BLE001 - what a heartbeat carries never breaks the channel
                     log.exception("control: heartbeat handler failed on a heartbeat from node %#x", self.peer.node_id)
 
@@ -136,7 +138,7 @@ class ControlChannel:
                     except Exception:  # noqa: BLE001 - a broken payload must not stop the liveness beat
                         log.exception("control: heartbeat payload failed; sending a plain heartbeat")
                 try:
-                    await self.send({**extra, "type": "HEARTBEAT", "t": time.time()})
+                    await self.send(Heartbeat(time.time(), extra).to_wire())
                 except ControlError as e:
                     await _maybe_await(on_dead(str(e)))
                     return

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from pdkv import auth
-from pdkv.control_wire import (PRE_AUTH_MAX_FRAME, AuthenticationFailed, ControlError, HandshakeRefused, Hello,
-                               TLSRefused, encode_frame, read_frame)
+from pdkv.control_wire import (PRE_AUTH_MAX_FRAME, Auth, AuthenticationFailed, ControlError, HandshakeRefused, Hello,
+                               Proof, Refuse, TLSRefused, encode_frame, read_frame)
 from pdkv.tls import describe as _tls_reason
 
 # NOTE: under TLS 1.3 the acceptor checks the dialler's certificate after the dialler's side of the
@@ -81,7 +81,7 @@ async def _exchange(reader, writer, hello: Hello, secret: bytes | None, dialer: 
     lim = PRE_AUTH_MAX_FRAME
 
     async def refuse(reason: str, exc=HandshakeRefused):
-        writer.write(encode_frame({"type": "REFUSE", "reason": reason}))
+        writer.write(encode_frame(Refuse(reason).to_wire()))
         await writer.drain()
         raise exc(reason)
 
@@ -89,56 +89,49 @@ async def _exchange(reader, writer, hello: Hello, secret: bytes | None, dialer: 
         msg = await read_frame(reader, sealer, lim)
         if heard is not None:
             heard[0] += 1
-        if msg["type"] == "REFUSE":
-            exc = AuthenticationFailed if "secret" in str(msg.get("reason")) else HandshakeRefused
-            raise exc(f"peer refused the handshake: {msg.get('reason')}")
+        if msg["type"] == Refuse.TYPE:
+            reason = Refuse.parse(msg).reason
+            exc = AuthenticationFailed if "secret" in reason else HandshakeRefused
+            raise exc(f"peer refused the handshake: {reason}")
         if msg["type"] != kind:
             raise ControlError(f"expected {kind} from peer, got {msg['type']}"
                                + (" (an older pdkv without authentication?)" if msg["type"] == "HELLO" else ""))
         return msg
 
     mine = auth.new_nonce()
-    writer.write(encode_frame({"type": "AUTH", "nonce": mine, "secret": secret is not None}))
+    writer.write(encode_frame(Auth(mine, secret is not None).to_wire()))
     await writer.drain()
-    msg = await expect("AUTH")
-    theirs = msg.get("nonce")
-    if not isinstance(theirs, bytes) or len(theirs) != auth.NONCE_BYTES:
-        raise ControlError("peer AUTH carries no valid nonce")
+    peer_auth = Auth.parse(await expect(Auth.TYPE))
+    theirs = peer_auth.nonce
     if theirs == mine:
         raise AuthenticationFailed("peer echoed this node's own nonce (a reflection): refused")
-    if bool(msg.get("secret")) != (secret is not None):
+    if peer_auth.secret != (secret is not None):
         await refuse("this node has a cluster secret and the peer has none" if secret is not None else
                      "the peer requires a cluster secret and this node has none", AuthenticationFailed)
     me, them = (b"dial", b"accept") if dialer else (b"accept", b"dial")
     if secret is not None:
         if dialer:
-            writer.write(encode_frame({"type": "PROOF", "mac": auth.proof(secret, me, theirs, mine)}))
+            writer.write(encode_frame(Proof(auth.proof(secret, me, theirs, mine)).to_wire()))
             await writer.drain()
-        got = await expect("PROOF")
-        if not auth.check_proof(secret, them, got.get("mac"), mine, theirs):
+        got = Proof.parse(await expect(Proof.TYPE))
+        if not auth.check_proof(secret, them, got.mac, mine, theirs):
             await refuse("authentication failed: the peer does not hold this cluster's secret",
                          AuthenticationFailed)
         if not dialer:  # NOTE: only after the dialer proved itself (no oracle for strangers)
-            writer.write(encode_frame({"type": "PROOF", "mac": auth.proof(secret, me, theirs, mine)}))
+            writer.write(encode_frame(Proof(auth.proof(secret, me, theirs, mine)).to_wire()))
             await writer.drain()
     dial_nonce, accept_nonce = (mine, theirs) if dialer else (theirs, mine)
     key, token = auth.session_material(secret, dial_nonce, accept_nonce)
     out = inn = None
     if secret is not None:
         out, inn = auth.Sealer(key, me), auth.Sealer(key, them)
-    writer.write(encode_frame({"type": "HELLO", **asdict(hello)}, out, lim))
+    writer.write(encode_frame(hello.to_wire(), out, lim))
     await writer.drain()
-    msg = await expect("HELLO", inn)
-    try:
-        peer = Hello.from_dict({k: v for k, v in msg.items() if k != "type"})
-        if not isinstance(peer.node_id, int) or isinstance(peer.node_id, bool) or not 0 < peer.node_id < 2**63:
-            raise ControlError(f"peer HELLO has an invalid node_id {peer.node_id!r} (an integer in 1..2**63-1)")
-    except TypeError as e:
-        raise ControlError(f"malformed peer HELLO: {e}") from e
+    peer = Hello.parse(await expect("HELLO", inn))
     diffs = hello.differences(peer)
     if diffs:
         reason = "; ".join(diffs)
-        writer.write(encode_frame({"type": "REFUSE", "reason": reason}, out, lim))
+        writer.write(encode_frame(Refuse(reason).to_wire(), out, lim))
         await writer.drain()
         raise HandshakeRefused(f"refusing peer node {peer.node_id:#x}: {reason}")
     return Session(peer, token, (out, inn) if out is not None else None,

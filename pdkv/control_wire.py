@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import msgpack
 
@@ -62,6 +62,89 @@ def model_fingerprint(config: dict, param_shapes: dict[str, tuple[int, ...]]) ->
     for name in sorted(param_shapes):
         h.update(f"{name}:{tuple(param_shapes[name])};".encode())
     return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Auth:
+    """The first frame each side sends: a fresh nonce, and whether it has a cluster secret."""
+
+    nonce: bytes
+    secret: bool
+
+    TYPE = "AUTH"
+
+    def to_wire(self) -> dict:
+        return {"type": self.TYPE, "nonce": self.nonce, "secret": self.secret}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Auth":
+        nonce = msg.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != auth.NONCE_BYTES:
+            raise ControlError("peer AUTH carries no valid nonce")
+        return cls(nonce, bool(msg.get("secret")))  # NOTE: any true value: an older peer's form
+
+
+@dataclass(frozen=True)
+class Proof:
+    """With a cluster secret: the HMAC proving this side holds it for this exchange's nonces
+    (checked by pdkv.auth.check_proof, which refuses anything that is not bytes)."""
+
+    mac: object
+
+    TYPE = "PROOF"
+
+    def to_wire(self) -> dict:
+        return {"type": self.TYPE, "mac": self.mac}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Proof":
+        return cls(msg.get("mac"))
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The pair cannot work together (``reason`` names why); ``busy``: the refusing node is
+    full now, worth a redial (a prefill node's answer to CONNECT)."""
+
+    reason: str
+    busy: bool = False
+
+    TYPE = "REFUSE"
+
+    def to_wire(self) -> dict:
+        out = {"type": self.TYPE, "reason": self.reason}
+        if self.busy:
+            out["busy"] = True
+        return out
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Refuse":
+        # NOTE: a refusal is shown to the operator as sent: a reason that is no string is shown
+        # as what it was, never a second error hiding the first
+        reason = msg.get("reason")
+        return cls(reason if isinstance(reason, str) else repr(reason)[:200], msg.get("busy") is True)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent by each side every heartbeat interval: its clock (``t``, time.time) and whatever the
+    role adds (``fields``: a prefill node's load, checked by the role that reads it)."""
+
+    t: float
+    fields: dict = field(default_factory=dict)
+
+    TYPE = "HEARTBEAT"
+
+    def to_wire(self) -> dict:
+        return {**self.fields, "type": self.TYPE, "t": self.t}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Heartbeat":
+        """ValueError naming ``t`` if it is no time; the other fields are the role's."""
+        t = msg.get("t")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t != t:
+            raise ValueError(f"HEARTBEAT t must be a time in seconds, got {t!r}"[:200])
+        return cls(float(t), {k: v for k, v in msg.items() if k not in ("type", "t")})
 
 
 @dataclass(frozen=True)
@@ -117,6 +200,21 @@ class Hello:
         if missing:
             raise ControlError(f"peer HELLO lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_wire(self) -> dict:
+        return {"type": "HELLO", **asdict(self)}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Hello":
+        """A peer's HELLO frame; ControlError names what is missing or wrong (the fields that must
+        match are compared by ``differences``, the role's extras by the role)."""
+        try:
+            peer = cls.from_dict({k: v for k, v in msg.items() if k != "type"})
+        except TypeError as e:
+            raise ControlError(f"malformed peer HELLO: {e}") from e
+        if not isinstance(peer.node_id, int) or isinstance(peer.node_id, bool) or not 0 < peer.node_id < 2**63:
+            raise ControlError(f"peer HELLO has an invalid node_id {peer.node_id!r} (an integer in 1..2**63-1)")
+        return peer
 
 
 def encode_frame(msg: dict, sealer: auth.Sealer | None = None, limit: int = MAX_FRAME) -> bytes:

@@ -4,14 +4,20 @@
 starts with the app (``on_startup``, where the event loop is known) and stops with it
 (``on_cleanup``), aborting whatever is still running so no page is left taken.
 
-The server knows nothing about roles. A ``node`` (built by the caller, e.g. the CLI with
-pdkv.disagg.node.build_node) is anything with this shape:
+The server knows nothing about roles. It owns the one engine loop (pdkv.engine.loop.EngineLoop)
+of every role: it makes it, starts it once the node is plugged in and stops it before the node.
+The loop's front-end (its LoopEvents) is the AsyncEngine on a node that serves the API
+(colocated, decode), the node's own on one that does not (a prefill node's coordinator). A
+``node`` (built by the caller, e.g. the CLI with pdkv.disagg.node.build_node) is anything with
+this shape:
 
     serves_api: bool        mount the OpenAI routes (and run an AsyncEngine front-end)
-    async start(metrics, loop, commands)  plug into the engine; ``commands`` is the front-end's
-                            EngineLoop.put (None when serves_api is False: the node runs its own)
-    async stop()
-    is_alive() -> bool      its engine thread runs (asked when serves_api is False)
+    async start(metrics, loop, engine_loop)  plug into the engine and its loop (commands go to
+                            ``engine_loop.put``; a node that does not serve the API binds its
+                            front-end with ``engine_loop.attach``)
+    async close()           take no more work, before the engine loop stops (a prefill node
+                            drops its decode nodes' links: their requests fail as transient)
+    async stop()            after the engine loop stopped
     health() -> dict        merged into /health
 """
 
@@ -24,6 +30,7 @@ import logging
 from aiohttp import web
 
 from pdkv.config import Config
+from pdkv.engine.loop import EngineLoop, LoopEvents
 from pdkv.fleet.drain import ADMIN_HEADER, DRAINING_HEADER, Drain, admin_refusal
 from pdkv.server.async_engine import AsyncEngine
 from pdkv.server.errors import MAX_BODY_BYTES, error_middleware, error_response
@@ -38,6 +45,7 @@ METRICS = web.AppKey("pdkv.metrics", ServerMetrics)
 NODE = web.AppKey("pdkv.node", object)  # the disaggregated node (role prefill/decode), else None
 ROUTES = web.AppKey("pdkv.routes", object)  # the OpenAIRoutes (its grammars, parsers)
 DRAIN = web.AppKey("pdkv.drain", Drain)  # draining: no new API requests (pdkv/fleet/drain.py)
+ENGINE_LOOP = web.AppKey("pdkv.engine_loop", EngineLoop)  # the one engine thread, every role
 
 
 def served_model_name(cfg: Config, engine) -> str:
@@ -113,27 +121,37 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
 
     async def start_engine(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
-        aengine = AsyncEngine(engine, metrics, loop, cfg.server.max_waiting_requests) if serves_api else None
+        engine_loop = EngineLoop(engine, LoopEvents(), name="pdkv-engine" if serves_api else "pdkv-prefill-engine",
+                                 max_waiting=cfg.server.max_waiting_requests)
+        aengine = AsyncEngine(engine, metrics, loop, engine_loop) if serves_api else None
         if node is not None:
-            await node.start(metrics, loop, aengine.commands if aengine is not None else None)
+            await node.start(metrics, loop, engine_loop)
+        metrics.set_engine_stats(engine.stats())
+        engine_loop.start()
+        app[ENGINE_LOOP] = engine_loop
         if aengine is not None:
-            aengine.start()
             app[ASYNC_ENGINE] = aengine
             routes.set_engine(aengine)
 
     async def stop_engine(app: web.Application) -> None:
-        aengine = app.get(ASYNC_ENGINE)
+        aengine, engine_loop = app.get(ASYNC_ENGINE), app.get(ENGINE_LOOP)
         if aengine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+            aengine.close()  # every request of a client aborted, no new one taken
+        if node is not None:
+            await node.close()
+        if engine_loop is not None:  # NOTE: the thread frees what is left (pages, queued requests)
+            await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop)
         if routes.grammars is not None:
             routes.grammars.close()
         if node is not None:
             await node.stop()
 
+    def alive(request: web.Request) -> bool:
+        engine_loop = request.app.get(ENGINE_LOOP)
+        return engine_loop is not None and engine_loop.is_alive()
+
     async def health(request: web.Request) -> web.Response:
-        aengine = request.app.get(ASYNC_ENGINE)
-        alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
-        if not alive:
+        if not alive(request):
             return error_response("the engine thread is not running", 503)
         if not getattr(engine, "healthy", True):  # a data-parallel group whose rank failed (pdkv/dp)
             return error_response(f"the data-parallel group failed: {engine.error}", 503)
@@ -151,8 +169,7 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
         # Prometheus rendering. Read from the event loop while the engine thread runs: len() and
         # list() of the scheduler's queues are atomic under the GIL; a count one step stale is fine.
         aengine = request.app.get(ASYNC_ENGINE)
-        alive = aengine.is_alive() if serves_api and aengine is not None else node is not None and node.is_alive()
-        if not alive:
+        if not alive(request):
             return error_response("the engine thread is not running", 503)
         if hasattr(engine, "load_report"):  # a data-parallel group: summed, and per rank (pdkv/dp)
             return web.json_response({"role": cfg.role, **engine.load_report(

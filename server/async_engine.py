@@ -45,12 +45,14 @@ class AsyncEngine(LoopEvents):
     (RemoteKVReady, FailRequest, ReleasePages) to the same loop.
     """
 
-    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop, max_waiting: int = 4096):
+    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop, engine_loop: EngineLoop):
+        """``engine_loop``: the server's, not started yet; this front-end attaches to it."""
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
-        self._engine_loop = EngineLoop(engine, self, max_waiting=max_waiting)
-        self.commands = self._engine_loop.put
+        self._engine_loop = engine_loop
+        engine_loop.attach(self)
+        self.commands = engine_loop.put
         self._sinks: dict[str, tuple[asyncio.Queue, object]] = {}  # loop thread only
         self._timings: dict[str, _Timing] = {}  # engine thread only
         self._stopped = False
@@ -60,10 +62,6 @@ class AsyncEngine(LoopEvents):
         return self._engine_loop.num_step_errors
 
     # ---- event loop side -------------------------------------------------------------------
-    def start(self) -> None:
-        self.metrics.set_engine_stats(self.engine.stats())
-        self._engine_loop.start()
-
     def is_alive(self) -> bool:
         return self._engine_loop.is_alive()
 
@@ -85,12 +83,11 @@ class AsyncEngine(LoopEvents):
         if self._sinks.pop(rid, None) is not None:
             self.commands(AbortRequest(rid))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Abort everything, stop the thread and wait for it."""
+    def close(self) -> None:
+        """Abort every request of a client and take no new one (the server then stops the loop)."""
         for rid in list(self._sinks):
             self.abort(rid)
         self._stopped = True
-        self._engine_loop.stop(timeout)
 
     def _dispatch(self, items: list[tuple[str, object]]) -> None:
         # Runs on the event loop: hand each output to its request's sink.

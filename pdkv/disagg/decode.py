@@ -6,7 +6,8 @@ prompt is prefilled remotely at all is its ``decide``, at admission), ``expect(i
 imm_done arrives the KV and hidden state have landed and the engine gets RemoteKVReady. Every other
 ending (transfer timeout, client gone, FAIL, peer dead) fails the client at once but returns the
 pages only when no write can land any more: after the peer reported how many writes it posted
-and exactly those landed, or after the data connection to a dead peer was torn down. Dialling,
+and exactly those landed, or after the data connection to a dead peer was torn down: every
+ending is the request's one Reservation.release (pdkv/disagg/reservation.py). Dialling,
 the handshake and redialling a dead peer live in peers.py; granting a request's pages and
 sending its PREFILL in decode_send.py.
 
@@ -26,11 +27,13 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from pdkv.control import ControlError
+from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import DecodeConnector
 from pdkv.disagg.decode_memory import DecodeMemory
@@ -38,31 +41,29 @@ from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.fleet.admission import TTFTEstimator
-from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
-from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady, Wake
+from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
 
 log = logging.getLogger(__name__)
 
 
 class DecodeCoordinator(PrefillSender):
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, keep_hidden: bool = True,
-                 secret: bytes | None = None):
+    def __init__(self, cfg, engine, messenger, node_id: int, metrics, commands, secret: bytes | None = None):
         """``commands``: the engine loop's EngineLoop.put. Installs the decode connector on ``engine``."""
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.commands = commands
         self.mcfg = cfg.messenger
         # what prefill nodes may write on this node: KV (or landing slots), hidden rows, grants
-        self.memory = mem = DecodeMemory(cfg, engine, messenger, metrics, on_row_free=lambda: commands(Wake()))
+        # NOTE: through self.commands, looked up per call (tests observe the coordinator's commands)
+        self.memory = mem = DecodeMemory(cfg, engine, messenger, metrics, lambda cmd: self.commands(cmd))
         self.mode, self.landing, self.kv, self.handoff = mem.mode, mem.landing, mem.kv, mem.handoff
         self.hidden, self.hidden_size, self.hidden_nbytes, self.hidden_key = (mem.hidden, mem.hidden_size,
                                                                                mem.hidden_nbytes, mem.hidden_key)
         self.rows, self.grants, self.spec, self.spec_grants = mem.rows, mem.grants, mem.spec, mem.spec_grants
         self._aborted: set[str] = set()  # staged: clients gone while their landing slots were copied in
         self._copy_lps: dict[str, list] = {}  # staged: prompt logprobs of requests being copied in
-        self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now (max_grants_per_peer)
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
@@ -74,8 +75,9 @@ class DecodeCoordinator(PrefillSender):
                                   spec_key=self.spec.key if self.spec is not None else None)
         self.chooser = self.links.chooser
         self.ttft = TTFTEstimator(cfg.server.ttft_slo_ms, cfg.server.admission)  # server.admission shed
-        self.keep_hidden = keep_hidden
-        self.hidden_states: dict[str, torch.Tensor] = {}  # rid -> [hidden_size], when keep_hidden
+        # called with (rid, its landed hidden row [hidden_size], a view valid during the call) when
+        # set: for tests and debugging, costs nothing otherwise
+        self.on_landed: Callable[[str, torch.Tensor], None] | None = None
         # exposed transfer = landed (here) - end of the last prefill forward (DONE_AT); either may
         # come first (DONE_AT travels on the control channel, the data on the transport).
         self._landed_at: dict[str, float] = {}
@@ -85,18 +87,31 @@ class DecodeCoordinator(PrefillSender):
         self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size, self.spec)
         engine.set_connector(self.connector)
 
+    @property
+    def held(self) -> dict[int, int]:
+        """Prefill node id -> ranges granted to it now (messenger.max_grants_per_peer)."""
+        return self.memory.held
+
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.memory.later = self.loop.call_later
         self.hello = P.make_hello(self.engine, self.node_id, "decode", self.m.transport, self.cfg.speculative,
                                   hello_rank_nics(self.m), tls_data=self.mcfg.tls_data)  # which NICs carry each rank's pages
         if self.landing is not None:  # the prefill node writes into landing slots, not KV pages
             self.hello = dataclasses.replace(self.hello, extra={**self.hello.extra, **self.landing.hello_extra()})
         await self.links.start(self.hello)
 
+    def close(self) -> None:
+        """Nothing to do before the engine loop stops: the server's front-end aborted its clients'
+        requests; the transfers in flight end at ``stop``."""
+
     async def stop(self) -> None:
         self.engine.set_connector(None)
         await self.links.stop()
         self._grant_pool.shutdown(wait=False, cancel_futures=True)
+        # the engine loop stopped first and freed every page: what is left here goes back unsent
+        for res in list(self.memory.live.values()):
+            res.release(pages=False)
         if self.landing is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.landing.copy.close)
 
@@ -114,10 +129,11 @@ class DecodeCoordinator(PrefillSender):
             pass
 
     # ---- requests (loop thread) ------------------------------------------------------------
-    def _send(self, peer: Peer, msg: dict) -> None:
+    def _send(self, peer: Peer, wire: dict) -> None:
+        """``wire``: a message's to_wire() (pdkv/disagg/messages.py)."""
         async def send():
             try:
-                await peer.channel.send(msg)
+                await peer.channel.send(wire)
             except ControlError as e:
                 self._peer_dead(peer, str(e))
         self.loop.create_task(send())
@@ -151,10 +167,8 @@ class DecodeCoordinator(PrefillSender):
         self.metrics.kv_bytes.inc(slot.nbytes)
         self.metrics.transferred(slot.num_pages, slot.skip, slot.expected)
         self._exposed(slot.rid, landed=time.time())
-        if self.keep_hidden:  # the last few, for tests and debugging (bounded)
-            self.hidden_states[slot.rid] = self.hidden[slot.hidden_row, :self.hidden_size].clone()
-            while len(self.hidden_states) > 256:
-                self.hidden_states.pop(next(iter(self.hidden_states)))
+        if self.on_landed is not None:
+            self.on_landed(slot.rid, self.hidden[slot.hidden_row, :self.hidden_size])
         if self.spec is not None:  # NOTE: a copy: the row goes to another request once the grants are gone
             tail = self.hidden[slot.hidden_row, self.hidden_size:]
             self.spec.landed(slot.rid, tail.clone() if tail.numel() else None)
@@ -220,16 +234,24 @@ class DecodeCoordinator(PrefillSender):
     def _cancel(self, slot: Slot) -> None:
         slot.state = SlotState.CANCELLING
         self._bound(slot)
-        self._send(slot.peer, {"type": P.CANCEL, "req": slot.rid})
+        self._send(slot.peer, M.Cancel(slot.rid).to_wire())
 
-    def _on_message(self, peer: Peer, msg: dict) -> None:
-        kind, rid = msg["type"], msg.get("req")
+    def _on_message(self, peer: Peer, raw: dict) -> None:
+        try:
+            kind = M.message_class(raw, M.TO_DECODE)
+            # PROMPT_LOGPROBS is checked against what its slot asked, below
+            msg = kind.parse(raw) if kind is not M.PromptLogprobs else None
+            rid = msg.req if msg is not None else M.request_id(raw)
+        except M.MessageError as e:
+            self._rlog.warning(f"bad_message:{peer.host}:{peer.port}", "decode: ignoring a control message from "
+                               "prefill node at %s:%d: %s", peer.host, peer.port, e)
+            return
         slot = self.by_rid.get(rid)
-        if kind == P.DONE_AT and msg.get("t_end") is not None:
-            self._exposed(rid, t_end=float(msg["t_end"]))
+        if isinstance(msg, M.DoneAt) and msg.t_end is not None:
+            self._exposed(rid, t_end=msg.t_end)
         if slot is None or slot.peer is not peer:
             return
-        if kind == P.FAIL and msg.get("duplicate"):
+        if isinstance(msg, M.Fail) and msg.duplicate:
             # NOTE: the peer refused a second PREFILL of rid and kept the first job: its writes may
             # still land, so this must not end the slot (only the first job's answer does)
             log.warning("decode: prefill node at %s:%d refused a duplicate PREFILL of %s", peer.host, peer.port, rid)
@@ -239,9 +261,9 @@ class DecodeCoordinator(PrefillSender):
         slot = self.by_rid.get(rid)
         if slot is None:
             return
-        if kind == PL.PROMPT_LOGPROBS:
-            self._prompt_logprobs(slot, msg)
-        elif kind == P.FAIL and slot.state == SlotState.SENT:
+        if kind is M.PromptLogprobs:
+            self._prompt_logprobs(slot, raw)
+        elif isinstance(msg, M.Fail) and slot.state == SlotState.SENT:
             got = self.m.forget(slot.imm)
             # e.g. a write that landed but completed with an error locally (with echo + logprobs,
             # only if PROMPT_LOGPROBS came before the FAIL: they are needed too)
@@ -250,10 +272,11 @@ class DecodeCoordinator(PrefillSender):
                 return
             self.metrics.failed("prefill_failed")
             self.chooser.failed(peer)
-            self.commands(FailRequest(rid, f"the prefill node failed the request: {msg.get('reason')}"))
-            self._drain(slot, int(msg.get("posted", 0)), got)
-        elif kind in (P.FAIL, P.CANCEL_ACK) or (kind == P.DONE_AT and slot.state == SlotState.CANCELLING):
-            self._drain(slot, int(msg.get("posted", 0)))
+            self.commands(FailRequest(rid, f"the prefill node failed the request: {msg.reason}"))
+            self._drain(slot, msg.posted, got)
+        elif isinstance(msg, (M.Fail, M.CancelAck)) or (isinstance(msg, M.DoneAt)
+                                                       and slot.state == SlotState.CANCELLING):
+            self._drain(slot, msg.posted)
 
     def _prompt_logprobs(self, slot: Slot, msg: dict) -> None:
         """PROMPT_LOGPROBS for ``slot``: checked against what was asked, then the decode may start
@@ -263,8 +286,8 @@ class DecodeCoordinator(PrefillSender):
                                "twice)", slot.rid)
             return
         try:
-            slot.logprobs = PL.decode(msg, list(slot.prompt), slot.want_logprobs)
-        except ValueError as e:
+            slot.logprobs = list(M.PromptLogprobs.parse(msg, list(slot.prompt), slot.want_logprobs).logprobs)
+        except M.MessageError as e:
             self._rlog.warning("bad_lps", "decode: refusing PROMPT_LOGPROBS for %s: %s", slot.rid, e)
             self.metrics.failed("prefill_failed")
             self.commands(FailRequest(slot.rid, f"the prefill node sent malformed prompt logprobs: {e}"))
@@ -333,8 +356,9 @@ class DecodeCoordinator(PrefillSender):
         self.links.redial(peer)
 
     def _free(self, slot: Slot, release: bool, then=None) -> None:
-        """The slot ends: no write of it can land any more. Its grants are revoked, then its row
-        goes back and the engine gets ReleasePages (``release``) and ``then``."""
+        """The slot ends: no write of it can land any more. Its reservation is released: the
+        grants revoked, then its row and (``release``) its pages go back, then ``then``
+        (RemoteKVReady, or with staging the copy-in)."""
         if slot.timer is not None:
             slot.timer.cancel()
         self.slots.pop(slot.imm, None)
@@ -343,29 +367,18 @@ class DecodeCoordinator(PrefillSender):
         slot.peer.slots.pop(slot.imm, None)
         slot.state = SlotState.RELEASED if release else slot.state
         self.m.forget(slot.imm)  # no counter outlives its slot (a no-op when it fired or was dropped)
-        cmds = ([ReleasePages(slot.rid)] if release else []) + ([then] if then is not None else [])
-        self._revoke_then(slot, list(slot.grants), cmds)
+        if isinstance(then, CopyIn):
+            slot.res.landed = True  # the copy-in gives the landing slots back
+            slot.res.release(release, lambda: self._copy_in(then))
+        else:
+            slot.res.release(release, (lambda: self.commands(then)) if then is not None else None)
 
-    def _revoke_then(self, slot: Slot, ranges: list, cmds: list) -> None:
-        """Revoke ``ranges``; only when all are gone do the row and the pages go back (a range
-        that a write is landing in right now is retried shortly)."""
-        busy = self.grants.revoke(slot.grantee, ranges)
-        if busy:
-            self.loop.call_later(0.002, self._revoke_then, slot, busy, cmds)
-            return
-        if slot.grants:
-            self._hold(slot.grantee, -len(slot.grants))
-        slot.grants = ()
-        # NOTE: the row goes back before RemoteKVReady / ReleasePages, which make the engine retry admission
-        self.rows.give_back(slot.hidden_row)
-        if self.landing is not None and slot.state is not SlotState.LANDED:
-            self.landing.release(slot.rid)  # no write can land: the landing slots go back uncopied
-        for c in cmds:
-            if isinstance(c, CopyIn) and c.rid in self._aborted:  # the client left before the copy began
-                self._aborted.discard(c.rid)
-                self.landing.release(c.rid)
-                self.commands(ReleasePages(c.rid))
-            elif isinstance(c, CopyIn):
-                self.landing.copy_in(c.rid, c.pages, lambda rid, err: self.post(self._copied_in, rid, err))
-            else:
-                self.commands(c)
+    def _copy_in(self, c: CopyIn) -> None:
+        """Staged: the grants are gone, the landing slots go into the pages (unless the client
+        left before the copy began: then they go back and so do the pages)."""
+        if c.rid in self._aborted:
+            self._aborted.discard(c.rid)
+            self.landing.release(c.rid)
+            self.commands(ReleasePages(c.rid))
+        else:
+            self.landing.copy_in(c.rid, c.pages, lambda rid, err: self.post(self._copied_in, rid, err))

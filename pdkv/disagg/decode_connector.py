@@ -27,11 +27,23 @@ The forward-pass points are not used: once the KV landed the request decodes lik
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pdkv.disagg.choice import Where
 from pdkv.disagg.rows import HiddenRows
 from pdkv.engine.connector import LOCAL, NOT_YET, RESERVE, Admission, Answer, KVConnector
 from pdkv.engine.request import RequestStatus
+
+
+@dataclass(frozen=True)
+class RemoteAsk:
+    """What a remote request's PREFILL asks beyond its KV: the speculative hand-off's proposer
+    pages and held-back token, echo + logprobs' alternatives and the prompt's last token."""
+
+    spec_pages: tuple[int, ...] | None = None
+    next_token: int | None = None
+    prompt_logprobs: int | None = None
+    last_token: int | None = None
 
 
 class DecodeConnector(KVConnector):
@@ -107,17 +119,18 @@ class DecodeConnector(KVConnector):
         if landing is not None and not landing.reserve(req.request_id, len(sent)):
             self.rows.give_back(row)  # the ring is full: the request waits (bounded staging memory)
             return NOT_YET
-        spec = None
+        spec_pages = next_token = None
         if self.spec is not None:  # the proposer's pages for the KV the prefill node streams into them
             spec_pages = self.spec.reserve(req.request_id, req.num_external_tokens)
             if spec_pages is None:
                 self.rows.give_back(row)
                 return NOT_YET
-            spec = {"spec_pages": list(spec_pages), "next_token": req.prompt_token_ids[-1]}
+            spec_pages, next_token = tuple(spec_pages), req.prompt_token_ids[-1]
         tokens = list(req.prompt_token_ids[:-1])
-        if req.params.prompt_logprobs is not None:  # the prefill node's forward computes them
-            spec = {**(spec or {}), "prompt_logprobs": req.params.prompt_logprobs,
-                    "last_token": req.prompt_token_ids[-1]}
+        lps = req.params.prompt_logprobs  # not None: the prefill node's forward computes them
+        ask = None
+        if spec_pages is not None or lps is not None:
+            ask = RemoteAsk(spec_pages, next_token, lps, req.prompt_token_ids[-1] if lps is not None else None)
         peer = c.chooser.pick(tokens)
         if peer is None:  # every prefill node died since admission: decide again next time
             self.rows.give_back(row)
@@ -129,7 +142,9 @@ class DecodeConnector(KVConnector):
         c.metrics.decided(Where.REMOTE)
         self._remote.add(req.request_id)
         c.metrics.queue_admission.observe(time.perf_counter() - req.arrival)
-        c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached, spec)
+        # the coordinator wraps the row (and the landing slots, the grants, the pages) in the
+        # request's Reservation (pdkv/disagg/reservation.py): from there on one release ends them
+        c.post(c.send_prefill, req.request_id, tokens, sent, row, peer, cached, ask)
         return RESERVE
 
     def finished(self, req) -> None:

@@ -9,7 +9,10 @@
   LandingGrants for the ring), revoked when the request's slot ends; with a hand-off, the
   proposer's pages too.
 
-Built once at start by the decode coordinator, which owns everything here from then on.
+Built once at start by the decode coordinator, which owns everything here from then on. Each
+remote request's share of it is a Reservation (pdkv/disagg/reservation.py), live in ``live``
+from its PREFILL's sending until its ``release``; ``held`` counts the ranges granted per prefill
+node (messenger.max_grants_per_peer).
 """
 
 from __future__ import annotations
@@ -19,16 +22,23 @@ import torch
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import HiddenRows
 from pdkv.disagg.grants import RequestGrants
+from pdkv.disagg.reservation import Reservation
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.spec_handoff import DecodeHandoff, handoff_proposer, row_parts
 from pdkv.disagg.staged import staging_mode
 from pdkv.disagg.staged_decode import Landing, LandingGrants, build_landing
+from pdkv.engine.loop import Wake
 from pdkv.messenger import rank_keys
 
 
 class DecodeMemory:
-    def __init__(self, cfg, engine, messenger, metrics, on_row_free):
-        """``on_row_free``: called when a hidden row goes back (a waiting request may fit now)."""
+    def __init__(self, cfg, engine, messenger, metrics, commands):
+        """``commands``: the engine loop's EngineLoop.put (Wake when a hidden row goes back: a
+        waiting request may fit now; ReleasePages when a reservation ends)."""
+        self.commands = commands
+        self.later = None  # the event loop's call_later (set at start: revocations retried)
+        self.live: dict[str, Reservation] = {}  # rid -> its reservation, from PREFILL until released
+        self.held: dict[int, int] = {}  # prefill node id -> ranges granted to it now
         self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
         self.landing: Landing | None = None
         if self.mode.staged:  # writes land in the staging ring; the KV memory is not registered
@@ -44,7 +54,7 @@ class DecodeMemory:
         self.hidden = torch.zeros(num_rows, hidden * row_parts(self.handoff), dtype=engine.loaded.dtype)
         self.hidden_nbytes = self.hidden.shape[1] * self.hidden.element_size()
         self.hidden_key = messenger.register_address(self.hidden.data_ptr(), num_rows * self.hidden_nbytes)
-        self.rows = HiddenRows(num_rows, on_free=on_row_free)
+        self.rows = HiddenRows(num_rows, on_free=lambda: commands(Wake()))
         if self.landing is not None:
             self.grants = LandingGrants(messenger, self.landing, rank_keys(messenger, self.hidden_key, 0),
                                         self.hidden_nbytes)
@@ -59,6 +69,18 @@ class DecodeMemory:
             self.spec = DecodeHandoff(proposer, messenger)
             self.spec_grants = RequestGrants(messenger, [self.spec.key], self.spec.geometry, self.hidden_key,
                                              self.hidden_nbytes)
+
+    def reserve(self, rid: str, row: int) -> Reservation:
+        """A request's reservation around its hidden row ``row`` (engine thread, at admit)."""
+        return Reservation(rid, row, self)
+
+    def hold(self, grantee: int, n: int) -> None:
+        """``n`` more (or fewer) ranges granted to ``grantee`` (messenger.max_grants_per_peer)."""
+        held = self.held.get(grantee, 0) + n
+        if held > 0:
+            self.held[grantee] = held
+        else:
+            self.held.pop(grantee, None)
 
     def grants_needed(self, dst: list[int], spec_pages: list[int] | None) -> int:
         """How many ranges writing ``dst`` (and the proposer's ``spec_pages``) takes."""

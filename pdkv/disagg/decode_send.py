@@ -12,11 +12,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdkv.disagg import protocol as P
+from pdkv.disagg import messages as M
+from pdkv.disagg.decode_connector import RemoteAsk
 from pdkv.disagg.decode_slots import Slot
 from pdkv.disagg.peers import Peer
+from pdkv.disagg.reservation import Reservation
 from pdkv.disagg.writes import expected_writes
-from pdkv.engine.loop import FailRequest, ReleasePages
+from pdkv.engine.loop import FailRequest
 from pdkv.shard import request_seed
 
 log = logging.getLogger("pdkv.disagg.decode")
@@ -25,16 +27,15 @@ log = logging.getLogger("pdkv.disagg.decode")
 @dataclass(frozen=True)
 class _Granting:
     """A request whose grants the grant thread is making; its PREFILL leaves once they exist."""
-    rid: str
+    res: Reservation
     tokens: list
     pages: list
     dst: list
-    row: int
     peer: Peer
     grantee: int
     need: int
     cached: int
-    spec: dict
+    ask: RemoteAsk
     t0: float
 
 
@@ -42,48 +43,48 @@ class PrefillSender:
     """What DecodeCoordinator sends: grants, slots, PREFILL (event loop, but the grant thread)."""
 
     def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, peer: Peer | None,
-                     cached: int = 0, spec: dict | None = None) -> None:
+                     cached: int = 0, ask: RemoteAsk | None = None) -> None:
         """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
         ``peer`` for it (the connector; a peer that died since is replaced by another). This node
         holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
         are the pages for the rest, the only ones the prefill node is granted and writes (staged:
-        it writes the landing slots reserved for them instead); ``spec``: PREFILL's optional
+        it writes the landing slots reserved for them instead); ``ask``: PREFILL's optional
         fields: the speculative hand-off's (spec_pages, next_token), echo + logprobs'
-        (prompt_logprobs, last_token, pdkv/disagg/prompt_logprobs.py), or None."""
-        spec = spec or {}
+        (prompt_logprobs, last_token, pdkv/disagg/prompt_logprobs.py), or None. From here on
+        the request's Reservation holds the row, the landing slots, the grants and the pages."""
+        ask = ask or RemoteAsk()
+        res = self.memory.reserve(rid, row)
+        self.memory.live[rid] = res
         dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if peer is None or peer.dead or peer.channel is None:
             if peer is not None:
                 self.chooser.unreserve(peer, len(tokens))
             peer = self.chooser.pick(tokens)
         if peer is None:
-            self.rows.give_back(row)
-            if self.landing is not None:
-                self.landing.release(rid)
             self.commands(FailRequest(rid, "no prefill node is connected (the decode node is dialling its "
                                            "prefill peers; retry shortly)", 503, 2))
-            self.commands(ReleasePages(rid))  # nothing was sent: no write can land
+            res.release(pages=True)  # nothing was sent: no write can land
             return
-        need = self.memory.grants_needed(dst, spec.get("spec_pages"))
+        need = self.memory.grants_needed(dst, ask.spec_pages)
         if need > self.mcfg.max_grants_per_request:
             self.chooser.unreserve(peer, len(tokens))
-            self._refuse(rid, row, f"the request's pages need {need} grants (one per KV rank, layer and run of "
+            self._refuse(res, f"the request's pages need {need} grants (one per KV rank, layer and run of "
                               f"pages; messenger.max_grants_per_request is {self.mcfg.max_grants_per_request})")
             return
         if not self._has_room(peer, need):  # the chooser's pick holds too many grants: another live one
             self.chooser.unreserve(peer, len(tokens))
             peer = next((p for p in self.links.live() if self._has_room(p, need)), None)
             if peer is None:
-                self._refuse(rid, row, f"every prefill node holds too many grants for another {need} "
+                self._refuse(res, f"every prefill node holds too many grants for another {need} "
                                   f"(messenger.max_grants_per_peer {self.mcfg.max_grants_per_peer}); retry shortly", 2)
                 return
         grantee = peer.channel.peer.node_id
-        self._hold(grantee, need)  # NOTE: before the grant thread runs: later requests count these
+        self.memory.hold(grantee, need)  # NOTE: before the grant thread runs: later requests count these
         self._granting[rid] = False  # True once the client left while its grants were made
-        job = _Granting(rid, tokens, pages, dst, row, peer, grantee, need, cached, spec, time.perf_counter())
+        job = _Granting(res, tokens, pages, dst, peer, grantee, need, cached, ask, time.perf_counter())
         try:  # NOTE: on verbs each range is an MR registration: never on the event loop
             fut = self.loop.run_in_executor(self._grant_pool, self.memory.grant, grantee, dst, row,
-                                            request_seed(rid), spec.get("spec_pages"))
+                                            request_seed(rid), ask.spec_pages)
         except RuntimeError as e:  # the pool is shut down: this node is stopping
             fut = self.loop.create_future()
             fut.set_exception(e)
@@ -92,40 +93,38 @@ class PrefillSender:
     def _granted(self, job: "_Granting", fut) -> None:
         """The grants of ``job`` were made (or failed) in the grant thread: PREFILL goes out,
         unless the client left or the peer died meanwhile (then the grants are revoked first)."""
-        rid, peer, grantee, spec = job.rid, job.peer, job.grantee, job.spec
+        res, peer, grantee, ask = job.res, job.peer, job.grantee, job.ask
+        rid = res.rid
         aborted = self._granting.pop(rid, False)
         try:
             granted, spec_granted = fut.result()
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - refused, or stopping: nothing sent
             log.warning("decode: cannot grant %s's pages to the prefill node: %s", rid, e)
-            self._hold(grantee, -job.need)
+            self.memory.hold(grantee, -job.need)
             self.chooser.unreserve(peer, len(job.tokens))
-            self.rows.give_back(job.row)
-            if self.landing is not None:
-                self.landing.release(rid)
             if not aborted:
                 self.commands(FailRequest(rid, f"cannot grant the request's pages to the prefill node: {e}"))
-            self.commands(ReleasePages(rid))
+            res.release(pages=True)
             return
-        self._hold(grantee, len(granted) + len(spec_granted) - job.need)
+        self.memory.hold(grantee, len(granted) + len(spec_granted) - job.need)
+        res.granted(grantee, tuple(granted) + tuple(spec_granted))
         self.metrics.grant_time.observe(time.perf_counter() - job.t0)
         self.metrics.grants.inc(len(granted) + len(spec_granted))
         imm = next(self._imms) & 0xFFFFFFFF
         num_layers, plan, seed = self.engine.kv.num_layers, peer.plan, request_seed(rid)
-        slot = Slot(imm, rid, peer, len(job.pages), job.row, expected_writes(plan, len(job.pages), num_layers),
+        slot = Slot(imm, res, peer, len(job.pages), expected_writes(plan, len(job.pages), num_layers),
                     time.perf_counter())
         seg_bytes = sum(seg.length for pair in plan.active_pairs(seed) for seg in pair.segments)
         slot.nbytes = len(job.pages) * seg_bytes * num_layers + self.hidden_nbytes
-        if "spec_pages" in spec:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
-            writes, nbytes = self.spec.expected_writes(len(spec["spec_pages"]), seed)
+        if ask.spec_pages is not None:  # the proposer's KV streams like more layers (pdkv/disagg/spec_handoff.py)
+            writes, nbytes = self.spec.expected_writes(len(ask.spec_pages), seed)
             slot.expected += writes
             slot.nbytes += nbytes
-        slot.grantee, slot.grants = grantee, tuple(granted) + tuple(spec_granted)
         slot.skip = job.cached // self.engine.kv.page_size
         slot.kv_pages = tuple(job.pages)
-        if "prompt_logprobs" in spec:
-            slot.want_logprobs = spec["prompt_logprobs"]
-            slot.prompt = (*job.tokens, spec["last_token"])
+        if ask.prompt_logprobs is not None:
+            slot.want_logprobs = ask.prompt_logprobs
+            slot.prompt = (*job.tokens, ask.last_token)
         self.slots[imm] = slot
         self.by_rid[rid] = slot
         peer.slots[imm] = slot
@@ -141,31 +140,21 @@ class PrefillSender:
         slot.timer = self.loop.call_later(self.mcfg.transfer_timeout_s, self._timeout, slot)
         self.chooser.sent(peer, len(job.tokens))
         # the proposer ranges' write keys (spec_runs/spec_rkeys) go with the hand-off's pages
-        spec_keys = self.spec_grants.proposer_fields(spec["spec_pages"], spec_granted) if spec_granted else {}
-        self._send(peer, {"type": P.PREFILL, "req": rid, "tokens": job.tokens, "cached": job.cached,
-                          "pages": job.dst, "imm": imm, "hidden_off": slot.hidden_row * self.hidden_nbytes,
-                          "expected": slot.expected, "seed": seed, **self.grants.fields(job.dst, granted), **spec,
-                          **spec_keys})
-
-    def _hold(self, grantee: int, n: int) -> None:
-        """``n`` more (or fewer) ranges granted to ``grantee`` (messenger.max_grants_per_peer)."""
-        held = self.held.get(grantee, 0) + n
-        if held > 0:
-            self.held[grantee] = held
-        else:
-            self.held.pop(grantee, None)
+        spec_keys = (self.spec_grants.write_keys(ask.spec_pages, spec_granted, hidden=False)
+                     if spec_granted else None)
+        self._send(peer, M.Prefill(rid, tuple(job.tokens), tuple(job.dst), imm, slot.hidden_row * self.hidden_nbytes,
+                                   seed, job.cached, slot.expected, self.grants.write_keys(job.dst, granted),
+                                   ask.spec_pages, ask.next_token, spec_keys, ask.prompt_logprobs,
+                                   ask.last_token).to_wire())
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
         return (peer.channel is not None
-                and self.held.get(peer.channel.peer.node_id, 0) + need <= self.mcfg.max_grants_per_peer)
+                and self.memory.held.get(peer.channel.peer.node_id, 0) + need <= self.mcfg.max_grants_per_peer)
 
-    def _refuse(self, rid: str, row: int, reason: str, retry_after: int | None = None) -> None:
+    def _refuse(self, res: Reservation, reason: str, retry_after: int | None = None) -> None:
         """Nothing was granted or sent: the client gets 503 naming the limit."""
-        self._rlog.warning("grant_limit", "decode: refusing %s: %s", rid, reason)  # may repeat under load
+        self._rlog.warning("grant_limit", "decode: refusing %s: %s", res.rid, reason)  # may repeat under load
         self.metrics.failed("grant_limit")
-        self.rows.give_back(row)
-        if self.landing is not None:
-            self.landing.release(rid)
-        self.commands(FailRequest(rid, reason, 503, retry_after))
-        self.commands(ReleasePages(rid))
+        self.commands(FailRequest(res.rid, reason, 503, retry_after))
+        res.release(pages=True)

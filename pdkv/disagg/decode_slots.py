@@ -11,7 +11,9 @@ A slot's state machine::
       request's end──► RELEASED (its grants revoked first: the peer's later writes are refused)
     (a dead peer: every slot RELEASED at once, after its data connection was torn down)
 
-Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop.
+Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop;
+RELEASED (and LANDED, for what the engine does not take over) is the slot's Reservation's one
+``release`` (pdkv/disagg/reservation.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from pdkv.disagg.peers import Peer
+from pdkv.disagg.reservation import Reservation
 
 
 class SlotState(enum.Enum):
@@ -31,13 +34,14 @@ class SlotState(enum.Enum):
     RELEASED = "released"
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
+    """A request's transfer: what it waits for. What it holds is its Reservation's."""
+
     imm: int
-    rid: str
+    res: Reservation  # the hidden row, landing slots, grants and pages: one release ends them
     peer: Peer
     num_pages: int
-    hidden_row: int
     expected: int
     t_sent: float
     state: SlotState = SlotState.SENT
@@ -45,8 +49,6 @@ class Slot:
     nbytes: int = 0  # what the expected writes carry
     timer: asyncio.TimerHandle | None = None
     skip: int = 0  # leading prompt pages this node held already (not sent, not granted)
-    grantee: int = 0  # the prefill node's id the ranges were granted to
-    grants: tuple = ()  # pdkv.disagg.grants.Range: what it may write (revoked when the slot ends)
     # echo + logprobs (pdkv/disagg/prompt_logprobs.py): the top alternatives asked (None: not
     # asked), the whole prompt they score, what PROMPT_LOGPROBS brought (None: not yet), and
     # whether the KV landed while they had not come yet (the decode waits for both)
@@ -55,3 +57,16 @@ class Slot:
     logprobs: list | None = None
     kv_landed: bool = False
     kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
+
+    @property
+    def rid(self) -> str:
+        return self.res.rid
+
+    @property
+    def hidden_row(self) -> int:
+        return self.res.row
+
+    @property
+    def grants(self) -> tuple:
+        """What the peer may write for it now (its reservation's; () once revoked)."""
+        return self.res.grants

@@ -12,7 +12,7 @@ page_nbytes, + page_nbytes)``; consecutive page ids coalesce into one range per 
 Each grant returns the key the peer must name in writes into it (``Range.wkey``): on tcp the
 region's key (the receiver checks the writer's ranges), on verbs the rkey of an MR of exactly
 that range in the peer's protection domain — one MR per (rank, layer, run of pages), the RDMA
-protection unit. PREFILL carries them (``fields``) and the prefill node's planner names, per
+protection unit. PREFILL carries them (``write_keys``) and the prefill node's planner names, per
 write, the key of the range it falls in (pdkv/disagg/range_keys.py). Registration is the cost:
 ``count`` MRs per request, bounded per request and per peer (messenger.max_grants_per_request,
 max_grants_per_peer; decode.py refuses beyond them, naming the limit).
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdkv._messenger import RegionBusyError
+from pdkv.disagg.messages import GrantKeys
 from pdkv.shard import pick_nic
 
 
@@ -71,7 +72,7 @@ class RequestGrants:
 
     def ranges(self, pages, hidden_row: int | None, seed: int = 0) -> list[Range]:
         """The hidden row (``hidden_row`` None: none, a region without one), then per rank
-        (kv_keys order), per layer, per run: the order ``fields`` and pdkv/disagg/range_keys.py
+        (kv_keys order), per layer, per run: the order ``write_keys`` and pdkv/disagg/range_keys.py
         rely on. Each rank's ranges on the NIC ``seed`` picks for it (see on_nic)."""
         out = [] if hidden_row is None else [Range(on_nic(self.hidden_key, seed, 0),
                                                    hidden_row * self.hidden_nbytes, self.hidden_nbytes)]
@@ -99,18 +100,14 @@ class RequestGrants:
         return done
 
     @staticmethod
-    def fields(pages, granted: list[Range]) -> dict:
-        """PREFILL's grant fields: the runs, the write key of each (rank, layer, run) range
-        flattened in that order, and the hidden row's write key."""
-        return {"runs": [list(r) for r in page_runs(pages)], "kv_rkeys": [r.wkey for r in granted[1:]],
-                "hidden_rkey": granted[0].wkey}
-
-    @staticmethod
-    def proposer_fields(pages, granted: list[Range]) -> dict:
-        """PREFILL's grant fields of the speculative hand-off's proposer pages (granted without a
-        hidden row, one rank): ``spec_runs`` and ``spec_rkeys`` per (layer, run), the order
-        pdkv/disagg/range_keys.py parses."""
-        return {"spec_runs": [list(r) for r in page_runs(pages)], "spec_rkeys": [r.wkey for r in granted]}
+    def write_keys(pages, granted: list[Range], hidden: bool = True) -> GrantKeys:
+        """What PREFILL carries of ``granted`` (the ranges of ``pages``, in ``ranges`` order): the
+        runs, the write key of each (rank, layer, run) range, and the hidden row's write key
+        (``hidden`` False: the speculative hand-off's proposer pages, granted without a row)."""
+        runs = tuple(page_runs(pages))
+        if not hidden:
+            return GrantKeys(runs, tuple(r.wkey for r in granted))
+        return GrantKeys(runs, tuple(r.wkey for r in granted[1:]), granted[0].wkey)
 
     def revoke(self, peer: int, ranges: list[Range]) -> list[Range]:
         """Revoke ``ranges``; returns those still busy (a write the grant allowed is landing

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdkv.disagg import protocol as P
+from pdkv.disagg.messages import CancelAck, DoneAt, Fail
+
+if TYPE_CHECKING:
+    from pdkv.disagg.prefill_links import Link
+    from pdkv.disagg.range_keys import RangeKeys
 
 
 class DuplicateJob(KeyError):
@@ -53,7 +57,7 @@ class JobEnd(enum.Enum):
 class Job:
     key: str  # engine request id: "<decode node id>:<req>"
     req: str  # the decode node's request id
-    link: object  # pdkv.disagg.prefill.Link: the decode node it came from
+    link: Link  # the decode node it came from
     tokens: list[int]
     dst_pages: np.ndarray  # int64 [num_pages]: the decode node's pages (for the prompt's pages skip..)
     imm: int
@@ -77,7 +81,7 @@ class Job:
     staging: int | None = None  # its hidden-state staging row, reserved at admission
     skip: int = 0  # leading prompt pages the decode node holds already (PREFILL cached / page size)
     num_pages_sent: int = 0  # prompt pages whose writes were queued (each once, every layer and rank)
-    dst_keys: object = None  # pdkv.disagg.range_keys.RangeKeys: its write keys (None: the link's keys)
+    dst_keys: RangeKeys | None = None  # its write keys (None: the link's keys)
     # the speculative hand-off (pdkv/disagg/spec_handoff.py): the decode node's proposer pages,
     # one per page, and for mtp the held-back last prompt token; None without it
     next_token: int | None = None
@@ -86,25 +90,24 @@ class Job:
     prompt_logprobs: int | None = None
     last_token: int | None = None
     spec_pages: np.ndarray | None = None
-    spec_keys: object = None  # RangeKeys of the proposer pages' ranges (None: the link's spec_rkey)
+    spec_keys: RangeKeys | None = None  # the proposer pages' ranges' keys (None: the link's spec_rkey)
 
     def write_failed(self, reason: str) -> None:
         self.write_errors += 1
         self.error_reason = reason
 
-    def answer(self) -> dict:
+    def answer(self) -> DoneAt | CancelAck | Fail:
         """The message that ends the job on the decode node (once FINISHED).
         NOTE: a write that failed locally never lands; one that succeeded did or will (tcp: it
         is in the kernel; verbs: acknowledged), so the decode side waits for exactly ``posted``."""
         posted = self.num_ok
         if self.end == JobEnd.PREFILLED and not self.write_errors:
-            return {"type": P.DONE_AT, "req": self.req, "t_end": self.t_end, "posted": posted,
-                    "bytes": self.num_bytes}
+            return DoneAt(self.req, self.t_end, posted, self.num_bytes)
         if self.end == JobEnd.CANCELLED:
-            return {"type": P.CANCEL_ACK, "req": self.req, "posted": posted}
+            return CancelAck(self.req, posted)
         reason = self.reason or (f"{self.write_errors} page write(s) failed: {self.error_reason}"
                                  if self.write_errors else "prefill failed")
-        return {"type": P.FAIL, "req": self.req, "reason": reason, "posted": posted}
+        return Fail(self.req, reason, posted)
 
 
 @dataclass
@@ -181,6 +184,3 @@ class JobTable:
         del self.jobs[job.key]
         self.by_tag.pop(job.tag, None)
         return True
-
-    def transfer_seconds(self, job: Job) -> float | None:
-        return None if job.t_first is None else time.perf_counter() - job.t_first

@@ -13,46 +13,19 @@ Every HEARTBEAT a prefill node sends on a decode node's control channel carries:
   heartbeats is not piled onto one node (pdkv/disagg/choice.py).
 
 The field is optional (an older prefill node sends plain heartbeats) and untrusted: a load that
-is not a map of non-negative integers is ignored (``parse_load`` raises ValueError naming the
-first bad field; the caller logs it and treats the node as one that reports no load).
+is not a map of non-negative integers is ignored (``PrefillLoad.parse`` raises MessageError naming
+the first bad field; the caller logs it and treats the node as one that reports no load).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from pdkv.disagg.jobs import JobState, JobTable
-
-_MAX = 2**62  # anything larger is not a count this node could hold
-
-
-@dataclass(frozen=True)
-class PrefillLoad:
-    queued_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    free_pages: int = 0
-    seen: int = 0
-
-    def to_wire(self) -> dict:
-        return asdict(self)
+from pdkv.disagg.messages import PrefillLoad
 
 
-def parse_load(msg: dict) -> PrefillLoad | None:
-    """The load a HEARTBEAT carries, checked; None if it carries none; ValueError naming the first
-    bad field otherwise (never anything else, whatever the peer sent)."""
-    raw = msg.get("load")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ValueError(f"HEARTBEAT load must be a map, got {type(raw).__name__}")
-    vals = {}
-    for name in PrefillLoad.__dataclass_fields__:
-        v = raw.get(name, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _MAX:
-            raise ValueError(f"HEARTBEAT load.{name} must be a non-negative integer, got {v!r}"[:200])
-        vals[name] = v
-    return PrefillLoad(**vals)
+def parse_load(heartbeat: dict) -> PrefillLoad | None:
+    """The load a HEARTBEAT carries, checked (pdkv/disagg/messages.py PrefillLoad.parse)."""
+    return PrefillLoad.parse(heartbeat.get("load"))
 
 
 def measure_load(jobs: JobTable, stats: dict | None, seen: int) -> PrefillLoad:

@@ -93,6 +93,11 @@ class _Node:
                 "transport": {"name": ms.transport, "host": ms.host}, "nics": list(ms.nics),
                 "parallel": dict(h.parallel)}
 
+    async def close(self) -> None:
+        """Take no more work (before the server stops the engine loop)."""
+        if self.coordinator is not None:
+            self.coordinator.close()
+
     def _close(self) -> None:
         if self.pump is not None:
             self.pump.close()
@@ -106,20 +111,19 @@ class DecodeNode(_Node):
 
     serves_api = True
 
-    def __init__(self, cfg, engine, keep_hidden: bool = True, messenger_factory=None):
+    def __init__(self, cfg, engine, messenger_factory=None):
         super().__init__(cfg, engine, messenger_factory)
-        self.keep_hidden = keep_hidden
         self.coordinator: DecodeCoordinator | None = None
         self._commands = None
 
-    async def start(self, metrics, loop, commands) -> None:
-        """``commands``: the server front-end's engine loop queue (EngineLoop.put)."""
+    async def start(self, metrics, loop, engine_loop) -> None:
+        """``engine_loop``: the server's; its front-end is the server's AsyncEngine."""
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "decode")
         register_nic_metrics(metrics.registry, m, metrics._model_name, "decode")  # per NIC (verbs)
         dm.pages_pinned.set_function(lambda: metrics.engine_stats.get("num_pages_pinned", 0))
-        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, commands,
-                                                 self.keep_hidden, secret=self.secret)
+        self.coordinator = c = DecodeCoordinator(self.cfg, self.engine, m, self.node_id, dm, engine_loop.put,
+                                                 secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         try:
             await c.start()
@@ -172,9 +176,6 @@ class DecodeNode(_Node):
             await self.coordinator.stop()
         self._close()
 
-    def is_alive(self) -> bool:
-        return self.coordinator is not None
-
     def health(self) -> dict:
         c = self.coordinator
         if c is None:
@@ -189,8 +190,8 @@ class DecodeNode(_Node):
 
 
 class PrefillNode(_Node):
-    """No OpenAI API: its clients are decode nodes, over the control channel. It runs its own
-    engine loop (pdkv.engine.loop.EngineLoop) whose front-end is the prefill coordinator."""
+    """No OpenAI API: its clients are decode nodes, over the control channel. The front-end of
+    the server's engine loop (pdkv.engine.loop.EngineLoop) is the prefill coordinator."""
 
     serves_api = False
 
@@ -199,11 +200,11 @@ class PrefillNode(_Node):
         self.coordinator: PrefillCoordinator | None = None
         self.control_port: int | None = None
 
-    async def start(self, metrics, loop, commands=None) -> None:
+    async def start(self, metrics, loop, engine_loop) -> None:
         m = self._open(loop)
         dm = DisaggMetrics(metrics.registry, metrics._model_name, "prefill")
         register_nic_metrics(metrics.registry, m, metrics._model_name, "prefill")  # per NIC (verbs)
-        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, dm,
+        self.coordinator = c = PrefillCoordinator(self.cfg, self.engine, m, self.node_id, engine_loop, dm,
                                                   engine_stats=metrics.set_engine_stats, secret=self.secret)
         self.pump = EventPump(m, loop, c.on_event)
         self.control_port = await c.start()
@@ -214,9 +215,6 @@ class PrefillNode(_Node):
         if self.coordinator is not None:
             await self.coordinator.stop()
         self._close()
-
-    def is_alive(self) -> bool:
-        return self.coordinator is not None and self.coordinator.is_alive()
 
     def busy(self) -> int:
         """Jobs in the table (a draining prefill node leaves once it has none)."""

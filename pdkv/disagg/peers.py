@@ -19,9 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError, HandshakeRefused
-from pdkv.disagg import protocol as P
+from pdkv.disagg import messages as M
 from pdkv.disagg.choice import PeerRoute, PrefillChooser
-from pdkv.disagg.load import parse_load
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import link_pairs, plan_link
 from pdkv.tls import client_context
@@ -103,24 +102,23 @@ class PrefillPeers:
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key
-            await ch.send({"type": P.CONNECT, "info": info, "kv_key": keys[0], "kv_keys": keys,
-                           "hidden_key": hidden_key, **({"spec_key": spec_key} if spec_key is not None else {})})
-            msg = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
-            if msg["type"] == P.REFUSE:  # "busy": the prefill node is full now (worth a redial)
-                exc = ControlError if msg.get("busy") is True else HandshakeRefused
-                raise exc(f"prefill {peer.host}:{peer.port} refused: {msg.get('reason')}")
-            if msg["type"] != P.CONNECTED:
-                raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED, got {msg['type']}")
-            if not isinstance(msg.get("info"), bytes):
-                raise ControlError(f"prefill {peer.host}:{peer.port}: CONNECTED carries no data-path info")
-            await self.loop.run_in_executor(self._setups, self.m.complete, conn, msg["info"])
+            await ch.send(M.Connect(info, tuple(keys), hidden_key, spec_key).to_wire())
+            raw = await asyncio.wait_for(ch.recv(), self.mcfg.handshake_timeout_s)
+            try:
+                msg = M.parse_any(raw, {M.CONNECTED: M.Connected, M.REFUSE: M.Refuse})
+            except M.MessageError as e:
+                raise ControlError(f"prefill {peer.host}:{peer.port}: expected CONNECTED: {e}") from None
+            if isinstance(msg, M.Refuse):  # "busy": the prefill node is full now (worth a redial)
+                exc = ControlError if msg.busy else HandshakeRefused
+                raise exc(f"prefill {peer.host}:{peer.port} refused: {msg.reason}")
+            await self.loop.run_in_executor(self._setups, self.m.complete, conn, msg.info)
         except BaseException:
             ch.close()  # a half set-up connection must not stay behind (a redial tries again)
             if conn is not None:
                 self.m.disconnect(conn)
             raise
         self.chooser.connected(peer)  # NOTE: before it is live: its reports count this channel's PREFILLs
-        ch.on_heartbeat = lambda msg: peer.channel is ch and self._heard(peer, msg)
+        ch.on_heartbeat = lambda hb: peer.channel is ch and self._heard(peer, hb)
         peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
         # NOTE: callbacks of this channel only act while it is the peer's current one (after a
         # redial, the old channel's reader and heartbeat must not kill the new connection)
@@ -137,11 +135,11 @@ class PrefillPeers:
             if peer.channel is ch:
                 self._on_dead(peer, str(e))
 
-    def _heard(self, peer: Peer, msg: dict) -> None:
+    def _heard(self, peer: Peer, hb) -> None:
         """A heartbeat of ``peer``: its load (a malformed one is logged and counts as none)."""
         try:
-            load = parse_load(msg)
-        except ValueError as e:
+            load = M.PrefillLoad.parse(hb.fields.get("load"))
+        except M.MessageError as e:
             self._rlog.warning(f"load:{peer.host}:{peer.port}", "decode: ignoring the load in a heartbeat of "
                                "prefill node %s:%d: %s", peer.host, peer.port, e)
             load = None

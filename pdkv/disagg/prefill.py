@@ -22,63 +22,47 @@ import itertools
 import logging
 import time
 
-import torch
+import numpy as np
 
 from pdkv.control import ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
+from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.load import PrefillLoad, measure_load
-from pdkv.disagg.prefill_connector import PrefillConnector, StagingRows
-from pdkv.disagg.prefill_links import DecodeLinks, Link
+from pdkv.disagg.prefill_connector import PrefillConnector
+from pdkv.disagg.prefill_memory import PrefillMemory
 from pdkv.disagg import prompt_logprobs as PL
-from pdkv.disagg.range_keys import RangeKeys
-from pdkv.disagg.sharded import NodeKV, hello_rank_nics
-from pdkv.disagg.staged import staging_mode
+from pdkv.disagg.prefill_links import DecodeLinks, Link
+from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_prefill import build_sender
-from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
-from pdkv.disagg.spec_handoff import parse_fields as parse_spec_fields
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
 from pdkv.gpu.staging import CopyStatus
-from pdkv.messenger import rank_keys
 
 log = logging.getLogger(__name__)
-NUM_HIDDEN_STAGING = 256  # hidden-state rows in flight at once (one per admitted request)
 PREFILL_PARAMS = SamplingParams(max_tokens=1)  # never sampled: a prefill-only request
 
 
 class PrefillCoordinator(LoopEvents):
-    def __init__(self, cfg, engine, messenger, node_id: int, metrics=None, engine_stats=None,
-                 secret: bytes | None = None):
-        """``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
+    def __init__(self, cfg, engine, messenger, node_id: int, engine_loop: EngineLoop, metrics=None,
+                 engine_stats=None, secret: bytes | None = None):
+        """``engine_loop``: the server's (not started yet): this object attaches as its front-end;
+        ``engine_stats(stats)``: where the engine's stats go (the server's gauges), or None;
         ``secret``: the cluster secret every decode node must prove (pdkv/auth.py), or None."""
-        from pdkv.gpu.layer_counter import make_layer_counter
-
         self.cfg, self.engine, self.m, self.node_id, self.metrics = cfg, engine, messenger, node_id, metrics
         self.mcfg = cfg.messenger
-        self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
-        # every rank's KV region, registered (one per rank) unless the pages go through the ring
-        self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
-        hidden = int(engine.loaded.arch.hidden_size)
-        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
-        self.handoff = P.spec_handoff(cfg.speculative, engine)
-        self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
-        self.hidden_nbytes = self.staging.row_nbytes
-        buf = self.staging.buffer
-        self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
-        self.counter = make_layer_counter(torch.device(cfg.model.device))
-        self.watch = messenger.watch_address(self.counter.host_address)
+        # what the writes read from: KV regions, hidden staging rows, the layer counter, the hand-off
+        self.memory = mem = PrefillMemory(cfg, engine, messenger)
+        self.mode, self.kv, self.handoff, self.spec = mem.mode, mem.kv, mem.handoff, mem.spec
+        self.staging, self.hidden_nbytes, self.counter, self.watch = (mem.staging, mem.hidden_nbytes, mem.counter,
+                                                                      mem.watch)
         self.jobs = JobTable()
         self._tags = itertools.count(1)
         self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
                                     self._copy_ended, metrics) if self.mode.staged else None)
-        proposer = handoff_proposer(engine, self.handoff)
-        self.spec = PrefillHandoff(proposer, self.handoff, messenger, self.watch, engine.kv.page_size) \
-            if proposer is not None else None
-        # the hidden row leaves through rank 0's NIC the seed picks, as rank 0's pages do
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
-                                          rank_keys(messenger, self.staging_key, 0), self.mcfg.layerwise,
+                                          mem.staging_keys, self.mcfg.layerwise,
                                           engine.kv.page_size, metrics,
                                           staged=self.staged, spec=self.spec)
         engine.set_connector(self.connector)
@@ -86,9 +70,8 @@ class PrefillCoordinator(LoopEvents):
         # the engine's last stats (engine thread after each step), for the load report; before its
         # first step the engine thread is not running yet, so reading them here is safe
         self.last_stats: dict | None = engine.stats()
-        self.engine_loop = EngineLoop(engine, self, name="pdkv-prefill-engine",
-                                      max_waiting=cfg.server.max_waiting_requests)
-        self.commands = self.engine_loop.put
+        engine_loop.attach(self)
+        self.commands = engine_loop.put
         self.staging.on_free = lambda: self.commands(Wake())  # a request waiting for a row may fit
         self.loop: asyncio.AbstractEventLoop | None = None
         self.listener = DecodeLinks(self.mcfg, messenger, self.kv.spec, self.hidden_nbytes, self.spec is not None,
@@ -111,41 +94,53 @@ class PrefillCoordinator(LoopEvents):
 
     # ---- start / stop (loop thread) ---------------------------------------------------------
     async def start(self) -> int:
-        """Start the engine thread and the control listener; returns the control port."""
+        """Start the control listener (the server starts the engine thread); returns the port."""
         self.loop = asyncio.get_running_loop()
         self.hello = P.make_hello(self.engine, self.node_id, "prefill", self.m.transport, self.cfg.speculative,
                                   hello_rank_nics(self.m), tls_data=self.cfg.messenger.tls_data)  # which NICs carry each rank's pages
-        self.engine_loop.start()
         self.port = await self.listener.start(self.hello)
         return self.port
 
-    async def stop(self) -> None:
+    def close(self) -> None:
+        """Take no more work, before the engine loop stops: the listener closes and every link
+        goes (each decode node fails its requests as transient, as for a dead peer)."""
         self.listener.close()
         for link in list(self.links):
             self._peer_dead(link, "prefill node shutting down")
-        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30)
+
+    async def stop(self) -> None:
+        """After the engine loop stopped (it freed every page)."""
+        self.close()  # a no-op after the first
         self.engine.set_connector(None)
         if self.staged is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.staged.copy.close)
         self.listener.shutdown()
 
-    def is_alive(self) -> bool:
-        return self.engine_loop.is_alive()
-
     # ---- control (loop thread) --------------------------------------------------------------
     def _on_message(self, link: Link, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == P.PREFILL:
+        try:
+            kind = M.message_class(msg, M.TO_PREFILL)
+        except M.MessageError as e:
+            self._rlog.warning(f"unexpected:{str(msg.get('type'))[:40]}", "prefill: ignoring a control message "
+                               "from node %#x: %s", link.channel.peer.node_id, e)
+            return
+        if kind is M.Prefill:
             self._on_prefill(link, msg)
-        elif kind == P.CANCEL:
-            job = link.jobs.get(msg.get("req"))
+        elif kind is M.Cancel:
+            try:
+                cancel = M.Cancel.parse(msg)
+            except M.MessageError as e:
+                self._rlog.warning("malformed_cancel", "prefill: ignoring a malformed CANCEL: %s", e)
+                return
+            job = link.jobs.get(cancel.req)
             if job is None:  # finished already: nothing of it is in flight
-                self._send(link, {"type": P.CANCEL_ACK, "req": msg.get("req"), "posted": 0})
+                self._send(link, M.CancelAck(cancel.req, 0).to_wire())
             else:
                 job.reason = "cancelled by the decode node"
                 self.commands(AbortRequest(job.key))
         else:
-            self._rlog.warning(f"unexpected:{kind}", "prefill: ignoring unexpected control message %s", kind)
+            self._rlog.warning(f"unexpected:{kind.TYPE}", "prefill: ignoring unexpected control message %s",
+                               kind.TYPE)
 
     def load_report(self, link: Link) -> PrefillLoad:
         """What the next heartbeat on ``link`` tells its decode node (pdkv/disagg/load.py)."""
@@ -155,54 +150,49 @@ class PrefillCoordinator(LoopEvents):
         """A new job, or FAIL naming what was wrong (a duplicate id, a malformed field): a
         refused PREFILL touches nothing, in particular not a job with the same id."""
         link.num_prefills += 1  # refused ones too: the decode node counted each one it sent
-        req = msg.get("req")
         try:
-            fields = P.parse_prefill(msg, link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size)
-            dst_keys = RangeKeys.parse(msg, fields[1], link.plan.decode.tp, link.dst.num_layers)
-            lps = PL.parse_request(msg, len(fields[0]), self.cfg.server.max_prompt_logprobs_tokens)
-        except ValueError as e:
+            p = M.Prefill.parse(msg, self._limits(link))
+        except M.MessageError as e:
             self._rlog.warning("malformed", "prefill: refusing a malformed PREFILL from node %#x: %s",
                                link.channel.peer.node_id, e)
-            self._send(link, {"type": P.FAIL, "req": req if isinstance(req, str) else repr(req)[:64],
-                              "reason": f"malformed PREFILL: {e}", "posted": 0})
+            self._send(link, M.Fail(M.Prefill.request_id(msg), f"malformed PREFILL: {e}", 0).to_wire())
             return
-        tokens, pages, imm, hidden_off, seed, cached = fields
-        spec = None
+        job = Job(f"{link.channel.peer.node_id:x}:{p.req}", p.req, link, list(p.tokens),
+                  np.asarray(p.pages, dtype=np.int64), p.imm, p.hidden_off, next(self._tags), time.perf_counter(),
+                  p.seed, skip=p.cached // self.engine.kv.page_size, dst_keys=p.dst_keys)
         if self.spec is not None:
-            try:
-                spec = parse_spec_fields(msg, self.handoff, len(pages), link.spec_num_pages)
-                # the proposer ranges' write keys (verbs: one MR each; tcp: the region's key)
-                spec_keys = RangeKeys.parse(msg, spec[1], 1, link.spec_dst.num_layers, runs_field="spec_runs",
-                                            keys_field="spec_rkeys", hidden_field=None)
-            except ValueError as e:
-                self._send(link, {"type": P.FAIL, "req": req, "reason": f"malformed PREFILL: {e}", "posted": 0})
-                return
-        job = Job(f"{link.channel.peer.node_id:x}:{req}", req, link, tokens, pages, imm, hidden_off,
-                  next(self._tags), time.perf_counter(), seed, skip=cached // self.engine.kv.page_size,
-                  dst_keys=dst_keys)
-        if spec is not None:
-            job.next_token, job.spec_pages = spec
-            job.spec_keys = spec_keys
+            job.next_token, job.spec_keys = p.next_token, p.spec_dst_keys
+            job.spec_pages = np.asarray(p.spec_pages, dtype=np.int64)
         params = PREFILL_PARAMS
-        if lps is not None:  # the forward records them (log_softmax of its rows: nothing sampled)
-            job.prompt_logprobs, job.last_token = lps
-            params = dataclasses.replace(PREFILL_PARAMS, prompt_logprobs=lps[0])
+        if p.prompt_logprobs is not None:  # the forward records them (log_softmax of its rows: nothing sampled)
+            job.prompt_logprobs, job.last_token = p.prompt_logprobs, p.last_token
+            params = dataclasses.replace(PREFILL_PARAMS, prompt_logprobs=p.prompt_logprobs)
         try:
             self.jobs.add(job)
         except DuplicateJob as e:
-            self._rlog.warning("duplicate", "prefill: refusing a duplicate PREFILL for %r (still in flight)", req)
-            self._send(link, {"type": P.FAIL, "req": req, "posted": 0, "duplicate": True, "reason": e.args[0]})
+            self._rlog.warning("duplicate", "prefill: refusing a duplicate PREFILL for %r (still in flight)", p.req)
+            self._send(link, M.Fail(p.req, e.args[0], 0, duplicate=True).to_wire())
             return
         link.jobs[job.req] = job
         self.commands(AddRequest(job.key, job.tokens, params, job.arrival))
 
-    def _send(self, link: Link, msg: dict) -> None:
+    def _limits(self, link: Link) -> M.PrefillLimits:
+        """What a PREFILL on ``link`` is checked against (its decode node's pool and plan, this
+        node's page size, prompt-logprobs bound and speculative hand-off)."""
+        return M.PrefillLimits(link.channel.peer.extra.get("num_pages"), self.engine.kv.page_size,
+                               link.plan.decode.tp, link.dst.num_layers,
+                               self.cfg.server.max_prompt_logprobs_tokens,
+                               self.handoff.get("method") if self.spec is not None else None,
+                               link.spec_num_pages, link.spec_dst.num_layers if link.spec_dst is not None else 0)
+
+    def _send(self, link: Link, wire: dict) -> None:
+        """``wire``: a message's to_wire() (pdkv/disagg/messages.py)."""
         if link.dead:
             return
 
         async def send():
             try:
-                await link.channel.send(msg)
+                await link.channel.send(wire)
             except ControlError as e:
                 self._peer_dead(link, str(e))
         self.loop.create_task(send())
@@ -238,7 +228,7 @@ class PrefillCoordinator(LoopEvents):
     def _send_prompt_logprobs(self, key: str, logprobs: list) -> None:
         job = self.jobs.get(key)
         if job is not None and job.prompt_logprobs is not None and len(logprobs) == len(job.tokens):
-            self._send(job.link, PL.encode(job.req, logprobs))
+            self._send(job.link, PL.encode(job.req, logprobs))  # messages.PromptLogprobs on the wire
 
     def _engine_done(self, key: str, end: JobEnd, reason: str = "", t_end: float | None = None) -> None:
         if self.staged is not None and end is not JobEnd.PREFILLED:
@@ -261,9 +251,9 @@ class PrefillCoordinator(LoopEvents):
                 self.metrics.transfer_time.observe(time.perf_counter() - job.t_first)
         self.commands(ReleasePages(job.key))
         msg = job.answer()
-        if msg["type"] == P.FAIL and self.metrics is not None:
+        if isinstance(msg, M.Fail) and self.metrics is not None:
             self.metrics.failed("write_error" if job.write_errors else "prefill_failed")
-        self._send(link, msg)
+        self._send(link, msg.to_wire())
 
     # ---- engine thread (LoopEvents): post back to the loop, never wait ----------------------
     def on_step(self, step_start: float, outputs) -> None:

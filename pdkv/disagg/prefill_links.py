@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError
-from pdkv.disagg import protocol as P
+from pdkv.disagg import messages as M
 from pdkv.disagg.control_admission import ControlAdmission, Place
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import check_keys, link_pairs, plan_link
@@ -120,51 +120,52 @@ class DecodeLinks:
                                              max_frame=self.mcfg.max_frame_bytes, ssl=self.tls)
             refused = self.admission.establish(ticket)
             if refused is not None:
-                await ch.send({"type": P.REFUSE, "reason": f"prefill node is full: {refused}", "busy": True})
+                await ch.send(M.Refuse(f"prefill node is full: {refused}", busy=True).to_wire())
                 raise ControlError(refused)
             try:
                 plan = plan_link(self.kv_spec, "prefill", ch.peer.extra)
             except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
-                await ch.send({"type": P.REFUSE, "reason": str(e)})
+                await ch.send(M.Refuse(str(e)).to_wire())
                 raise
             try:  # NOTE: a peer that said HELLO but never CONNECTs is dropped after the deadline
                 msg = await asyncio.wait_for(ch.recv(), timeout)
             except asyncio.TimeoutError as e:
                 raise ControlError(f"no CONNECT within {timeout} s of HELLO (messenger.handshake_timeout_s)") from e
-            if msg["type"] != P.CONNECT:
+            if msg["type"] != M.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
-            rkeys, hidden_key, ex, info_in = _connect_fields(plan, msg, ch.peer.extra)
-            spec_fields = spec_connect_fields(msg, ch.peer.extra) if self.handoff_on else None
+            connect = M.Connect.parse(msg, self.handoff_on)
+            rkeys = check_keys(plan, list(connect.kv_keys))  # one per decode rank (HandshakeRefused)
+            dst = _peer_geometry(ch.peer.extra)
+            spec_fields = spec_connect_fields(connect.spec_key, ch.peer.extra) if self.handoff_on else None
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             # messenger.tls_data: the data streams sealed with the session's key (HELLO agreed on it)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
                                                                                     ch.peer.extra),
                                         data_key=ch.data_key if self.mcfg.tls_data else None)
             try:
-                await self._complete(conn, info_in)
+                await self._complete(conn, connect.info)
             except BaseException:
                 self.m.disconnect(conn)
                 raise
-            await ch.send({"type": P.CONNECTED, "info": info})
+            await ch.send(M.Connected(info).to_wire())
         except (ControlError, OSError, ValueError) as e:
             self._rlog.warning(f"setup:{source}", "prefill: decode node connection from %s refused or broken "
                                "during set-up: %s", source, e)
             if ch is not None and isinstance(e, ValueError) and not isinstance(e, ControlError):
                 try:
-                    await ch.send({"type": P.REFUSE, "reason": str(e)})
+                    await ch.send(M.Refuse(str(e)).to_wire())
                 except ControlError:
                     pass
             writer.close()
             return
-        link = Link(ch, conn, rkeys, hidden_key,
-                    Geometry(ex["num_layers"], ex["page_nbytes"], ex["layer_nbytes"]), self.hidden_nbytes, plan)
+        link = Link(ch, conn, rkeys, connect.hidden_key, dst, self.hidden_nbytes, plan)
         if self.handoff_on:  # the handshake made sure the peer expects the hand-off
             link.spec_rkey, link.spec_dst, link.spec_num_pages = spec_fields
         self.links.append(link)
         log.info("prefill: decode node %#x connected from %s (prefill tp=%d -> decode tp=%d%s)", ch.peer.node_id,
                  source, plan.prefill.tp, plan.decode.tp, ", authenticated" if ch.authenticated else "")
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._on_dead(link, r),
-                           payload=lambda: {"load": self._load_report(link).to_wire()})
+                           payload=lambda: M.heartbeat_fields(self._load_report(link)))
         try:
             while not link.dead:
                 self._on_message(link, await ch.recv())
@@ -182,17 +183,10 @@ class DecodeLinks:
             self._setups_busy -= 1
 
 
-def _connect_fields(plan, msg: dict, extra: dict):
-    """CONNECT's fields checked (ValueError / ControlError naming the bad one): the decode ranks'
-    KV keys, the hidden-state key, the peer's KV geometry from its HELLO, the data-path info."""
-    rkeys = check_keys(plan, msg.get("kv_keys", [msg.get("kv_key")]))
-    hidden_key, info = msg.get("hidden_key"), msg.get("info")
-    if not isinstance(hidden_key, int) or isinstance(hidden_key, bool) or hidden_key < 0:
-        raise ValueError(f"CONNECT hidden_key must be a non-negative integer, got {hidden_key!r}")
-    if not isinstance(info, bytes):
-        raise ValueError("CONNECT info must be bytes")
+def _peer_geometry(extra: dict) -> Geometry:
+    """The decode node's KV byte layout from its HELLO (ValueError naming the bad field)."""
     for name in ("num_layers", "page_nbytes", "layer_nbytes"):
         v = extra.get(name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"the decode node's HELLO extra.{name} must be a positive integer, got {v!r}")
-    return rkeys, hidden_key, extra, info
+    return Geometry(extra["num_layers"], extra["page_nbytes"], extra["layer_nbytes"])

@@ -18,40 +18,26 @@ from __future__ import annotations
 
 import math
 
-from pdkv.engine.params import MAX_LOGPROBS
+from pdkv.disagg.messages import PROMPT_LOGPROBS, PromptLogprobs  # noqa: F401 - PROMPT_LOGPROBS re-exported
+from pdkv.engine.params import MAX_LOGPROBS  # noqa: F401 - the bound PREFILL's prompt_logprobs is checked against
 from pdkv.engine.request import TokenLogprob
 
-PROMPT_LOGPROBS = "PROMPT_LOGPROBS"
-
-
-def parse_request(msg: dict, num_tokens: int, max_tokens: int) -> tuple[int, int] | None:
-    """PREFILL's (prompt_logprobs, last_token), checked, or None when not asked; ValueError names
-    the bad field. ``num_tokens``: PREFILL's tokens (the prompt less its last token);
-    ``max_tokens``: this node's server.max_prompt_logprobs_tokens."""
-    n = msg.get("prompt_logprobs")
-    if n is None:
-        return None
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
-        raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {n!r}"[:200])
-    if num_tokens + 1 > max_tokens:
-        raise ValueError(f"prompt_logprobs: the prompt's {num_tokens + 1} tokens exceed this prefill node's "
-                         f"server.max_prompt_logprobs_tokens {max_tokens}")
-    last = msg.get("last_token")
-    if not isinstance(last, int) or isinstance(last, bool) or not 0 <= last < 2**31:
-        raise ValueError(f"last_token must be a non-negative token id (with prompt_logprobs), got {last!r}"[:200])
-    return n, last
 
 
 def encode(req: str, logprobs: list[TokenLogprob]) -> dict:
-    return {"type": PROMPT_LOGPROBS, "req": req,
-            "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]}
+    """PROMPT_LOGPROBS for ``req`` on the wire (pdkv/disagg/messages.py PromptLogprobs)."""
+    return PromptLogprobs(req, tuple(logprobs)).to_wire()
 
 
 def decode(msg: dict, prompt: list[int], num_top: int) -> list[TokenLogprob]:
     """PROMPT_LOGPROBS' entries for the prompt ``prompt`` asked with ``num_top`` alternatives;
     ValueError names what is wrong (more entries or alternatives than asked for, a token that is
     not the prompt's, a value that is no log-probability)."""
-    rows = msg.get("logprobs")
+    return check_entries(msg.get("logprobs"), prompt, num_top)
+
+
+def check_entries(rows, prompt: list[int], num_top: int) -> list[TokenLogprob]:
+    """PROMPT_LOGPROBS' ``logprobs`` checked (see decode)."""
     want = len(prompt) - 1
     if not isinstance(rows, list) or len(rows) != want:
         got = len(rows) if isinstance(rows, list) else type(rows).__name__

@@ -4,7 +4,8 @@ HELLO (pdkv.control.Hello, from make_hello) carries, besides model / dtype / lay
 the speculative hand-off (spec_handoff: what the prefill node prepares for the decode node's
 proposer), which both sides compare field by field.
 
-Messages (msgpack maps over pdkv.control, after HELLO):
+Messages (msgpack maps over pdkv.control, after HELLO; each is a frozen dataclass of
+pdkv/disagg/messages.py, which builds and checks them):
 
   decode -> prefill  CONNECT{info, kv_key, kv_keys, hidden_key[, spec_key]}  data-path set-up
                      (prepare/complete); kv_keys: one region key per decode rank (kv_key =
@@ -45,57 +46,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from pdkv.control import Hello, model_fingerprint
+from pdkv.disagg import messages as M
 from pdkv.shard import KVGeometry
 
-CONNECT, CONNECTED, REFUSE = "CONNECT", "CONNECTED", "REFUSE"
-PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT = "PREFILL", "CANCEL", "CANCEL_ACK", "FAIL", "DONE_AT"
-
-
-def _int(msg: dict, name: str, lo: int, hi: int) -> int:
-    v = msg.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
-        raise ValueError(f"{name} must be an integer in [{lo}, {hi}), got {v!r}"[:200])
-    return v
-
-
-def parse_prefill(msg: dict, num_pages: int | None = None, page_size: int | None = None):
-    """PREFILL's fields, checked: (tokens, pages int64 array, imm, hidden_off, seed, cached);
-    ValueError names the first bad field (a malformed message is answered with FAIL, never a
-    traceback). ``page_size`` given: ``cached`` must be whole pages and ``pages`` exactly one
-    page per page of ``tokens[cached:]`` (a short list would send writes past it)."""
-    from pdkv.shard import request_seed  # noqa: PLC0415
-
-    req, tokens, pages = msg.get("req"), msg.get("tokens"), msg.get("pages")
-    if not isinstance(req, str) or not 0 < len(req) <= 256:
-        raise ValueError("req must be a non-empty string of at most 256 characters")
-    if not isinstance(tokens, list) or not tokens or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
-        raise ValueError("tokens must be a non-empty list of non-negative token ids")
-    top = num_pages if isinstance(num_pages, int) and num_pages > 0 else 2**31
-    if not isinstance(pages, list) or not pages or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < top for p in pages):
-        raise ValueError(f"pages must be a non-empty list of page numbers in [0, {top})")
-    if len(set(pages)) != len(pages):
-        raise ValueError("pages must be distinct")
-    imm = _int(msg, "imm", 0, 2**32)
-    hidden_off = _int(msg, "hidden_off", 0, 2**62)
-    seed = msg.get("seed", request_seed(req))
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}"[:200])
-    cached = msg.get("cached", 0)
-    if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached < len(tokens):
-        raise ValueError(f"cached must be an integer in [0, {len(tokens)}) (the tokens sent), got {cached!r}"[:200])
-    if page_size:
-        if cached % page_size:
-            raise ValueError(f"cached must be a multiple of the page size {page_size}, got {cached}")
-        want = -(-len(tokens) // page_size) - cached // page_size
-        if len(pages) != want:
-            raise ValueError(f"pages must name {want} page(s) for tokens[{cached}:] of {len(tokens)} tokens "
-                             f"(page size {page_size}), got {len(pages)}")
-    return list(tokens), np.asarray(pages, dtype=np.int64), imm, hidden_off, seed, cached
+# the messages' type names (their classes, fields and checks: pdkv/disagg/messages.py)
+CONNECT, CONNECTED, REFUSE = M.CONNECT, M.CONNECTED, M.REFUSE
+PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT = M.PREFILL, M.CANCEL, M.CANCEL_ACK, M.FAIL, M.DONE_AT
 
 
 def dtype_name(engine) -> str:

@@ -1,8 +1,9 @@
 """The keys a prefill node names in its writes of one request: one per granted range.
 
 The decode node grants a request's pages per (decode rank, layer, run of consecutive pages)
-and sends each range's write key with PREFILL (pdkv/disagg/grants.py ``fields``). On tcp they
-are all the region's key; on verbs each is the rkey of that range's own MR, so every write must
+and sends each range's write key with PREFILL (pdkv/disagg/grants.py ``write_keys``: a
+pdkv/disagg/messages.py ``GrantKeys``). On tcp they are all the region's key; on verbs each is
+the rkey of that range's own MR, so every write must
 name the key of the range it falls in — a write under another range's key (or after the range
 was revoked) is refused by the NIC and breaks the connection. ``split`` / ``groups`` split a
 chunk's destination pages by key, so each page batch (pdkv/disagg/writes.py) uses one key.

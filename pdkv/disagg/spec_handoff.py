@@ -32,7 +32,6 @@ when it leaves (``finished``).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pdkv.config import ConfigError
@@ -81,12 +80,11 @@ def register(messenger, proposer) -> int:
     return messenger.register_address(kv.data_ptr(0), kv.nbytes)
 
 
-def connect_fields(msg: dict, extra: dict) -> tuple[int, Geometry, int]:
-    """CONNECT's ``spec_key`` and the decode node's proposer cache layout (HELLO ``extra.spec_kv``):
-    (key, geometry, num_pages); ValueError names the bad field."""
-    key, wire = msg.get("spec_key"), extra.get("spec_kv")
-    if not isinstance(key, int) or isinstance(key, bool) or key < 0:
-        raise ValueError(f"CONNECT spec_key must be a non-negative integer with a speculative hand-off, got {key!r}")
+def connect_fields(key: int, extra: dict) -> tuple[int, Geometry, int]:
+    """CONNECT's ``spec_key`` (checked by pdkv/disagg/messages.py Connect) and the decode node's
+    proposer cache layout (HELLO ``extra.spec_kv``): (key, geometry, num_pages); ValueError names
+    the bad field."""
+    wire = extra.get("spec_kv")
     if not isinstance(wire, dict):
         raise ValueError("the decode node's HELLO has no extra.spec_kv (its proposer cache's layout)")
     for name in ("num_layers", "page_nbytes", "layer_nbytes", "num_pages"):
@@ -94,21 +92,6 @@ def connect_fields(msg: dict, extra: dict) -> tuple[int, Geometry, int]:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"the decode node's HELLO extra.spec_kv.{name} must be a positive integer, got {v!r}")
     return key, Geometry(wire["num_layers"], wire["page_nbytes"], wire["layer_nbytes"]), wire["num_pages"]
-
-
-def parse_fields(msg: dict, handoff: dict, num_pages: int, peer_num_pages: int) -> tuple[int | None, np.ndarray]:
-    """PREFILL's ``next_token`` (mtp) and ``spec_pages`` (one per page), checked; ValueError names the field."""
-    t, pages = msg.get("next_token"), msg.get("spec_pages")
-    if handoff.get("method") != "mtp":
-        t = None
-    elif not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:
-        raise ValueError(f"next_token must be a token id (the held-back last prompt token), got {t!r}"[:200])
-    if not isinstance(pages, list) or len(pages) != num_pages or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < peer_num_pages for p in pages):
-        raise ValueError(f"spec_pages must be {num_pages} page numbers in [0, {peer_num_pages})")
-    if len(set(pages)) != len(pages):
-        raise ValueError("spec_pages must be distinct")
-    return t, np.asarray(pages, dtype=np.int64)
 
 
 class PrefillHandoff:

@@ -27,6 +27,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from pdkv.disagg.messages import GrantKeys
 from pdkv.disagg.grants import Range, RequestGrants, on_nic, page_runs
 from pdkv.disagg.staged import decode_ring_shape, make_copy_engine, make_ring, region_buffers
 from pdkv.disagg.writes import Geometry
@@ -193,9 +194,9 @@ class LandingGrants(RequestGrants):
             out += [Range(key, first * slot, (count - 1) * slot + block) for first, count in runs]
         return out
 
-    def fields(self, pages, granted: list[Range]) -> dict:
+    def write_keys(self, pages, granted: list[Range], hidden: bool = True) -> GrantKeys:
         runs = page_runs(pages)
         keys = [r.wkey for r in granted[1:]]  # [rank][run]
         flat = [keys[d * len(runs) + j] for d in range(len(self.kv_keys))
                 for _ in range(self.landing.num_layers) for j in range(len(runs))]
-        return {"runs": [list(r) for r in runs], "kv_rkeys": flat, "hidden_rkey": granted[0].wkey}
+        return GrantKeys(tuple(runs), tuple(flat), granted[0].wkey)

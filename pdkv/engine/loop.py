@@ -145,6 +145,12 @@ class EngineLoop:
                           FailRequest: self._on_fail, ReleasePages: self._on_release,
                           Wake: lambda cmd: None}  # the loop admits after every batch of commands
 
+    def attach(self, events: LoopEvents) -> None:
+        """Make ``events`` the loop's front-end, before ``start``: the server makes the loop of
+        every role and the role's front-end attaches (the AsyncEngine, or a prefill node's
+        coordinator)."""
+        self.events = events
+
     # ---- any thread ------------------------------------------------------------------------------
     def put(self, cmd) -> None:
         self._commands.put(cmd)

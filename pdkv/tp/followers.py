@@ -28,9 +28,9 @@ class TPRankError(PdkvError, RuntimeError):
 
 
 def _repo_root() -> str:
-    import pdkv.models as models  # noqa: PLC0415
+    import pdkv  # noqa: PLC0415 - the folder holding pdkv (a checkout, or site-packages)
 
-    return str(Path(pdkv.models.__file__).resolve().parent.parent)
+    return str(Path(pdkv.__file__).resolve().parent.parent)
 
 
 class Followers:

@@ -158,6 +158,14 @@ def colocated_kv(model_dir, prompts, **over) -> dict:
     return got
 
 
+def keep_landed_hidden(coordinator) -> dict:
+    """rid -> a copy of the hidden row of each request whose KV lands from now on (the decode
+    coordinator's ``on_landed``; the serving path copies nothing without it)."""
+    rows = {}
+    coordinator.on_landed = lambda rid, row: rows.__setitem__(rid, row.clone())
+    return rows
+
+
 def hold_kv_on_landing(coordinator, engine, caches=None) -> dict:
     """Wraps a decode coordinator's engine commands: when a request's KV has landed, before the
     engine hears RemoteKVReady (so before its last prompt token runs), read its pages from every

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cluster import Cluster, colocated_kv, hold_kv_on_landing, make_engine, node_config, wait_for
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, keep_landed_hidden, make_engine, node_config, wait_for
 from pdkv.disagg.writes import pages_to_send
 from pdkv.engine import SamplingParams
 
@@ -77,6 +77,7 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
                 decode_over={"kv_cache__layout": layout, "kv_cache__prefix_caching": False, **both})
     assert c.decode.app[NODE].messenger.transport == (messenger or {}).get("transport", "tcp")
     landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
+    hs = keep_landed_hidden(c.coordinator)
     try:
         name = json.loads(urllib.request.urlopen(c.url + "/v1/models").read())["data"][0]["id"]
         results = [None] * len(PROMPTS)
@@ -91,7 +92,6 @@ def test_greedy_tokens_hidden_and_kv_equal_colocated(tiny_model_dir, chunk, laye
         assert [r["usage"]["completion_tokens"] for r in results] == [6] * len(PROMPTS)
         assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
         # the hidden state that arrived (one per remote request; a 2-token prompt sends 1 row)
-        hs = c.coordinator.hidden_states
         assert len(hs) == len(PROMPTS)
         by_prompt = {}
         for r, p in zip(results, PROMPTS):

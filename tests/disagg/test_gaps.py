@@ -110,13 +110,14 @@ DECODE_CHILD = """
 import json, sys, threading, urllib.request
 import torch
 sys.path.insert(0, {tests!r})
-from _cluster import make_engine, serve_node
+from _cluster import keep_landed_hidden, make_engine, serve_node
 from pdkv.config import config_from_dict
 from pdkv.server.app import NODE
 cfg = config_from_dict(json.loads({cfg!r}))
 prompts = json.loads({prompts!r})
 with serve_node(cfg, make_engine(cfg)) as dec:
     name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+    hs = keep_landed_hidden(dec.app[NODE].coordinator)
     got = [None] * len(prompts)
     def run(i):
         body = json.dumps({{"model": name, "prompt": prompts[i], "max_tokens": 4, "temperature": 0,
@@ -126,7 +127,6 @@ with serve_node(cfg, make_engine(cfg)) as dec:
     ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in ts]
     [t.join(90) for t in ts]
-    hs = dec.app[NODE].coordinator.hidden_states
     torch.save({{"tokens": [g["choices"][0]["token_ids"] for g in got],
                 "hidden": [hs[g["id"] + "-0"] for g in got],
                 "transport": dec.app[NODE].messenger.transport}}, sys.argv[1])

@@ -30,7 +30,7 @@ def test_a_job_finishes_only_when_the_engine_is_done_and_every_batch_completed()
     assert t.batch_done(1, count=2, num_errors=0, status=0, nbytes=64) is None
     assert t.batch_done(1, count=1, num_errors=0, status=0, nbytes=32) is job  # the last one
     assert job.state == JobState.FINISHED and len(t) == 0 and t.get("n:r1") is None
-    assert job.answer() == {"type": P.DONE_AT, "req": "r1", "t_end": 5.0, "posted": 5, "bytes": 160}
+    assert job.answer().to_wire() == {"type": P.DONE_AT, "req": "r1", "t_end": 5.0, "posted": 5, "bytes": 160}
     # late events for a finished job change nothing
     assert t.batch_done(1, count=1, num_errors=0, status=0, nbytes=1) is None
     assert t.engine_done("n:r1", JobEnd.CANCELLED) is None
@@ -41,7 +41,7 @@ def test_the_first_engine_report_counts_and_nothing_outstanding_finishes_at_once
     job = _job()
     t.add(job)
     assert t.engine_done("n:r1", JobEnd.CANCELLED, "cancelled by the decode node") is job
-    assert job.answer() == {"type": P.CANCEL_ACK, "req": "r1", "posted": 0}
+    assert job.answer().to_wire() == {"type": P.CANCEL_ACK, "req": "r1", "posted": 0}
     other = _job("n:r2", tag=2)
     t.add(other)
     t.engine_done("n:r2", JobEnd.PREFILLED)
@@ -57,7 +57,7 @@ def test_failed_writes_turn_done_into_fail_and_report_only_what_completed():
     t.batch_done(1, count=4, num_errors=1, status=-5, nbytes=0, reason="peer reset")
     t.engine_done("n:r1", JobEnd.PREFILLED, t_end=1.0)
     assert t.batch_done(1, count=4, num_errors=0, status=0, nbytes=64) is job
-    msg = job.answer()
+    msg = job.answer().to_wire()
     assert msg["type"] == P.FAIL and msg["posted"] == 7 and "1 page write(s) failed: peer reset" in msg["reason"]
 
 
@@ -71,7 +71,7 @@ def test_queue_error_gives_back_the_batches_that_were_never_queued():
     t.engine_done("n:r1", JobEnd.PREFILLED)
     for _ in range(2):
         assert t.batch_done(1, 1, 0, 0, 8) is None
-    assert t.batch_done(1, 1, 0, 0, 8) is job and job.answer()["type"] == P.FAIL
+    assert t.batch_done(1, 1, 0, 0, 8) is job and job.answer().to_wire()["type"] == P.FAIL
 
 
 def _entry(rid, prompt_len, start, n, row, pages, prefill_only=True):

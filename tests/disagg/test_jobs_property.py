@@ -38,7 +38,7 @@ class Driver:
             assert job.state == JobState.FINISHED and job.outstanding == 0
             self.free |= self.held.pop(id(job))
             self.live.pop(job.req, None)
-            self.answers.append(job.answer())
+            self.answers.append(job.answer().to_wire())
 
     def prefill(self, r):
         req = f"r{r}"

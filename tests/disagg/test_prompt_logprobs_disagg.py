@@ -9,18 +9,23 @@ import math
 
 import pytest
 
+from pdkv.disagg import messages as M
 from pdkv.disagg import prompt_logprobs as PL
 from pdkv.engine.request import TokenLogprob
 
 PROMPT = [5, 6, 7, 8]
+PREFILL = {"type": "PREFILL", "req": "r", "tokens": [1, 2, 3], "pages": [0], "imm": 1, "hidden_off": 0}
 GOOD = [TokenLogprob(6, -1.0, ((6, -1.0), (9, -2.0))), TokenLogprob(7, -0.5, ((7, -0.5), (1, -3.0))),
         TokenLogprob(8, -math.inf, ((2, -0.1), (3, -0.2)))]
 
 
 def test_round_trip():
     assert PL.decode(PL.encode("r", GOOD), PROMPT, 2) == GOOD
-    assert PL.parse_request({"prompt_logprobs": 2, "last_token": 8}, 3, 4) == (2, 8)
-    assert PL.parse_request({}, 3, 4) is None  # not asked (an older decode node): nothing computed
+    p = M.Prefill.parse({**PREFILL, "prompt_logprobs": 2, "last_token": 8},
+                        M.PrefillLimits(max_prompt_logprobs_tokens=4))
+    assert (p.prompt_logprobs, p.last_token) == (2, 8)
+    p = M.Prefill.parse(PREFILL, M.PrefillLimits(max_prompt_logprobs_tokens=4))
+    assert p.prompt_logprobs is None  # not asked (an older decode node): nothing computed
 
 
 def _bad(mutate):
@@ -48,7 +53,8 @@ def test_decode_refuses_what_was_not_asked_for(msg, num_top, words):
 
 def test_prefill_side_bound_names_the_setting():
     with pytest.raises(ValueError, match="server.max_prompt_logprobs_tokens 4"):
-        PL.parse_request({"prompt_logprobs": 0, "last_token": 1}, 4, 4)
+        M.Prefill.parse({**PREFILL, "tokens": [1, 2, 3, 4], "prompt_logprobs": 0, "last_token": 1},
+                        M.PrefillLimits(max_prompt_logprobs_tokens=4))
 
 
 def test_staged_pair_carries_them_through_the_copy_in(tiny_model_dir):

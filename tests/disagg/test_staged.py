@@ -22,7 +22,7 @@ import torch
 
 from pdkv.server.app import NODE
 
-from _cluster import Cluster, colocated_kv, hold_kv_on_landing, post_completion, read_kv, wait_for
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, keep_landed_hidden, post_completion, read_kv, wait_for
 from test_equality import PROMPTS, _colocated, _complete
 
 STAGED = {"messenger__staging": "cpu"}
@@ -71,6 +71,7 @@ def test_staged_tokens_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, 
         rng = random.Random(13)
         pcopy._inject = dcopy._inject = lambda result, i: time.sleep(rng.uniform(0, 0.003))
     landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
+    hidden = keep_landed_hidden(c.coordinator)
     sent_kv, after_forward = {}, pc.connector.after_forward
 
     def on_forward(batch, hidden):  # prefill engine thread: each prompt's KV where it was computed
@@ -84,7 +85,7 @@ def test_staged_tokens_and_kv_equal_colocated(tiny_model_dir, chunk, layerwise, 
         results = _all_requests(c)
         assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
         for r, p in zip(results, PROMPTS):
-            torch.testing.assert_close(c.coordinator.hidden_states[r["id"] + "-0"], want_hidden[tuple(p)],
+            torch.testing.assert_close(hidden[r["id"] + "-0"], want_hidden[tuple(p)],
                                        rtol=1e-4, atol=1e-5)
             # RemoteKVReady comes after the copy-in: these are the KV pages, not the landing slots
             _, (got,) = landed_kv[r["id"] + "-0"]

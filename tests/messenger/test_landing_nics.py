@@ -98,7 +98,7 @@ def _land(spawn, connect, decode_placement):
         seed, pages = request_seed(f"land-{i}"), np.asarray([i], dtype=np.int64)
         granted = grants.grant(1, pages, hidden_row=i, seed=seed)
         held.append(granted)
-        keys = RangeKeys.parse(RequestGrants.fields(pages, granted), pages, 1, LAYERS)
+        keys = RangeKeys.parse(RequestGrants.write_keys(pages, granted).wire(), pages, 1, LAYERS)
         expected = LAYERS * sum(len(pair.segments) for pair in plan.active_pairs(seed)) + 1  # + the hidden row
         b.m("expect", 1000 + i, expected)
         _, writes = queue_chunk(ra, watch=0, base=0, layerwise=True, conn=ca, lkeys=lkeys, rkeys=keys, src=g,
