@@ -203,9 +203,10 @@ class DPGroup:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival: float | None = None, rank: int | None = None) -> int:
-        """Places the request (``rank``: on that rank) and admits it there; returns the rank.
-        Raises what the rank's engine raises (InvalidRequest, ResourceBusy) or DPRankError."""
+                    arrival: float | None = None, rank: int | None = None, priority: int = 0) -> int:
+        """Places the request (``rank``: on that rank) and submits it there (the rank admits it
+        when its pages are free, before each of its steps); returns the rank. Raises what the
+        rank's engine raises (InvalidRequest, a refusal) or DPRankError."""
         if request_id in self.rank_of:
             from pdkv.errors import InvalidRequest  # noqa: PLC0415
 
@@ -215,7 +216,7 @@ class DPGroup:
             rank = self.placer.choose(ids, self._loads)
         elif not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is out of range for parallel.dp={self.size}")
-        self._call(rank, "add", (request_id, ids if ids is not None else prompt, params, arrival))
+        self._call(rank, "add", (request_id, ids if ids is not None else prompt, params, arrival, priority))
         self.placer.placed(ids, rank)
         self.rank_of[request_id] = rank
         self._status[request_id] = _Seen(RequestStatus.WAITING)
@@ -233,8 +234,23 @@ class DPGroup:
             self._call(r, "abort", (request_id, quarantine, reason))
 
     # ---- what the server's engine loop and routes read (pdkv/engine/loop.py, server/) ----------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The checks that need no rank (each rank's engine checks everything again at admission)."""
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               arrival: float | None = None, priority: int = 0) -> None:
+        """As LLMEngine.submit: the request goes to its rank's own pending queue at once."""
+        self.add_request(request_id, prompt, params, arrival, priority=priority)
+
+    def admit(self) -> list:
+        """Nothing waits here: each rank admits its own pending requests before its steps (a
+        refusal there ends the request with finish_reason "error" in that step's outputs)."""
+        return []
+
+    @property
+    def num_pending(self) -> int:
+        return 0
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """The checks that need no rank (each rank's engine checks everything again at admission,
+        the priority against its scheduler.policy included)."""
         from pdkv.errors import InvalidRequest  # noqa: PLC0415
 
         if not prompt_token_ids:

@@ -36,8 +36,12 @@ def load_info(engine) -> dict:
 
 def step(engine, group) -> dict:
     """One lock-step step: the engine's forward if it has one to run, else a dummy."""
+    from pdkv.engine.request import RequestOutput  # noqa: PLC0415
+
     before = group.forwards
-    outputs = engine.step() if engine.has_work() else []
+    # the requests this rank's scheduler can take now (pages free); one refused ends here
+    outputs = [RequestOutput(rid, [], "", True, "error", 0, 0, [], "") for rid, _ in engine.admit()]
+    outputs += engine.step() if engine.has_work() else []
     dummy = group.forwards == before
     error = None
     if dummy:
