@@ -46,8 +46,13 @@ install: $(STAMP)
 demo: install
 	$(PY) tools/demo.py
 
+# Two workers, each test file on one of them (--dist loadfile: a file's module fixtures, such as
+# the DP groups and node pairs, start once): most tests wait on node processes rather than
+# compute, so two at a time fit 2 cores and keep the suite under 15 minutes. TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 bench: install
 	$(PY) -m pdkv.bench engine
