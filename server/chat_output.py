@@ -3,8 +3,8 @@
 
 Reasoning comes first and tools apply to the answer only. With ``tool_choice`` ``required`` or a
 named function the answer is the JSON that structured output forced (vLLM's way): a list of
-{name, parameters}, which becomes tool_calls when it ends, or the named function's arguments,
-streamed as they come.
+{name, parameters}, each element a call (its ``parameters`` text as written is the arguments),
+or the named function's arguments; both are streamed as they come.
 
 Streamed tool calls take OpenAI's (and vLLM's) delta shape: a call's first delta has its index,
 id, type and name with the arguments written so far (maybe empty), the later ones the index and
@@ -55,6 +55,7 @@ class ChatOutput:
         self.args_sent: list[int] = []  # per call given out: characters of its arguments sent
         self.in_calls = False
         self.whole = False  # a whole message: only the complete, well-formed calls
+        self.required: RequiredCalls | None = None  # tool_choice required, streamed
 
     # ---- streaming ---------------------------------------------------------------------------
     def delta(self, text: str, final: bool = False) -> dict:
@@ -85,6 +86,14 @@ class ChatOutput:
             from pdkv.server.tool_parsers import Call  # noqa: PLC0415
 
             return "", self._stream_calls([Call(self.req.tools.name, self.answer, final)])
+        if self.forced == "required" and not self.whole:
+            if self.required is None:
+                self.required = RequiredCalls()
+            self.required.feed(self.answer[self.required.pos:])
+            calls = self._stream_calls(self.required.calls)
+            if final and not self.num_calls:
+                return self.answer, []  # cut short before a name: what was written, as content
+            return "", calls
         if self.forced is not None:
             if not final:
                 return "", []
@@ -132,9 +141,10 @@ class ChatOutput:
         if self.forced == "named":
             del obj  # the arguments as written: what a stream sends in fragments
             calls = [{"name": self.req.tools.name, "arguments": self.answer}]
-        else:
-            calls = [{"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}
-                     for c in obj if isinstance(c, dict) and "name" in c]
+        else:  # each call's arguments: its parameters as written (what a stream sends)
+            scan = RequiredCalls()
+            scan.feed(self.answer)
+            calls = [{"name": c.name, "arguments": c.arguments} for c in scan.calls if c.done and c.name is not None]
         self.num_calls = len(calls)
         return [self._call(i, c) for i, c in enumerate(calls)]
 
@@ -160,3 +170,78 @@ class ChatOutput:
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's ``tool_calls`` when the answer ended by making calls."""
         return "tool_calls" if reason == "stop" and self.num_calls and self.forced != "named" else reason
+
+
+class RequiredCalls:
+    """The calls of ``tool_choice: required``'s forced answer, ``[{"name": ..., "parameters":
+    {...}}, ...]``, read as it grows (``feed`` the new text): each element a
+    pdkv.server.tool_parsers.Call whose ``arguments`` is its ``parameters`` value's text so far,
+    so the streamed fragments add up to the value as written. A JSON scanner, not a parser: the
+    grammar already guarantees the shape, so it tracks only strings, nesting and the two keys."""
+
+    def __init__(self):
+        from pdkv.server.tool_parsers import Call  # noqa: PLC0415
+
+        self._call = Call
+        self.text = ""
+        self.pos = 0  # characters of the answer fed so far
+        self.calls: list = []
+        self._depth = 0
+        self._in_str = self._esc = False
+        self._str_start = -1
+        self._last_str: str | None = None  # the last string closed at element depth (a key, or a name)
+        self._key: str | None = None  # the element's key whose value comes next
+        self._value_start = -1  # where the current parameters value starts in text
+        self._value_depth = 0
+
+    def feed(self, new: str) -> None:
+        start = len(self.text)
+        self.text += new
+        self.pos += len(new)
+        t = self.text
+        for i in range(start, len(t)):
+            ch = t[i]
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+                    if self._depth == 2 and self._value_start < 0:
+                        self._closed_string(t[self._str_start:i + 1])
+                continue
+            if ch == '"':
+                self._in_str, self._str_start = True, i
+            elif ch == ":" and self._depth == 2 and self._value_start < 0:
+                self._key, self._last_str = self._last_str, None
+                if self._key == "parameters":
+                    self._value_start = -2  # starts at the next non-blank character
+            elif ch in "{[":
+                self._depth += 1
+                if self._depth == 2 and ch == "{":
+                    self.calls.append(self._call(None, "", False))
+                elif self._value_start == -2:
+                    self._value_start, self._value_depth = i, self._depth - 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._value_start >= 0 and self._depth == self._value_depth:
+                    self._set_args(t[self._value_start:i + 1])
+                    self._value_start, self._key = -1, None
+                elif self._depth == 1 and ch == "}" and self.calls:
+                    c = self.calls[-1]
+                    self.calls[-1] = self._call(c.name, c.arguments, True)
+        if self._value_start >= 0:
+            self._set_args(t[self._value_start:])
+
+    def _closed_string(self, raw: str) -> None:
+        if self._key == "name" and self.calls:
+            c = self.calls[-1]
+            self.calls[-1] = self._call(json.loads(raw), c.arguments, False)
+            self._key = None
+        else:
+            self._last_str = json.loads(raw)
+
+    def _set_args(self, text: str) -> None:
+        c = self.calls[-1]
+        self.calls[-1] = self._call(c.name, text, c.done)

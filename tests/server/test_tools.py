@@ -256,3 +256,30 @@ def test_a_named_function_streams_its_arguments():
         frags = {}
         assert _streamed(parsers, req, pieces, frags)[2] == [("get_time", '{"tz": "CET"}')]
         assert frags[0][0] == pieces[0] and len(frags[0]) == len(pieces)  # one fragment per delta
+
+
+REQUIRED_ANSWER = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris {x}", "days": 3}}, '
+                   '{"name":"get_time","parameters":{"tz":"CET"}}]')
+
+
+def test_required_calls_stream_their_arguments_in_every_split():
+    """tool_choice required: the forced list's calls are announced once named, their parameters'
+    text streamed in fragments that add up to the whole message's arguments (as written)."""
+    req = _req(tool_choice="required")
+    parsers = OutputParsers(None, "hermes")
+    whole = ChatOutput(parsers, req).message(REQUIRED_ANSWER)["tool_calls"]
+    expected = [("get_weather", '{"city": "Pa\\"ris {x}", "days": 3}'), ("get_time", '{"tz":"CET"}')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == expected
+    assert [json.loads(a) for _, a in expected] == [{"city": 'Pa"ris {x}', "days": 3}, {"tz": "CET"}]
+    for pieces in _splits(REQUIRED_ANSWER):
+        frags = {}
+        assert _streamed(parsers, req, pieces, frags)[2] == expected, pieces
+    frags = {}
+    _streamed(parsers, req, list(REQUIRED_ANSWER), frags)
+    assert len(frags[0]) > 5  # really in fragments, not one piece at the end
+    done = ChatOutput(parsers, req)
+    done.merge(done.delta(REQUIRED_ANSWER), done.end())
+    assert done.finish_reason("stop") == "tool_calls"
+    cut = ChatOutput(parsers, req)
+    d = cut.merge(cut.delta('[{"name": "get_wea'), cut.end())  # cut short before a whole name
+    assert d == {"content": '[{"name": "get_wea'} and cut.finish_reason("length") == "length"
