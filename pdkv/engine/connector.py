@@ -8,9 +8,10 @@ request::
                                     KV, ...), or an Answer instead: NOT_YET (wait) or a refusal
     admit(req) -> Answer            the engine reserved it; reserve the connector's own
                                     per-request resources: RESERVE (done), NOT_YET (the engine
-                                    gives the pages back, the request keeps its place among the
-                                    waiting and is asked again after the next command or step)
-                                    or ``Answer.refuse(...)`` (the request fails with that error)
+                                    gives the pages back, the request stays at the head of
+                                    ``Scheduler.pending`` and is asked again after the next batch
+                                    of commands or step) or ``Answer.refuse(...)`` (the request
+                                    fails with that error)
     before_forward(batch)           each forward pass, with its layout (ForwardBatch)
     after_layer(layer)              after each layer's attention output projection (o_proj)
     after_forward(batch, hidden)    the final hidden states [num_tokens, hidden_size]
@@ -41,15 +42,16 @@ tokens after them (and must still send the reused pages it holds). Pages become 
 cache only when complete: computed by a finished forward pass, or for remote KV at
 ``LLMEngine.remote_kv_ready``.
 
-Later features are meant to use the same points rather than add new ones:
-- speculative decoding (draft model / MTP heads): ``admit`` reserves the draft's per-request
-  buffers (and answers NOT_YET while none are free), ``after_forward`` reads the hidden states
-  the draft heads consume, ``before_forward`` sees which rows are verify tokens;
-- an engine feature that needs any other per-request resource reserves it in ``admit``, so a
-  request never starts running without everything it needs.
+Speculative decoding (pdkv/engine/spec) is the engine's own and does not go through here, but
+for the disaggregated hand-off (pdkv/disagg/spec_handoff.py): the decode side's ``admit``
+reserves the proposer's pages (NOT_YET while none are free) and the prefill side's
+``after_forward`` runs the proposer over each chunk. An engine feature that needs another
+per-request resource reserves it in ``admit`` too, so a request never starts running without
+everything it needs; new features use these points rather than add new ones.
 
-NOTE: every method runs on the engine thread inside ``LLMEngine.step`` / ``add_request``; one
-that must talk to an event loop posts to it (``loop.call_soon_threadsafe``) and never waits.
+NOTE: every method runs on the engine thread, inside ``LLMEngine.admit`` / ``step`` / ``abort`` /
+``release``; one that must talk to an event loop posts to it (``loop.call_soon_threadsafe``) and
+never waits.
 """
 
 from __future__ import annotations

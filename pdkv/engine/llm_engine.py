@@ -1,7 +1,9 @@
 """LLMEngine: the Python API over the scheduler, the model runner and the sampler.
 
-One thread owns an engine and calls ``add_request`` / ``abort`` / ``step``; only
-``validate_request`` is meant to be called from other threads (it is pure). A step is
+One thread owns an engine and calls ``submit`` / ``admit`` / ``abort`` / ``step`` (``add_request``
+is submit + admit, for callers that drive the engine themselves); only ``validate_request`` is
+meant to be called from other threads (it is pure), and the server's ``/load`` reads the
+scheduler's queue lengths from its event loop without a lock (a count one step stale). A step is
 ``schedule → run → update``: one forward pass in which prefill chunks and decodes share a batch.
 Everything outside the engine that takes part in a request's KV (disaggregated prefill and
 decode) does so through one KV connector (pdkv/engine/connector.py), called at named points of
