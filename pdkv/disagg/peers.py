@@ -178,7 +178,15 @@ class PrefillPeers:
         peer = self.find(host, port)
         if peer is None:
             peer = Peer(host, port)
-            self.peers.append(peer)
+            # a node that left for good gives its place (the chooser's prefix affinity keeps
+            # indices: a reused one only points a hint at the newcomer), so the list is bounded by
+            # the nodes registered at once, not by every address ever seen
+            free = next((i for i, p in enumerate(self.peers) if p.gone and p.dead and p.channel is None
+                         and (p.redial is None or p.redial.done())), None)
+            if free is not None:
+                self.peers[free] = peer
+            else:
+                self.peers.append(peer)
             log.info("decode: prefill node at %s:%d joined", host, port)
         peer.gone = False
         peer.draining = False
