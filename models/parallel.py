@@ -249,6 +249,24 @@ class ExpertLayout:
         return tensor
 
 
+
+def process_group(store, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float):
+    """A torch.distributed process group of its own (not the default group) over ``store``:
+    NCCL on CUDA, gloo on loopback otherwise; every collective bounded by ``timeout_s``."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(prefix, store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    # Loopback: every rank is on this host, and the hostname may not resolve in a container.
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
 class TensorParallel:
     """One rank's membership of a TP group: ``all_reduce`` sums in place across ranks.
 
@@ -265,18 +283,7 @@ class TensorParallel:
             raise RuntimeError("parallel.tp > 1 needs torch.distributed, which this torch build lacks")
         self.rank, self.size, self.device = rank, size, device
         self.expert_parallel = False  # parallel.expert_parallel: whole experts per rank (TPLayout)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore("pdkv-tp", store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            # Loopback: every rank is on this host, and the hostname may not resolve in a container.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        self.pg = process_group(store, "pdkv-tp", rank, size, device, timeout_s)
         self.on_error = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

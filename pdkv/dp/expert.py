@@ -10,11 +10,11 @@ dispatcher's header carries.
 
 from __future__ import annotations
 
-import datetime
 
 import torch
 
 from pdkv.dp.dispatch import AllToAllDispatcher
+from pdkv.models.parallel import process_group
 
 
 class ExpertGroup:
@@ -24,18 +24,7 @@ class ExpertGroup:
         if not dist.is_available():
             raise RuntimeError("parallel.dp > 1 needs torch.distributed, which this torch build lacks")
         self.rank, self.size, self.device, self.timeout_s = rank, size, device, timeout_s
-        timeout = datetime.timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore("pdkv-dp", store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            # Loopback: every rank is on this host, and the hostname may not resolve in a container.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        self.pg = process_group(store, "pdkv-dp", rank, size, device, timeout_s)  # as a TP group's
         self.dispatcher: AllToAllDispatcher | None = None
         self.sparse: list = []  # (layer index, SparseMoE) of the attached model
         self.forwards = 0  # real forward passes
