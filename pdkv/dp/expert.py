@@ -10,7 +10,6 @@ dispatcher's header carries.
 
 from __future__ import annotations
 
-
 import torch
 
 from pdkv.dp.dispatch import AllToAllDispatcher
