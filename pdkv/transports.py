@@ -29,6 +29,9 @@ class Capability(enum.Flag):
     PEER_ISOLATION = 8  # grants per peer: a peer writes only what it was granted, until revoked
     GPUDIRECT = 16  # device memory reached by the NIC's DMA (dma-buf / peer memory)
     SEALED_STREAMS = 32  # the data path itself can be encrypted and authenticated (tls_data)
+    # grant / revoke are entries in the receiver's own table (no memory registration, no round
+    # trip to the peer): the decode node makes them on its event loop, not in its grant thread
+    INSTANT_GRANTS = 64
 
 
 # C bit names, for messages and for the check that the C table says the same
@@ -71,7 +74,8 @@ def config_names() -> tuple[str, ...]:
     return tuple(n for n, c in OPTIONS.items() if c.in_config)
 
 
-@transport("tcp", Capability.HOST_MEMORY | Capability.PEER_ISOLATION | Capability.SEALED_STREAMS)
+@transport("tcp", Capability.HOST_MEMORY | Capability.PEER_ISOLATION | Capability.SEALED_STREAMS
+           | Capability.INSTANT_GRANTS)
 @dataclass(frozen=True)
 class TcpOptions:
     """tcp: page writes over ``num_streams`` TCP connections per peer.
@@ -165,7 +169,8 @@ class LibfabricOptions:
         return {}
 
 
-@transport("fake", Capability.HOST_MEMORY | Capability.PEER_ISOLATION | Capability.SAME_HOST_ONLY)
+@transport("fake", Capability.HOST_MEMORY | Capability.PEER_ISOLATION | Capability.SAME_HOST_ONLY
+           | Capability.INSTANT_GRANTS)
 @dataclass(frozen=True)
 class FakeOptions:
     """fake: in-process (memcpy between messengers of one process), with fault injection for tests."""

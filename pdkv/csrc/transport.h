@@ -220,6 +220,7 @@ enum pdkv_capability {
     PDKV_CAP_PEER_ISOLATION = 8,  /* grants per peer: a peer writes only what it was granted */
     PDKV_CAP_GPUDIRECT = 16,      /* device memory reached by the NIC's DMA (dma-buf, peer memory) */
     PDKV_CAP_SEALED_STREAMS = 32, /* the data path can be encrypted and authenticated (set_data_key) */
+    PDKV_CAP_INSTANT_GRANTS = 64, /* grant/revoke are table entries (no registration, no peer round trip) */
 };
 
 /* The transport seam: a table of (name, constructor taking that transport's options struct,

@@ -60,14 +60,16 @@ static const struct {
     int caps;
     const char *missing;
 } TABLE[] = {
-    {"tcp", open_tcp, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SEALED_STREAMS, NULL},
+    {"tcp", open_tcp,
+     PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SEALED_STREAMS | PDKV_CAP_INSTANT_GRANTS, NULL},
     {"verbs", open_verbs,
      PDKV_CAP_HOST_MEMORY | PDKV_CAP_DEVICE_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_GPUDIRECT,
      "pdkv was built without libibverbs headers (install libibverbs-dev / rdma-core and rebuild)"},
     {"libfabric", open_libfabric, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION,
      "pdkv was built without libfabric headers (install libfabric-dev and rebuild)"},
     /* in-process: both ends are messengers of one process */
-    {"fake", open_fake, PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SAME_HOST_ONLY, NULL},
+    {"fake", open_fake,
+     PDKV_CAP_HOST_MEMORY | PDKV_CAP_PEER_ISOLATION | PDKV_CAP_SAME_HOST_ONLY | PDKV_CAP_INSTANT_GRANTS, NULL},
     /* same host only (complete() refuses a peer on another host); grants bound what the peer
      * maps, but it holds the whole file: no isolation from a hostile process of the same user */
     {"shm", open_shm, PDKV_CAP_HOST_MEMORY | PDKV_CAP_SAME_HOST_ONLY, NULL},

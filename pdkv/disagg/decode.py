@@ -41,6 +41,7 @@ from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.fleet.admission import TTFTEstimator
+from pdkv.transports import Capability
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
@@ -67,7 +68,9 @@ class DecodeCoordinator(PrefillSender):
         self._imms = itertools.count(1)  # NOTE: never reused, so a late write can't count for a new request
         self.slots: dict[int, Slot] = {}
         self.by_rid: dict[str, Slot] = {}
-        # NOTE: grants are made in one thread, never on the event loop (verbs: an MR per range)
+        # NOTE: grants are made in one thread, never on the event loop (verbs: an MR per range;
+        # shm: a round trip to the peer), but where they are entries in our own table (tcp)
+        self.instant_grants = Capability.INSTANT_GRANTS in messenger.capabilities
         self._grant_pool = ThreadPoolExecutor(1, thread_name_prefix="pdkv-decode-grant")
         self._granting: dict[str, bool] = {}  # rid -> its client left while the grant thread ran
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,

@@ -82,13 +82,20 @@ class PrefillSender:
         self.memory.hold(grantee, need)  # NOTE: before the grant thread runs: later requests count these
         self._granting[rid] = False  # True once the client left while its grants were made
         job = _Granting(res, tokens, pages, dst, peer, grantee, need, cached, ask, time.perf_counter())
-        try:  # NOTE: on verbs each range is an MR registration: never on the event loop
-            fut = self.loop.run_in_executor(self._grant_pool, self.memory.grant, grantee, dst, row,
-                                            request_seed(rid), ask.spec_pages)
-        except RuntimeError as e:  # the pool is shut down: this node is stopping
+        if self.instant_grants:  # table entries (tcp): the grant thread would be a crossing for nothing
             fut = self.loop.create_future()
-            fut.set_exception(e)
-        fut.add_done_callback(lambda f: self._granted(job, f))
+            try:
+                fut.set_result(self.memory.grant(grantee, dst, row, request_seed(rid), ask.spec_pages))
+            except Exception as e:  # noqa: BLE001 - _granted reports it, as from the grant thread
+                fut.set_exception(e)
+        else:
+            try:  # NOTE: on verbs each range is an MR registration (shm: a round trip): never on the event loop
+                fut = self.loop.run_in_executor(self._grant_pool, self.memory.grant, grantee, dst, row,
+                                                request_seed(rid), ask.spec_pages)
+            except RuntimeError as e:  # the pool is shut down: this node is stopping
+                fut = self.loop.create_future()
+                fut.set_exception(e)
+        fut.add_done_callback(lambda f: self._granted(job, f))  # call_soon: after this returns, as before
 
     def _granted(self, job: "_Granting", fut) -> None:
         """The grants of ``job`` were made (or failed) in the grant thread: PREFILL goes out,

@@ -235,6 +235,9 @@ def test_grants_are_made_off_the_event_loop_and_a_client_leaving_meanwhile_gets_
     try:
         grants = c.coordinator.memory.grants
         slow = grants.m = SlowGrants(grants.m, 0.3)  # a range per layer and run, and the hidden row
+        # the stand-in registers slowly, as verbs does: the grant thread's case (tcp's grants are
+        # table entries, made on the event loop: the test below)
+        c.coordinator.instant_grants = False
         name = c.model_name()
         prompt = list(range(7, 30))
         t, box = _in_thread(_post, c.url, _greedy(name, prompt))
@@ -254,5 +257,21 @@ def test_grants_are_made_off_the_event_loop_and_a_client_leaving_meanwhile_gets_
         assert not c.coordinator.slots and not c.coordinator.held  # revoked, nothing in flight
         time.sleep(0.3)
         assert link.num_prefills == sent  # the PREFILL never left
+    finally:
+        c.stop()
+
+
+def test_tcp_grants_are_made_on_the_event_loop_without_the_grant_thread(tiny_model_dir):
+    """tcp's grants are entries in the receiver's table (Capability.INSTANT_GRANTS): made where
+    PREFILL is sent, with no crossing to the grant thread and back."""
+    c = Cluster(tiny_model_dir)
+    try:
+        assert c.coordinator.instant_grants
+        grants = c.coordinator.memory.grants
+        seen = grants.m = SlowGrants(grants.m, 0.0)
+        prompt = list(range(7, 30))
+        assert _tokens(_post(c.url, _greedy(c.model_name(), prompt))) == _want(tiny_model_dir, tuple(prompt), 4)
+        assert seen.threads and "pdkv-decode-grant_0" not in seen.threads, seen.threads
+        wait_for(c.pools_full, 10, "both page pools back to full")
     finally:
         c.stop()
