@@ -175,10 +175,12 @@ def build_app(cfg: Config, engine, node=None) -> web.Application:
             return web.json_response({"role": cfg.role, **engine.load_report(
                 aengine.num_in_flight if aengine is not None else 0)})
         s, a = engine.scheduler, engine.allocator
-        waiting = list(s.waiting)
+        pending = list(s.pending)  # submitted, not admitted yet: waiting too
+        waiting = list(s.waiting) + pending
         body = {"role": cfg.role, "in_flight": aengine.num_in_flight if aengine is not None else 0,
                 "num_running": len(s.running), "num_waiting": len(waiting) + len(s.remote),
                 "num_remote": len(s.remote),  # of the waiting: for remote KV (not decode streams yet)
+                "num_pending": len(pending),
                 "queued_prompt_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting),
                 "num_pages_free": a.num_free, "num_pages_total": a.num_total, "draining": drain.draining}
         return web.json_response(body)

@@ -44,6 +44,7 @@ class RemoteAsk:
     next_token: int | None = None
     prompt_logprobs: int | None = None
     last_token: int | None = None
+    priority: int = 0  # the request's (scheduler.policy: priority), for the prefill node's order
 
 
 class DecodeConnector(KVConnector):
@@ -129,8 +130,9 @@ class DecodeConnector(KVConnector):
         tokens = list(req.prompt_token_ids[:-1])
         lps = req.params.prompt_logprobs  # not None: the prefill node's forward computes them
         ask = None
-        if spec_pages is not None or lps is not None:
-            ask = RemoteAsk(spec_pages, next_token, lps, req.prompt_token_ids[-1] if lps is not None else None)
+        if spec_pages is not None or lps is not None or req.priority:
+            ask = RemoteAsk(spec_pages, next_token, lps, req.prompt_token_ids[-1] if lps is not None else None,
+                            req.priority)
         peer = c.chooser.pick(tokens)
         if peer is None:  # every prefill node died since admission: decide again next time
             self.rows.give_back(row)

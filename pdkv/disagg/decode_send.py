@@ -152,7 +152,7 @@ class PrefillSender:
         self._send(peer, M.Prefill(rid, tuple(job.tokens), tuple(job.dst), imm, slot.hidden_row * self.hidden_nbytes,
                                    seed, job.cached, slot.expected, self.grants.write_keys(job.dst, granted),
                                    ask.spec_pages, ask.next_token, spec_keys, ask.prompt_logprobs,
-                                   ask.last_token).to_wire())
+                                   ask.last_token, _wire_priority(ask.priority)).to_wire())
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""
@@ -165,3 +165,9 @@ class PrefillSender:
         self.metrics.failed("grant_limit")
         self.commands(FailRequest(res.rid, reason, 503, retry_after))
         res.release(pages=True)
+
+
+def _wire_priority(priority: int) -> int:
+    """The API takes any integer priority; PREFILL carries 32 bits. Clamping keeps the order of
+    every pair of requests except among values beyond 2^31, which no policy tells apart anyway."""
+    return max(-M.PRIORITY_TOP, min(M.PRIORITY_TOP - 1, priority))

@@ -37,6 +37,7 @@ MAX_REQ_ID = 256  # characters of a request id
 _TOKEN_TOP = 2**31
 _U64 = 2**64
 _COUNT_TOP = 2**62  # anything larger is not a count a node could hold
+PRIORITY_TOP = 2**31  # PREFILL's priority: a signed 32-bit value (senders clamp a larger one)
 
 
 class MessageError(ValueError):
@@ -197,8 +198,10 @@ class Prefill(Message):
     of ``tokens[cached:]`` into ``pages``, the hidden row at ``hidden_off``; ``imm`` counts them.
     ``keys`` / ``spec_keys``: the granted ranges' write keys (None: CONNECT's region keys);
     ``spec_pages`` / ``next_token``: the speculative hand-off; ``prompt_logprobs`` /
-    ``last_token``: echo + logprobs. Parsed, ``dst_keys`` / ``spec_dst_keys`` hold the checked
-    RangeKeys of ``keys`` / ``spec_keys`` (not part of the message's value)."""
+    ``last_token``: echo + logprobs; ``priority``: the request's scheduler.policy priority (lower
+    first), which a prefill node running the priority policy schedules by. Parsed, ``dst_keys`` /
+    ``spec_dst_keys`` hold the checked RangeKeys of ``keys`` / ``spec_keys`` (not part of the
+    message's value)."""
 
     TYPE: ClassVar[str] = PREFILL
     req: str
@@ -215,6 +218,7 @@ class Prefill(Message):
     spec_keys: GrantKeys | None = None
     prompt_logprobs: int | None = None
     last_token: int | None = None
+    priority: int = 0
     dst_keys: RangeKeys | None = field(default=None, compare=False, repr=False)
     spec_dst_keys: RangeKeys | None = field(default=None, compare=False, repr=False)
 
@@ -233,6 +237,8 @@ class Prefill(Message):
             out.update(self.spec_keys.wire("spec_runs", "spec_rkeys", None))
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"], out["last_token"] = self.prompt_logprobs, self.last_token
+        if self.priority:
+            out["priority"] = self.priority
         return out
 
     @staticmethod
@@ -297,9 +303,11 @@ class Prefill(Message):
                 raise MessageError("spec_pages must be distinct")
             # the proposer ranges' write keys (verbs: one MR each; tcp: the region's key)
             spec_dst = _range_keys(msg, spec_pages, 1, lim.spec_layers, "spec_runs", "spec_rkeys", None)
+        priority = _int(msg.get("priority", 0), "priority", -PRIORITY_TOP, PRIORITY_TOP)
         return cls(req, tokens, pages, imm, hidden_off, seed, cached, expected,
                    _grant_keys(msg, dst_keys, "runs", "kv_rkeys", "hidden_rkey"), spec_pages, next_token,
-                   _grant_keys(msg, spec_dst, "spec_runs", "spec_rkeys", None), lps, last, dst_keys, spec_dst)
+                   _grant_keys(msg, spec_dst, "spec_runs", "spec_rkeys", None), lps, last, priority,
+                   dst_keys=dst_keys, spec_dst_keys=spec_dst)
 
 
 def _range_keys(msg, pages, ranks, layers, runs_field, keys_field, hidden_field) -> RangeKeys | None:

@@ -174,7 +174,10 @@ class PrefillCoordinator(LoopEvents):
             self._send(link, M.Fail(p.req, e.args[0], 0, duplicate=True).to_wire())
             return
         link.jobs[job.req] = job
-        self.commands(AddRequest(job.key, job.tokens, params, job.arrival))
+        # the decode node's order, where this node schedules by priority too (under fcfs a
+        # non-zero priority would be refused: the decode node's policy is not this node's)
+        priority = p.priority if self.cfg.scheduler.policy == "priority" else 0
+        self.commands(AddRequest(job.key, job.tokens, params, job.arrival, priority))
 
     def _limits(self, link: Link) -> M.PrefillLimits:
         """What a PREFILL on ``link`` is checked against (its decode node's pool and plan, this

@@ -309,8 +309,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "num_waiting_remote_kv": len(s.remote), "num_pages_total": self.allocator.num_total,
+        # waiting counts the requests not yet admitted too (vLLM's num_requests_waiting: all of them)
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting) + len(s.pending),
+                "num_pending": len(s.pending), "num_waiting_remote_kv": len(s.remote), "num_pages_total": self.allocator.num_total,
                 "num_pages_free": self.allocator.num_free, "num_pages_used": self.allocator.num_used,
                 "num_preemptions": s.num_preemptions, "page_size": self.kv.page_size,
                 "num_pages_held": self.num_held_pages, "num_pages_cached": self.allocator.num_evictable,

@@ -41,6 +41,7 @@ SAMPLES = [
     (_prefill(), {"limits": LIMITS}),
     (_prefill(cached=4, pages=(8,), keys=None, expected=None), {"limits": LIMITS}),
     (_prefill(prompt_logprobs=2, last_token=9), {"limits": LIMITS}),
+    (_prefill(priority=-3), {"limits": LIMITS}),
     (_prefill(tokens=(1, 2, 3), pages=(7,), keys=None, spec_pages=(3,), next_token=4,
               spec_keys=M.GrantKeys(((3, 1),), (40,))), {"limits": SPEC_LIMITS}),
     (M.Cancel("r1"), {}),
@@ -75,8 +76,19 @@ def test_prefill_defaults_of_an_older_decode_node():
 
     wire = {"type": "PREFILL", "req": "old", "tokens": [1, 2, 3], "pages": [0], "imm": 1, "hidden_off": 0}
     p = M.Prefill.parse(wire, LIMITS)
-    assert (p.seed, p.cached, p.expected, p.keys, p.spec_pages, p.prompt_logprobs) == (
-        request_seed("old"), 0, None, None, None, None)
+    assert (p.seed, p.cached, p.expected, p.keys, p.spec_pages, p.prompt_logprobs, p.priority) == (
+        request_seed("old"), 0, None, None, None, None, 0)
+    assert "priority" not in _prefill().to_wire()  # the common priority costs nothing on the wire
+
+
+def test_priority_beyond_32_bits_is_clamped_in_order():
+    from pdkv.disagg.decode_send import _wire_priority
+
+    values = [-(2**40), -(2**31), -5, 0, 7, 2**31 - 1, 2**31, 2**50]
+    clamped = [_wire_priority(v) for v in values]
+    assert clamped == sorted(clamped) and clamped[1:6] == values[1:6]
+    for v in clamped:  # each one a PREFILL the prefill node accepts
+        assert M.Prefill.parse(_wire(_prefill(priority=v)), LIMITS).priority == v
 
 
 # (message, field, bad value, words the error must hold); each row changes exactly one field
@@ -105,6 +117,8 @@ BAD = [
     (_prefill(), "hidden_rkey", "k", "hidden_rkey must be"),
     (_prefill(prompt_logprobs=1, last_token=9), "prompt_logprobs", 21, "prompt_logprobs must be"),
     (_prefill(prompt_logprobs=1, last_token=9), "last_token", -1, "last_token must be"),
+    (_prefill(), "priority", 2**31, "priority must be"),
+    (_prefill(), "priority", "high", "priority must be"),
     (M.Cancel("r"), "req", 5, "req must be"),
     (M.CancelAck("r", 1), "req", "", "req must be"),
     (M.CancelAck("r", 1), "posted", -1, "posted must be"),

@@ -146,6 +146,8 @@ def test_not_yet_keeps_requests_waiting_in_order_holding_nothing(make_engine, ex
     assert all(eng.requests[r].status == RequestStatus.PENDING and not eng.requests[r].pages for r in "abc")
     assert eng.allocator.num_free == eng.allocator.num_total and _num_pinned(eng) == 0
     assert not eng.has_work() and eng.step() == []
+    st = eng.stats()  # what /metrics and /load report: requests not admitted yet are waiting
+    assert (st["num_pending"], st["num_waiting"], st["num_running"]) == (3, 3, 0)
     gate.open = True
     gate.asked.clear()
     assert eng.admit() == [] and eng.num_pending == 0
