@@ -100,7 +100,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     one_of("messenger.transport", ms.transport, TRANSPORTS)
     one_of("model.share_weights", m.share_weights, ("auto", "off"))
     # what the transport can do (pdkv/transports.py), not its name, decides the checks below
-    caps = capabilities(ms.transport) if ms.transport in TRANSPORTS else Capability.NONE
+    caps = capabilities(ms.transport, ms) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
     need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
          "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
