@@ -411,3 +411,26 @@ def test_link_pairs_are_the_plans_rank_pairs_over_both_placements():
     for bad in ([[0, 99]], [[]], "x", [["0"]], [[True]]):
         with pytest.raises(HandshakeRefused, match="rank_nics must be a list of per-rank lists"):
             link_pairs(plan, "prefill", pre, {"rank_nics": bad})
+
+
+# where a key names its device: verbs_multi.h (NIC bits 53:48), fabric_internal.h (bits 62:59)
+DEVICE_BIT = {"verbs": 1 << 48, FABRIC: 1 << 59}
+
+
+@BOTH
+def test_a_key_moved_to_another_device_by_a_hostile_peer_opens_nothing(spawn, connect, transport):
+    """B grants A its region on device 0. A rewrites the key's device bits to aim at B's device 1
+    (a pair both made): the grant lives only in A's domain on B's device 0, so device 1 has no such
+    key: the write fails at A and nothing lands."""
+    names = ("mlx5_0", "mlx5_1") if transport == "verbs" else LO_TWICE
+    a = spawn(1, **device_kwargs(transport, names))
+    b = spawn(2, **device_kwargs(transport, names))
+    ca, _ = connect(a, b)
+    a.alloc("src", 4096, seed=9)
+    b.alloc("dst", 4096)
+    src = a.register("src")
+    rkey = b.m("grant", b.register("dst"), 1)
+    a.m("write", ca, src, 0, rkey | DEVICE_BIT[transport], 0, 4096, imm=3, tag=1)
+    (done,) = [e for e in a.wait("batch_done", timeout=30) if e[0] == "batch_done"]
+    assert done[6] != 0, done  # failed at the writer
+    assert b.read("dst") == bytes(4096) and b.m("stats")["imms"] == 0  # nothing landed
