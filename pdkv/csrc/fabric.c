@@ -121,8 +121,8 @@ pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opt
     t->regions = calloc(FB_MAX_REGIONS, sizeof *t->regions);
     t->domains = calloc(FB_MAX_DOMAINS, sizeof *t->domains);
     t->links = calloc(FB_MAX_LINKS, sizeof *t->links);
-    int rc = !t->conns || !t->regions || !t->domains || !t->links ? fb_fail(-ENOMEM, "libfabric: out of memory")
-                                                     : 0;
+    int rc = !t->conns || !t->regions || !t->domains || !t->links
+                 ? fb_fail(-ENOMEM, "libfabric: out of memory") : 0;
     if (!rc)
         rc = pdkv_cq_init(&t->cq) ? fb_fail(-EMFILE, "libfabric: cannot make an eventfd") : 0;
     if (!rc)

@@ -32,7 +32,8 @@ int fb_conn_open(fb_transport *t, uint64_t peer, uint32_t dev, uint32_t rdev, ui
     c->peer = peer, c->dev = dev, c->rdev = rdev;
     c->domain = (uint32_t)(d - t->domains);
     c->slots = calloc(t->tx_depth, sizeof *c->slots);
-    int rc = c->slots ? fb_open_endpoint(t, d->dom, c) : fb_fail(-ENOMEM, "libfabric: out of memory");
+    int rc = c->slots ? fb_open_endpoint(t, d->dom, c)
+                      : fb_fail(-ENOMEM, "libfabric: out of memory");
     if (rc) {
         free(c->slots);
         memset(c, 0, sizeof *c);

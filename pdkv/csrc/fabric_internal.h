@@ -188,7 +188,7 @@ typedef struct fb_transport {
     int batch_more;        /* FI_MORE on all but the last write of a burst (fabric_post.c) */
     uint32_t tx_depth;
     fb_region *regions;
-    uint32_t num_regions, gen;
+    uint32_t num_regions;
     fb_domain *domains;    /* [FB_MAX_DOMAINS] */
     fb_link *links;        /* [FB_MAX_LINKS] */
     fb_conn *conns;

@@ -227,8 +227,8 @@ static int route(fb_transport *t, fb_link *l, const pdkv_write *w, int k, fb_con
                                                             : FB_KEY_DEV(w->rkey);
     uint32_t ci = i < FB_MAX_DEVS ? l->cid[i][j] : 0;
     if (!ci || !t->conns[ci - 1].ready)
-        return fb_fail(-EINVAL, "libfabric: write %d: no endpoint pair from domain %s to remote domain "
-                         "%u of peer %llu (remote key 0x%llx)", k,
+        return fb_fail(-EINVAL, "libfabric: write %d: no endpoint pair from domain %s to remote "
+                                "domain %u of peer %llu (remote key 0x%llx)", k,
                 i < t->num_devs ? t->dev[i].name : "?", j, (unsigned long long)l->peer,
                 (unsigned long long)w->rkey);
     fb_conn *c = &t->conns[ci - 1];

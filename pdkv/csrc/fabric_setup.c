@@ -175,7 +175,8 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
         if (want_hmem && !with_hmem(dev))
             t->hmem = 0; /* device memory only where every device registers it */
         if (d && (dev->info->domain_attr->mr_mode != t->dev[0].info->domain_attr->mr_mode ||
-                  strcmp(dev->info->fabric_attr->prov_name, t->dev[0].info->fabric_attr->prov_name))) {
+                  strcmp(dev->info->fabric_attr->prov_name,
+                         t->dev[0].info->fabric_attr->prov_name))) {
             fbl_freeinfo(all);
             return fb_fail(-EINVAL, "libfabric: domains '%s' and '%s' differ in provider or MR "
                                     "mode: one transport drives alike devices", t->dev[0].name,
