@@ -104,9 +104,16 @@ def _fabric_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids,
                                      f"topology: it needs provider efa, not {lf.provider!r} (name the domains)")
         v = _verbs_placement(replace(cfg, nics=("auto",), rank_nics=()), gpu_bus_id, sysfs_root, gpu_bus_ids,
                              num_ranks)
-        domains = tuple(f"{n}-rdm" for n in v.nics)
+        rank_names, why = [[v.nics[i] for i in r] for r in v.rank_nics], ""
+        if len(v.nics) > MAX_DOMAINS:  # a p5 at TP8: 32 devices, 4 per GPU; keys name 16
+            keep = max(1, MAX_DOMAINS // len(rank_names))
+            rank_names = [r[:keep] for r in rank_names]
+            why = f"; {MAX_DOMAINS} domains at most per transport: each rank's {keep} nearest"
+        names = _unique(n for r in rank_names for n in r)
+        domains = tuple(f"{n}-rdm" for n in names)
+        per_rank = tuple(tuple(names.index(n) for n in r) for r in rank_names)
         return MessengerPlacement("libfabric", domains, v.cpus, f"libfabric efa: domains {', '.join(domains)} "
-                                  f"({v.reason})", v.rank_nics)
+                                  f"({v.reason}){why}", per_rank)
     if not lf.domains:
         return MessengerPlacement("libfabric", (), (), f"libfabric {lf.provider}: the provider's first domain")
     num_ranks = max(num_ranks, len(gpu_bus_ids or ()), 1)
@@ -114,6 +121,9 @@ def _fabric_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids,
     return MessengerPlacement("libfabric", tuple(lf.domains), (),
                               f"libfabric {lf.provider}: domains {list(lf.domains)}; ranks -> domains: {per_rank}",
                               tuple(per_rank))
+
+
+MAX_DOMAINS = 16  # devices one libfabric transport drives (csrc/fabric_internal.h FB_MAX_DEVS)
 
 
 # transports that drive named devices, chosen from the node's topology; the others have one path
@@ -170,7 +180,7 @@ def rank_keys(messenger, key: int, rank: int) -> int | tuple[int, ...]:
 
 
 class NicMetrics:
-    """A Prometheus collector of what each NIC of a verbs messenger carried (its nic_stats, read
+    """A Prometheus collector of what each NIC of a verbs messenger (each domain of a libfabric one) carried (its nic_stats, read
     at scrape time): ``pdkv_nic_write_bytes_total{nic}`` / ``pdkv_nic_writes_total{nic}`` (this
     node's writes completed through the NIC), ``pdkv_nic_write_errors_total{nic}``,
     ``pdkv_nic_landed_bytes_total{nic}`` / ``pdkv_nic_landed_writes_total{nic}`` (peers' writes
