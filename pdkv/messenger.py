@@ -182,7 +182,8 @@ def rank_keys(messenger, key: int, rank: int) -> int | tuple[int, ...]:
 class NicMetrics:
     """A Prometheus collector of what each NIC of a verbs messenger (each domain of a libfabric
     one) carried (its nic_stats, read at scrape time): ``pdkv_nic_write_bytes_total{nic}`` /
-    ``pdkv_nic_writes_total{nic}`` (this node's writes completed through the NIC), ``pdkv_nic_write_errors_total{nic}``,
+    ``pdkv_nic_writes_total{nic}`` (this node's writes completed through the NIC),
+    ``pdkv_nic_write_errors_total{nic}``,
     ``pdkv_nic_landed_bytes_total{nic}`` / ``pdkv_nic_landed_writes_total{nic}`` (peers' writes
     with an immediate that landed through it), and the gauge ``pdkv_nic_queue_pairs{nic}`` (QPs
     on the NIC now: only the NIC pairs the links' writes use are made, pdkv/disagg/sharded.py).
