@@ -357,10 +357,11 @@ cdef class Messenger:
         return out
 
     def nic_key(self, uint64_t key, uint32_t nic):
-        """verbs: the key of region `key` on NIC number `nic` (an index into the transport's NIC
-        list). A write leaves through the NIC of its local key and lands through the NIC of its
-        remote key; grant() on a NIC's key registers the grant on that NIC. tcp/fake have one
-        path: `key` itself for nic 0, InvalidRequestError for any other."""
+        """verbs, libfabric: the key of region `key` on NIC (libfabric: domain) number `nic` (an
+        index into the transport's NIC / domain list). A write leaves through the NIC of its local
+        key and lands through the NIC of its remote key; grant() on a NIC's key registers the grant
+        on that NIC. tcp/fake have one path: `key` itself for nic 0, InvalidRequestError for any
+        other."""
         cdef int rc
         cdef uint64_t out = 0
         self._check()
@@ -374,7 +375,7 @@ cdef class Messenger:
         return out
 
     def nic_stats(self):
-        """Per NIC (verbs; [] on tcp/fake): dicts of name, writes, bytes (posted through it),
+        """Per NIC (verbs; libfabric: per domain; [] on tcp/fake): dicts of name, writes, bytes (posted through it),
         writes_done, bytes_done, errors, imms, imm_bytes (writes with an immediate that landed
         through it), qps (queue pairs on it now), in the order of the transport's NIC list."""
         cdef pdkv_nic_stats s[16]

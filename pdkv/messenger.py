@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdkv import topo, transports
 from pdkv.config import MessengerConfig
@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class MessengerPlacement:
     transport: str
-    nics: tuple[str, ...]  # what the transport is told to open (verbs), () for tcp
+    nics: tuple[str, ...]  # what the transport is told to open (verbs NICs, libfabric domains), () for tcp
     cpus: tuple[int, ...]  # poller affinity, () = not pinned
     reason: str
-    # verbs: per TP rank, the indices into `nics` its pages leave through (nearest first); a
+    # verbs, libfabric: per TP rank, the indices into `nics` its pages leave through (nearest first); a
     # request's writes from rank r use one of them (pdkv.shard.pick_nic)
     rank_nics: tuple[tuple[int, ...], ...] = ()
 
@@ -90,25 +90,40 @@ def _verbs_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids, 
 
 
 def _fabric_placement(cfg: MessengerConfig, gpu_bus_id, sysfs_root, gpu_bus_ids, num_ranks) -> MessengerPlacement:
-    """libfabric: ``domains: [auto]`` on EFA takes the EFA device nearest the (rank 0) GPU, as
-    ``nics: [auto]`` does for verbs (EFA devices are RDMA devices in sysfs; libfabric names a
-    device's RDM domain ``<device>-rdm``). One domain per transport: with several nearest (an
-    AWS p5 has four EFA devices per GPU) the first is taken and the reason says so. Explicit
-    names pass as they are; the poller is pinned near the GPU when sysfs knows it."""
-    gpu = gpu_bus_ids[0] if gpu_bus_ids else gpu_bus_id
+    """libfabric, as verbs over several NICs: one transport drives every domain some rank uses
+    (csrc/fabric_link.c) and each rank's pages go through its own. ``domains: [auto]`` on EFA
+    reads the topology exactly as ``nics: [auto]`` does for verbs (EFA devices are RDMA devices
+    in sysfs; libfabric names a device's RDM domain ``<device>-rdm``): each rank the EFA
+    device(s) nearest its GPU (an AWS p5 has four per GPU: the seed's replica choice picks one
+    per request, pdkv.shard.pick_nic). Named domains are dealt to the ranks in turn; none: the
+    provider's first domain, one path."""
     lf = cfg.libfabric
-    if list(lf.domains) != ["auto"]:
-        return MessengerPlacement("libfabric", tuple(lf.domains), (),
-                                  f"libfabric {lf.provider}: domains {list(lf.domains) or 'the first'}")
-    if lf.provider != "efa":
-        raise topo.TopologyError(f"messenger.libfabric.domains [auto] picks an EFA device from the "
-                                 f"topology: it needs provider efa, not {lf.provider!r} (name the domain)")
-    p = topo.placement(topo.discover(sysfs_root), gpu, ["auto"])
-    domain = f"{p.nics[0]}-rdm"
-    unused = f"; {len(p.nics) - 1} more as near unused (one domain per transport)" if len(p.nics) > 1 else ""
-    usable = sorted(set(p.cpus) & os.sched_getaffinity(0))
-    return MessengerPlacement("libfabric", (domain,), tuple(usable),
-                              f"libfabric efa: domain {domain} ({p.reason}){unused}")
+    if list(lf.domains) == ["auto"]:
+        if lf.provider != "efa":
+            raise topo.TopologyError(f"messenger.libfabric.domains [auto] picks EFA devices from the "
+                                     f"topology: it needs provider efa, not {lf.provider!r} (name the domains)")
+        v = _verbs_placement(replace(cfg, nics=("auto",), rank_nics=()), gpu_bus_id, sysfs_root, gpu_bus_ids,
+                             num_ranks)
+        rank_names, why = [[v.nics[i] for i in r] for r in v.rank_nics], ""
+        if len(v.nics) > MAX_DOMAINS:  # a p5 at TP8: 32 devices, 4 per GPU; keys name 16
+            keep = max(1, MAX_DOMAINS // len(rank_names))
+            rank_names = [r[:keep] for r in rank_names]
+            why = f"; {MAX_DOMAINS} domains at most per transport: each rank's {keep} nearest"
+        names = _unique(n for r in rank_names for n in r)
+        domains = tuple(f"{n}-rdm" for n in names)
+        per_rank = tuple(tuple(names.index(n) for n in r) for r in rank_names)
+        return MessengerPlacement("libfabric", domains, v.cpus, f"libfabric efa: domains {', '.join(domains)} "
+                                  f"({v.reason}){why}", per_rank)
+    if not lf.domains:
+        return MessengerPlacement("libfabric", (), (), f"libfabric {lf.provider}: the provider's first domain")
+    num_ranks = max(num_ranks, len(gpu_bus_ids or ()), 1)
+    per_rank = _spread(len(lf.domains), num_ranks)
+    return MessengerPlacement("libfabric", tuple(lf.domains), (),
+                              f"libfabric {lf.provider}: domains {list(lf.domains)}; ranks -> domains: {per_rank}",
+                              tuple(per_rank))
+
+
+MAX_DOMAINS = 16  # devices one libfabric transport drives (csrc/fabric_internal.h FB_MAX_DEVS)
 
 
 # transports that drive named devices, chosen from the node's topology; the others have one path
@@ -165,9 +180,10 @@ def rank_keys(messenger, key: int, rank: int) -> int | tuple[int, ...]:
 
 
 class NicMetrics:
-    """A Prometheus collector of what each NIC of a verbs messenger carried (its nic_stats, read
-    at scrape time): ``pdkv_nic_write_bytes_total{nic}`` / ``pdkv_nic_writes_total{nic}`` (this
-    node's writes completed through the NIC), ``pdkv_nic_write_errors_total{nic}``,
+    """A Prometheus collector of what each NIC of a verbs messenger (each domain of a libfabric
+    one) carried (its nic_stats, read at scrape time): ``pdkv_nic_write_bytes_total{nic}`` /
+    ``pdkv_nic_writes_total{nic}`` (this node's writes completed through the NIC),
+    ``pdkv_nic_write_errors_total{nic}``,
     ``pdkv_nic_landed_bytes_total{nic}`` / ``pdkv_nic_landed_writes_total{nic}`` (peers' writes
     with an immediate that landed through it), and the gauge ``pdkv_nic_queue_pairs{nic}`` (QPs
     on the NIC now: only the NIC pairs the links' writes use are made, pdkv/disagg/sharded.py).

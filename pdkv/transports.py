@@ -6,7 +6,10 @@ that transport's options struct, plus its capabilities); the classes here mirror
 that config validation and staging can ask what a transport *can do* without loading the
 compiled extension (``tests/messenger/test_c_graph.py`` checks that both say the same, and
 ``Messenger.capabilities`` reads the C row at run time). Code above the messenger asks
-``capabilities(name)`` instead of comparing transport names.
+``capabilities(name)`` instead of comparing transport names, or ``capabilities(name, ms)`` with
+the messenger config when what the transport can do depends on it: libfabric's provider (its
+C row declares what every provider offers; ``efa`` adds GPUDIRECT through FI_HMEM, ``shm``
+reaches this host only).
 
 A new transport (docs/TRANSPORTS.md) adds one options class here, registered with
 ``@transport("name", caps)``, and its row in transports.c.
@@ -59,9 +62,13 @@ def options_class(name: str) -> type:
         raise ValueError(f"unknown transport {name!r} (expected one of {', '.join(OPTIONS)})") from None
 
 
-def capabilities(name: str) -> Capability:
-    """What transport ``name`` can do (ValueError for an unknown name)."""
-    return options_class(name).capabilities
+def capabilities(name: str, ms=None) -> Capability:
+    """What transport ``name`` can do (ValueError for an unknown name); with ``ms`` (a
+    MessengerConfig) what it can do as that config makes it (its options class's
+    ``config_capabilities``, e.g. per libfabric provider), else what every such transport can."""
+    cls = options_class(name)
+    per_config = getattr(cls, "config_capabilities", None)
+    return per_config(ms) if ms is not None and per_config else cls.capabilities
 
 
 def names_with(cap: Capability) -> list[str]:
@@ -159,10 +166,26 @@ class LibfabricOptions:
     device_memory: bool = False
     hmem_system: bool = False
 
+    # what a provider adds to (or, for a same-host one, says about) the row every provider has:
+    # efa registers GPU memory with the device (FI_HMEM + FI_MR_HMEM, dma-buf), which the node
+    # then asks for (device_memory); shm moves memory between processes of one host. "auto" may
+    # pick any provider, so it is promised nothing beyond the row.
+    PROVIDER_CAPS: ClassVar[dict[str, Capability]] = {
+        "efa": Capability.DEVICE_MEMORY | Capability.GPUDIRECT,
+        "shm": Capability.SAME_HOST_ONLY,
+    }
+
+    @classmethod
+    def config_capabilities(cls, ms) -> Capability:
+        """What this transport can do with ``ms.libfabric.provider``."""
+        return cls.capabilities | cls.PROVIDER_CAPS.get(ms.libfabric.provider, Capability.NONE)
+
     @classmethod
     def from_config(cls, ms, where) -> LibfabricOptions:
-        # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain
-        return cls(provider=ms.libfabric.provider, domains=tuple(where.nics))
+        # a fabric domain per peer, always (csrc/fabric.c): grants are MRs in the peer's own domain;
+        # device memory exactly where the provider declares GPUDIRECT (the node registers GPU KV)
+        gpu = Capability.GPUDIRECT in cls.config_capabilities(ms)
+        return cls(provider=ms.libfabric.provider, domains=tuple(where.nics), device_memory=gpu)
 
     @staticmethod
     def listeners(ms) -> dict[str, str]:

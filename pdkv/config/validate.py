@@ -100,7 +100,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     one_of("messenger.transport", ms.transport, TRANSPORTS)
     one_of("model.share_weights", m.share_weights, ("auto", "off"))
     # what the transport can do (pdkv/transports.py), not its name, decides the checks below
-    caps = capabilities(ms.transport) if ms.transport in TRANSPORTS else Capability.NONE
+    caps = capabilities(ms.transport, ms) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
     need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
          "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
@@ -111,9 +111,11 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(0 <= ms.remote_nics <= 16, "messenger.remote_nics", "0..16 (0: as many as this node has)", ms.remote_nics)
     need(1 <= ms.num_streams <= 64, "messenger.num_streams", "an integer in 1..64", ms.num_streams)
     one_of("messenger.libfabric.provider", ms.libfabric.provider, LIBFABRIC_PROVIDERS)
-    need(len(ms.libfabric.domains) <= 1 and all(d.strip() for d in ms.libfabric.domains),
-         "messenger.libfabric.domains", "at most one fabric domain name (empty: the provider's first; "
-         "[auto]: the EFA device nearest the GPU)", list(ms.libfabric.domains))
+    doms = ms.libfabric.domains
+    need(len(doms) <= 16 and all(d.strip() for d in doms) and len(set(doms)) == len(doms)
+         and ("auto" not in doms or doms == ("auto",)), "messenger.libfabric.domains",
+         "up to 16 distinct fabric domain names, each 'domain' or 'domain@fabric' (empty: the provider's "
+         "first; [auto]: each rank's EFA devices nearest its GPU)", list(doms))
     need(ms.libfabric.domains != ("auto",) or ms.libfabric.provider == "efa", "messenger.libfabric.domains",
          "[auto] only with provider efa (it picks an EFA device from the topology); name the domain",
          list(ms.libfabric.domains))

@@ -6,11 +6,16 @@
  * (fabric_internal.h lists the order).
  *
  * Shape (what fabric-lib and NIXL's libfabric backend do, fitted to pdkv's seam):
- *  - one provider and fabric domain name chosen at create (fi_getinfo, fabric_setup.c);
- *  - a fabric domain per peer, so MR keys -- domain-wide in libfabric -- open nothing to any
- *    other peer (the verbs transport's protection domain per peer); grants are MRs in it;
- *  - an RDM endpoint per connection with its own AV and CQ; its name travels in the info blob
- *    over the authenticated control channel and the peer fi_av_insert()s it;
+ *  - one provider and one or more devices (fabric domain names: an EFA device each) chosen at
+ *    create (fi_getinfo, fabric_setup.c); a key names the device a write leaves or lands
+ *    through (nic_key), which the layer above picks per TP rank (the device nearest its GPU,
+ *    pdkv/messenger.py), as on the verbs transport over several NICs;
+ *  - a fabric domain per peer and device, so MR keys -- domain-wide in libfabric -- open
+ *    nothing to any other peer (the verbs transport's protection domain per peer); grants are
+ *    MRs in it;
+ *  - per connection an RDM endpoint (with its own AV and CQ) per (local device, remote device)
+ *    pair its writes use (fabric_link.c); their names travel in the info blob over the
+ *    authenticated control channel and the peer fi_av_insert()s them;
  *  - writes are fi_writemsg, with FI_REMOTE_CQ_DATA carrying the immediate, which the target
  *    reads off its CQ (fabric_progress.c) and the core counts as on every transport;
  *  - post() never blocks: a backlog absorbs FI_EAGAIN (fabric_post.c).
@@ -53,20 +58,27 @@ static void fb_counters(pdkv_transport *base, pdkv_transport_counters *out)
     pthread_mutex_unlock(&t->mu);
 }
 
-/* One "NIC": the fabric domain (an EFA device, an interface), for /metrics as verbs' NICs. */
+/* A "NIC" per device (an EFA device, an interface), for /metrics as verbs' NICs. */
 static int fb_nic_stats(pdkv_transport *base, pdkv_nic_stats *out, int max)
 {
     fb_transport *t = (fb_transport *)base;
-    if (max < 1)
-        return 1;
     pthread_mutex_lock(&t->mu);
-    *out = t->nic;
-    snprintf(out->name, sizeof out->name, "%s", t->domain_name);
-    out->qps = 0;
-    for (uint32_t i = 0; i < t->conns_hi; i++)
-        out->qps += t->conns[i].used && t->conns[i].ep; /* endpoints, verbs' queue pairs */
+    for (uint32_t d = 0; d < t->num_devs && (int)d < max; d++) {
+        out[d] = t->dev[d].nic;
+        snprintf(out[d].name, sizeof out[d].name, "%s", t->dev[d].name);
+        out[d].qps = 0;
+        for (uint32_t i = 0; i < t->conns_hi; i++) /* endpoints, verbs' queue pairs */
+            out[d].qps += t->conns[i].used && t->conns[i].ep && t->conns[i].dev == d;
+    }
     pthread_mutex_unlock(&t->mu);
-    return 1;
+    return (int)t->num_devs;
+}
+
+/* A region's keys on every device name it (FB_ON_DEV): the same index. */
+static int fb_same_region(pdkv_transport *base, uint64_t a, uint64_t b)
+{
+    (void)base;
+    return FB_RKEY_INDEX(a) && FB_ON_DEV(a, 0) == FB_ON_DEV(b, 0);
 }
 
 static const pdkv_transport_ops fb_ops = {
@@ -88,6 +100,9 @@ static const pdkv_transport_ops fb_ops = {
     .destroy = fb_destroy,
     .nic_stats = fb_nic_stats,
     .reg_device = fb_reg_device,
+    .nic_key = fb_nic_key,
+    .prepare_pairs = fb_prepare_pairs,
+    .same_region = fb_same_region,
 };
 
 pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opts *o, char *err,
@@ -105,8 +120,9 @@ pdkv_transport *pdkv_libfabric_create(uint64_t node_id, const pdkv_libfabric_opt
     t->conns = calloc(FB_MAX_CONNS, sizeof *t->conns);
     t->regions = calloc(FB_MAX_REGIONS, sizeof *t->regions);
     t->domains = calloc(FB_MAX_DOMAINS, sizeof *t->domains);
-    int rc = !t->conns || !t->regions || !t->domains ? fb_fail(-ENOMEM, "libfabric: out of memory")
-                                                     : 0;
+    t->links = calloc(FB_MAX_LINKS, sizeof *t->links);
+    int rc = !t->conns || !t->regions || !t->domains || !t->links
+                 ? fb_fail(-ENOMEM, "libfabric: out of memory") : 0;
     if (!rc)
         rc = pdkv_cq_init(&t->cq) ? fb_fail(-EMFILE, "libfabric: cannot make an eventfd") : 0;
     if (!rc)
@@ -125,17 +141,19 @@ static void fb_destroy(pdkv_transport *base)
     fb_transport *t = (fb_transport *)base;
     fb_stop_progress(t);
     pthread_mutex_lock(&t->mu);
-    for (uint32_t i = 0; t->conns && i < t->conns_hi; i++)
-        if (t->conns[i].used)
-            fb_drop_conn(t, &t->conns[i], "transport destroyed");
+    for (uint32_t i = 0; t->links && i < FB_MAX_LINKS; i++)
+        if (t->links[i].used)
+            fb_drop_link(t, &t->links[i], "transport destroyed");
     for (uint32_t i = 0; t->domains && i < FB_MAX_DOMAINS; i++)
         if (t->domains[i].used)
             fb_domain_free(t, &t->domains[i]);
     pthread_mutex_unlock(&t->mu);
-    if (t->fabric)
-        fi_close(&t->fabric->fid);
-    if (t->info)
-        fbl_freeinfo(t->info);
+    for (uint32_t d = 0; d < t->num_devs; d++) {
+        if (t->dev[d].fabric)
+            fi_close(&t->dev[d].fabric->fid);
+        if (t->dev[d].info)
+            fbl_freeinfo(t->dev[d].info);
+    }
     if (t->cq_ready)
         pdkv_cq_destroy(&t->cq);
     pthread_mutex_destroy(&t->mu);
@@ -144,6 +162,7 @@ static void fb_destroy(pdkv_transport *base)
             close(t->regions[i].dmabuf_fd); /* device memory's dma-buf dup (fb_reg_device) */
     free(t->regions);
     free(t->domains);
+    free(t->links);
     free(t->conns);
     free(t);
 }

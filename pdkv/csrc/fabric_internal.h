@@ -16,43 +16,54 @@
 
 #define FB_MAX_CONNS 1024
 #define FB_MAX_REGIONS 1023   /* registered regions (10 bits of the key hold the index + 1) */
-#define FB_MAX_DOMAINS 256    /* peers with a domain of their own */
+#define FB_MAX_DOMAINS 1024   /* (peer, device) pairs with a domain of their own */
+#define FB_MAX_DEVS PDKV_MAX_NICS /* devices (EFA NICs, interfaces) of one transport: 4 key bits */
+#define FB_MAX_LINKS 256      /* connections the core sees (each one endpoint per device pair) */
 #define FB_MAX_GRANTS 65536   /* live grants of one peer domain */
 #define FB_TX_DEPTH 1024      /* writes outstanding on one endpoint (capped by tx_attr->size) */
 #define FB_ADDR_MAX 256       /* an endpoint name (fi_getname) */
 #define FB_INFO_MAGIC 0x62666b70u /* "pkfb" */
-#define FB_INFO_VERSION 1
+#define FB_INFO_VERSION 2 /* 2: one endpoint name per (local device, remote device) pair */
 #define FB_IMM_BYTES 4        /* the remote CQ data pdkv's immediates need */
 #define FB_STALL_MS 5000      /* writes waiting with no progress this long: the peer is gone
                                * (providers may never fail them), the connection breaks */
 
 /* Keys are libfabric MR keys we choose (requested_key), and a write key says where to aim:
- *   [63] 0 | [62] narrow | [61:48] tag | [47:0] base
+ *   [63] narrow | [62:59] device | [58:48] tag | [47:0] base
  * The writer aims at base + roff when the target's MRs take virtual addresses (FI_MR_VIRT_ADDR:
  * base = the region's address), else at roff - base (offsets into the MR: base = where the MR
  * starts in its region). 48 bits hold any user-space address of x86-64 and aarch64.
- * A region's own key (what reg() returns) has tag = index + 1 | generation << 10 and the base of
- * the whole region: a whole-region grant is an MR under exactly that key in the peer's domain,
- * so the region's key is what the peer writes with (as on tcp). A narrow grant's MR gets bit 62
- * and a random tag (unique with its base among the domain's live MRs: not secret, only another
- * name; another peer's domain has none of them). Bit 63 marks local-only MRs (FB_LKEY). */
+ * A region's own key (what reg() returns) has tag = index + 1 and the base of the whole region;
+ * its key on device d (nic_key) has d in the device bits. A whole-region grant is an MR under
+ * exactly that key in the peer's domain on that device, so the key is what the peer writes with
+ * (as on tcp), and its device bits say which of the target's devices the write must reach. A
+ * narrow grant's MR gets bit 63, the device and a random 11-bit tag (unique with its base among
+ * the domain's live MRs: not secret, only another name; another peer's domain has none of
+ * them). Local-only MRs have tag 0 (FB_LKEY): no wire key does. */
 #define FB_WKEY(tag, base) ((uint64_t)(tag) << 48 | ((base) & 0xffffffffffffull))
 #define FB_WKEY_BASE(key) ((key) & 0xffffffffffffull)
-#define FB_NARROW (1u << 14)
-#define FB_RKEY(idx, gen, base) FB_WKEY(((idx) + 1) | ((gen) & 0xf) << 10, base)
+#define FB_NARROW (1u << 15)
+#define FB_TAG_BITS 0x7ffu
+#define FB_DEV_SHIFT 59
+#define FB_DEV_MASK (0xfull << FB_DEV_SHIFT)
+#define FB_KEY_DEV(key) ((uint32_t)((key) >> FB_DEV_SHIFT) & 0xf)
+#define FB_ON_DEV(key, dev) (((key) & ~FB_DEV_MASK) | (uint64_t)(dev) << FB_DEV_SHIFT)
+#define FB_RKEY(idx, base) FB_WKEY((idx) + 1, base)
 #define FB_RKEY_INDEX(key) ((uint32_t)((key) >> 48) & 0x3ff) /* index + 1, 0: none */
-#define FB_LKEY(idx) (1ull << 63 | (uint64_t)(idx)) /* a region's local MR in a peer domain */
+#define FB_LKEY(idx) (1ull << 62 | (uint64_t)(idx)) /* a region's local MR in a peer domain */
 #define FB_INFO_VIRT 1u       /* info flag: the sender's MRs take virtual addresses */
 #define FB_INFO_TABLE 2u      /* ... its keys are provider keys: aim through its region table */
 
 /* Provider keys (FI_MR_PROV_KEY, e.g. EFA: 32-bit keys of the device's MRs): the provider picks
  * each MR's key, so a key cannot carry the base. A grant's key is then
- *   [63:32] the provider's key | [15] 1 | [9:0] region index + 1
+ *   [63:32] the provider's key | [19:16] device | [15] 1 | [9:0] region index + 1
  * and the writer aims at the region's address (from the target's region table, sent in its
  * connection info: the regions registered before it prepared the connection) + roff. A region
  * registered later is not in a connection's table: a write into it fails, naming that. */
 #define FB_TABLE_FLAG (1u << 15)
-#define FB_TKEY(pkey, idx) ((uint64_t)(pkey) << 32 | FB_TABLE_FLAG | ((idx) + 1))
+#define FB_TKEY(pkey, idx, dev) ((uint64_t)(pkey) << 32 | (uint64_t)(dev) << 16 | FB_TABLE_FLAG | \
+                                 ((idx) + 1))
+#define FB_TKEY_DEV(key) ((uint32_t)((key) >> 16) & 0xf)
 
 typedef struct fb_region {
     uint8_t *addr;
@@ -75,10 +86,11 @@ typedef struct fb_grant_mr {
     uint64_t off, len, wkey;
 } fb_grant_mr;
 
-/* One fabric domain per peer (libfabric MR keys are domain-wide, so a peer's domain holds only
- * its grants and our local registrations: another peer's key opens nothing in it). */
+/* One fabric domain per peer and device (libfabric MR keys are domain-wide, so a peer's domain
+ * holds only its grants and our local registrations: another peer's key opens nothing in it). */
 typedef struct fb_domain {
     int used;
+    uint32_t dev;        /* the device (t->dev[]) it was opened on */
     uint64_t peer;
     struct fid_domain *dom;
     struct fid_mr **lmr; /* [FB_MAX_REGIONS] local-only MRs (sources of our writes), by index */
@@ -96,10 +108,13 @@ typedef struct fb_pending {
     int used;
 } fb_pending;
 
+/* One endpoint pair of a connection: from local device `dev` to the peer's device `rdev`. The
+ * core's connection is an fb_link of these (fabric_link.c); the progress thread drives these. */
 typedef struct fb_conn {
     int used, ready, broken;
     uint64_t peer;
-    uint32_t domain;       /* index into t->domains */
+    uint32_t dev, rdev, link;
+    uint32_t domain;       /* index into t->domains (the peer's domain on `dev`) */
     struct fid_ep *ep;     /* an endpoint of its own: closing it ends everything of the conn */
     struct fid_av *av;
     struct fid_cq *cq;
@@ -114,26 +129,54 @@ typedef struct fb_conn {
                             * to the provider, or completed): the stall clock */
     pdkv_write *backlog;   /* accepted writes not yet handed to the provider (ring) */
     uint32_t bl_head, bl_count, bl_cap;
+    uint32_t post_need;    /* fb_post's count of its writes for this pair (0 between posts) */
 } fb_conn;
 
-/* Connection data exchanged through the messenger's control channel. */
+/* A connection as the core sees it: the endpoint pairs (local device i, remote device j) its
+ * writes can use (all of this transport's, or those prepare_pairs named), cid[i][j] = the
+ * fb_conn's index + 1 (0: none). A write goes on the pair of its local key's device and its
+ * remote key's device. */
+typedef struct fb_link {
+    int used, ready;
+    uint64_t peer;
+    int peer_table;        /* the peer's keys are provider keys (device bits at FB_TKEY_DEV) */
+    uint16_t cid[FB_MAX_DEVS][FB_MAX_DEVS];
+} fb_link;
+
+/* Connection data exchanged through the messenger's control channel: this header, then
+ * num_pairs fb_info_pair (each with its endpoint's name), then FB_INFO_TABLE's num_regions
+ * uint64 region addresses. */
 typedef struct fb_info {
     uint32_t magic, version;
     uint64_t node_id;
     uint32_t flags;        /* FB_INFO_VIRT | FB_INFO_TABLE */
-    uint32_t addr_len;
+    uint32_t num_devs;     /* the sender's devices */
     char provider[32];     /* both ends must run the same provider */
-    uint8_t addr[FB_ADDR_MAX];
-    uint32_t num_regions;  /* FB_INFO_TABLE: then num_regions uint64 region addresses follow */
-    uint32_t pad;
+    uint32_t num_pairs;
+    uint32_t num_regions;
 } fb_info;
+
+typedef struct fb_info_pair {
+    uint8_t dev, rdev;     /* the sender's device, the device of ours it pairs with */
+    uint16_t addr_len;
+    uint8_t addr[FB_ADDR_MAX];
+} fb_info_pair;
+
+/* One opened device: its fi_info (the provider's domain), fabric and counts. */
+typedef struct fb_dev {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    char name[64];         /* the domain name (and "@fabric" when named so) */
+    pdkv_nic_stats nic;    /* what it carried (an EFA device, an interface), nic_stats() */
+} fb_dev;
 
 typedef struct fb_transport {
     pdkv_transport base;
     pthread_mutex_t mu;    /* every libfabric call and all state below (FI_THREAD_DOMAIN) */
-    struct fi_info *info;  /* the provider and domain chosen at create */
-    struct fid_fabric *fabric;
-    char provider[32], domain_name[64];
+    struct fi_info *info;  /* device 0's: what every device has alike (mode, sizes) */
+    fb_dev dev[FB_MAX_DEVS];
+    uint32_t num_devs;
+    char provider[32];
     int virt;              /* FI_MR_VIRT_ADDR: remote addresses are virtual addresses */
     int table;             /* provider keys (FI_MR_PROV_KEY, or the table_keys stand-in) */
     int prov_key;          /* ... chosen by the provider (not the stand-in) */
@@ -145,8 +188,9 @@ typedef struct fb_transport {
     int batch_more;        /* FI_MORE on all but the last write of a burst (fabric_post.c) */
     uint32_t tx_depth;
     fb_region *regions;
-    uint32_t num_regions, gen;
+    uint32_t num_regions;
     fb_domain *domains;    /* [FB_MAX_DOMAINS] */
+    fb_link *links;        /* [FB_MAX_LINKS] */
     fb_conn *conns;
     uint32_t conns_hi;     /* conns[conns_hi..] have never been used: loops stop there */
     pdkv_cq cq;            /* completions for the core, behind its eventfd */
@@ -154,11 +198,11 @@ typedef struct fb_transport {
     pthread_t thread;
     int thread_started, stop;
     uint64_t refused_writes;
-    pdkv_nic_stats nic;    /* what the domain (the "NIC": an EFA device, an interface) carried */
 } fb_transport;
 
 /* Call order (each file calls only files below it):
  *   fabric.c (function table, create, destroy) -> fabric_progress.c (the progress thread)
+ *   -> fabric_link.c (connections: their endpoint pairs, routing of writes)
  *   -> fabric_conn.c (endpoints) -> fabric_post.c (backlog, posting) -> fabric_mr.c (regions,
  *   grants, domains) -> fabric_keys.c (grant keys) -> fabric_setup.c (provider choice, fabric,
  *   per-peer objects)
@@ -184,7 +228,7 @@ int fb_errno(int fi_rc); /* a libfabric return code as a negative errno */
 
 /* fabric_setup.c */
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o);
-int fb_open_domain(fb_transport *t, struct fid_domain **out);
+int fb_open_domain(fb_transport *t, uint32_t dev, struct fid_domain **out);
 int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c);
 void fb_close_endpoint(fb_conn *c);
 /* An MR over [off, off+len) of region r (device memory through fi_mr_regattr, see fb_region) */
@@ -202,7 +246,7 @@ int fb_grant_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off,
 int fb_revoke_range(pdkv_transport *t, uint64_t key, uint64_t peer, uint64_t off, uint64_t len);
 int fb_dereg(pdkv_transport *t, uint64_t key);
 fb_region *fb_find_region(fb_transport *t, uint64_t key);
-fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create); /* NULL + fb_fail */
+fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, uint32_t dev, int create); /* + fb_fail */
 void fb_domain_tidy(fb_transport *t, fb_domain *d); /* free it once no conn or grant uses it */
 void fb_domain_free(fb_transport *t, fb_domain *d);
 
@@ -210,19 +254,31 @@ void fb_domain_free(fb_transport *t, fb_domain *d);
 int fb_narrow_key(fb_domain *d, uint64_t base, uint64_t *out); /* our requested keys */
 int fb_table_grant(fb_transport *t, fb_domain *d, uint32_t region, uint64_t off, uint64_t len,
                    struct fid_mr **mr, uint64_t *wkey); /* provider keys: register, then name */
+int fb_nic_key(pdkv_transport *t, uint64_t key, uint32_t dev, uint64_t *key_out);
 
 /* fabric_post.c */
-int fb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+int fb_check_writes(fb_transport *t, const pdkv_write *w, int n);
+int fb_reserve(fb_conn *c, uint32_t need); /* room for `need` more in the backlog, or -ENOMEM */
+void fb_enqueue(fb_transport *t, fb_conn *c, const pdkv_write *w, int n); /* checked, reserved */
 int fb_pump(fb_transport *t, fb_conn *c); /* hand backlog to the provider; returns how many */
 void fb_flush_backlog(fb_transport *t, fb_conn *c, int status, const char *why);
 void fb_fail_outstanding(fb_transport *t, fb_conn *c, int status, const char *why);
 
-/* fabric_conn.c */
+/* fabric_conn.c: one endpoint pair (caller holds t->mu) */
+int fb_conn_open(fb_transport *t, uint64_t peer, uint32_t dev, uint32_t rdev, uint32_t *ci);
+int fb_conn_name(fb_transport *t, fb_conn *c, fb_info_pair *out);
+int fb_conn_connect(fb_transport *t, fb_conn *c, const fb_info_pair *peer_ep);
+void fb_drop_conn(fb_transport *t, fb_conn *c, const char *why);
+
+/* fabric_link.c: the core's connections */
 int fb_prepare(pdkv_transport *t, uint64_t peer, void *info_out, uint32_t *info_len,
                uint32_t *conn_out);
+int fb_prepare_pairs(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
+                     uint32_t *info_len, uint32_t *conn_out);
 int fb_complete(pdkv_transport *t, uint32_t conn, const void *info, uint32_t info_len);
 int fb_disconnect(pdkv_transport *t, uint32_t conn);
-void fb_drop_conn(fb_transport *t, fb_conn *c, const char *why);
+int fb_post(pdkv_transport *t, uint32_t conn, const pdkv_write *w, int n);
+void fb_drop_link(fb_transport *t, fb_link *l, const char *why);
 
 /* fabric_progress.c */
 int fb_start_progress(fb_transport *t);

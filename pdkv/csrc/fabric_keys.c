@@ -10,12 +10,15 @@
 #include <errno.h>
 #include <stdio.h>
 
-/* A narrow grant's key: a random tag with `base`, unused by the domain's live grants. */
+/* A narrow grant's key: a random tag with `base` on the domain's device, unused by the domain's
+ * live grants. */
 int fb_narrow_key(fb_domain *d, uint64_t base, uint64_t *out)
 {
     for (int tries = 0; tries < 1 << 20; tries++) {
         d->tag_seed = d->tag_seed * 6364136223846793005ull + 1442695040888963407ull;
-        uint64_t key = FB_WKEY(FB_NARROW | ((uint32_t)(d->tag_seed >> 50) & 0x3fff), base);
+        uint32_t tag = FB_NARROW | (uint32_t)d->dev << (FB_DEV_SHIFT - 48) |
+                       ((uint32_t)(d->tag_seed >> 50) & FB_TAG_BITS);
+        uint64_t key = FB_WKEY(tag, base);
         int taken = 0;
         for (uint32_t i = 0; i < d->num_grants && !taken; i++)
             taken = d->grants[i].wkey == key;
@@ -50,7 +53,7 @@ int fb_table_grant(fb_transport *t, fb_domain *d, uint32_t region, uint64_t off,
                                     "(0x%llx): pdkv's keys carry 32", t->provider,
                        (unsigned long long)key);
     }
-    *wkey = FB_TKEY(key, region);
+    *wkey = FB_TKEY(key, region, d->dev);
     return 0;
 }
 #endif /* PDKV_HAVE_LIBFABRIC */

@@ -1,4 +1,6 @@
 /* pdkv libfabric transport: regions, the per-peer domains, and the grants peers write through.
+ * With several devices a peer has a domain on each device it uses (opened with its first
+ * connection or grant there); a key's device bits say which (fabric_internal.h).
  *
  * A region is a slot in t->regions plus, in every peer's domain, a local-only MR (FI_WRITE |
  * FI_READ: the source of our writes, its descriptor for FI_MR_LOCAL providers). Nothing is
@@ -21,12 +23,30 @@
 
 #define LOCAL_ACCESS (FI_WRITE | FI_READ)
 
+/* A region's key names it on any device (FB_ON_DEV): the device bits are not compared. */
 fb_region *fb_find_region(fb_transport *t, uint64_t key)
 {
     uint32_t idx = FB_RKEY_INDEX(key);
-    if (!idx || idx > t->num_regions || t->regions[idx - 1].key != key)
+    if (!idx || idx > t->num_regions || FB_KEY_DEV(key) >= t->num_devs ||
+        t->regions[idx - 1].key != FB_ON_DEV(key, 0))
         return NULL;
     return &t->regions[idx - 1];
+}
+
+int fb_nic_key(pdkv_transport *base, uint64_t key, uint32_t dev, uint64_t *key_out)
+{
+    fb_transport *t = (fb_transport *)base;
+    pthread_mutex_lock(&t->mu);
+    int rc = 0;
+    if (!fb_find_region(t, key))
+        rc = fb_fail(-ENOENT, "libfabric: unknown key 0x%llx", (unsigned long long)key);
+    else if (dev >= t->num_devs)
+        rc = fb_fail(-EINVAL, "libfabric: domain %u does not exist: this transport drives %u "
+                              "domains", dev, t->num_devs);
+    else
+        *key_out = FB_ON_DEV(key, dev);
+    pthread_mutex_unlock(&t->mu);
+    return rc;
 }
 
 static int add_local(fb_transport *t, fb_domain *d, uint32_t i)
@@ -35,11 +55,11 @@ static int add_local(fb_transport *t, fb_domain *d, uint32_t i)
     return fb_mr_reg(t, d->dom, r, 0, r->len, LOCAL_ACCESS, FB_LKEY(i), &d->lmr[i]);
 }
 
-fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create)
+fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, uint32_t dev, int create)
 {
     fb_domain *free_slot = NULL;
     for (uint32_t i = 0; i < FB_MAX_DOMAINS; i++) {
-        if (t->domains[i].used && t->domains[i].peer == peer)
+        if (t->domains[i].used && t->domains[i].peer == peer && t->domains[i].dev == dev)
             return &t->domains[i];
         if (!t->domains[i].used && !free_slot)
             free_slot = &t->domains[i];
@@ -47,7 +67,7 @@ fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create)
     if (!create)
         return NULL;
     if (!free_slot) {
-        fb_fail(-ENOSPC, "libfabric: too many peers with a domain (%d)", FB_MAX_DOMAINS);
+        fb_fail(-ENOSPC, "libfabric: too many (peer, device) domains (%d)", FB_MAX_DOMAINS);
         return NULL;
     }
     fb_domain *d = free_slot;
@@ -57,13 +77,14 @@ fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, int create)
         fb_fail(-ENOMEM, "libfabric: out of memory");
         return NULL;
     }
-    if (fb_open_domain(t, &d->dom)) {
+    d->dev = dev;
+    if (fb_open_domain(t, dev, &d->dom)) {
         free(d->lmr);
         return NULL;
     }
     d->used = 1;
     d->peer = peer;
-    d->tag_seed = (peer * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)d->dom;
+    d->tag_seed = (peer * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)d->dom ^ dev;
     for (uint32_t i = 0; i < t->num_regions; i++)
         if (t->regions[i].key && add_local(t, d, i)) {
             fb_domain_free(t, d);
@@ -115,8 +136,7 @@ static int reg_region(fb_transport *t, void *addr, uint64_t len, int iface, uint
         t->num_regions++;
     fb_region *r = &t->regions[i];
     *r = (fb_region){.addr = addr, .len = len,
-                     .key = FB_RKEY(i, ++t->gen,
-                                    t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0),
+                     .key = FB_RKEY(i, t->virt && !t->table ? (uint64_t)(uintptr_t)addr : 0),
                      .iface = iface, .device = device, .dmabuf_fd = dmabuf_fd,
                      .dmabuf_off = dmabuf_off};
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
@@ -204,7 +224,7 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
         d->grants = g, d->grants_cap = cap;
     }
     fb_region *r = &t->regions[region];
-    uint64_t wkey = r->key;
+    uint64_t wkey = FB_ON_DEV(r->key, d->dev);
     struct fid_mr *mr = NULL;
     int rc;
     if (t->table) {
@@ -234,7 +254,7 @@ int fb_grant(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t *key_ou
     pthread_mutex_lock(&t->mu);
     int rc = 0;
     fb_region *r = fb_find_region(t, key);
-    fb_domain *d = r ? fb_domain_get(t, peer, 1) : NULL;
+    fb_domain *d = r ? fb_domain_get(t, peer, FB_KEY_DEV(key), 1) : NULL;
     if (!r)
         rc = fb_fail(-ENOENT, "libfabric: grant: unknown key 0x%llx", (unsigned long long)key);
     else if (!d)
@@ -259,7 +279,7 @@ int fb_revoke(pdkv_transport *base, uint64_t key, uint64_t peer)
     fb_transport *t = (fb_transport *)base;
     pthread_mutex_lock(&t->mu);
     fb_region *r = fb_find_region(t, key);
-    fb_domain *d = fb_domain_get(t, peer, 0);
+    fb_domain *d = fb_domain_get(t, peer, r ? FB_KEY_DEV(key) : 0, 0);
     int rc = fb_fail(-ENOENT, "libfabric: revoke: peer %llu holds no grant of key 0x%llx",
                      (unsigned long long)peer, (unsigned long long)key);
     for (uint32_t i = 0; r && d && i < d->num_grants; i++)
@@ -288,7 +308,7 @@ int fb_grant_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t o
         rc = fb_fail(-ERANGE, "libfabric: grant_range [%llu, +%llu) is outside the region of "
                               "%llu bytes", (unsigned long long)off, (unsigned long long)len,
                      (unsigned long long)r->len);
-    else if (!(d = fb_domain_get(t, peer, 1)))
+    else if (!(d = fb_domain_get(t, peer, FB_KEY_DEV(key), 1)))
         rc = -ENOMEM;
     uint32_t region = r ? (uint32_t)(r - t->regions) : 0;
     for (uint32_t i = 0; d && !rc && i < d->num_grants; i++) {
@@ -312,7 +332,10 @@ int fb_revoke_range(pdkv_transport *base, uint64_t key, uint64_t peer, uint64_t 
     fb_transport *t = (fb_transport *)base;
     pthread_mutex_lock(&t->mu);
     fb_region *r = fb_find_region(t, key);
-    fb_domain *d = fb_domain_get(t, peer, 0);
+    /* a region's key on the device, or the grant's own key (its device bits where its kind
+     * keeps them) */
+    uint32_t dev = !r && t->table && (key & FB_TABLE_FLAG) ? FB_TKEY_DEV(key) : FB_KEY_DEV(key);
+    fb_domain *d = fb_domain_get(t, peer, dev, 0);
     int rc = fb_fail(-ENOENT, "libfabric: revoke_range: [%llu, +%llu) of key 0x%llx is not "
                               "granted to peer %llu", (unsigned long long)off,
                      (unsigned long long)len, (unsigned long long)key, (unsigned long long)peer);

@@ -1,5 +1,5 @@
-/* pdkv libfabric transport: posting writes. post() never blocks: a batch is checked whole, enters
- * the connection's backlog, and is handed to the provider in one burst under one lock as far as
+/* pdkv libfabric transport: posting writes onto one endpoint pair (fabric_link.c routes them).
+ * post() never blocks: a batch is checked whole, enters the endpoint's backlog, and is handed to the provider in one burst under one lock as far as
  * the endpoint takes it; -FI_EAGAIN (the provider's queue is full, or it needs progress first)
  * leaves the rest in the backlog for the progress thread, which pumps again after each pass over
  * the completion queues. A write with an immediate is fi_writemsg with FI_REMOTE_CQ_DATA: the
@@ -18,7 +18,7 @@
 #include <string.h>
 
 /* Called with t->mu held: every write is checked before any is accepted. */
-static int check_writes(fb_transport *t, const pdkv_write *w, int n)
+int fb_check_writes(fb_transport *t, const pdkv_write *w, int n)
 {
     for (int i = 0; i < n; i++) {
         fb_region *r = fb_find_region(t, w[i].lkey);
@@ -147,7 +147,7 @@ int fb_pump(fb_transport *t, fb_conn *c)
         }
         p->used = 1;
         p->wr_id = w->wr_id, p->len = w->len, p->region = idx;
-        t->nic.writes++, t->nic.bytes += w->len;
+        t->dev[c->dev].nic.writes++, t->dev[c->dev].nic.bytes += w->len;
         c->outstanding++;
         c->last_ns = fb_now_ns();
         n++;
@@ -155,7 +155,7 @@ int fb_pump(fb_transport *t, fb_conn *c)
     return n;
 }
 
-static int grow_backlog(fb_conn *c, uint32_t need)
+int fb_reserve(fb_conn *c, uint32_t need)
 {
     if (c->bl_count + need <= c->bl_cap)
         return 0;
@@ -172,32 +172,15 @@ static int grow_backlog(fb_conn *c, uint32_t need)
     return 0;
 }
 
-int fb_post(pdkv_transport *base, uint32_t conn, const pdkv_write *w, int n)
+/* Called with t->mu held, the writes checked (fb_check_writes) and room reserved (fb_reserve). */
+void fb_enqueue(fb_transport *t, fb_conn *c, const pdkv_write *w, int n)
 {
-    fb_transport *t = (fb_transport *)base;
-    if (n <= 0)
-        return n ? fb_fail(-EINVAL, "libfabric: negative write count") : 0;
-    pthread_mutex_lock(&t->mu);
-    fb_conn *c = conn < FB_MAX_CONNS && t->conns[conn].used ? &t->conns[conn] : NULL;
-    int rc = n;
-    if (!c || !c->ready)
-        rc = fb_fail(-ENOTCONN, "libfabric: connection %u is not connected", conn);
-    else if (c->broken)
-        rc = fb_fail(-ECONNRESET, "libfabric: connection %u to peer %llu is broken", conn,
-                     (unsigned long long)c->peer);
-    else if (!(rc = check_writes(t, w, n)) && grow_backlog(c, (uint32_t)n))
-        rc = fb_fail(-ENOMEM, "libfabric: out of memory");
-    if (!rc) {
-        if (!c->bl_count && !c->outstanding)
-            c->last_ns = fb_now_ns(); /* the stall clock starts with work */
-        for (int i = 0; i < n; i++) {
-            c->backlog[(c->bl_head + c->bl_count++) % c->bl_cap] = w[i];
-            fb_find_region(t, w[i].lkey)->inflight++;
-        }
-        fb_pump(t, c);
-        rc = n;
+    if (!c->bl_count && !c->outstanding)
+        c->last_ns = fb_now_ns(); /* the stall clock starts with work */
+    for (int i = 0; i < n; i++) {
+        c->backlog[(c->bl_head + c->bl_count++) % c->bl_cap] = w[i];
+        fb_find_region(t, w[i].lkey)->inflight++;
     }
-    pthread_mutex_unlock(&t->mu);
-    return rc;
+    fb_pump(t, c);
 }
 #endif /* PDKV_HAVE_LIBFABRIC */

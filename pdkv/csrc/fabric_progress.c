@@ -56,7 +56,7 @@ static void on_entry(fb_transport *t, fb_conn *c, const struct fi_cq_data_entry 
         cp.kind = PDKV_CQ_IMM;
         cp.imm = (uint32_t)e->data;
         cp.len = e->len;
-        t->nic.imms++, t->nic.imm_bytes += e->len;
+        t->dev[c->dev].nic.imms++, t->dev[c->dev].nic.imm_bytes += e->len;
         pdkv_cq_push(&t->cq, &cp);
         return;
     }
@@ -65,7 +65,7 @@ static void on_entry(fb_transport *t, fb_conn *c, const struct fi_cq_data_entry 
     cp.kind = PDKV_CQ_WRITE_DONE;
     cp.wr_id = p->wr_id;
     cp.len = p->len;
-    t->nic.writes_done++, t->nic.bytes_done += p->len;
+    t->dev[c->dev].nic.writes_done++, t->dev[c->dev].nic.bytes_done += p->len;
     done(t, c, p);
     pdkv_cq_push(&t->cq, &cp);
 }
@@ -82,7 +82,7 @@ static void on_error(fb_transport *t, fb_conn *c)
     int status = err.err ? -err.err : -EIO;
     if (p) {
         uint64_t wr_id = p->wr_id;
-        t->nic.errors++;
+        t->dev[c->dev].nic.errors++;
         done(t, c, p);
         fb_push_error(t, wr_id, c->peer, status, "libfabric: write to peer %llu failed: %s (%s)",
                       (unsigned long long)c->peer, fbl_strerror(err.err), prov ? prov : "");

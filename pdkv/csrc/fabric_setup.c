@@ -70,15 +70,85 @@ static int explain(const char *prov, int rc)
                                 "FI_MR_ENDPOINT is not supported yet)", name);
 }
 
+/* Does fi_info entry i match a configured name: "domain" or "domain@fabric" (a domain the
+ * provider lists under several fabrics, e.g. tcp's "lo" under 127.0.0.1/32 and ::1/128)? */
+static int named(const struct fi_info *i, const char *want)
+{
+    const char *at = strchr(want, '@');
+    size_t n = at ? (size_t)(at - want) : strlen(want);
+    if (strlen(i->domain_attr->name) != n || strncmp(i->domain_attr->name, want, n))
+        return 0;
+    return !at || (i->fabric_attr->name && !strcmp(i->fabric_attr->name, at + 1));
+}
+
+/* The entry of `all` for `want` (NULL: the first) with 4 bytes of remote CQ data, or NULL +
+ * fb_fail naming why. */
+static struct fi_info *pick_one(struct fi_info *all, const char *prov, const char *want)
+{
+    struct fi_info *short_data = NULL;
+    for (struct fi_info *i = all; i; i = i->next) {
+        if (want && !named(i, want))
+            continue;
+        if (i->domain_attr->cq_data_size >= FB_IMM_BYTES)
+            return i;
+        short_data = i;
+    }
+    const char *name = prov && *prov ? prov : "auto";
+    if (short_data)
+        fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' carries %zu bytes of remote CQ data; pdkv's "
+                             "immediates need %d", name, short_data->domain_attr->cq_data_size,
+                FB_IMM_BYTES);
+    else
+        fb_fail(-ENODEV, "libfabric: provider '%s' has no domain '%s' (its domains: %s%s)", name,
+                want, all->domain_attr->name, all->next ? ", ..." : "");
+    return NULL;
+}
+
+/* Device memory, when asked for: the same provider and domain asked again with FI_HMEM (EFA
+ * offers it; the software providers only for system memory, or not at all); when offered, its
+ * info replaces dev->info, so that every domain on it can register device memory. */
+static int with_hmem(fb_dev *dev)
+{
+    struct fi_info *hm = NULL;
+    int got = 0;
+    if (!get(dev->info->fabric_attr->prov_name, FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_HMEM,
+             FB_MR_MODES | FI_MR_HMEM, &hm)) {
+        for (struct fi_info *i = hm; i && !got; i = i->next)
+            if (!strcmp(i->domain_attr->name, dev->info->domain_attr->name) &&
+                (!i->fabric_attr->name || !dev->info->fabric_attr->name ||
+                 !strcmp(i->fabric_attr->name, dev->info->fabric_attr->name)) &&
+                i->domain_attr->cq_data_size >= FB_IMM_BYTES && (i->caps & FI_HMEM)) {
+                struct fi_info *dup = fbl_dupinfo(i);
+                if (dup) {
+                    fbl_freeinfo(dev->info);
+                    dev->info = dup;
+                    got = 1;
+                }
+            }
+    }
+    if (hm)
+        fbl_freeinfo(hm);
+    return got;
+}
+
+/* The devices: one per configured domain name (none: the provider's first), each its own
+ * fi_info and fabric. What the key and completion paths rely on (MR mode, key size) is device
+ * 0's, and every other device must say the same. */
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
 {
     if (fbl_load())
         return -ENODEV;
     const char *prov = o ? o->provider : NULL;
-    const char *want = o && o->domains && o->domains[0] && *o->domains[0] ? o->domains[0] : NULL;
-    if (want && o->domains[1])
-        return fb_fail(-EINVAL, "libfabric: one domain per transport (got several; run a node "
-                                "per device group)");
+    uint32_t n = 0;
+    while (o && o->domains && o->domains[n] && *o->domains[n])
+        n++;
+    if (n > FB_MAX_DEVS)
+        return fb_fail(-EINVAL, "libfabric: 1..%d domains are supported per transport, got %u",
+                       FB_MAX_DEVS, n);
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t k = 0; k < i; k++)
+            if (!strcmp(o->domains[i], o->domains[k]))
+                return fb_fail(-EINVAL, "libfabric: domain '%s' is named twice", o->domains[i]);
     struct fi_info *all = NULL;
     int rc = get(prov, FI_RMA | FI_WRITE | FI_REMOTE_WRITE, FB_MR_MODES, &all);
     if (rc || !all) {
@@ -86,62 +156,41 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
             fbl_freeinfo(all);
         return explain(prov, rc ? rc : -FI_ENODATA);
     }
-    struct fi_info *pick = NULL, *short_data = NULL;
-    for (struct fi_info *i = all; i && !pick; i = i->next) {
-        if (want && strcmp(i->domain_attr->name, want))
-            continue;
-        if (i->domain_attr->cq_data_size < FB_IMM_BYTES)
-            short_data = i;
-        else
-            pick = i;
-    }
-    if (!pick) {
-        const char *name = prov && *prov ? prov : "auto";
-        if (short_data)
-            rc = fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' carries %zu bytes of remote CQ "
-                                      "data; pdkv's immediates need %d", name,
-                         short_data->domain_attr->cq_data_size, FB_IMM_BYTES);
-        else
-            rc = fb_fail(-ENODEV, "libfabric: provider '%s' has no domain '%s' (its domains: "
-                                  "%s%s)", name, want, all->domain_attr->name,
-                         all->next ? ", ..." : "");
-        fbl_freeinfo(all);
-        return rc;
-    }
-    t->info = fbl_dupinfo(pick);
-    fbl_freeinfo(all);
-    /* device memory, when asked for: the same provider and domain asked again with FI_HMEM (EFA
-     * offers it; the software providers only for system memory, or not at all); when offered,
-     * its info is the one used, so that every domain can register device memory (fb_reg_device) */
-    struct fi_info *hm = NULL;
     int want_hmem = o && (o->device_memory || o->hmem_system);
     t->hmem_asked = want_hmem;
-    if (t->info && want_hmem && !get(t->info->fabric_attr->prov_name, FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_HMEM,
-                        FB_MR_MODES | FI_MR_HMEM, &hm)) {
-        for (struct fi_info *i = hm; i; i = i->next)
-            if (!strcmp(i->domain_attr->name, t->info->domain_attr->name) &&
-                i->domain_attr->cq_data_size >= FB_IMM_BYTES && (i->caps & FI_HMEM)) {
-                struct fi_info *dup = fbl_dupinfo(i);
-                if (dup) {
-                    fbl_freeinfo(t->info);
-                    t->info = dup;
-                    t->hmem = 1;
-                }
-                break;
-            }
+    t->hmem = want_hmem;
+    for (uint32_t d = 0; d < (n ? n : 1); d++) {
+        struct fi_info *pick = pick_one(all, prov, n ? o->domains[d] : NULL);
+        if (!pick) {
+            fbl_freeinfo(all);
+            return -ENODEV;
+        }
+        fb_dev *dev = &t->dev[d];
+        if (!(dev->info = fbl_dupinfo(pick))) {
+            fbl_freeinfo(all);
+            return fb_fail(-ENOMEM, "libfabric: out of memory");
+        }
+        t->num_devs = d + 1;
+        snprintf(dev->name, sizeof dev->name, "%s", n ? o->domains[d] : pick->domain_attr->name);
+        if (want_hmem && !with_hmem(dev))
+            t->hmem = 0; /* device memory only where every device registers it */
+        if (d && (dev->info->domain_attr->mr_mode != t->dev[0].info->domain_attr->mr_mode ||
+                  strcmp(dev->info->fabric_attr->prov_name,
+                         t->dev[0].info->fabric_attr->prov_name))) {
+            fbl_freeinfo(all);
+            return fb_fail(-EINVAL, "libfabric: domains '%s' and '%s' differ in provider or MR "
+                                    "mode: one transport drives alike devices", t->dev[0].name,
+                           dev->name);
+        }
     }
-    if (hm)
-        fbl_freeinfo(hm);
-
-    if (!t->info)
-        return fb_fail(-ENOMEM, "libfabric: out of memory");
+    fbl_freeinfo(all);
+    t->info = t->dev[0].info;
     t->hmem_system = o && o->hmem_system;
     if (t->hmem_system && !t->hmem)
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' has no FI_HMEM: the system-memory "
                                     "stand-in for device memory needs it",
                        t->info->fabric_attr->prov_name);
     snprintf(t->provider, sizeof t->provider, "%s", t->info->fabric_attr->prov_name);
-    snprintf(t->domain_name, sizeof t->domain_name, "%s", t->info->domain_attr->name);
     int mode = t->info->domain_attr->mr_mode;
     t->virt = !!(mode & FI_MR_VIRT_ADDR);
     t->mr_local = !!(mode & FI_MR_LOCAL);
@@ -164,19 +213,24 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
                        t->info->domain_attr->mr_key_size);
     size_t depth = t->info->tx_attr->size;
     t->tx_depth = depth && depth < FB_TX_DEPTH ? (uint32_t)depth : FB_TX_DEPTH;
-    rc = fbl_fabric(t->info->fabric_attr, &t->fabric, NULL);
-    if (rc)
-        return fb_fail(fb_errno(rc), "libfabric: fi_fabric(%s): %s", t->provider,
-                       fbl_strerror(-rc));
+    for (uint32_t d = 0; d < t->num_devs; d++) {
+        size_t dd = t->dev[d].info->tx_attr->size;
+        if (dd && dd < t->tx_depth)
+            t->tx_depth = (uint32_t)dd;
+        rc = fbl_fabric(t->dev[d].info->fabric_attr, &t->dev[d].fabric, NULL);
+        if (rc)
+            return fb_fail(fb_errno(rc), "libfabric: fi_fabric(%s, %s): %s", t->provider,
+                           t->dev[d].name, fbl_strerror(-rc));
+    }
     return 0;
 }
 
-int fb_open_domain(fb_transport *t, struct fid_domain **out)
+int fb_open_domain(fb_transport *t, uint32_t dev, struct fid_domain **out)
 {
-    int rc = fi_domain(t->fabric, t->info, out, NULL);
+    int rc = fi_domain(t->dev[dev].fabric, t->dev[dev].info, out, NULL);
     if (rc)
         return fb_fail(fb_errno(rc), "libfabric: fi_domain(%s, %s): %s", t->provider,
-                       t->domain_name, fbl_strerror(-rc));
+                       t->dev[dev].name, fbl_strerror(-rc));
     return 0;
 }
 
@@ -231,7 +285,7 @@ int fb_open_endpoint(fb_transport *t, struct fid_domain *dom, fb_conn *c)
     const char *what = "fi_cq_open";
     int rc = fi_cq_open(dom, &cqa, &c->cq, NULL);
     if (!rc && (what = "fi_av_open", rc = fi_av_open(dom, &ava, &c->av, NULL)) == 0)
-        what = "fi_endpoint", rc = fi_endpoint(dom, t->info, &c->ep, NULL);
+        what = "fi_endpoint", rc = fi_endpoint(dom, t->dev[c->dev].info, &c->ep, NULL);
     if (!rc)
         what = "fi_ep_bind(av)", rc = fi_ep_bind(c->ep, &c->av->fid, 0);
     if (!rc)

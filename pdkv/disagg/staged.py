@@ -71,7 +71,7 @@ def staging_mode(cfg, *, gpu_reason=None, gpudirect=None, can_register_gpu=None)
         raise ConfigError(f"{where}: CUDA is not available here: {reason}")
     # what the transport can do decides, not its name: the registration below is GPUDirect's
     # (the GPU allocation's dma-buf or peer memory handed to the NIC)
-    if Capability.GPUDIRECT not in transports.capabilities(ms.transport):
+    if Capability.GPUDIRECT not in transports.capabilities(ms.transport, ms):
         if ms.staging == "off":
             raise ConfigError(f"{where}: messenger.staging off cannot work with messenger.transport "
                               f"{ms.transport} ({ms.transport} moves host memory only); use messenger.staging auto")

@@ -116,6 +116,10 @@ def test_set_overrides_mirror_the_yaml(tmp_path):
      "role.yaml: messenger.libfabric.provider must be one of auto, efa, tcp;ofi_rxm, sockets, shm, got 'psm3'"),
     ("messenger:\n  libfabric: {provider: shm, domains: [auto]}\n",
      "messenger.libfabric.domains must be [auto] only with provider efa"),
+    ("messenger:\n  libfabric: {provider: efa, domains: [rdmap16s27-rdm, rdmap16s27-rdm]}\n",
+     "messenger.libfabric.domains must be up to 16 distinct fabric domain names"),
+    ("messenger:\n  libfabric: {provider: efa, domains: [auto, rdmap16s27-rdm]}\n",
+     "messenger.libfabric.domains must be up to 16 distinct fabric domain names"),
     ("messenger:\n  nics: [1, 2]\n", "role.yaml: messenger.nics must be a list of strings, got [1, 2]"),
     ("- just\n- a list\n", "role.yaml: the top level must be a mapping of sections, got list"),
     ("server: {port: 80\n", "role.yaml: not valid YAML at line"),
@@ -149,3 +153,13 @@ def test_set_errors_name_the_override(item, needle):
 def test_check_paths_off_allows_configs_for_other_hosts(tmp_path):
     cfg = load_config(write(tmp_path, "model:\n  path: /models/elsewhere\n"), check_paths=False)
     assert cfg.model.path == "/models/elsewhere"
+
+
+def test_libfabric_takes_several_domains(tmp_path):
+    """One transport over several domains (an EFA device each), or a domain under one fabric."""
+    from pdkv.config import config_from_dict
+
+    doms = ["rdmap16s27-rdm", "rdmap32s27-rdm", "lo@::1/128"]
+    cfg = config_from_dict({"messenger": {"transport": "libfabric", "libfabric": {"provider": "efa",
+                                                                                  "domains": doms}}})
+    assert cfg.messenger.libfabric.domains == tuple(doms)

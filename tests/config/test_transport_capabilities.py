@@ -78,3 +78,40 @@ def test_a_gpudirect_transport_takes_the_gpudirect_path(plugin):
     with pytest.raises(ConfigError, match="messenger.transport plugin with messenger.staging off needs GPUDirect"):
         staging_mode(cfg, gpu_reason=lambda: None, gpudirect=lambda: (False, "no dma-buf"),
                      can_register_gpu=lambda: True)
+
+
+def _fabric(role="decode", device="cpu", provider="tcp;ofi_rxm", **ms):
+    return _cfg(role, device, transport="libfabric", libfabric={"provider": provider}, **ms)
+
+
+def test_libfabric_capabilities_are_its_providers():
+    """One transport, several providers: what each can do is the C row (every provider) plus
+    what that provider adds; validation and staging read the provider's, not the row's."""
+    row = transports.capabilities("libfabric")
+    assert Capability.GPUDIRECT not in row and Capability.SAME_HOST_ONLY not in row
+    caps = {p: transports.capabilities("libfabric", _fabric(provider=p).messenger)
+            for p in ("efa", "shm", "tcp;ofi_rxm", "sockets", "auto")}
+    assert Capability.GPUDIRECT in caps["efa"] and Capability.DEVICE_MEMORY in caps["efa"]
+    assert Capability.SAME_HOST_ONLY in caps["shm"] and Capability.GPUDIRECT not in caps["shm"]
+    assert caps["tcp;ofi_rxm"] == caps["sockets"] == caps["auto"] == row
+    # the options the node makes ask the provider for device memory exactly where it is declared
+    opts = {p: transports.LibfabricOptions.from_config(_fabric(provider=p).messenger,
+                                                       type("W", (), {"nics": ()})())
+            for p in ("efa", "shm", "tcp;ofi_rxm")}
+    assert opts["efa"].device_memory and not opts["shm"].device_memory
+    assert not opts["tcp;ofi_rxm"].device_memory
+
+
+def test_libfabric_shm_takes_this_hosts_peers_only_and_efa_goes_gpudirect():
+    with pytest.raises(ConfigError, match=r"prefill_peers.*libfabric, which connects processes of one host"):
+        _fabric(provider="shm", prefill_peers=["10.1.2.3:9"])
+    assert _fabric(provider="tcp;ofi_rxm", prefill_peers=["10.1.2.3:9"]).messenger.transport == "libfabric"
+    # GPU KV: efa registers it with the device; a software provider stages it through host memory
+    with pytest.raises(ConfigError, match="messenger.staging.*auto with model.device cuda"):
+        _fabric("prefill", "cuda", provider="sockets", staging="off")
+    efa = _fabric("prefill", "cuda", provider="efa", staging="off")
+    assert staging_mode(efa, gpu_reason=lambda: None, gpudirect=lambda: (True, ""),
+                        can_register_gpu=lambda: True) is StagingMode.GPUDIRECT
+    sockets = _fabric("prefill", "cuda", provider="sockets")
+    assert staging_mode(sockets, gpu_reason=lambda: None, gpudirect=lambda: (True, ""),
+                        can_register_gpu=lambda: True) is StagingMode.CUDA

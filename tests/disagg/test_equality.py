@@ -198,15 +198,16 @@ def test_decode_admission_waits_for_pages(tiny_model_dir):
     assert c.pools_full()
 
 
-def libfabric_messenger(provider: str) -> dict:
+def libfabric_messenger(provider: str, domains=None) -> dict:
     """The messenger section of a node on libfabric ``provider`` (tcp-based ones on the loopback
-    interface); skipped where this build or host lacks it (failed under PDKV_REQUIRE_LIBFABRIC=1)."""
+    interface, or ``domains``); skipped where this build or host lacks it (failed under
+    PDKV_REQUIRE_LIBFABRIC=1)."""
     import os
 
     from pdkv._messenger import HAVE_LIBFABRIC, Messenger
     from pdkv.transports import LibfabricOptions
 
-    domains = [] if provider == "shm" else ["lo"]
+    domains = list(domains) if domains is not None else [] if provider == "shm" else ["lo"]
     try:
         if not HAVE_LIBFABRIC:
             raise RuntimeError("pdkv built without libfabric")

@@ -27,11 +27,15 @@ def _complete(url: str, name: str, prompt: list[int]) -> list[int]:
         return json.loads(r.read())["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("provider", ["tcp;ofi_rxm"])
-def test_tp2_prefill_to_tp1_decode_over_libfabric_equals_colocated(tiny_model_dir, provider):
+@pytest.mark.parametrize("provider, domains", [("tcp;ofi_rxm", None), ("tcp;ofi_rxm", ("lo", "lo@127.0.0.1/32"))],
+                         ids=["one-domain", "two-domains"])
+def test_tp2_prefill_to_tp1_decode_over_libfabric_equals_colocated(tiny_model_dir, provider, domains):
+    """Two domains (one opened twice under two names: any endpoint reaches any, as EFA devices
+    do): prefill rank r's pages leave through domain r, each request lands through the decode
+    rank's domain its seed picks, over only the endpoint pairs the plan uses."""
     from _tp_pair import TP2ToTP1
 
-    ms = {f"messenger__{k}": v for k, v in libfabric_messenger(provider).items()}
+    ms = {f"messenger__{k}": v for k, v in libfabric_messenger(provider, domains).items()}
     ref = make_engine(node_config(tiny_model_dir, "colocated"))
     want = [o.output_token_ids for o in ref.generate(PROMPTS, SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
@@ -54,6 +58,12 @@ def test_tp2_prefill_to_tp1_decode_over_libfabric_equals_colocated(tiny_model_di
                 torch.testing.assert_close(g, w[:, :len(prompt) - 1], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{len(prompt)}-token prompt, layer {layer}: {m}")
         assert dec.messenger.stats()["refused_writes"] == 0
+        if domains:  # both domains carried the prefill node's writes (rank r: domain r)
+            pre = pair.prefill.app[NODE].messenger
+            assert pre.rank_nics == ((0,), (1,)) and dec.messenger.rank_nics == ((0, 1),)
+            assert all(s["writes_done"] > 0 for s in pre.nic_stats()), pre.nic_stats()
+            # each request lands through the domain its (random) id's seed picks: some domain
+            assert sum(s["imms"] for s in dec.messenger.nic_stats()) > 0, dec.messenger.nic_stats()
         wait_for(pair.pools_full, 10, "every page back on both nodes")
     finally:
         pair.stop()

@@ -35,7 +35,8 @@ def test_modes_on_hosts_that_can(role):
         is StagingMode.CUDA
     assert staging_mode(verbs, **GPU_OK, gpudirect=lambda: (True, ""), can_register_gpu=lambda: False) \
         is StagingMode.CUDA
-    # libfabric registers host memory only (no FI_MR_HMEM yet): GPU KV is staged, off is refused
+    # libfabric with provider auto (any provider: promised host memory only): GPU KV is staged, off is
+    # refused (provider efa declares GPUDirect: tests/config/test_transport_capabilities.py)
     fabric = _cfg(role, "cuda", transport="libfabric")
     assert staging_mode(fabric, **GPU_OK, gpudirect=lambda: (True, ""), can_register_gpu=lambda: True) \
         is StagingMode.CUDA

@@ -44,8 +44,12 @@ def test_libfabric_names_a_missing_provider_or_domain():
         Messenger("libfabric", 1, LibfabricOptions(provider="psm2"))
     with pytest.raises(TransportUnavailableError, match="has no domain 'nodev0'"):
         Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("nodev0",)))
-    with pytest.raises(TransportUnavailableError, match="one domain per transport"):
-        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo", "eth0")))
+    with pytest.raises(TransportUnavailableError, match="domain 'lo' is named twice"):
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo", "lo")))
+    with pytest.raises(TransportUnavailableError, match=r"has no domain 'lo@10.0.0.0/8'"):
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo@10.0.0.0/8",)))
+    with pytest.raises(InvalidRequestError, match="at most 16 fabric domains, got 17"):
+        Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=tuple(f"d{i}" for i in range(17))))
     m = Messenger("libfabric", 1, LibfabricOptions(provider="tcp;ofi_rxm", domains=("lo",)))
     with pytest.raises(InvalidRequestError, match="connection info of 3 bytes"):
         m.complete(m.prepare(2)[0], b"abc")

@@ -111,3 +111,26 @@ def test_the_other_providers_enforce_grants_too(provider, spawn, connect):
     dst = b.read("dst")
     assert dst[2 * PAGE:2 * PAGE + 128] == a.read("src", 0, 128)
     assert dst[:2 * PAGE] == bytes(2 * PAGE) and dst[2 * PAGE + 128:] == bytes(SIZE - 2 * PAGE - 128)
+
+
+def test_provider_keys_name_their_device_over_two_domains(spawn, connect):
+    """EFA's key path over several devices (one shm domain opened twice, "shm" and "shm@shm"): a
+    grant on each of B's devices carries that device in its key, a write from A's device d to
+    B's device d lands (each device counts its own), and the key of one device's grant aimed at
+    the other device (its device bits rewritten by the writer) opens nothing there."""
+    doms = ["shm", "shm@shm"]
+    a, b = spawn(1, table_keys=True, domains=doms), spawn(2, table_keys=True, domains=doms)
+    a.alloc("src", SIZE, seed=5)
+    b.alloc("dst", SIZE)
+    lkey, region = a.register("src"), b.register("dst")
+    ca, _ = connect(a, b)
+    keys = [b.m("grant_range", b.m("nic_key", region, d), 1, d * PAGE, PAGE) for d in (0, 1)]
+    assert [(k >> 16) & 0xF for k in keys] == [0, 1] and len({k >> 32 for k in keys}) == 2
+    for d, key in enumerate(keys):
+        assert _write(a, b, ca, a.m("nic_key", lkey, d), key, d * PAGE, PAGE, imm=10 + d)
+    assert [s["imms"] for s in b.m("nic_stats")] == [1, 1]
+    assert [s["writes_done"] for s in a.m("nic_stats")] == [1, 1]
+    assert b.read("dst")[:2 * PAGE] == a.read("src")[:PAGE] * 2  # each write: src's first page
+    moved = keys[0] ^ (1 << 16)  # device 0's grant, named on device 1
+    assert not _write(a, b, ca, a.m("nic_key", lkey, 1), moved, 0, PAGE, imm=20, timeout=2.0)
+    assert [s["imms"] for s in b.m("nic_stats")] == [1, 1]

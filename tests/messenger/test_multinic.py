@@ -8,6 +8,13 @@ nearest to (pdkv.messenger.plan_placement + rank_key); the writes are the shard 
 NIC carried is read twice: from the messenger's per-NIC stats and from the device's own
 counters (pdkv_loopback_counters: the port counters, kept by the loopback device), on the
 sending and on the receiving node.
+
+The tests of what any multi-device transport does (pairs made only where asked, writes routed
+by their keys' devices, each rank through its own device) also run over libfabric's tcp;ofi_rxm
+(csrc/fabric_link.c): its "lo" domain is listed under two fabrics, 127.0.0.1/32 and ::1/128,
+which are two real domains (``lo@127.0.0.1/32``, ``lo@::1/128``: an endpoint of one cannot
+reach the other's, so their writes use the pairs (0, 0) and (1, 1) only); where a test needs
+cross pairs the same domain is opened twice under two names (``lo``, ``lo@127.0.0.1/32``).
 """
 from __future__ import annotations
 
@@ -21,18 +28,33 @@ from pdkv.config import MessengerConfig
 from pdkv.messenger import plan_placement
 from pdkv.shard import KVGeometry, pick_nic, plan_transfers, request_seed
 from pdkv import topo
+from fabrics import fabric_params
 
 DGX = str(Path(__file__).resolve().parents[1] / "topo" / "fixtures" / "dgx-h100")
 PAGES = 64  # pages per rank region (one layer); at least one per request in a test
+FABRIC = "libfabric:tcp;ofi_rxm"
+LO_V4_V6 = ("lo@127.0.0.1/32", "lo@::1/128")  # two real domains: pairs (0, 0), (1, 1) only
+LO_TWICE = ("lo", "lo@127.0.0.1/32")  # one domain opened twice: every pair connects
+# the words of each transport's refusals: (what a device pair is, what a device is)
+PAIR_WORDS = {"verbs": ("queue pair", "NIC"), FABRIC: ("endpoint pair", "domain")}
+BOTH = pytest.mark.parametrize("transport", ["verbs", *fabric_params(("tcp;ofi_rxm",))], indirect=True)
 
 
 @pytest.fixture
-def transport():
+def transport(request):
     from pdkv._messenger import HAVE_VERBS
 
-    if not HAVE_VERBS:
+    name = getattr(request, "param", "verbs")
+    if name == "verbs" and not HAVE_VERBS:
         pytest.skip("pdkv built without libibverbs")
-    return "verbs"
+    return name
+
+
+def device_kwargs(transport: str, names) -> dict:
+    """spawn() keyword arguments for a messenger over the devices `names`."""
+    if transport == "verbs":
+        return {"env_extra": {"PDKV_LOOPBACK_NICS": ",".join(names)}, "nics": list(names), "isolate_peers": True}
+    return {"domains": list(names)}
 
 
 def dgx_placement(tp: int):
@@ -59,9 +81,8 @@ def test_the_dgx_topology_gives_each_rank_its_own_nic():
 class Node:
     """A child-process messenger with one region per TP rank, each keyed on the rank's NIC."""
 
-    def __init__(self, spawn, node_id, placement, tp, page_nbytes, seed=None):
-        env = {"PDKV_LOOPBACK_NICS": ",".join(placement.nics)}
-        self.p = spawn(node_id, env_extra=env, nics=list(placement.nics), isolate_peers=True)
+    def __init__(self, spawn, node_id, placement, tp, page_nbytes, seed=None, transport="verbs"):
+        self.p = spawn(node_id, **device_kwargs(transport, placement.nics))
         self.nics, self.tp = placement.nics, tp
         self.rank_nics = placement.rank_nics
         self.keys = []
@@ -182,14 +203,15 @@ def test_tp8_to_tp8_makes_queue_pairs_only_for_the_nic_pairs_its_writes_use(spaw
     assert b.nic_counts("imms") == want == b.device_counts(2)  # and landed through decode rank r's
 
 
-def test_only_the_nic_pairs_both_sides_asked_for_are_made_and_others_are_refused(spawn, connect):
+@BOTH
+def test_only_the_nic_pairs_both_sides_asked_for_are_made_and_others_are_refused(spawn, connect, transport):
     """A asks for (its NIC 0 -> B's NIC 1) and (1 -> 0), B for (its 1 -> A's 0) only: just the
     pair (A 1, B 0) is made (one QP each side). A write on it lands; one on the pair only A
     asked for, or on one nobody did, is refused naming it; so is a pair beyond the NICs."""
-    two = plan_placement(MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1")), sysfs_root=DGX)
-    env = {"PDKV_LOOPBACK_NICS": "mlx5_0,mlx5_1"}
-    a = spawn(1, env_extra=env, nics=list(two.nics), isolate_peers=True)
-    b = spawn(2, env_extra=env, nics=list(two.nics), isolate_peers=True)
+    names = ("mlx5_0", "mlx5_1") if transport == "verbs" else LO_TWICE
+    pair, unit = PAIR_WORDS[transport]
+    a = spawn(1, **device_kwargs(transport, names))
+    b = spawn(2, **device_kwargs(transport, names))
     ca, ia = a.m("prepare", 2, pairs=[(0, 1), (1, 0)])
     cb, ib = b.m("prepare", 1, pairs=[(0, 1)])
     a.m("complete", ca, ib)
@@ -206,12 +228,78 @@ def test_only_the_nic_pairs_both_sides_asked_for_are_made_and_others_are_refused
     assert b.read("dst") == a.read("src")
     assert [s["writes_done"] for s in a.m("nic_stats")] == [0, 1] and [s["imms"] for s in b.m("nic_stats")] == [1, 0]
     rkey1 = b.m("grant", b.m("nic_key", region, 1), 1)
-    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 1"):  # only A asked
+    with pytest.raises(Exception, match=f"no {pair} from {unit} {names[0]} to remote {unit} 1"):  # only A asked
         a.m("write", ca, src, 0, rkey1, 0, 64, tag=2)
-    with pytest.raises(Exception, match="no queue pair from NIC mlx5_0 to remote NIC 0"):  # nobody asked
+    with pytest.raises(Exception, match=f"no {pair} from {unit} {names[0]} to remote {unit} 0"):  # nobody asked
         a.m("write", ca, src, 0, rkey0, 0, 64, tag=3)
-    with pytest.raises(Exception, match=r"queue pair \(local NIC 2, remote NIC 0\) asked for: this transport has 2"):
+    with pytest.raises(Exception, match=rf"{pair} \(local {unit} 2, remote {unit} 0\) asked for: this transport has 2"):
         a.m("prepare", 3, pairs=[(2, 0)])
+
+
+def _two_device_placement(transport: str, num_ranks: int, domains=LO_V4_V6):
+    """Two devices dealt to `num_ranks` ranks (no GPU to go by): the placement a node makes."""
+    from pdkv.config import LibfabricConfig
+
+    if transport == "verbs":
+        cfg = MessengerConfig(transport="verbs", nics=("mlx5_0", "mlx5_1"))
+    else:
+        cfg = MessengerConfig(transport="libfabric", libfabric=LibfabricConfig(provider="tcp;ofi_rxm",
+                                                                               domains=domains))
+    return plan_placement(cfg, sysfs_root=DGX, num_ranks=num_ranks)
+
+
+@BOTH
+def test_tp2_to_tp2_each_rank_through_its_own_device_on_only_the_pairs_it_uses(spawn, transport):
+    """Two devices, rank r's pages on device r on both sides (the placement), connected with the
+    pairs pdkv.disagg.sharded.link_pairs derives (what the nodes' handshake does): (0, 0) and
+    (1, 1), one endpoint / QP per device and side; byte-exact, each rank's writes counted on its
+    own device on both nodes. On libfabric the two are real domains (lo over IPv4 and IPv6)."""
+    from types import SimpleNamespace
+
+    from pdkv.disagg.sharded import hello_rank_nics, link_pairs
+
+    geo = KVGeometry(num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    plan = plan_transfers(2, 2, geo)
+    where = _two_device_placement(transport, 2)
+    assert where.rank_nics == ((0,), (1,))
+    page_nbytes = geo.num_kv_heads * geo.head_dim * geo.page_size * 4 * geo.kv_parts
+    a = Node(spawn, 1, where, 2, page_nbytes, seed=100, transport=transport)
+    b = Node(spawn, 2, where, 2, page_nbytes, transport=transport)
+    pairs = link_pairs(plan, "prefill", SimpleNamespace(rank_nics=a.rank_nics), hello_rank_nics(b))
+    assert pairs == link_pairs(plan, "decode", SimpleNamespace(rank_nics=b.rank_nics), hello_rank_nics(a))
+    assert pairs == [(0, 0), (1, 1)]
+
+    def connect_pairs(x, y):
+        cx, ix = x.m("prepare", y.node_id, pairs=pairs)
+        cy, iy = y.m("prepare", x.node_id, pairs=pairs)
+        x.m("complete", cx, iy)
+        y.m("complete", cy, ix)
+        return cx, cy
+    a, b, per_rank = _transfer(spawn, connect_pairs, plan, 2, 2, [request_seed(f"r{i}") for i in range(3)],
+                               nodes=(a, b))
+    want = {a.nics[r]: per_rank[r] for r in range(2)}
+    assert min(want.values()) >= 3
+    assert a.nic_counts("writes_done") == want and b.nic_counts("imms") == want
+    assert a.nic_counts("qps") == b.nic_counts("qps") == {n: 1 for n in a.nics}
+
+
+@BOTH
+def test_tp2_to_tp1_replicated_spreads_requests_over_both_devices(spawn, connect, transport):
+    """One latent head replicated on both prefill ranks (rank r on device r): the seed's replica
+    choice (pdkv.shard) sends each request from one rank, so both devices carry requests, in
+    exactly the seeded split; everything lands on the one decode rank's device. (Every pair is
+    made: on libfabric one domain opened twice, where any endpoint reaches any.)"""
+    geo = KVGeometry(num_kv_heads=1, head_dim=64, page_size=4, dtype="float32", replicated=True, kv_parts=1)
+    plan = plan_transfers(2, 1, geo)
+    seeds = [request_seed(f"req-{i}") for i in range(24)]
+    page_nbytes = geo.num_kv_heads * geo.head_dim * geo.page_size * 4 * geo.kv_parts
+    src, dst = _two_device_placement(transport, 2, LO_TWICE), _two_device_placement(transport, 1, LO_TWICE)
+    a = Node(spawn, 1, src, 2, page_nbytes, seed=100, transport=transport)
+    b = Node(spawn, 2, dst, 1, page_nbytes, transport=transport)
+    a, b, per_rank = _transfer(spawn, connect, plan, 2, 1, seeds, nodes=(a, b))
+    chosen = Counter(a.nics[a.rank_nics[plan.active_pairs(s)[0].prefill_rank][0]] for s in seeds)
+    assert a.nic_counts("writes_done") == dict(chosen) and min(chosen.values()) >= 4, chosen
+    assert b.nic_counts("imms") == {b.nics[0]: 24, b.nics[1]: 0}
 
 
 def test_tp8_to_tp1_replicated_spreads_over_every_nic(spawn, connect):
@@ -323,3 +411,26 @@ def test_link_pairs_are_the_plans_rank_pairs_over_both_placements():
     for bad in ([[0, 99]], [[]], "x", [["0"]], [[True]]):
         with pytest.raises(HandshakeRefused, match="rank_nics must be a list of per-rank lists"):
             link_pairs(plan, "prefill", pre, {"rank_nics": bad})
+
+
+# where a key names its device: verbs_multi.h (NIC bits 53:48), fabric_internal.h (bits 62:59)
+DEVICE_BIT = {"verbs": 1 << 48, FABRIC: 1 << 59}
+
+
+@BOTH
+def test_a_key_moved_to_another_device_by_a_hostile_peer_opens_nothing(spawn, connect, transport):
+    """B grants A its region on device 0. A rewrites the key's device bits to aim at B's device 1
+    (a pair both made): the grant lives only in A's domain on B's device 0, so device 1 has no such
+    key: the write fails at A and nothing lands."""
+    names = ("mlx5_0", "mlx5_1") if transport == "verbs" else LO_TWICE
+    a = spawn(1, **device_kwargs(transport, names))
+    b = spawn(2, **device_kwargs(transport, names))
+    ca, _ = connect(a, b)
+    a.alloc("src", 4096, seed=9)
+    b.alloc("dst", 4096)
+    src = a.register("src")
+    rkey = b.m("grant", b.register("dst"), 1)
+    a.m("write", ca, src, 0, rkey | DEVICE_BIT[transport], 0, 4096, imm=3, tag=1)
+    (done,) = [e for e in a.wait("batch_done", timeout=30) if e[0] == "batch_done"]
+    assert done[6] != 0, done  # failed at the writer
+    assert b.read("dst") == bytes(4096) and b.m("stats")["imms"] == 0  # nothing landed

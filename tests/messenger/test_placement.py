@@ -87,25 +87,43 @@ def test_verbs_transport_opens_the_chosen_nic(loopback_verbs_dir, device_list, n
         assert wanted in r.stderr and "not found" in r.stderr, r.stderr
 
 
-def test_libfabric_auto_takes_the_efa_device_nearest_the_gpu():
+@pytest.mark.parametrize("tp", [1, 8])
+def test_libfabric_auto_gives_each_rank_the_efa_devices_nearest_its_gpu(tp):
+    """AWS p5 (tests/topo/fixtures/aws-p5: 8 H100, 4 EFA devices under each GPU's PCIe switch):
+    libfabric's domains [auto] is the verbs placement of the same devices (named
+    ``<device>-rdm``, libfabric's RDM domain), each rank's four nearest its own GPU."""
     from pdkv.config import LibfabricConfig
     from pdkv.topo import discover
 
     p5 = str(FIXTURES / "aws-p5")
     t = discover(p5)
+    gpus = [g.bus_id for g in t.gpus][:tp]
     efa = LibfabricConfig(provider="efa", domains=("auto",))
-    for gpu in (t.gpus[0], t.gpus[5]):
-        p = plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), gpu.bus_id, p5)
-        (domain,) = p.nics
-        dev = domain.removesuffix("-rdm")
-        nic = next(n for n in t.rdma if n.name == dev)
-        assert nic.hca_type == "efa" or "efa" in nic.name or nic.pci.vendor == "0x1d0f", nic
-        assert nic.pci.path[:3] == gpu.pci.path[:3] and "same PCIe switch" in p.reason, p.reason
-        assert "3 more as near unused" in p.reason, p.reason
-    assert plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), t.gpus[0].bus_id, p5).nics != \
-        plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), t.gpus[5].bus_id, p5).nics
+    p = plan_placement(MessengerConfig(transport="libfabric", libfabric=efa), sysfs_root=p5, gpu_bus_ids=gpus)
+    v = plan_placement(MessengerConfig(transport="verbs", nics=("auto",)), sysfs_root=p5, gpu_bus_ids=gpus)
+    per_rank = 4 if tp == 1 else 2  # TP8: 32 devices, one transport drives 16 (the two nearest per GPU)
+    assert [[p.nics[i] for i in r] for r in p.rank_nics] == \
+        [[f"{v.nics[i]}-rdm" for i in r[:per_rank]] for r in v.rank_nics] and p.cpus == v.cpus
+    assert len(p.nics) == per_rank * tp and all(len(r) == per_rank for r in p.rank_nics)
+    assert tp == 1 or "16 domains at most per transport: each rank's 2 nearest" in p.reason
+    for r, gpu in enumerate(t.gpus[:tp]):
+        for i in p.rank_nics[r]:
+            nic = next(n for n in t.rdma if n.name == p.nics[i].removesuffix("-rdm"))
+            assert nic.hca_type == "efa" and nic.pci.path[:3] == gpu.pci.path[:3], (r, nic)
+    assert "same PCIe switch" in p.reason, p.reason
+
+
+def test_libfabric_named_domains_are_dealt_to_the_ranks():
+    from pdkv.config import LibfabricConfig
+
     named = LibfabricConfig(provider="tcp;ofi_rxm", domains=("lo",))
     assert plan_placement(MessengerConfig(transport="libfabric", libfabric=named)).nics == ("lo",)
+    two = MessengerConfig(transport="libfabric", libfabric=LibfabricConfig(provider="tcp;ofi_rxm",
+                                                                           domains=("lo@127.0.0.1/32", "lo@::1/128")))
+    assert plan_placement(two, num_ranks=2).rank_nics == ((0,), (1,))
+    assert plan_placement(two).rank_nics == ((0, 1),)  # one rank: both, a request's seed picks
+    first = plan_placement(MessengerConfig(transport="libfabric"))
+    assert first.nics == () and first.rank_nics == ()  # the provider's first domain: one path
     with pytest.raises(TopologyError, match="needs provider efa"):
         plan_placement(MessengerConfig(transport="libfabric",
                                        libfabric=LibfabricConfig(provider="shm", domains=("auto",))))
