@@ -213,6 +213,10 @@ class DisaggConfig:
     # loaded node's (its prefix cache may hold those pages). 0 pages: off.
     affinity_pages: int = 4
     affinity_max_extra_tokens: int = 2048
+    # How a prefill node hands a request's KV to a decode node of this host: "copy" computes it
+    # in its own pages and writes them; "share" (messenger.transport shm, CPU, tp 1) computes it
+    # straight into the decode node's reserved pages, mapped here (pdkv/disagg/kv_share.py).
+    kv_handoff: str = "copy"  # copy | share
 
 
 @dataclass(frozen=True)

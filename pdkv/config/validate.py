@@ -17,6 +17,7 @@ from pdkv.transports import Capability, capabilities, names_with
 # (mtp / draft: the prefill node also runs the MTP layer / prefills the draft model over the
 # prompt and streams their KV, pdkv/disagg/spec_handoff.py)
 ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": SPEC_METHODS, "prefill": ("draft", "mtp")}
+KV_HANDOFFS = ("copy", "share")  # disagg.kv_handoff (pdkv/disagg/kv_share.py)
 HANDOFF_METHODS = ("draft", "mtp")  # the prefill node computes the proposer's KV (pdkv/disagg/spec_handoff.py)
 _ROLE_SPEC_WHY = {"colocated": "", "decode": "",
                   "prefill": "the prefill node never samples; ngram needs nothing from it"}
@@ -176,6 +177,15 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          f"an integer in [0, {MAX_AFFINITY_PAGES}] (0: no prefix affinity)", dg.affinity_pages)
     need(dg.affinity_max_extra_tokens >= 0, "disagg.affinity_max_extra_tokens",
          "zero or a positive number of queued prompt tokens", dg.affinity_max_extra_tokens)
+    one_of("disagg.kv_handoff", dg.kv_handoff, KV_HANDOFFS)
+    if dg.kv_handoff == "share":
+        need(ms.transport == "shm", "disagg.kv_handoff", "copy with messenger.transport "
+             f"{ms.transport}: share computes KV in the decode node's memory, which only the shm "
+             "transport maps into the prefill process (both nodes on one host)", dg.kv_handoff)
+        need(not str(m.device).startswith("cuda"), "disagg.kv_handoff", "copy on a GPU (share maps host "
+             "memory; the GPU's is not shared between the processes here)", dg.kv_handoff)
+        need(pc.tp == 1, "disagg.kv_handoff", "copy with parallel.tp > 1 (share needs whole pages in one "
+             "rank's memory)", dg.kv_handoff)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

@@ -1,0 +1,103 @@
+"""disagg.kv_handoff on one host (shm): ``share`` computes the KV in the decode node's pages
+(no page copied, counted in the prefill node's transport), ``copy`` writes them; both land the
+colocated cache's KV and the same tokens."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+from _cluster import Cluster, colocated_kv, hold_kv_on_landing, wait_for
+from pdkv.config import ConfigError, config_from_dict
+from pdkv.server.app import NODE
+from test_equality import PROMPTS, _colocated, _complete
+
+PAGE_SIZE = 16  # the tiny model's page is then 4096 bytes: whole OS pages, so share applies
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("chunk", [4, 64])
+@pytest.mark.parametrize("handoff", ["copy", "share"])
+def test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model_dir, handoff, chunk, layout):
+    over = {"kv_cache__page_size": PAGE_SIZE, "kv_cache__layout": layout}
+    want_tokens, _ = _colocated(tiny_model_dir)
+    want_kv = colocated_kv(tiny_model_dir, PROMPTS, **over)
+    shm = {"messenger__transport": "shm", "disagg__kv_handoff": handoff}
+    # NOTE: both prefix caches off: the counts below are exact only if every page is computed
+    c = Cluster(tiny_model_dir, prefill_over={**over, **shm, "scheduler__chunk_size": chunk,
+                                              "kv_cache__prefix_caching": False},
+                decode_over={**over, **shm, "kv_cache__prefix_caching": False})
+    landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
+    try:
+        name = c.model_name()
+        results = [None] * len(PROMPTS)
+        threads = [threading.Thread(target=_complete, args=(c.url, name, p, results, i))
+                   for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert all(r is not None for r in results)
+        assert [(r["choices"][0]["token_ids"], r["choices"][0]["text"]) for r in results] == want_tokens
+        for r, p in zip(results, PROMPTS):
+            _, (got,) = landed_kv[r["id"] + "-0"]
+            for layer, (g, w) in enumerate(zip(got, [w[:, :len(p) - 1] for w in want_kv[tuple(p)]])):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{len(p)}-token prompt, layer {layer}: {m}")
+        pm = c.prefill.app[NODE].coordinator.m
+        L = c.prefill_engine.kv.num_layers
+        pages = sum(-(-(len(p) - 1) // PAGE_SIZE) for p in PROMPTS)
+        wait_for(lambda: pm.stats()["writes_done"] >= pages * L + len(PROMPTS), 10, "every write counted")
+        st = pm.stats()
+        page_bytes = c.prefill_engine.kv.page_nbytes
+        if handoff == "share":  # every page computed in place: only the hidden rows were copied
+            assert (st["shared_writes"], st["copied_writes"]) == (pages * L, len(PROMPTS))
+            assert st["copied_bytes"] == len(PROMPTS) * 64 * 4
+        else:
+            assert (st["shared_writes"], st["copied_writes"]) == (0, pages * L + len(PROMPTS))
+            assert st["copied_bytes"] == pages * L * page_bytes + len(PROMPTS) * 64 * 4
+        assert c.decode.app[NODE].messenger.stats()["imms"] == pages * L + len(PROMPTS)  # same count
+        # the prefill node's pages are its own again (nothing of the decode node aliased there)
+        assert c.prefill_engine.scheduler.cache is None
+    finally:
+        c.stop()
+    assert c.pools_full()
+
+
+def test_share_after_share_reuses_pages_that_are_the_prefill_nodes_own_again(tiny_model_dir):
+    """Requests one after the other reuse the prefill node's page slots: each lands right, so an
+    alias never outlives its request (a stale one would put the next request's KV in the old
+    decode pages, and the decode node's pages would read wrong)."""
+    over = {"kv_cache__page_size": PAGE_SIZE, "kv_cache__prefix_caching": False}
+    shm = {"messenger__transport": "shm", "disagg__kv_handoff": "share"}
+    want_kv = colocated_kv(tiny_model_dir, PROMPTS, kv_cache__page_size=PAGE_SIZE)
+    c = Cluster(tiny_model_dir, prefill_over={**over, **shm}, decode_over={**over, **shm})
+    landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
+    try:
+        name = c.model_name()
+        for p in PROMPTS[::-1]:
+            res = [None]
+            _complete(c.url, name, p, res, 0)
+            _, (got,) = landed_kv[res[0]["id"] + "-0"]
+            for g, w in zip(got, want_kv[tuple(p)]):
+                torch.testing.assert_close(g, w[:, :len(p) - 1], rtol=1e-5, atol=1e-5)
+        st = c.prefill.app[NODE].coordinator.m.stats()
+        assert st["shared_writes"] > 0 and st["copied_writes"] == len(PROMPTS)
+    finally:
+        c.stop()
+    assert c.pools_full()
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"messenger": {"transport": "tcp"}}, "only the shm transport maps"),
+    ({"messenger": {"transport": "shm"}, "parallel": {"tp": 2}}, "parallel.tp > 1"),
+    ({"messenger": {"transport": "shm"}, "model": {"device": "cuda:0"}}, "on a GPU"),
+])
+def test_share_without_what_it_needs_is_a_config_error_naming_it(over, why):
+    with pytest.raises(ConfigError, match=f"disagg.kv_handoff must be copy.*{why}"):
+        config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "share"}, **over})
+    with pytest.raises(ConfigError, match="disagg.kv_handoff must be one of copy, share"):
+        config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "zero"}})
