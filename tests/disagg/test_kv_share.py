@@ -101,3 +101,55 @@ def test_share_without_what_it_needs_is_a_config_error_naming_it(over, why):
         config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "share"}, **over})
     with pytest.raises(ConfigError, match="disagg.kv_handoff must be one of copy, share"):
         config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "zero"}})
+
+
+def test_decode_sigkilled_while_prefill_computes_in_its_pages(tiny_model_dir, tmp_path):
+    """The decode node dies mid-request: the prefill node's pages are its own again (nothing of
+    the dead node's memory stays mapped here), its pool is full, and it shares with the next."""
+    import signal
+    import time
+
+    from _cluster import assert_colocated_answer, make_engine, node_config, serve_node
+    from _procs import NodeProc, free_port, node_dict
+    from test_kill import _post, _shm_files
+
+    share = {"messenger__transport": "shm", "disagg__kv_handoff": "share", "kv_cache__page_size": PAGE_SIZE,
+             "kv_cache__prefix_caching": False}
+    pcfg = node_config(tiny_model_dir, "prefill", messenger__lease_s=30.0, **share)
+    peng = make_engine(pcfg)
+    with serve_node(pcfg, peng) as pre:
+        pnode = pre.app[NODE]
+        own = _shm_files()
+        hook = peng.connector.after_layer
+        # FAULT INJECTION (slow prefill): 20 ms per layer, so the kill lands mid-request
+        peng.connector.after_layer = lambda layer: (time.sleep(0.02), hook(layer))
+        d = node_dict(tiny_model_dir, "decode", port=free_port(), peers=[f"127.0.0.1:{pnode.control_port}"],
+                      chunk=8, transport="shm", page_size=PAGE_SIZE)
+        d["disagg"]["kv_handoff"] = "share"
+        dec = NodeProc(tmp_path, "decode", d)
+        try:
+            dec.wait_healthy()
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+
+            def doomed():  # its server is killed under it
+                try:
+                    _post(dec.url, {"model": name, "prompt": list(range(5, 150)), "max_tokens": 4}, 10)
+                except OSError:
+                    pass
+            threading.Thread(target=doomed, daemon=True).start()
+            coord = pnode.coordinator
+            wait_for(lambda: any(j.shared for j in list(coord.jobs.values())), 20, "pages shared")
+            assert _shm_files() - own  # the decode node's pages are mapped here (twice: grant, alias)
+            dec.signal(signal.SIGKILL)
+            wait_for(lambda: peng.allocator.num_free == peng.allocator.num_total and not coord.jobs, 10,
+                     "prefill pool full")
+            wait_for(lambda: not _shm_files() - own, 10, "the dead node's pages unmapped here")
+        finally:
+            dec.stop()
+        peng.connector.after_layer = hook
+        dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{pnode.control_port}"],
+                           **share)
+        with serve_node(dcfg, make_engine(dcfg)) as d2:
+            name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
+            assert_colocated_answer(d2.url, name, tiny_model_dir, range(5, 60), 3)
+        assert pnode.coordinator.m.stats()["shared_writes"] > 0
