@@ -215,8 +215,9 @@ class DisaggConfig:
     affinity_max_extra_tokens: int = 2048
     # How a prefill node hands a request's KV to a decode node of this host: "copy" computes it
     # in its own pages and writes them; "share" (messenger.transport shm, CPU, tp 1) computes it
-    # straight into the decode node's reserved pages, mapped here (pdkv/disagg/kv_share.py).
-    kv_handoff: str = "copy"  # copy | share
+    # straight into the decode node's reserved pages, mapped here (pdkv/disagg/kv_share.py);
+    # "auto": share where it applies and the prefill node keeps no prefix cache, else copy.
+    kv_handoff: str = "auto"  # auto | copy | share
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pdkv.transports import Capability, capabilities, names_with
 # (mtp / draft: the prefill node also runs the MTP layer / prefills the draft model over the
 # prompt and streams their KV, pdkv/disagg/spec_handoff.py)
 ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": SPEC_METHODS, "prefill": ("draft", "mtp")}
-KV_HANDOFFS = ("copy", "share")  # disagg.kv_handoff (pdkv/disagg/kv_share.py)
+KV_HANDOFFS = ("auto", "copy", "share")  # disagg.kv_handoff (pdkv/disagg/kv_share.py)
 HANDOFF_METHODS = ("draft", "mtp")  # the prefill node computes the proposer's KV (pdkv/disagg/spec_handoff.py)
 _ROLE_SPEC_WHY = {"colocated": "", "decode": "",
                   "prefill": "the prefill node never samples; ngram needs nothing from it"}

@@ -14,6 +14,10 @@ What stays a copy: pages reused from this node's prefix cache (other requests ho
 the hidden-state row. Pages computed in borrowed memory are never published in this node's
 prefix cache: their bytes are the decode node's once the request ends. A link whose layouts
 differ (TP, page bytes) or whose pages are not whole OS pages uses the copy, logged once.
+
+``auto`` (the default) shares where it can be asked for (``handoff``): the shm transport, host
+memory, one rank, and no prefix cache on the prefill node, whose hits save compute where the
+share saves only a copy (measured: docs/BENCHMARKS.md, "KV hand-off on one host").
 """
 
 from __future__ import annotations
@@ -29,6 +33,17 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62  # num_published_pages that no page count reaches
 
 
+def handoff(cfg) -> str:
+    """The hand-off a prefill node of ``cfg`` uses: "share" or "copy" (``disagg.kv_handoff``;
+    validated: an explicit share has what it needs)."""
+    h = cfg.disagg.kv_handoff
+    if h != "auto":
+        return h
+    ok = (cfg.messenger.transport == "shm" and not str(cfg.model.device).startswith("cuda")
+          and cfg.parallel.tp == 1 and not cfg.kv_cache.prefix_caching)
+    return "share" if ok else "copy"
+
+
 def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
     """(src page, dst page, count) of the runs consecutive on both sides, in order."""
     runs: list[tuple[int, int, int]] = []
@@ -41,9 +56,11 @@ def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 class KVShare:
-    def __init__(self, messenger, kv, page_size: int):
-        """``kv``: the node's pdkv.disagg.sharded.NodeKV (rank 0's region, registered)."""
-        self.m, self.kv, self.page_size = messenger, kv, page_size
+    def __init__(self, messenger, kv, page_size: int, explicit: bool = True):
+        """``kv``: the node's pdkv.disagg.sharded.NodeKV (rank 0's region, registered);
+        ``explicit``: share was asked for (a link that cannot is a warning, else info, once)."""
+        self.m, self.kv, self.page_size, self.explicit = messenger, kv, page_size, explicit
+        self._told: set[str] = set()
         self.src = kv.geometry
         self.os_page = os.sysconf("SC_PAGE_SIZE")
         self._rlog = RateLimitedLog(log)
@@ -70,8 +87,10 @@ class KVShare:
         job.shared = []
         why = self.why_not(job.link)
         if why:
-            self._rlog.warning(f"noshare:{why[:40]}", "prefill: kv_handoff share: copying instead on a link "
-                               "where %s", why)
+            if why not in self._told and len(self._told) < 16:
+                self._told.add(why)
+                (log.warning if self.explicit else log.info)("prefill: kv_handoff share: copying instead on a "
+                                                             "link where %s", why)
             return
         req = entry.request
         req.num_published_pages = _NEVER  # borrowed pages never enter this node's prefix cache

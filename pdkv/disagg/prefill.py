@@ -29,7 +29,7 @@ from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
-from pdkv.disagg.kv_share import KVShare
+from pdkv.disagg.kv_share import KVShare, handoff
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector
 from pdkv.disagg.prefill_memory import PrefillMemory
@@ -63,8 +63,8 @@ class PrefillCoordinator(LoopEvents):
         self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
                                     self._copy_ended, metrics) if self.mode.staged else None)
         # disagg.kv_handoff share: KV computed into the decode node's pages (pdkv/disagg/kv_share.py)
-        self.share = (KVShare(messenger, self.kv, engine.kv.page_size)
-                      if cfg.disagg.kv_handoff == "share" else None)
+        self.share = (KVShare(messenger, self.kv, engine.kv.page_size, cfg.disagg.kv_handoff == "share")
+                      if handoff(cfg) == "share" else None)
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
                                           mem.staging_keys, self.mcfg.layerwise,
                                           engine.kv.page_size, metrics,

@@ -99,7 +99,7 @@ def test_share_after_share_reuses_pages_that_are_the_prefill_nodes_own_again(tin
 def test_share_without_what_it_needs_is_a_config_error_naming_it(over, why):
     with pytest.raises(ConfigError, match=f"disagg.kv_handoff must be copy.*{why}"):
         config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "share"}, **over})
-    with pytest.raises(ConfigError, match="disagg.kv_handoff must be one of copy, share"):
+    with pytest.raises(ConfigError, match="disagg.kv_handoff must be one of auto, copy, share"):
         config_from_dict({"role": "prefill", "disagg": {"kv_handoff": "zero"}})
 
 
@@ -153,3 +153,18 @@ def test_decode_sigkilled_while_prefill_computes_in_its_pages(tiny_model_dir, tm
             name = json.loads(urllib.request.urlopen(d2.url + "/v1/models").read())["data"][0]["id"]
             assert_colocated_answer(d2.url, name, tiny_model_dir, range(5, 60), 3)
         assert pnode.coordinator.m.stats()["shared_writes"] > 0
+
+
+@pytest.mark.parametrize("over,want", [
+    ({}, "copy"),  # tcp
+    ({"messenger": {"transport": "shm"}}, "copy"),  # the prefill prefix cache saves compute: kept
+    ({"messenger": {"transport": "shm"}, "kv_cache": {"prefix_caching": False}}, "share"),
+    ({"messenger": {"transport": "shm"}, "kv_cache": {"prefix_caching": False}, "parallel": {"tp": 2}}, "copy"),
+    ({"messenger": {"transport": "shm"}, "disagg": {"kv_handoff": "share"}}, "share"),
+    ({"messenger": {"transport": "shm"}, "kv_cache": {"prefix_caching": False},
+      "disagg": {"kv_handoff": "copy"}}, "copy"),
+])
+def test_auto_shares_only_where_it_applies_and_costs_no_prefix_cache(over, want):
+    from pdkv.disagg.kv_share import handoff
+
+    assert handoff(config_from_dict({"role": "prefill", **over})) == want
