@@ -233,6 +233,9 @@ class ParallelConfig:
     # experts' rows (Qwen3-Coder-480B-FP8 at tp 8: 2560 / 8 = 320), as vLLM's --enable-expert-parallel.
     expert_parallel: bool = False
     cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
+    # The share of the GPU's SMs this process may use, 1..100 (0: all), so a prefill and a decode
+    # process split one GPU: MPS's active thread percentage, else a green context (pdkv/gpu/sm_split.py)
+    gpu_sm_percent: int = 0
     # Data-parallel attention with expert-parallel MoE (pdkv/dp): dp ranks, each its own requests,
     # scheduler and latent KV cache; the routed experts split whole across them (dp divides the
     # expert count), tokens travel to their experts by all-to-all. ep must be true with dp > 1.

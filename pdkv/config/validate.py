@@ -178,6 +178,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(dg.affinity_max_extra_tokens >= 0, "disagg.affinity_max_extra_tokens",
          "zero or a positive number of queued prompt tokens", dg.affinity_max_extra_tokens)
     one_of("disagg.kv_handoff", dg.kv_handoff, KV_HANDOFFS)
+    need(0 <= pc.gpu_sm_percent <= 100, "parallel.gpu_sm_percent", "a share of the GPU's SMs in 0..100 (0: all)",
+         pc.gpu_sm_percent)
+    need(pc.gpu_sm_percent in (0, 100) or str(m.device).startswith("cuda"), "parallel.gpu_sm_percent",
+         f"0 with model.device {m.device} (it splits a GPU; CPUs are split by parallel.cpus)", pc.gpu_sm_percent)
     if dg.kv_handoff == "share":
         need(ms.transport == "shm", "disagg.kv_handoff", "copy with messenger.transport "
              f"{ms.transport}: share computes KV in the decode node's memory, which only the shm "
