@@ -47,8 +47,9 @@ class ModelConfig:
     cpu_kernels: bool = True
     # One copy of the weights per host (pdkv/shared_weights.py): "auto": a CPU process attaches to
     # the copy another process on this host serves for the same model (checked: fingerprint, sizes,
-    # index checksum), else loads its own and serves it; "off": always a private copy.
-    share_weights: str = "off"  # auto | off
+    # index checksum), else loads its own and serves it; "on": the same on a GPU too (CUDA IPC,
+    # the importer on the owner's GPU); "off": always a private copy.
+    share_weights: str = "off"  # auto | on | off
 
 
 @dataclass(frozen=True)
