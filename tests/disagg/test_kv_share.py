@@ -3,6 +3,7 @@
 colocated cache's KV and the same tokens."""
 from __future__ import annotations
 
+import os
 import json
 import threading
 import urllib.request
@@ -168,3 +169,64 @@ def test_auto_shares_only_where_it_applies_and_costs_no_prefix_cache(over, want)
     from pdkv.disagg.kv_share import handoff
 
     assert handoff(config_from_dict({"role": "prefill", **over})) == want
+
+
+def test_prefill_sigkilled_while_computing_in_the_decode_nodes_pages(tmp_path):
+    """The prefill process dies mid-request while its forward passes write into the decode
+    node's pages: the decode node fails the request as transient, every page comes back, only
+    its own process maps its memory, and it answers the next prompt by itself."""
+    import signal
+
+    from _cluster import make_engine, node_config, serve_node
+    from _procs import NodeProc, free_port, node_dict
+    from test_kill import _post
+    from pdkv.tiny_model import make_tiny_model
+
+    # slow enough to be killed mid-prefill on CPU: ~60 chunks of 16 tokens through 8 layers of 512
+    model = make_tiny_model(tmp_path / "m", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                            intermediate_size=1536, vocab_size=4096, max_position_embeddings=2048, seed=0)
+    cport = free_port()
+    d = node_dict(model, "prefill", port=free_port(), control_port=cport, transport="shm", page_size=PAGE_SIZE,
+                  num_pages=128)
+    d["disagg"] = {"kv_handoff": "share"}
+    d["kv_cache"]["prefix_caching"] = False
+    pre = NodeProc(tmp_path, "prefill", d)
+    try:
+        pre.wait_healthy()
+        dcfg = node_config(model, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"], messenger__lease_s=30.0,
+                           messenger__transport="shm", disagg__kv_handoff="share", kv_cache__page_size=PAGE_SIZE,
+                           kv_cache__num_pages=128)
+        eng = make_engine(dcfg)
+        with serve_node(dcfg, eng) as dec:
+            coord = dec.app[NODE].coordinator
+            name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("r", _post(dec.url, {
+                "model": name, "prompt": list(range(5, 1005)), "max_tokens": 2}, 60, headers=True)))
+            t.start()
+            wait_for(lambda: coord.slots, 20, "PREFILL sent")
+            assert _maps_of(pre.proc.pid, own=os.getpid())  # the granted pages are mapped there
+            pre.signal(signal.SIGKILL)
+            t.join(30)
+            status, _body, headers = box["r"]
+            assert status == 503 and headers.get("Retry-After")
+            wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
+            assert not coord.slots
+            assert _post(dec.url, {"model": name, "prompt": [5], "max_tokens": 2})[0] == 200
+    finally:
+        pre.stop()
+
+
+def _maps_of(pid: int, own: int) -> int:
+    """Bytes of process ``own``'s unnamed /dev/shm files that process ``pid`` maps."""
+    def files(p):
+        out = {}
+        with open(f"/proc/{p}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/#"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out[int(parts[4])] = out.get(int(parts[4]), 0) + hi - lo
+        return out
+    mine = files(own)
+    return sum(n for ino, n in files(pid).items() if ino in mine)
