@@ -190,6 +190,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
              "memory; the GPU's is not shared between the processes here)", dg.kv_handoff)
         need(pc.tp == 1, "disagg.kv_handoff", "copy with parallel.tp > 1 (share needs whole pages in one "
              "rank's memory)", dg.kv_handoff)
+        need(ms.staging != "cpu", "disagg.kv_handoff", "copy with messenger.staging cpu (the pages would be "
+             "copied through the ring after all)", dg.kv_handoff)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

@@ -40,7 +40,7 @@ def handoff(cfg) -> str:
     if h != "auto":
         return h
     ok = (cfg.messenger.transport == "shm" and not str(cfg.model.device).startswith("cuda")
-          and cfg.parallel.tp == 1 and not cfg.kv_cache.prefix_caching)
+          and cfg.parallel.tp == 1 and not cfg.kv_cache.prefix_caching and cfg.messenger.staging != "cpu")
     return "share" if ok else "copy"
 
 

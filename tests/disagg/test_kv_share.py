@@ -96,6 +96,7 @@ def test_share_after_share_reuses_pages_that_are_the_prefill_nodes_own_again(tin
     ({"messenger": {"transport": "tcp"}}, "only the shm transport maps"),
     ({"messenger": {"transport": "shm"}, "parallel": {"tp": 2}}, "parallel.tp > 1"),
     ({"messenger": {"transport": "shm"}, "model": {"device": "cuda:0"}}, "on a GPU"),
+    ({"messenger": {"transport": "shm", "staging": "cpu"}}, "staging cpu"),
 ])
 def test_share_without_what_it_needs_is_a_config_error_naming_it(over, why):
     with pytest.raises(ConfigError, match=f"disagg.kv_handoff must be copy.*{why}"):
