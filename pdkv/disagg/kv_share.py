@@ -73,11 +73,12 @@ class KVShare:
             return "tensor parallelism on either side (the pages are cut between ranks)"
         pair_segs = link.plan.segments(0, 0)
         whole = len(pair_segs) == 1 and pair_segs[0].length == self.src.page_nbytes
-        if not whole or link.dst.page_nbytes != self.src.page_nbytes or link.dst.num_layers != self.src.num_layers:
+        same = link.dst.page_nbytes == self.src.page_nbytes and link.dst.num_layers == self.src.num_layers
+        if not whole or not same:
             return "the two nodes lay out a page differently"
         if self.src.page_nbytes % self.os_page or self.src.layer_nbytes % self.os_page:
-            return (f"a KV page of {self.src.page_nbytes} bytes is not a whole number of {self.os_page}-byte OS "
-                    "pages (raise kv_cache.page_size)")
+            return (f"a KV page of {self.src.page_nbytes} bytes is not a whole number of "
+                    f"{self.os_page}-byte OS pages (raise kv_cache.page_size)")
         return ""
 
     def begin(self, job, entry) -> None:
@@ -105,10 +106,12 @@ class KVShare:
             for layer in range(g.num_layers):
                 for s, t, n in page_runs(src, dst):
                     loff, ln = layer * g.layer_nbytes + s * g.page_nbytes, n * g.page_nbytes
-                    self.m.share_pages(job.link.conn, lkey, loff, rkey, layer * d.layer_nbytes + t * d.page_nbytes, ln)
+                    roff = layer * d.layer_nbytes + t * d.page_nbytes
+                    self.m.share_pages(job.link.conn, lkey, loff, rkey, roff, ln)
                     job.shared.append((loff, ln))
         except Exception as e:  # noqa: BLE001 - e.g. the grant was revoked meanwhile
-            self._rlog.warning("share_failed", "prefill: sharing the pages of %s failed, copying: %s", job.key, e)
+            self._rlog.warning("share_failed", "prefill: sharing the pages of %s failed, copying: %s",
+                               job.key, e)
             self.end(job)
 
     def end(self, job) -> None:
