@@ -20,15 +20,17 @@ PAGE_SIZE = 16  # the tiny model's page is then 4096 bytes: whole OS pages, so s
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("chunk", [4, 64])
+@pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False)])
 @pytest.mark.parametrize("handoff", ["copy", "share"])
-def test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model_dir, handoff, chunk, layout):
+def test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model_dir, handoff, chunk, layerwise,
+                                                                       layout):
     over = {"kv_cache__page_size": PAGE_SIZE, "kv_cache__layout": layout}
     want_tokens, _ = _colocated(tiny_model_dir)
     want_kv = colocated_kv(tiny_model_dir, PROMPTS, **over)
     shm = {"messenger__transport": "shm", "disagg__kv_handoff": handoff}
     # NOTE: both prefix caches off: the counts below are exact only if every page is computed
     c = Cluster(tiny_model_dir, prefill_over={**over, **shm, "scheduler__chunk_size": chunk,
+                                              "messenger__layerwise": layerwise,
                                               "kv_cache__prefix_caching": False},
                 decode_over={**over, **shm, "kv_cache__prefix_caching": False})
     landed_kv = hold_kv_on_landing(c.coordinator, c.decode_engine)
