@@ -82,6 +82,8 @@ def probe(device: str, percent: int) -> SMPlan:
     import torch  # noqa: PLC0415 - GPU hosts only (a split was asked for on a cuda device)
     from torch.cuda import green_contexts  # noqa: PLC0415
 
+    if not torch.cuda.is_available():
+        raise SMSplitError(f"parallel.gpu_sm_percent {percent}: no CUDA device here for {device}")
     index = torch.device(device).index or 0
     props = torch.cuda.get_device_properties(index)
     return plan(percent, mps=False, green=bool(green_contexts.SUPPORTED), total_sms=props.multi_processor_count,

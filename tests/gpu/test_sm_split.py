@@ -68,3 +68,23 @@ def test_deciding_imports_no_torch():
             "assert sm_split.plan(30, mps=True, green=False, environ={}).mechanism == 'mps'; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_gpu_check_skips_naming_what_is_missing(monkeypatch):
+    """tools/gpu_check.py's sm-split on a machine that can make no split: SKIP, not FAIL."""
+    import os
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    monkeypatch.syspath_prepend(tools)
+    import gpu_check_sm_split
+    from gpu_check_models import SkipCheck
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent-mps")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the check runs for real")
+    with pytest.raises(SkipCheck, match="no CUDA device"):
+        gpu_check_sm_split.run_sm_split("cuda")
+    assert os.environ.get(MPS_ENV) is None
