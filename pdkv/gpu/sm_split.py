@@ -117,7 +117,8 @@ def enter_current_thread():
     from torch.cuda.green_contexts import GreenContext  # noqa: PLC0415 - GPU hosts only
 
     ctx = GreenContext.create(num_sms=_active.num_sms, device_id=_device_index)
-    ctx.make_current()
+    # torch 2.13 names it set_context; earlier releases (2.8-2.11) make_current
+    (getattr(ctx, "set_context", None) or ctx.make_current)()
     return ctx
 
 
