@@ -49,10 +49,17 @@ int pdkv_shm_alias(shm_conn *c, const shm_map *m, uint64_t lkey, uint64_t loff, 
     shm_t *t = c->owner;
     pthread_mutex_lock(&t->mu);
     shm_file *f = local_file(t, lkey);
-    uint64_t laddr = f ? f->addr + loff : 0;
+    uint64_t laddr = f ? f->addr + loff : 0, at = laddr;
+    /* the local range must be pages of this region's own files: nothing else is ever replaced */
+    for (uint32_t i = 0; f && i < f->nseg; i++)
+        for (uint32_t k = 0; k < f->nseg; k++)
+            if (f->seg[k].va0 <= at && at < f->seg[k].va1) at = f->seg[k].va1;
     pthread_mutex_unlock(&t->mu);
     if (!f) return pdkv_seterr(why, n, -ENOENT, "share_pages: unknown local region key 0x%llx",
                                (unsigned long long)lkey);
+    if (len > UINT64_MAX - laddr || at < laddr + len)
+        return pdkv_seterr(why, n, -ERANGE, "share_pages: [%llu, +%llu) is outside local region 0x%llx",
+                           (unsigned long long)loff, (unsigned long long)len, (unsigned long long)lkey);
     uint8_t *remote = m->at + (roff - m->off);
     if (!len || len % pg || laddr % pg || (uint64_t)remote % pg)
         return pdkv_seterr(why, n, -EINVAL, "share_pages: [%llu, +%llu) is not whole pages of %llu bytes on "

@@ -105,6 +105,8 @@ def test_refusals_name_what_is_wrong(pair):
     b.grant_range(rkey, 11, 0, 4 * PAGE)
     with pytest.raises(InvalidRequestError, match="whole pages"):
         a.share_pages(ca, lkey, 100, rkey, 0, PAGE)
+    with pytest.raises(Exception, match="outside local region"):
+        a.share_pages(ca, lkey, SIZE - PAGE, rkey, 0, 2 * PAGE)  # past the end of a's region
     assert (src == 0xAA).all()
     t = Messenger("tcp", 13, TcpOptions(host="127.0.0.1"))
     try:
