@@ -15,6 +15,7 @@ cdef extern from "transport.h" nogil:
 
     ctypedef struct pdkv_transport_counters:
         uint64_t refused_writes, refused_conns, pending_conns, rx_threads
+        uint64_t copied_writes, copied_bytes, shared_writes
 
     ctypedef struct pdkv_nic_stats:
         char name[64]
@@ -41,6 +42,10 @@ cdef extern from "transport.h" nogil:
                           uint64_t *key_out, uint32_t *method_out) noexcept nogil
         int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
                              uint32_t *info_len, uint32_t *conn_out) noexcept nogil
+        int (*share_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t rkey,
+                           uint64_t roff, uint64_t len) noexcept nogil
+        int (*unshare_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff,
+                             uint64_t len) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops

@@ -437,6 +437,46 @@ cdef class Messenger:
         if rc < 0:
             _raise(rc, msg, "revoke_range")
 
+    def share_pages(self, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t rkey, uint64_t roff,
+                    uint64_t length):
+        """shm: make [loff, loff+length) of local region `lkey` the memory of [roff, roff+length)
+        of region `rkey` that the peer of `conn` granted us (page-aligned on both sides): what
+        this process computes there is in the peer's memory, and a write from that range to that
+        range moves nothing (``shared_writes`` in stats()). Undone by unshare_pages, or when the
+        grant is revoked or the connection ends. Other transports: InvalidRequestError."""
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        if self.t.ops.share_pages == NULL:
+            raise InvalidRequestError(_errno.EOPNOTSUPP, f"transport {self.transport} cannot share pages")
+        self._enter()
+        try:  # NOTE: without the GIL: a revoke racing it holds the same lock in the listener
+            with nogil:
+                rc = self.t.ops.share_pages(self.t, conn, lkey, loff, rkey, roff, length)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "share_pages")
+
+    def unshare_pages(self, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t length):
+        """Give [loff, loff+length) of local region `lkey` its own memory back (its contents from
+        before share_pages); a range not shared (any more) is no error."""
+        cdef int rc
+        cdef const char *msg = NULL
+        self._check()
+        if self.t.ops.unshare_pages == NULL:
+            return
+        self._enter()
+        try:
+            with nogil:
+                rc = self.t.ops.unshare_pages(self.t, conn, lkey, loff, length)
+                msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
+        finally:
+            self._busy -= 1
+        if rc < 0:
+            _raise(rc, msg, "unshare_pages")
+
     def deregister(self, uint64_t key):
         """Forget region `key`. RegionBusyError while writes from/into it are in flight or queued."""
         cdef char err[PDKV_ERR_MAX]
@@ -744,6 +784,7 @@ cdef class Messenger:
         imms, sleeps, blocks, queued; and the transport's: refused_writes (remote writes refused
         before landing), refused_conns (incoming connections closed before they were accepted),
         pending_conns (incoming connections not yet authenticated), rx_threads (receive threads);
+        shm: copied_writes / copied_bytes (writes that were a memcpy), shared_writes (no copy);
         verbs, libfabric: nics, what each NIC (libfabric: the fabric domain) carried (nic_stats())."""
         cdef pdkv_core_stats s
         cdef pdkv_transport_counters tc

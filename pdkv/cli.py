@@ -135,6 +135,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pdkv: {cfg.source}: {e}", file=sys.stderr)
         return 1
+    if cfg.parallel.gpu_sm_percent not in (0, 100):  # before anything initializes CUDA (MPS reads it then)
+        from pdkv.gpu import sm_split
+
+        try:
+            split = sm_split.probe(cfg.model.device, cfg.parallel.gpu_sm_percent)
+            sm_split.apply(split, cfg.model.device)
+        except sm_split.SMSplitError as e:
+            print(f"pdkv: {cfg.source}: {e}", file=sys.stderr)
+            return 2
+        log.info("GPU SM split: %d%% by %s%s", split.percent, split.mechanism,
+                 f" ({split.num_sms} SMs)" if split.num_sms else "")
     if cfg.role in ("prefill", "decode"):
         from pdkv.config import ConfigError
         from pdkv.disagg.staged import staging_mode

@@ -82,6 +82,10 @@ CHECKS = [
     Check("structured-masks", models.check_structured_masks),  # grammar masks applied on the device, ~10 s
     # a child process: the two nodes and the colocated reference share the GPU with nothing else of ours
     Check("disagg-gpu", models.check_disagg_gpu, frozenset({"multiprocess", "pdkv._messenger"}), isolate=300.0),
+    # a prefill-like and a decode-like process on the GPU, shared vs split (parallel.gpu_sm_percent)
+    Check("sm-split", models.check_sm_split, frozenset({"multiprocess"}), isolate=200.0),
+    # model.share_weights on: the weights imported in a second process on the GPU, owner SIGKILLed
+    Check("weights-ipc", models.check_weights_ipc, frozenset({"multiprocess"}), isolate=240.0),
     Check("flashinfer-parity", models.check_flashinfer_parity, isolate=300.0),  # its first JIT build is slow
     # after the parity check, whose JIT build it reuses (bf16, head_dim 128)
     Check("decode-graphs-flashinfer", models.check_decode_graphs_flashinfer, isolate=150.0),

@@ -233,6 +233,22 @@ def check_disagg_gpu(timeout: float = 240.0) -> tuple[str, dict]:
     return gpu_check_disagg.run_disagg(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"), timeout)
 
 
+def check_sm_split() -> tuple[str, dict]:
+    """Two role processes on one GPU, every SM shared vs split by parallel.gpu_sm_percent
+    (tools/gpu_check_sm_split.py; SKIP naming what is missing without MPS or green contexts)."""
+    import gpu_check_sm_split  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
+
+    return gpu_check_sm_split.run_sm_split(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda"))
+
+
+def check_weights_ipc() -> tuple[str, dict]:
+    """model.share_weights on on the GPU: a second process attaches to the owner's weights through
+    CUDA IPC and outlives it (tools/gpu_check_weights.py)."""
+    import gpu_check_weights  # noqa: PLC0415 - tools/ is on sys.path (gpu_check.py)
+
+    return gpu_check_weights.run_weights_ipc(os.environ.get("PDKV_GPU_CHECK_DEVICE", "cuda:0"))
+
+
 def check_decode_graphs() -> tuple[str, dict]:
     """The engine's decode steps under CUDA graphs vs eager, with and without the layer counter
     (tools/gpu_check_graphs.py; ``--dry-run``: the CPU stand-in capture)."""

@@ -66,7 +66,7 @@ def move_pages(num_pages: int, page_nbytes: int, num_layers: int, reps: int) -> 
 
 def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size: int,
              model_dtype: str = "float32", kv_dtype: str = "auto", max_tokens: int = 1,
-             prefix_caching: bool = False) -> dict:
+             prefix_caching: bool = False, transport: str = "tcp", kv_handoff: str = "copy") -> dict:
     # NOTE: prefix caching is off by default: every repeat sends the same prompt, which the decode
     # node would find in its cache after the first, moving nothing (and timing nothing)
     import sys
@@ -83,7 +83,8 @@ def run_mode(model: str, layerwise: bool, prompts: dict, repeats: int, page_size
                                  "kv_cache": {"page_size": page_size, "num_pages": 2 * 2048 // page_size + 8,
                                               "dtype": kv_dtype, "prefix_caching": prefix_caching},
                                  "scheduler": {"max_num_batched_tokens": 2048, "chunk_size": 2048, "max_num_seqs": 4},
-                                 "server": {"port": 0}, "messenger": {"layerwise": layerwise, **m}})
+                                 "server": {"port": 0}, "disagg": {"kv_handoff": kv_handoff},
+                                 "messenger": {"layerwise": layerwise, "transport": transport, **m}})
     pc = cfg("prefill")
     pe = LLMEngine.from_config(pc, kv_buffer=kv_buffer_factory("cpu"))
     out = {}
@@ -136,6 +137,85 @@ def kv_dtypes(a, prompts: dict) -> None:
               f"{res['fp8_e4m3'][plen]['exposed_ms']:>15.2f}")
 
 
+HANDOFF_ORDER = ("copy", "share")
+
+
+def handoff_cost(num_pages: int, page_nbytes: int, num_layers: int, reps: int) -> dict:
+    """Median seconds of one request's hand-off on shm without the model: writing its KV
+    (``num_pages`` pages, ``num_layers`` layers) once, then getting it to the decode memory.
+    copy: written into the prefill's own (warm) pages, then write_pages (memcpy); share:
+    share_pages, written straight into the granted pages (page faults on fresh mappings
+    included), write_pages (immediates only), unshare_pages."""
+    import mmap
+
+    from pdkv._messenger import Messenger
+
+    n = num_pages * page_nbytes * num_layers
+    bufs = [mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+    src, dst = (np.frombuffer(b, dtype=np.uint8) for b in bufs)
+    a, b = Messenger("shm", 11), Messenger("shm", 12)
+    try:
+        lkey, rkey = a.register(src), b.register(dst)
+        ca, ia = a.prepare(12)
+        cb, ib = b.prepare(11)
+        a.complete(ca, ib)
+        b.complete(cb, ia)
+        src[:] = 1  # the prefill's own pages warm, as after its first requests
+        pages = list(range(num_pages * num_layers))
+        kv = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)  # "computed" KV
+        out = {}
+        for mode in ("copy", "share"):
+            times = []
+            for r in range(reps + 1):
+                imm = 1000 + r + (0 if mode == "copy" else 500)
+                b.grant_range(rkey, 11, 0, n)
+                b.expect(imm, len(pages))
+                t = time.perf_counter()
+                if mode == "share":
+                    a.share_pages(ca, lkey, 0, rkey, 0, n)
+                src[:] = kv
+                a.write_pages(ca, lkey, rkey, pages, pages, seg_len=page_nbytes, src_page_stride=page_nbytes,
+                              dst_page_stride=page_nbytes, imm=imm)
+                while not any(e.kind == "imm_done" for e in b.drain()):
+                    time.sleep(0.00005)
+                if mode == "share":
+                    a.unshare_pages(ca, lkey, 0, n)
+                times.append(time.perf_counter() - t)
+                a.drain()
+                b.revoke_range(rkey, 11, 0, n)
+            out[mode] = statistics.median(times[1:])
+        st = a.stats()
+        out["shared_writes"], out["copied_writes"] = st["shared_writes"], st["copied_writes"]
+        return out
+    finally:
+        a.close()
+        b.close()
+
+
+def handoffs(a, prompts: dict) -> None:
+    """disagg.kv_handoff copy against share, both on the shm transport, layer-wise, same run."""
+    res = {h: run_mode(a.model, True, prompts, a.repeats, a.page_size, transport="shm", kv_handoff=h)
+           for h in HANDOFF_ORDER}
+    page_nbytes, layers = res["copy"].pop("geometry")
+    res["share"].pop("geometry")
+    print(f"disagg bench, KV hand-off on shm: {layers} layers, page {a.page_size} tokens = {page_nbytes} B per "
+          f"layer, layer-wise, median of {a.repeats}")
+    print(f"{'prompt':>7} {'exposed ms copy':>16} {'exposed ms share':>17} {'share/copy':>11} "
+          f"{'request ms copy':>16} {'request ms share':>17} {'share/copy':>11}")
+    for plen in prompts:
+        c, s = res["copy"][plen], res["share"][plen]
+        print(f"{plen:>7} {c['exposed_ms']:>16.2f} {s['exposed_ms']:>17.2f} "
+              f"{s['exposed_ms'] / max(c['exposed_ms'], 1e-9):>11.2f} {c['request_ms']:>16.1f} "
+              f"{s['request_ms']:>17.1f} {s['request_ms'] / max(c['request_ms'], 1e-9):>11.2f}")
+    print("without the model (write the KV once, then hand it over; median of 7):")
+    print(f"{'prompt':>7} {'KV MiB':>7} {'copy ms':>8} {'share ms':>9} {'share/copy':>11}")
+    for plen in prompts:
+        pages = -(-(plen - 1) // a.page_size)
+        h = handoff_cost(pages, page_nbytes, layers, 7)
+        print(f"{plen:>7} {pages * page_nbytes * layers / 2**20:>7.1f} {1e3 * h['copy']:>8.2f} "
+              f"{1e3 * h['share']:>9.2f} {h['share'] / h['copy']:>11.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF folder (default: the seeded ~50M tiny Llama)")
@@ -144,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--kv-dtypes", action="store_true",
                     help="instead: a bf16 model's KV per request with kv_cache.dtype auto (bf16) vs fp8_e4m3")
+    ap.add_argument("--handoff", action="store_true",
+                    help="instead: disagg.kv_handoff copy vs share on the shm transport (same run)")
     a = ap.parse_args(argv)
     tmp = None
     if a.model is None:
@@ -155,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                                       max_position_embeddings=4096, seed=0))
     rng = np.random.default_rng(0)
     prompts = {int(n): rng.integers(100, 31000, int(n)).tolist() for n in a.lengths.split(",")}
-    if a.kv_dtypes:
-        kv_dtypes(a, prompts)
+    if a.kv_dtypes or a.handoff:
+        (kv_dtypes if a.kv_dtypes else handoffs)(a, prompts)
         if tmp is not None:
             tmp.cleanup()
         return 0

@@ -47,8 +47,9 @@ class ModelConfig:
     cpu_kernels: bool = True
     # One copy of the weights per host (pdkv/shared_weights.py): "auto": a CPU process attaches to
     # the copy another process on this host serves for the same model (checked: fingerprint, sizes,
-    # index checksum), else loads its own and serves it; "off": always a private copy.
-    share_weights: str = "off"  # auto | off
+    # index checksum), else loads its own and serves it; "on": the same on a GPU too (CUDA IPC,
+    # the importer on the owner's GPU); "off": always a private copy.
+    share_weights: str = "off"  # auto | on | off
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,11 @@ class DisaggConfig:
     # loaded node's (its prefix cache may hold those pages). 0 pages: off.
     affinity_pages: int = 4
     affinity_max_extra_tokens: int = 2048
+    # How a prefill node hands a request's KV to a decode node of this host: "copy" computes it
+    # in its own pages and writes them; "share" (messenger.transport shm, CPU, tp 1) computes it
+    # straight into the decode node's reserved pages, mapped here (pdkv/disagg/kv_share.py);
+    # "auto": share where it applies and the prefill node keeps no prefix cache, else copy.
+    kv_handoff: str = "auto"  # auto | copy | share
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,9 @@ class ParallelConfig:
     # experts' rows (Qwen3-Coder-480B-FP8 at tp 8: 2560 / 8 = 320), as vLLM's --enable-expert-parallel.
     expert_parallel: bool = False
     cpus: str = ""  # CPUs this node may use ("0", "0-3,8"; taskset syntax); "": all (pdkv.cpus)
+    # The share of the GPU's SMs this process may use, 1..100 (0: all), so a prefill and a decode
+    # process split one GPU: MPS's active thread percentage, else a green context (pdkv/gpu/sm_split.py)
+    gpu_sm_percent: int = 0
     # Data-parallel attention with expert-parallel MoE (pdkv/dp): dp ranks, each its own requests,
     # scheduler and latent KV cache; the routed experts split whole across them (dp divides the
     # expert count), tokens travel to their experts by all-to-all. ep must be true with dp > 1.

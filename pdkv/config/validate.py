@@ -17,6 +17,7 @@ from pdkv.transports import Capability, capabilities, names_with
 # (mtp / draft: the prefill node also runs the MTP layer / prefills the draft model over the
 # prompt and streams their KV, pdkv/disagg/spec_handoff.py)
 ROLE_SPEC_METHODS = {"colocated": SPEC_METHODS, "decode": SPEC_METHODS, "prefill": ("draft", "mtp")}
+KV_HANDOFFS = ("auto", "copy", "share")  # disagg.kv_handoff (pdkv/disagg/kv_share.py)
 HANDOFF_METHODS = ("draft", "mtp")  # the prefill node computes the proposer's KV (pdkv/disagg/spec_handoff.py)
 _ROLE_SPEC_WHY = {"colocated": "", "decode": "",
                   "prefill": "the prefill node never samples; ngram needs nothing from it"}
@@ -98,7 +99,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.api_key is None or sv.api_key.strip() != "", "server.api_key", "a non-empty key or null", sv.api_key)
     need(sv.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024", sv.max_body_bytes)
     one_of("messenger.transport", ms.transport, TRANSPORTS)
-    one_of("model.share_weights", m.share_weights, ("auto", "off"))
+    one_of("model.share_weights", m.share_weights, ("auto", "on", "off"))
     # what the transport can do (pdkv/transports.py), not its name, decides the checks below
     caps = capabilities(ms.transport, ms) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
@@ -178,6 +179,21 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          f"an integer in [0, {MAX_AFFINITY_PAGES}] (0: no prefix affinity)", dg.affinity_pages)
     need(dg.affinity_max_extra_tokens >= 0, "disagg.affinity_max_extra_tokens",
          "zero or a positive number of queued prompt tokens", dg.affinity_max_extra_tokens)
+    one_of("disagg.kv_handoff", dg.kv_handoff, KV_HANDOFFS)
+    need(0 <= pc.gpu_sm_percent <= 100, "parallel.gpu_sm_percent", "a share of the GPU's SMs in 0..100 (0: all)",
+         pc.gpu_sm_percent)
+    need(pc.gpu_sm_percent in (0, 100) or str(m.device).startswith("cuda"), "parallel.gpu_sm_percent",
+         f"0 with model.device {m.device} (it splits a GPU; CPUs are split by parallel.cpus)", pc.gpu_sm_percent)
+    if dg.kv_handoff == "share":
+        need(ms.transport == "shm", "disagg.kv_handoff", "copy with messenger.transport "
+             f"{ms.transport}: share computes KV in the decode node's memory, which only the shm "
+             "transport maps into the prefill process (both nodes on one host)", dg.kv_handoff)
+        need(not str(m.device).startswith("cuda"), "disagg.kv_handoff", "copy on a GPU (share maps host "
+             "memory; the GPU's is not shared between the processes here)", dg.kv_handoff)
+        need(pc.tp == 1, "disagg.kv_handoff", "copy with parallel.tp > 1 (share needs whole pages in one "
+             "rank's memory)", dg.kv_handoff)
+        need(ms.staging != "cpu", "disagg.kv_handoff", "copy with messenger.staging cpu (the pages would be "
+             "copied through the ring after all)", dg.kv_handoff)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

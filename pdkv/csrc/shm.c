@@ -123,6 +123,7 @@ static shm_file *file_of(shm_t *t, uint64_t key) {
 /* ---- writer side: the mappings an owner granted us ---- */
 
 static void unmap_at(shm_conn *c, uint32_t i) {
+    pdkv_shm_unalias_map(c, &c->maps[i]); /* no local page stays the peer's once its grant ends */
     munmap(c->maps[i].base, c->maps[i].base_len);
     c->maps[i] = c->maps[--c->num_maps];
 }
@@ -182,8 +183,11 @@ static int do_map(shm_conn *c, const shm_hdr *h, const shm_piece *pc, uint32_t n
                  (off_t)pc[i].foff) == MAP_FAILED)
             rc = pdkv_seterr(why, n, -errno, "mapping %llu granted bytes: %s", (unsigned long long)pc[i].len,
                              strerror(errno));
-    if (!rc)
-        c->maps[c->num_maps++] = (shm_map){h->key, h->off, h->len, base, total, base + h->file_off};
+    if (!rc) {
+        shm_map *m = &c->maps[c->num_maps++];
+        *m = (shm_map){h->key, h->off, h->len, base, total, base + h->file_off, 0, {0}};
+        for (uint32_t i = 1; i < np; i++) m->cuts[m->num_cuts++] = pc[i].at;
+    }
     else if (base != MAP_FAILED)
         munmap(base, total);
     pthread_mutex_unlock(&c->map_mu);
@@ -538,7 +542,13 @@ static int s_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
                          (unsigned long long)w[i].len, (unsigned long long)t->base.node_id);
             continue;
         }
-        memcpy(m->at + (w[i].roff - m->off), src[i], w[i].len);
+        if (c->num_aliases && pdkv_shm_is_shared(c, &w[i])) { /* computed in place: nothing to move */
+            __atomic_add_fetch(&t->shared_writes, 1, __ATOMIC_RELAXED);
+        } else {
+            memcpy(m->at + (w[i].roff - m->off), src[i], w[i].len);
+            __atomic_add_fetch(&t->copied_writes, 1, __ATOMIC_RELAXED);
+            __atomic_add_fetch(&t->copied_bytes, w[i].len, __ATOMIC_RELAXED);
+        }
         c->writes++, c->bytes += w[i].len;
         if (w[i].has_imm) imm[nimm++] = (shm_imm){w[i].imm, 0, w[i].len};
     }
@@ -705,6 +715,9 @@ static void s_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
     out->refused_conns = t->refused_conns;
     out->rx_threads = t->running ? 1 : 0;
     pthread_mutex_unlock(&t->mu);
+    out->copied_writes = __atomic_load_n(&t->copied_writes, __ATOMIC_RELAXED);
+    out->copied_bytes = __atomic_load_n(&t->copied_bytes, __ATOMIC_RELAXED);
+    out->shared_writes = __atomic_load_n(&t->shared_writes, __ATOMIC_RELAXED);
 }
 
 static void s_destroy(pdkv_transport *bt) {
@@ -722,6 +735,7 @@ static void s_destroy(pdkv_transport *bt) {
         if (c->out_fd >= 0) close(c->out_fd);
         if (c->in_fd >= 0) close(c->in_fd);
         free(c->maps);
+        free(c->aliases);
         pthread_mutex_destroy(&c->out_mu);
         pthread_mutex_destroy(&c->map_mu);
     }
@@ -735,11 +749,46 @@ static void s_destroy(pdkv_transport *bt) {
     free(t);
 }
 
+static shm_conn *connected(shm_t *t, uint32_t id) {
+    pthread_mutex_lock(&t->mu);
+    shm_conn *c = conn_of(t, id);
+    if (c && c->state != 2) c = NULL;
+    pthread_mutex_unlock(&t->mu);
+    return c;
+}
+
+static int s_share_pages(pdkv_transport *bt, uint32_t id, uint64_t lkey, uint64_t loff, uint64_t rkey,
+                         uint64_t roff, uint64_t len) {
+    shm_t *t = (shm_t *)bt;
+    shm_conn *c = connected(t, id);
+    if (!c) return serr(-ENOTCONN, "shm connection %u is not connected", id);
+    pthread_mutex_lock(&c->map_mu);
+    const shm_map *m = find_map(c, rkey, roff, len);
+    int rc = m ? pdkv_shm_alias(c, m, lkey, loff, rkey, roff, len, tls_err, sizeof tls_err)
+               : serr(-EACCES, "share_pages: region 0x%llx [%llu, +%llu) is not granted to us (not mapped)",
+                      (unsigned long long)rkey, (unsigned long long)roff, (unsigned long long)len);
+    pthread_mutex_unlock(&c->map_mu);
+    return rc;
+}
+
+static int s_unshare_pages(pdkv_transport *bt, uint32_t id, uint64_t lkey, uint64_t loff, uint64_t len) {
+    shm_t *t = (shm_t *)bt;
+    pthread_mutex_lock(&t->mu);
+    shm_conn *c = conn_of(t, id);
+    pthread_mutex_unlock(&t->mu);
+    if (!c) return serr(-ENOENT, "unknown shm connection %u", id);
+    pthread_mutex_lock(&c->map_mu);
+    pdkv_shm_unalias(c, lkey, loff, len);
+    pthread_mutex_unlock(&c->map_mu);
+    return 0;
+}
+
 static const pdkv_transport_ops shm_ops = {
     .name = "shm", .reg = s_reg, .grant = s_grant, .revoke = s_revoke, .grant_range = s_grant_range,
     .revoke_range = s_revoke_range, .dereg = s_dereg, .prepare = s_prepare, .complete = s_complete,
     .set_token = s_set_token, .disconnect = s_disconnect, .post = s_post, .poll = s_poll,
     .event_fd = s_event_fd, .last_error = s_last_error, .counters = s_counters, .destroy = s_destroy,
+    .share_pages = s_share_pages, .unshare_pages = s_unshare_pages,
 };
 
 static int listen_abstract(shm_t *t, char *err, size_t errlen) {
@@ -771,6 +820,7 @@ pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, cha
         pthread_mutex_init(&t->conns[i].out_mu, NULL);
         pthread_mutex_init(&t->conns[i].map_mu, NULL);
         t->conns[i].out_fd = t->conns[i].in_fd = -1;
+        t->conns[i].owner = t;
     }
     t->num_conns = 0;
     pdkv_regions_init(&t->regions);

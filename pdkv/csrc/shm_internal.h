@@ -32,12 +32,23 @@ typedef struct shm_hdr {
 
 typedef struct shm_imm { uint32_t imm, pad; uint64_t len; } shm_imm;
 
+#define SHM_MAX_SEGS 8
 typedef struct shm_map {
     uint64_t key, off, len; /* the granted range, in the region's offsets */
     uint8_t *base;          /* the page-rounded mapping */
     uint64_t base_len;
     uint8_t *at;            /* where region offset `off` is mapped */
+    uint32_t num_cuts;      /* where one file's piece ends and the next begins, from base */
+    uint64_t cuts[SHM_MAX_SEGS];
 } shm_map;
+
+/* Local pages that are a granted range's memory (share_pages): [local, local+len) is the peer's
+ * [roff, roff+len) of rkey, through the grant (mkey, moff, mlen) it was made from. */
+typedef struct shm_alias {
+    uint64_t lkey, loff, len, rkey, roff;
+    uint64_t mkey, moff, mlen;
+    uint8_t *local;
+} shm_alias;
 
 typedef struct shm_conn {
     uint64_t peer;
@@ -50,9 +61,11 @@ typedef struct shm_conn {
     uint8_t token[SHM_TOKEN_MAX];
     uint32_t token_len;
     uint64_t writes, bytes;
+    shm_alias *aliases;     /* under map_mu, like maps */
+    uint32_t num_aliases, cap_aliases;
+    struct shm_t *owner;
 } shm_conn;
 
-#define SHM_MAX_SEGS 8
 /* A region's page-rounded memory as runs of shared files (one, unless a neighbour registered
  * earlier already moved an edge page onto its own file): [va0, va1) is file fd from foff. */
 typedef struct shm_seg { uint64_t va0, va1, foff; int fd; } shm_seg;
@@ -75,6 +88,7 @@ typedef struct shm_t {
     shm_file files[SHM_MAX_FDS];
     uint32_t num_files;
     uint64_t refused_writes, refused_conns;
+    uint64_t copied_writes, copied_bytes, shared_writes; /* atomics */
 } shm_t;
 
 /* Make [addr, addr+len) (page-rounded) memory of shared files: f->seg (fds owned by the caller).
@@ -84,5 +98,15 @@ int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char 
 /* This host's identity (the kernel's boot id) into out. */
 void pdkv_shm_host_id(char *out, size_t n);
 uint64_t pdkv_shm_page(void);
+
+/* shm_alias.c: local pages made the memory of granted ones, and back; c->map_mu held. */
+int pdkv_shm_alias(shm_conn *c, const shm_map *m, uint64_t lkey, uint64_t loff, uint64_t rkey, uint64_t roff,
+                   uint64_t len, char *why, size_t n);
+/* Every alias made through map m (NULL: every alias of c) gets its local memory back. */
+void pdkv_shm_unalias_map(shm_conn *c, const shm_map *m);
+/* The aliases inside [loff, loff+len) of lkey get their local memory back; how many. */
+int pdkv_shm_unalias(shm_conn *c, uint64_t lkey, uint64_t loff, uint64_t len);
+/* 1 if write w's source is already its destination (both inside one alias). */
+int pdkv_shm_is_shared(const shm_conn *c, const pdkv_write *w);
 
 #endif

@@ -82,6 +82,8 @@ typedef struct pdkv_transport_counters {
     uint64_t refused_conns;  /* incoming connections closed: bad hello/token, deadline, cap */
     uint64_t pending_conns;  /* incoming connections not yet authenticated, now */
     uint64_t rx_threads;     /* receive threads running now */
+    uint64_t copied_writes, copied_bytes; /* shm: writes that were a memcpy, and their bytes */
+    uint64_t shared_writes;  /* shm: writes whose source already is their destination (no copy) */
 } pdkv_transport_counters;
 
 typedef struct pdkv_transport_ops {
@@ -157,6 +159,14 @@ typedef struct pdkv_transport_ops {
     /* Optional (NULL: a region has one key). 1 if keys a and b name the same region (verbs over
      * several NICs: its key on each NIC), so a batch queued from any of them holds its dereg. */
     int (*same_region)(pdkv_transport *t, uint64_t a, uint64_t b);
+    /* Optional (shm; NULL elsewhere: -EOPNOTSUPP). Make [loff, loff+len) of local region `lkey`
+     * the very memory of [roff, roff+len) of the peer's region `rkey` granted on `conn` (both
+     * page-aligned): what this process computes there lands in the peer, and a write from it to
+     * that range moves nothing. share_pages(); unshare_pages() gives the local range its own
+     * memory back (also done when the grant is revoked or the connection ends); 0 if not shared. */
+    int (*share_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t rkey,
+                       uint64_t roff, uint64_t len);
+    int (*unshare_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t len);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

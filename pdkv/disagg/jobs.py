@@ -82,6 +82,7 @@ class Job:
     skip: int = 0  # leading prompt pages the decode node holds already (PREFILL cached / page size)
     num_pages_sent: int = 0  # prompt pages whose writes were queued (each once, every layer and rank)
     dst_keys: RangeKeys | None = None  # its write keys (None: the link's keys)
+    shared: list | None = None  # kv_handoff share: (offset, bytes) of its pages shared (kv_share.py)
     # the speculative hand-off (pdkv/disagg/spec_handoff.py): the decode node's proposer pages,
     # one per page, and for mtp the held-back last prompt token; None without it
     next_token: int | None = None

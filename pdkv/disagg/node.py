@@ -9,6 +9,7 @@ server: the server is handed the node, and the node plugs into the engine.
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 
@@ -33,7 +34,15 @@ def kv_buffer_factory(device: str):
             flat = CuMemAllocation.allocate(nbytes, index).tensor()  # [nbytes] uint8 on cuda:index
             return flat.zero_()
         return cumem
-    return lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return _host_buffer
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """Zeroed private memory starting on an OS page (``[nbytes]`` uint8): the shm transport moves
+    it onto a shared file in place, and the shared hand-off maps granted pages over whole pages
+    of it (pdkv/disagg/kv_share.py); torch's own allocator aligns to 64 bytes only."""
+    mm = mmap.mmap(-1, max(1, int(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]  # NOTE: the tensor keeps mm alive
 
 
 class _Node:

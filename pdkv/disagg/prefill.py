@@ -29,6 +29,7 @@ from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
+from pdkv.disagg.kv_share import KVShare, handoff
 from pdkv.disagg.load import PrefillLoad, measure_load
 from pdkv.disagg.prefill_connector import PrefillConnector
 from pdkv.disagg.prefill_memory import PrefillMemory
@@ -61,10 +62,13 @@ class PrefillCoordinator(LoopEvents):
         self._tags = itertools.count(1)
         self.staged = (build_sender(cfg, self.mode, messenger, self.kv, self.jobs, self.watch, self._post,
                                     self._copy_ended, metrics) if self.mode.staged else None)
+        # disagg.kv_handoff share: KV computed into the decode node's pages (pdkv/disagg/kv_share.py)
+        self.share = (KVShare(messenger, self.kv, engine.kv.page_size, cfg.disagg.kv_handoff == "share")
+                      if handoff(cfg) == "share" else None)
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
                                           mem.staging_keys, self.mcfg.layerwise,
                                           engine.kv.page_size, metrics,
-                                          staged=self.staged, spec=self.spec)
+                                          staged=self.staged, spec=self.spec, share=self.share)
         engine.set_connector(self.connector)
         self._engine_stats = engine_stats
         # the engine's last stats (engine thread after each step), for the load report; before its
@@ -252,6 +256,8 @@ class PrefillCoordinator(LoopEvents):
             self.metrics.transferred(job.num_pages_sent, job.skip, job.num_ok)
             if job.t_first is not None:
                 self.metrics.transfer_time.observe(time.perf_counter() - job.t_first)
+        if self.share is not None:  # its pages are this node's own again before they go back
+            self.share.end(job)
         self.commands(ReleasePages(job.key))
         msg = job.answer()
         if isinstance(msg, M.Fail) and self.metrics is not None:

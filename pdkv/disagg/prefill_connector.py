@@ -30,14 +30,16 @@ PREFILL_ONLY_NO_REUSE = Admission(prefill_only=True)
 
 class PrefillConnector(KVConnector):
     def __init__(self, jobs: JobTable, messenger, kv, counter, watch: int, staging: StagingRows,
-                 staging_key, layerwise: bool, page_size: int, metrics=None, staged=None, spec=None):
+                 staging_key, layerwise: bool, page_size: int, metrics=None, staged=None, spec=None,
+                 share=None):
         """``kv``: the node's pdkv.disagg.sharded.NodeKV; ``counter``/``watch``: the layer
         counter and its messenger watch (pdkv.gpu.layer_counter); ``staged``: a
         pdkv.disagg.staged_prefill.StagedSender when the pages go through the staging ring;
         ``spec``: the speculative hand-off's pdkv.disagg.spec_handoff.PrefillHandoff (None: no
-        hand-off; the config keeps the two apart); ``staging_key``: the hidden rows' key, or its
+        hand-off; the config keeps the two apart); ``share``: the shared hand-off's
+        pdkv.disagg.kv_share.KVShare (None: the pages are copied); ``staging_key``: the hidden rows' key, or its
         key on each of rank 0's NICs (a tuple: the request's seed picks one, grants.on_nic)."""
-        self.spec = spec
+        self.spec, self.share = spec, share
         self.jobs, self.m, self.kv, self.counter, self.watch = jobs, messenger, kv, counter, watch
         self.staging, self.staging_key = staging, staging_key
         self.layerwise, self.page_size, self.metrics = layerwise, page_size, metrics
@@ -97,6 +99,8 @@ class PrefillConnector(KVConnector):
             if job is None or not e.prefill_only:
                 continue
             job.num_computed = e.start + e.num_tokens  # what the load report counts as done
+            if self.share is not None and job.shared is None:  # before its first chunk computes
+                self.share.begin(job, e)
             if job.t_first is None:
                 job.t_first = time.perf_counter()
                 if self.metrics is not None:

@@ -148,7 +148,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
                       num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
                       expert_parallel=parallel.expert_parallel)
-    if model.share_weights == "auto" and tp is None and ep is None and torch.device(device).type == "cpu":
+    # "on" shares GPU weights too (CUDA IPC, pdkv/gpu/weights_ipc.py); "auto" host memory only
+    share = model.share_weights == "on" or (model.share_weights == "auto" and torch.device(device).type == "cpu")
+    if share and tp is None and ep is None:
         from pdkv.shared_weights import load_shared  # noqa: PLC0415
 
         loaded, shared = load_shared(path, model.dtype, str(device), model.max_model_len or max_pos, progress,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from pdkv.engine.params import SamplingParams
 from pdkv.engine.request import RequestOutput
+from pdkv.gpu import sm_split  # no CUDA import unless a green split is active
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,9 @@ class EngineLoop:
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        green = None
         try:
+            green = sm_split.enter_current_thread()  # parallel.gpu_sm_percent: the steps run on its SMs
             while True:
                 self._admit()  # before deciding to block: a finished request may just have freed pages
                 if not self._drain(block=not eng.has_work()):
@@ -187,6 +190,7 @@ class EngineLoop:
             self._fail_all(EngineFailure("the engine stopped"))
             eng.release_all()  # the loop is going away; nothing reuses the pages
             log.info("engine thread %s stopped", self._thread.name)
+            del green  # NOTE: held until here: the context stays current as long as the thread steps
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once told to stop."""
