@@ -401,3 +401,17 @@ def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
     with torch.inference_mode():
         cpu_kernels.linear(x, w)
     assert calls == ["gemm"]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 3])
+def test_decode_attention_softmax_far_below_the_maximum(group):
+    """Sharp scores (scale 40): most exps fall below float32's range, which the kernel's vector
+    exp gives as 0; the result still matches float64 (groups dividing 8 take the vector exp,
+    3 the scalar one)."""
+    P, Hkv, D, n = 16, 2, 16, 77
+    kv = _filled_cache("HND", P, Hkv, D, 2, 8, seed=group)
+    pages = torch.tensor([[5, 2, 7, 0, 3]], dtype=torch.long)
+    q = torch.randn(1, Hkv * group, D, generator=torch.Generator().manual_seed(group))
+    out = cpu_decode.decode(kv.layer(0), True, q, pages, torch.tensor([n]), None, Hkv, group, D, 40.0)
+    g = _gathered(kv, pages[0].tolist(), n, True)
+    assert _rel(out[0], _reference(q[0].double(), g[0], g[1], 40.0, None)) < 1e-5
