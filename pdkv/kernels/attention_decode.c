@@ -57,27 +57,6 @@ DEFINE_DOTS(8)
 DEFINE_WEIGHTED(4)
 DEFINE_WEIGHTED(8)
 
-/* exp(x) for x <= 0 (a score minus its head's maximum), 8 lanes: Cephes' expf (2^n times a
- * degree-5 polynomial on the remainder, within ~1 ulp of expf; below -87.3 it gives 0 rather
- * than a denormal, which a softmax weight that small cannot tell from). */
-AVX2 static inline __m256 exp_neg(__m256 x)
-{
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    e = _mm256_slli_epi32(e, 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 /* scores [len, g] -> exp(score - mx[head]) in place, and sum[head] of them. When g divides 8,
  * every 8 consecutive scores hold the same heads in the same lanes: one vector exp per 8 (the
  * scalar expf per score was ~1/6 of the kernel's time at 32 rows x 136 keys, 4 heads a group);
@@ -94,7 +73,7 @@ AVX2 static void softmax_exp(float *scores, int64_t len, int g, const float *mx,
         const __m256 m = _mm256_loadu_ps(lanes);
         __m256 acc = _mm256_setzero_ps();
         for (; i + 8 <= total; i += 8) {
-            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(scores + i), m));
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), m));
             _mm256_storeu_ps(scores + i, e);
             acc = _mm256_add_ps(acc, e);
         }
