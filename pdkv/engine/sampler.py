@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from pdkv.models import cpu_kernels
+
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list) -> list[int]:
         """logits: [N, V] float32, row i for requests[i], already processed by the requests'
         penalties and masks (pdkv/engine/logits.py) → N token ids."""
-        greedy = logits.argmax(-1).tolist()
+        greedy = cpu_kernels.argmax(logits)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             return greedy
