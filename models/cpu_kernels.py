@@ -146,7 +146,8 @@ def argmax(logits: torch.Tensor) -> list[int]:
     if (AVAILABLE and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2
             and logits.shape[0] > 0 and logits.shape[1] > 0 and logits.stride(1) == 1):
         out = torch.empty(logits.shape[0], dtype=torch.long)
-        if _k.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr()):
+        rows, n = logits.shape
+        if _k.argmax_rows(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr()):
             return out.tolist()
     return logits.argmax(-1).tolist()
 
