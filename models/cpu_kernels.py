@@ -8,7 +8,8 @@ a decode step, float32, on CPUs with AVX2+FMA.
   Every result row is the same float operations whatever else is in the batch.
 - ``gated_mlp``, ``moe_one_token``: the gated MLP, and a one-token MoE step's k experts, each in
   one call; ``route``: MoE routing (softmax, or DeepSeek's grouped sigmoid); ``rms_norm``;
-  ``norm_rope``: Qwen3's q/k norm and rope. Attention: models/attention/cpu_decode.py.
+  ``norm_rope``: Qwen3's q/k norm and rope; ``argmax``: the greedy rows' token ids (the
+  sampler's). Attention: models/attention/cpu_decode.py.
 
 The GEMMs need weights stored with the input dimension contiguous (the Hugging Face [out, in]
 layout of a Linear's weight), which the loader keeps when ``model.cpu_kernels`` is on (the
@@ -137,6 +138,18 @@ def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
                         down.stride(0), down.stride(1), ids.data_ptr(), weights.data_ptr(), ids.shape[1],
                         num_experts, first, gate_up.shape[0], h, inter, out.data_ptr())
     return out
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """logits: [N, V] -> each row's first index of its maximum, as ``logits.argmax(-1).tolist()``
+    gives (torch's own for what the kernel does not take, or a row with a NaN)."""
+    if (AVAILABLE and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2
+            and logits.shape[0] > 0 and logits.shape[1] > 0 and logits.stride(1) == 1):
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        rows, n = logits.shape
+        if _k.argmax_rows(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr()):
+            return out.tolist()
+    return logits.argmax(-1).tolist()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -47,6 +47,9 @@ cdef extern from "kernels/fp8.h":
     void pdkv_fp8_dequant(const unsigned char *w, Py_ssize_t ldw, const float *scale, Py_ssize_t lds,
                           const float *lut, float *out, Py_ssize_t ldo, int n, int k, int bn, int bk) nogil
 
+cdef extern from "kernels/argmax.h":
+    int pdkv_argmax_rows(const float *x, Py_ssize_t ld, int rows, int n, int64_t *out) nogil
+
 cdef extern from "kernels/norm.h":
     void pdkv_rms_norm(const float *x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, const float *w, float *y,
                        int outer, int inner, int dim, float eps) nogil
@@ -176,6 +179,14 @@ def fp8_dequant(uintptr_t w, Py_ssize_t ldw, uintptr_t scale, Py_ssize_t lds, ui
     with nogil:
         pdkv_fp8_dequant(<const unsigned char *>w, ldw, <const float *>scale, lds, <const float *>lut,
                          <float *>out, ldo, n, k, bn, bk)
+
+
+def argmax_rows(uintptr_t x, Py_ssize_t ld, int rows, int n, uintptr_t out):
+    """pdkv_argmax_rows (kernels/argmax.h): False when a row holds a NaN (out unspecified)."""
+    cdef int rc
+    with nogil:
+        rc = pdkv_argmax_rows(<const float *>x, ld, rows, n, <int64_t *>out)
+    return rc == 0
 
 
 def rms_norm(uintptr_t x, Py_ssize_t outer_stride, Py_ssize_t inner_stride, uintptr_t w, uintptr_t y, int outer,

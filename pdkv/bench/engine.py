@@ -20,8 +20,11 @@ between repeats; the thread's own CPU time leaves that wait out (memory contenti
 ``--profile`` prints, per batch size, where the decode steps' CPU time went: cProfile's functions
 by their own time (pdkv._kernels calls are the C kernels, ``{method ...}`` / ``{built-in ...}``
 torch's ops), so GEMMs, attention, sampling, scheduling and the Python between them are
-separate rows. The kernels' GEMM path is printed and chosen by PDKV_GEMM_PATH
-(pdkv/kernels/gemm_small.h); run one process per path to compare them.
+separate rows; then the same time summed by part of the engine (pdkv/bench/_profile.py: GEMMs,
+attention, layers, sampler, runner inputs, scheduler, engine outputs). The kernels' GEMM path is
+printed and chosen by PDKV_GEMM_PATH (pdkv/kernels/gemm_small.h); run one process per path to
+compare them. Besides the weights' floor, each batch size has a weights+KV floor: the weights
+and the KV its rows read at the middle of their decode, over the same bandwidth.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from pdkv.bench._profile import print_parts
 
 def measure_read_bandwidth(threads: int, nbytes: int = 512 << 20, reps: int = 5) -> float:
     """Bytes/s of reading a buffer larger than any cache, best over 1 thread and ``threads``
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(a)
 
     from pdkv.models import cpu_kernels
+    from pdkv.models.footprint import kv_bytes_per_token
     from pdkv.config import KVCacheConfig, ModelConfig, SchedulerConfig
     from pdkv.engine import LLMEngine
 
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         wbytes = decode_weight_bytes(engine.loaded.model)
     floor_s = wbytes / bw
+    kv_token = kv_bytes_per_token(engine.loaded.arch, 1, getattr(torch, a.dtype).itemsize)
     hf = None
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -230,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=gen).tolist() for _ in range(b)]
         # The machine is shared: run both systems `repeats` times, interleaved, and keep the best.
         pre = dec = hpre = hdec = cpre = cdec = hcpre = hcdec = float("inf")
+        parts = None
         for rep in range(a.repeats):
             prof = cProfile.Profile(time.thread_time) if a.profile and rep == a.repeats - 1 else None
             p_, d_, steps, ours, cpu = bench_pdkv(engine, prompts, a.new_tokens, prof)
             if prof is not None:
                 _print_profile(prof, b, steps)
+                parts = print_parts(pstats.Stats(prof), b, steps)
             pre, dec, cpre, cdec = min(pre, p_), min(dec, d_), min(cpre, cpu[0]), min(cdec, cpu[1])
             if hf is not None:
                 hp_, hd_, theirs, hcpu = bench_hf(hf, prompts, a.new_tokens, threads)
@@ -243,8 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                "pdkv_prefill_tok_s": b * a.prompt_len / pre,
                "pdkv_decode_tok_s": b * (a.new_tokens - 1) / dec,
                "pdkv_decode_ms_per_step": dec / steps * 1e3,
-               "floor_ms_per_step": floor_s * 1e3}
+               "floor_ms_per_step": floor_s * 1e3,
+               # + the KV a step reads: every row's context, at the middle of its decode
+               "kv_floor_ms_per_step": (wbytes + b * kv_token * (a.prompt_len + a.new_tokens // 2)) / bw * 1e3}
         row["decode_step_over_floor"] = row["pdkv_decode_ms_per_step"] / row["floor_ms_per_step"]
+        row["decode_step_over_kv_floor"] = row["pdkv_decode_ms_per_step"] / row["kv_floor_ms_per_step"]
+        if parts is not None:
+            row["profile_ms_per_step"] = parts
         if threads == 1:  # the computing thread's CPU time (see the module docstring)
             row["pdkv_decode_cpu_ms_per_step"] = cdec / steps * 1e3
             row["cpu_step_over_floor"] = row["pdkv_decode_cpu_ms_per_step"] / row["floor_ms_per_step"]
@@ -261,9 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         line = (f"B={b:>3}  pdkv prefill {row['pdkv_prefill_tok_s']:8.0f} tok/s  decode "
                 f"{row['pdkv_decode_tok_s']:7.1f} tok/s ({row['pdkv_decode_ms_per_step']:.2f} ms/step, "
-                f"{row['decode_step_over_floor']:.2f}x floor)")
+                f"{row['decode_step_over_floor']:.2f}x floor, {row['decode_step_over_kv_floor']:.2f}x "
+                f"weights+KV floor {row['kv_floor_ms_per_step']:.2f} ms)")
         if threads == 1:
-            line += f" cpu {row['pdkv_decode_cpu_ms_per_step']:.2f} ms/step ({row['cpu_step_over_floor']:.2f}x)"
+            cpu_ms = row["pdkv_decode_cpu_ms_per_step"]
+            line += (f" cpu {cpu_ms:.2f} ms/step ({row['cpu_step_over_floor']:.2f}x, "
+                     f"{cpu_ms / row['kv_floor_ms_per_step']:.2f}x weights+KV)")
         if hf is not None:
             line += (f" | HF prefill {row['hf_prefill_tok_s']:8.0f} decode {row['hf_decode_tok_s']:7.1f} | "
                      f"ratio prefill {row['prefill_ratio']:.2f}x decode {row['decode_ratio']:.2f}x "

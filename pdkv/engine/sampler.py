@@ -1,8 +1,9 @@
 """Turns the logits of the sampled rows into token ids: greedy, temperature, top-k, top-p, with a
 per-request generator when the request has a seed (same seed → same tokens, whatever the batch).
 
-Temperature, top-k and top-p are applied to the whole batch at once (one sort at most); only the
-final draw runs per row, because each seeded request owns its generator.
+Temperature, top-k and top-p are applied to the whole batch at once (one sort at most), and the
+rows without a seed draw in one call; only a seeded request's draw runs on its own, because it
+owns its generator.
 
 What a request may not take (bans, biases, penalties, its TokenMask: structured output's
 grammar, token healing's first tokens) is already in the logits it gets (pdkv/engine/logits.py).
@@ -11,6 +12,8 @@ grammar, token healing's first tokens) is already in the logits it gets (pdkv/en
 from __future__ import annotations
 
 import torch
+
+from pdkv.models import cpu_kernels
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -41,7 +44,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list) -> list[int]:
         """logits: [N, V] float32, row i for requests[i], already processed by the requests'
         penalties and masks (pdkv/engine/logits.py) → N token ids."""
-        greedy = logits.argmax(-1).tolist()
+        greedy = cpu_kernels.argmax(logits)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             return greedy
@@ -53,7 +56,15 @@ class Sampler:
             torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], dtype=torch.long),
             torch.tensor([p.top_p for p in params], dtype=torch.float32))
         probs = x.softmax(-1)
-        for j, i in enumerate(rows):
-            gen = requests[i].generator if requests[i].generator is not None else self.generator
-            greedy[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+        # the rows without a seed of their own: one draw for all of them from the sampler's stream
+        shared = [j for j, i in enumerate(rows) if requests[i].generator is None]
+        if shared:
+            picked = probs if len(shared) == len(rows) else probs[shared]
+            drawn = torch.multinomial(picked, 1, generator=self.generator)[:, 0].tolist()
+            for j, t in zip(shared, drawn):
+                greedy[rows[j]] = t
+        if len(shared) < len(rows):
+            for j, i in enumerate(rows):
+                if requests[i].generator is not None:
+                    greedy[i] = int(torch.multinomial(probs[j], 1, generator=requests[i].generator))
         return greedy

@@ -129,3 +129,32 @@ def test_mixed_batch_of_sampling_settings(base_engine):
     assert first[0].output_token_ids == _greedy(base_engine, 6).output_token_ids
     negative_seed = SamplingParams(max_tokens=3, temperature=1.0, seed=-7, ignore_eos=True)
     assert base_engine.generate([PROMPT], negative_seed)[0].num_output_tokens == 3
+
+
+def test_unseeded_rows_draw_together_seeded_rows_alone():
+    """The rows without a seed take one draw from the sampler's stream for all of them; a seeded
+    row's token depends only on its own generator, not on the unseeded rows beside it."""
+    import types
+
+    import torch
+
+    from pdkv.engine.sampler import Sampler
+
+    V = 50
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0)
+    greedy = SamplingParams(temperature=0)
+
+    def req(p, seed=None):
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        return types.SimpleNamespace(params=p, generator=gen)
+
+    batch = [req(params), req(greedy), req(params, seed=7), req(params), req(params)]
+    out = Sampler(seed=3)(logits, batch)
+    assert out[1] == int(logits[1].argmax())
+    alone = Sampler(seed=3)(logits[[2]], [req(params, seed=7)])
+    assert out[2] == alone[0]
+    # the unseeded rows are one multinomial over their rows from the sampler's seed
+    want = torch.multinomial(logits[[0, 3, 4]].softmax(-1), 1, generator=torch.Generator().manual_seed(3))
+    assert [out[0], out[3], out[4]] == want[:, 0].tolist()
+    assert all(0 <= t < V for t in out)

@@ -401,3 +401,39 @@ def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
     with torch.inference_mode():
         cpu_kernels.linear(x, w)
     assert calls == ["gemm"]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 3])
+def test_decode_attention_softmax_far_below_the_maximum(group):
+    """Sharp scores (scale 40): most exps fall below float32's range, which the kernel's vector
+    exp gives as 0; the result still matches float64 (groups dividing 8 take the vector exp,
+    3 the scalar one)."""
+    P, Hkv, D, n = 16, 2, 16, 77
+    kv = _filled_cache("HND", P, Hkv, D, 2, 8, seed=group)
+    pages = torch.tensor([[5, 2, 7, 0, 3]], dtype=torch.long)
+    q = torch.randn(1, Hkv * group, D, generator=torch.Generator().manual_seed(group))
+    out = cpu_decode.decode(kv.layer(0), True, q, pages, torch.tensor([n]), None, Hkv, group, D, 40.0)
+    g = _gathered(kv, pages[0].tolist(), n, True)
+    assert _rel(out[0], _reference(q[0].double(), g[0], g[1], 40.0, None)) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32000])
+def test_argmax_is_torchs_first_maximum(n):
+    """Ties go to the first index, in the full vectors or the tail; rows of -inf give 0; a row
+    with a NaN (torch's maximum) and a strided or non-float32 tensor go to torch."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    x[1] = 0.5  # every index ties
+    x[2] = float("-inf")
+    if n > 3:
+        x[3, n - 1] = x[3, n - 3] = 9.0  # a tie in the tail (or the vectors) and later
+    assert cpu_kernels.argmax(x) == x.argmax(-1).tolist()
+    x[4, n // 2] = float("nan")  # the whole batch then goes to torch
+    assert cpu_kernels.argmax(x) == x.argmax(-1).tolist()
+    out = torch.empty(6, dtype=torch.long)
+    assert not cpu_kernels._k.argmax_rows(x.data_ptr(), n, 6, n, out.data_ptr())
+    wide = torch.randn(3, 2 * n, generator=g)[:, ::2]  # not unit stride: torch's
+    assert cpu_kernels.argmax(wide) == wide.argmax(-1).tolist()
+    rows = torch.randn(4, n + 5, generator=g)[:, 2:n + 2]  # a row stride past n
+    assert cpu_kernels.argmax(rows) == rows.argmax(-1).tolist()
+    assert cpu_kernels.argmax(x.double()) == x.double().argmax(-1).tolist()
