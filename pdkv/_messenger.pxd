@@ -41,6 +41,8 @@ cdef extern from "transport.h" nogil:
                           uint64_t *key_out, uint32_t *method_out) noexcept nogil
         int (*prepare_pairs)(pdkv_transport *t, uint64_t peer, const uint8_t *pairs, void *info_out,
                              uint32_t *info_len, uint32_t *conn_out) noexcept nogil
+        int (*same_host)(pdkv_transport *t, uint64_t peer, int yes) noexcept nogil
+        const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops
@@ -82,6 +84,13 @@ cdef extern from "transport.h" nogil:
 cdef extern from "shm.h" nogil:
     ctypedef struct pdkv_shm_opts:
         const char *dir
+        const char *fault_host_id
+        uint32_t fault_fail_maps
+
+cdef extern from "auto.h" nogil:
+    ctypedef struct pdkv_auto_opts:
+        pdkv_tcp_opts tcp
+        pdkv_shm_opts shm
 
 
 cdef extern from "core.h" nogil:

@@ -75,6 +75,7 @@ typedef struct shm_t {
     shm_file files[SHM_MAX_FDS];
     uint32_t num_files;
     uint64_t refused_writes, refused_conns;
+    uint32_t fault_fail_maps; /* fault injection: grants still to fail mapping (pdkv_shm_opts) */
 } shm_t;
 
 /* Make [addr, addr+len) (page-rounded) memory of shared files: f->seg (fds owned by the caller).

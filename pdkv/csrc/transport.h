@@ -157,6 +157,12 @@ typedef struct pdkv_transport_ops {
     /* Optional (NULL: a region has one key). 1 if keys a and b name the same region (verbs over
      * several NICs: its key on each NIC), so a batch queued from any of them holds its dereg. */
     int (*same_region)(pdkv_transport *t, uint64_t a, uint64_t b);
+    /* Optional (auto; NULL elsewhere: one path). Before prepare(): whether the control handshake
+     * found `peer` on this host (auto offers it shm only then). */
+    int (*same_host)(pdkv_transport *t, uint64_t peer, int yes);
+    /* Optional (auto): the name of the transport carrying conn ("shm", "tcp"), why (n bytes) it
+     * is not shm ("" when it is). conn 0: NULL, and why names a region that could not be shared. */
+    const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n);
 } pdkv_transport_ops;
 
 struct pdkv_transport {
