@@ -111,7 +111,7 @@ def test_set_overrides_mirror_the_yaml(tmp_path):
     ("model:\n  dtype: float8\n", "role.yaml: model.dtype must be one of float32, bfloat16, float16, auto"),
     ("model:\n  device: gpu\n", "role.yaml: model.device must be cpu, cuda or cuda:N, got 'gpu'"),
     ("model:\n  path: /does/not/exist\n", "role.yaml: model.path must be a local Hugging Face model folder"),
-    ("messenger:\n  transport: udp\n", "role.yaml: messenger.transport must be one of tcp, verbs, libfabric, shm, got 'udp'"),
+    ("messenger:\n  transport: udp\n", "role.yaml: messenger.transport must be one of tcp, verbs, libfabric, shm, auto, got 'udp'"),
     ("messenger:\n  libfabric: {provider: psm3}\n",
      "role.yaml: messenger.libfabric.provider must be one of auto, efa, tcp;ofi_rxm, sockets, shm, got 'psm3'"),
     ("messenger:\n  libfabric: {provider: shm, domains: [auto]}\n",
