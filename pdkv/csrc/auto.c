@@ -26,7 +26,6 @@
 
 #define AUTO_INFO_MAGIC 0x4f545541u /* "AUTO" */
 #define SHM_TAG (1ull << 63)         /* regions.c keys never set it */
-#define AUTO_MAX_CONNS 1024
 #define AUTO_MAX_REGIONS 1024
 #define AUTO_MAX_HINTS 256
 #define POST_STACK 64
@@ -39,6 +38,7 @@ typedef struct auto_conn {
     uint64_t peer;
     uint32_t tconn, sconn; /* 0: none */
     int via;               /* VIA_NONE until complete() */
+    int closed;            /* disconnected: carries nothing now */
     char why[PDKV_REASON_MAX];
 } auto_conn;
 typedef struct auto_route_stats { uint64_t writes, bytes, writes_done, bytes_done, errors, imms, imm_bytes; } auto_route_stats;
@@ -49,7 +49,7 @@ typedef struct auto_t {
     pthread_mutex_t mu; /* regions, conns, hints, stats */
     auto_region regions[AUTO_MAX_REGIONS];
     uint32_t num_regions;
-    auto_conn conns[AUTO_MAX_CONNS];
+    auto_conn **conns; /* grows as links come (each stays where it is: pointers are kept) */
     uint32_t num_conns;
     struct { uint64_t peer; int yes; } hints[AUTO_MAX_HINTS];
     uint32_t num_hints;
@@ -93,8 +93,8 @@ static int via_peer(auto_t *t, uint64_t peer) {
     int via = VIA_TCP;
     pthread_mutex_lock(&t->mu);
     for (uint32_t i = t->num_conns; i-- > 0;)
-        if (t->conns[i].peer == peer && t->conns[i].via != VIA_NONE) {
-            via = t->conns[i].via;
+        if (t->conns[i]->peer == peer && t->conns[i]->via != VIA_NONE && !t->conns[i]->closed) {
+            via = t->conns[i]->via;
             break;
         }
     pthread_mutex_unlock(&t->mu);
@@ -102,7 +102,10 @@ static int via_peer(auto_t *t, uint64_t peer) {
 }
 
 static auto_conn *conn_of(auto_t *t, uint32_t id) {
-    return id >= 1 && id <= t->num_conns ? &t->conns[id - 1] : NULL;
+    pthread_mutex_lock(&t->mu);
+    auto_conn *c = id >= 1 && id <= t->num_conns ? t->conns[id - 1] : NULL;
+    pthread_mutex_unlock(&t->mu);
+    return c;
 }
 
 /* ---- memory ---- */
@@ -235,16 +238,20 @@ static int a_prepare(pdkv_transport *bt, uint64_t peer, void *info, uint32_t *le
         else
             h.shm_len = n;
     }
+    auto_conn *c = calloc(1, sizeof *c);
     pthread_mutex_lock(&t->mu);
-    if (t->num_conns == AUTO_MAX_CONNS) {
+    auto_conn **grown = c ? realloc(t->conns, (t->num_conns + 1) * sizeof *grown) : NULL;
+    if (!grown) {
         pthread_mutex_unlock(&t->mu);
+        free(c);
         t->tcp->ops->disconnect(t->tcp, tconn);
         if (sconn) t->shm->ops->disconnect(t->shm, sconn);
-        return aerr(-ENOSPC, "auto transport: at most %d connections", AUTO_MAX_CONNS);
+        return aerr(-ENOMEM, "auto transport: out of memory for a connection");
     }
-    auto_conn *c = &t->conns[t->num_conns];
+    t->conns = grown;
     *c = (auto_conn){.peer = peer, .tconn = tconn, .sconn = sconn, .via = VIA_NONE};
     snprintf(c->why, sizeof c->why, "%s", sconn ? "" : why);
+    t->conns[t->num_conns] = c;
     *conn = ++t->num_conns;
     pthread_mutex_unlock(&t->mu);
     memcpy(p, &h, sizeof h);
@@ -287,11 +294,10 @@ static int a_complete(pdkv_transport *bt, uint32_t id, const void *info, uint32_
     } else if (c->sconn) {
         snprintf(why, sizeof why, "the peer offered no shm connection (its handshake did not find us on its host)");
     }
-    if (via != VIA_SHM && c->sconn) {
-        t->shm->ops->disconnect(t->shm, c->sconn);
-        c->sconn = 0;
-    }
+    uint32_t drop = via != VIA_SHM ? c->sconn : 0;
+    if (drop) t->shm->ops->disconnect(t->shm, drop);
     pthread_mutex_lock(&t->mu);
+    if (drop) c->sconn = 0;
     c->via = via;
     snprintf(c->why, sizeof c->why, "%s", why);
     pthread_mutex_unlock(&t->mu);
@@ -300,12 +306,12 @@ static int a_complete(pdkv_transport *bt, uint32_t id, const void *info, uint32_
 
 static int a_disconnect(pdkv_transport *bt, uint32_t id) {
     auto_t *t = (auto_t *)bt;
-    pthread_mutex_lock(&t->mu);
     auto_conn *c = conn_of(t, id);
-    uint32_t tconn = c ? c->tconn : 0, sconn = c ? c->sconn : 0;
-    if (c) c->via = c->via == VIA_NONE ? VIA_NONE : VIA_TCP, c->sconn = 0;
-    pthread_mutex_unlock(&t->mu);
     if (!c) return aerr(-ENOENT, "unknown auto connection %u", id);
+    pthread_mutex_lock(&t->mu);
+    uint32_t tconn = c->tconn, sconn = c->sconn;
+    c->closed = 1, c->sconn = 0;
+    pthread_mutex_unlock(&t->mu);
     if (sconn) t->shm->ops->disconnect(t->shm, sconn);
     int rc = t->tcp->ops->disconnect(t->tcp, tconn);
     return rc < 0 ? sub_err(t->tcp, rc) : 0;
@@ -314,8 +320,8 @@ static int a_disconnect(pdkv_transport *bt, uint32_t id) {
 static const char *a_route(pdkv_transport *bt, uint32_t id, char *why, size_t n) {
     auto_t *t = (auto_t *)bt;
     const char *name = NULL;
-    pthread_mutex_lock(&t->mu);
     auto_conn *c = conn_of(t, id);
+    pthread_mutex_lock(&t->mu);
     if (!id) snprintf(why, n, "%s", t->reg_note);
     else if (c) name = c->via == VIA_SHM ? "shm" : "tcp", snprintf(why, n, "%s", c->via == VIA_SHM ? "" : c->why);
     else snprintf(why, n, "unknown auto connection %u", id);
@@ -328,11 +334,11 @@ static const char *a_route(pdkv_transport *bt, uint32_t id, char *why, size_t n)
 static int a_post(pdkv_transport *bt, uint32_t id, const pdkv_write *w, int n) {
     auto_t *t = (auto_t *)bt;
     if (n <= 0) return 0;
-    pthread_mutex_lock(&t->mu);
     auto_conn *c = conn_of(t, id);
-    uint32_t tconn = c ? c->tconn : 0, sconn = c ? c->sconn : 0;
-    pthread_mutex_unlock(&t->mu);
     if (!c) return aerr(-ENOENT, "unknown auto connection %u", id);
+    pthread_mutex_lock(&t->mu);
+    uint32_t tconn = c->tconn, sconn = c->sconn;
+    pthread_mutex_unlock(&t->mu);
     int shm = (w[0].rkey & SHM_TAG) != 0;
     for (int i = 1; i < n; i++)
         if (((w[i].rkey & SHM_TAG) != 0) != shm)
@@ -445,7 +451,7 @@ static int a_nic_stats(pdkv_transport *bt, pdkv_nic_stats *out, int max) {
         snprintf(o->name, sizeof o->name, "%s", names[via]);
         o->writes = s->writes, o->bytes = s->bytes, o->writes_done = s->writes_done, o->bytes_done = s->bytes_done;
         o->errors = s->errors, o->imms = s->imms, o->imm_bytes = s->imm_bytes;
-        for (uint32_t i = 0; i < t->num_conns; i++) o->qps += t->conns[i].via == via;
+        for (uint32_t i = 0; i < t->num_conns; i++) o->qps += t->conns[i]->via == via && !t->conns[i]->closed;
     }
     pthread_mutex_unlock(&t->mu);
     return k;
@@ -461,6 +467,8 @@ static void a_destroy(pdkv_transport *bt) {
     }
     if (t->shm) t->shm->ops->destroy(t->shm);
     if (t->tcp) t->tcp->ops->destroy(t->tcp);
+    for (uint32_t i = 0; i < t->num_conns; i++) free(t->conns[i]);
+    free(t->conns);
     if (t->efd >= 0) close(t->efd);
     if (t->stop_fd >= 0) close(t->stop_fd);
     pthread_mutex_destroy(&t->mu);
