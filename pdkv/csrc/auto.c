@@ -35,7 +35,8 @@ static void count(auto_t *t, int via, const pdkv_completion *cp, int n) {
 
 static int a_poll(pdkv_transport *bt, pdkv_completion *out, int max) {
     auto_t *t = (auto_t *)bt;
-    int first = (t->poll_turn++ & 1) ? VIA_SHM : VIA_TCP, got = 0; /* neither starves the other */
+    int first = (t->poll_turn++ & 1) ? VIA_SHM : VIA_TCP; /* neither starves the other */
+    int got = pdkv_cq_poll(&t->notes, out, max);
     for (int k = 0; k < 2 && got < max; k++) {
         int via = k == 0 ? first : VIA_SHM + VIA_TCP - first;
         pdkv_transport *s = via == VIA_SHM ? t->shm : t->tcp;
@@ -47,17 +48,17 @@ static int a_poll(pdkv_transport *bt, pdkv_completion *out, int max) {
 
 static int a_event_fd(pdkv_transport *bt) { return ((auto_t *)bt)->efd; }
 
-/* The core waits on one fd: the relay turns either sub-transport's ring-not-empty edge into
- * ours. NOTE: it resets a sub's fd before ringing ours, so a push after the reset rings again. */
+/* The core waits on one fd: the relay turns either sub-transport's (or our notes') ring-not-empty
+ * edge into ours. NOTE: it resets a sub's fd before ringing ours, so a push after the reset rings again. */
 static void *relay(void *arg) {
     auto_t *t = arg;
-    struct pollfd pf[3] = {{t->stop_fd, POLLIN, 0}, {t->tcp->ops->event_fd(t->tcp), POLLIN, 0},
-                           {t->shm->ops->event_fd(t->shm), POLLIN, 0}};
+    struct pollfd pf[4] = {{t->stop_fd, POLLIN, 0}, {t->notes.efd, POLLIN, 0},
+                           {t->tcp->ops->event_fd(t->tcp), POLLIN, 0}, {t->shm->ops->event_fd(t->shm), POLLIN, 0}};
     for (;;) {
-        if (poll(pf, 3, -1) < 0) continue;
+        if (poll(pf, 4, -1) < 0) continue;
         if (pf[0].revents) return NULL;
         uint64_t v = 1;
-        for (int i = 1; i < 3; i++)
+        for (int i = 1; i < 4; i++)
             if (pf[i].revents & POLLIN) {
                 ssize_t r = read(pf[i].fd, &v, sizeof v);
                 (void)r;
@@ -117,6 +118,7 @@ static void a_destroy(pdkv_transport *bt) {
     free(t->conns);
     if (t->efd >= 0) close(t->efd);
     if (t->stop_fd >= 0) close(t->stop_fd);
+    if (t->notes_ok) pdkv_cq_destroy(&t->notes);
     pthread_mutex_destroy(&t->mu);
     free(t);
 }
@@ -139,7 +141,11 @@ pdkv_transport *pdkv_auto_create(uint64_t node_id, const pdkv_auto_opts *opts, c
     t->efd = t->stop_fd = -1;
     pthread_mutex_init(&t->mu, NULL);
     char sub[PDKV_ERR_MAX] = "";
-    if (!(t->tcp = pdkv_tcp_create(node_id, &opts->tcp, sub, sizeof sub))) {
+    int rc = pdkv_cq_init(&t->notes);
+    t->notes_ok = rc == 0;
+    if (rc < 0) {
+        snprintf(err, errlen, "auto: completion queue: %s", strerror(-rc));
+    } else if (!(t->tcp = pdkv_tcp_create(node_id, &opts->tcp, sub, sizeof sub))) {
         snprintf(err, errlen, "auto: tcp: %s", sub);
     } else if (!(t->shm = pdkv_shm_create(node_id, &opts->shm, sub, sizeof sub))) {
         snprintf(err, errlen, "auto: shm: %s", sub);

@@ -7,6 +7,7 @@
 #include <pthread.h>
 
 #include "auto.h"
+#include "cq.h"
 
 #define AUTO_INFO_MAGIC 0x4f545541u /* "AUTO" */
 #define SHM_TAG (1ull << 63)         /* regions.c keys never set it */
@@ -42,6 +43,8 @@ typedef struct auto_t {
     auto_route_stats via[3];
     char reg_note[PDKV_REASON_MAX]; /* the first region shm could not share */
     int efd, stop_fd;               /* ours (the core waits on it), and the relay's stop */
+    pdkv_cq notes;                  /* our own completions: a link's grants falling back to tcp */
+    int notes_ok;
     pthread_t relay;
     int relay_running;
     uint32_t poll_turn;

@@ -36,17 +36,27 @@ uint64_t pdkv_auto_skey(auto_t *t, uint64_t key) {
     return s;
 }
 
-/* the transport carrying peer now: its latest completed connection's */
-static int via_peer(auto_t *t, uint64_t peer) {
-    int via = VIA_TCP;
+/* the link carrying peer now: its latest completed one (NULL: none, so tcp) */
+static auto_conn *link_of(auto_t *t, uint64_t peer) {
+    auto_conn *c = NULL;
     pthread_mutex_lock(&t->mu);
-    for (uint32_t i = t->num_conns; i-- > 0;)
-        if (t->conns[i]->peer == peer && t->conns[i]->via != VIA_NONE && !t->conns[i]->closed) {
-            via = t->conns[i]->via;
-            break;
-        }
+    for (uint32_t i = t->num_conns; i-- > 0 && !c;)
+        if (t->conns[i]->peer == peer && t->conns[i]->via != VIA_NONE && !t->conns[i]->closed) c = t->conns[i];
     pthread_mutex_unlock(&t->mu);
-    return via;
+    return c;
+}
+
+/* An shm grant to the peer of c failed (it could not map it, or stopped answering and its shm
+ * connection was dropped): the link goes over to tcp for good, and the node is told why. */
+static void fall_back(auto_t *t, auto_conn *c, uint64_t peer) {
+    char why[PDKV_REASON_MAX];
+    snprintf(why, sizeof why, "%s", pdkv_auto_err);
+    pthread_mutex_lock(&t->mu);
+    c->via = VIA_TCP;
+    snprintf(c->why, sizeof c->why, "%s", why);
+    pthread_mutex_unlock(&t->mu);
+    pdkv_cq_pushf(&t->notes, PDKV_CQ_ERROR, 0, peer, 0, -EHOSTUNREACH, 0,
+                  "auto: grants to peer %llu go through tcp from now on: %s", (unsigned long long)peer, why);
 }
 
 auto_conn *pdkv_auto_conn(auto_t *t, uint32_t id) {
@@ -105,10 +115,18 @@ int pdkv_auto_dereg(pdkv_transport *bt, uint64_t key) {
 static int grant_via(auto_t *t, uint64_t key, uint64_t peer, int whole, uint64_t off, uint64_t len, uint64_t *out) {
     uint64_t skey = pdkv_auto_skey(t, key), k = 0;
     int rc;
-    if (skey && via_peer(t, peer) == VIA_SHM) {
+    auto_conn *c = skey ? link_of(t, peer) : NULL;
+    if (c && c->via == VIA_SHM) {
         rc = whole ? t->shm->ops->grant(t->shm, skey, peer, &k)
                    : t->shm->ops->grant_range(t->shm, skey, peer, off, len, &k);
-        if (rc < 0) return pdkv_auto_sub_fail(t->shm, rc);
+        if (rc < 0 && rc != -EEXIST && rc != -ENOSPC) { /* not the grant's own fault: tcp takes it */
+            pdkv_auto_sub_fail(t->shm, rc);
+            fall_back(t, c, peer);
+        } else if (rc < 0) {
+            return pdkv_auto_sub_fail(t->shm, rc);
+        }
+    }
+    if (c && c->via == VIA_SHM) {
         if (whole && (rc = t->tcp->ops->grant(t->tcp, key, peer, NULL)) < 0) {
             rc = pdkv_auto_sub_fail(t->tcp, rc);
             t->shm->ops->revoke(t->shm, skey, peer);

@@ -2,8 +2,8 @@
 shm, counted per route in nic_stats and /metrics; a peer whose shm connection info claims
 another boot id (fault injection: the HELLO says one host, the host check says otherwise) falls
 back to tcp, logged, and still answers the colocated tokens. A grant the prefill process fails
-to map (fault injection) fails that request with an error naming it, every page comes back, and
-the next request is served."""
+to map (fault injection) fails that request on shm with an error naming it, every page coming
+back; on auto that link's grants go through tcp from then on, and the request is served."""
 from __future__ import annotations
 
 import logging
@@ -95,10 +95,10 @@ def test_a_peer_claiming_this_host_that_is_not_falls_back_to_tcp(tiny_model_dir,
         c.stop()
 
 
-@pytest.mark.parametrize("transport", ["shm", "auto"])
-def test_a_grant_that_fails_to_map_fails_the_request_and_gives_back_its_pages(tiny_model_dir, want,
-                                                                               transport):
-    over = {"messenger__transport": transport}
+def test_a_grant_that_fails_to_map_fails_the_request_and_gives_back_its_pages(tiny_model_dir, want):
+    """shm: the request whose grant the prefill process fails to map (fault injection) fails
+    with an error naming it, every page comes back, and the next requests map and are served."""
+    over = {"messenger__transport": "shm"}
     c = Cluster(tiny_model_dir, prefill_over={**over, "messenger__fault_shm_fail_maps": 1}, decode_over=over)
     try:
         status, out = _complete(c, PROMPTS[1])
@@ -108,10 +108,33 @@ def test_a_grant_that_fails_to_map_fails_the_request_and_gives_back_its_pages(ti
         assert "fault injection" in msg
         wait_for(c.pools_full, 10, "every page back in both pools")
         assert c.decode.app[NODE].messenger.stats()["refused_writes"] == 0
-        for prompt, w in zip(PROMPTS, want):  # the next ones map and are served
+        for prompt, w in zip(PROMPTS, want):
             status, out = _complete(c, prompt)
             assert status == 200, out
             assert out["choices"][0]["token_ids"] == w
+        wait_for(c.pools_full, 10, "every page back in both pools")
+    finally:
+        c.stop()
+
+
+def test_auto_grants_go_through_tcp_once_a_mapping_fails(tiny_model_dir, want, caplog):
+    """auto: the prefill process fails to map a grant (fault injection): that grant and every
+    later one of the link are made through tcp instead, the decode node logs why, and every
+    request, that one included, answers the colocated tokens."""
+    caplog.set_level(logging.WARNING, logger="pdkv.disagg.decode")
+    c = Cluster(tiny_model_dir, prefill_over={**AUTO, "messenger__fault_shm_fail_maps": 1}, decode_over=AUTO)
+    try:
+        for prompt, w in zip(PROMPTS, want):
+            status, out = _complete(c, prompt)
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == w
+        r = _routes(c)
+        assert r["decode"]["tcp"]["imms"] > 0 and r["decode"]["shm"]["imms"] == 0
+        (peer,) = c.coordinator.peers
+        via, why = c.decode.app[NODE].messenger.route(peer.conn)
+        assert via == "tcp" and "could not map the grant" in why and "fault injection" in why
+        wait_for(lambda: any("go through tcp from now on" in r.getMessage() for r in caplog.records), 10,
+                 "the decode node's warning")
         wait_for(c.pools_full, 10, "every page back in both pools")
     finally:
         c.stop()
