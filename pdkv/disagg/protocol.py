@@ -2,7 +2,8 @@
 
 HELLO (pdkv.control.Hello, from make_hello) carries, besides model / dtype / layout / page size,
 the speculative hand-off (spec_handoff: what the prefill node prepares for the decode node's
-proposer), which both sides compare field by field.
+proposer), which both sides compare field by field, and this host's identity (host_identity:
+where both name one host, messenger.transport auto offers shm to the link: same_host).
 
 Messages (msgpack maps over pdkv.control, after HELLO; each is a frozen dataclass of
 pdkv/disagg/messages.py, which builds and checks them):
