@@ -112,6 +112,7 @@ def test_set_overrides_mirror_the_yaml(tmp_path):
     ("model:\n  device: gpu\n", "role.yaml: model.device must be cpu, cuda or cuda:N, got 'gpu'"),
     ("model:\n  path: /does/not/exist\n", "role.yaml: model.path must be a local Hugging Face model folder"),
     ("messenger:\n  transport: udp\n", "role.yaml: messenger.transport must be one of tcp, verbs, libfabric, shm, auto, got 'udp'"),
+    ("messenger:\n  fault_shm_fail_maps: -1\n", "role.yaml: messenger.fault_shm_fail_maps must be a count of grants"),
     ("messenger:\n  libfabric: {provider: psm3}\n",
      "role.yaml: messenger.libfabric.provider must be one of auto, efa, tcp;ofi_rxm, sockets, shm, got 'psm3'"),
     ("messenger:\n  libfabric: {provider: shm, domains: [auto]}\n",
