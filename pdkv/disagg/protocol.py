@@ -181,9 +181,9 @@ def same_host(mine: Hello, peer: Hello) -> bool:
 def log_route(messenger, conn: int, peer_id: int, hinted: bool, who: str) -> None:
     """Which transport carries ``conn`` (auto), logged; a fallback from shm where the HELLOs
     named one host is a warning naming why."""
-    via, why = messenger.route(conn)
-    if messenger.transport != "auto":
+    if getattr(messenger, "transport", None) != "auto":
         return
+    via, why = messenger.route(conn)
     _, note = messenger.route(0)
     if hinted and via != "shm":
         log.warning("%s: peer %#x said it is on this host, but its data path falls back to %s: %s", who,
