@@ -46,6 +46,8 @@ cdef extern from "transport.h" nogil:
                            uint64_t roff, uint64_t len) noexcept nogil
         int (*unshare_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff,
                              uint64_t len) noexcept nogil
+        int (*same_host)(pdkv_transport *t, uint64_t peer, int yes) noexcept nogil
+        const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops
@@ -87,6 +89,13 @@ cdef extern from "transport.h" nogil:
 cdef extern from "shm.h" nogil:
     ctypedef struct pdkv_shm_opts:
         const char *dir
+        const char *fault_host_id
+        uint32_t fault_fail_maps
+
+cdef extern from "auto.h" nogil:
+    ctypedef struct pdkv_auto_opts:
+        pdkv_tcp_opts tcp
+        pdkv_shm_opts shm
 
 
 cdef extern from "core.h" nogil:

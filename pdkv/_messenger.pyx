@@ -135,6 +135,7 @@ cdef class Messenger:
         cdef pdkv_core_opts copts
         cdef int cpu_list[64]
         cdef pdkv_shm_opts shm
+        cdef pdkv_auto_opts auto
         cdef const char *names[17]
         cdef const void *opts = NULL
         cdef list keep = []
@@ -149,18 +150,19 @@ cdef class Messenger:
                                       f"{cls.__name__ if cls else 'no options class'} options, got {options!r}")
         if spin_us < 0 or yield_us < 0 or sleep_us < 0:
             raise InvalidRequestError(_errno.EINVAL, "spin_us / yield_us / sleep_us must be >= 0")
-        if cls is _transports.TcpOptions:
-            if not 0 <= options.port <= 65535:
-                raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {options.port}")
-            if options.num_streams < 1:
-                raise InvalidRequestError(_errno.EINVAL, f"num_streams must be >= 1, got {options.num_streams}")
-            keep.append(options.host.encode())
+        if cls is _transports.TcpOptions or cls is _transports.AutoOptions:
+            topts = options.tcp if cls is _transports.AutoOptions else options
+            if not 0 <= topts.port <= 65535:
+                raise InvalidRequestError(_errno.EINVAL, f"port must be 0..65535, got {topts.port}")
+            if topts.num_streams < 1:
+                raise InvalidRequestError(_errno.EINVAL, f"num_streams must be >= 1, got {topts.num_streams}")
+            keep.append(topts.host.encode())
             tcp.host = keep[0]
-            tcp.port = options.port
-            tcp.num_streams = options.num_streams
-            tcp.handshake_ms = options.handshake_ms
-            tcp.max_pending = options.max_pending
-            tcp.max_per_source = options.max_per_source
+            tcp.port = topts.port
+            tcp.num_streams = topts.num_streams
+            tcp.handshake_ms = topts.handshake_ms
+            tcp.max_pending = topts.max_pending
+            tcp.max_per_source = topts.max_per_source
             opts = &tcp
         elif cls is _transports.VerbsOptions:
             if options.qps_per_peer < 1:
@@ -184,10 +186,17 @@ cdef class Messenger:
             fabric.device_memory = options.device_memory
             fabric.hmem_system = options.hmem_system
             opts = &fabric
-        elif cls is _transports.ShmOptions:
+        if cls is _transports.ShmOptions or cls is _transports.AutoOptions:
             keep.append(options.dir.encode())
             shm.dir = keep[-1]
+            keep.append(options.fault_host_id.encode())
+            shm.fault_host_id = keep[-1]
+            shm.fault_fail_maps = options.fault_fail_maps
             opts = &shm
+        if cls is _transports.AutoOptions:
+            auto.tcp = tcp
+            auto.shm = shm
+            opts = &auto
         cpus = list(cpus or ())[:64]
         for i, c in enumerate(cpus):
             cpu_list[i] = c
@@ -495,7 +504,7 @@ cdef class Messenger:
 
     # ---- connections ----
 
-    def prepare(self, uint64_t peer, bytes token=None, pairs=None, bytes data_key=None):
+    def prepare(self, uint64_t peer, bytes token=None, pairs=None, bytes data_key=None, same_host=None):
         """Start a connection to node `peer` -> (conn, info bytes for the peer's complete()).
 
         pairs (verbs over several NICs; ignored on tcp/fake, which have one path): the (local
@@ -514,7 +523,10 @@ cdef class Messenger:
         data_key (tcp only, messenger.tls_data): 32 bytes both nodes derived from the same
         session: every stream of the connection is encrypted and authenticated (AES-256-GCM
         records, a key per writer, reader and stream). Both ends pass the same key (or neither).
-        Another transport, or a build without libcrypto: an error saying so."""
+        Another transport, or a build without libcrypto: an error saying so.
+
+        same_host (auto only; ignored elsewhere): whether the control handshake found the peer
+        on this host (its HELLO's host identity is ours): auto offers it shm only then."""
         cdef char *info
         cdef uint32_t n = 0, conn = 0
         cdef int rc
@@ -546,9 +558,13 @@ cdef class Messenger:
         info = <char *>malloc(PDKV_INFO_MAX)  # verbs: one blob per (local NIC, remote NIC) pair
         if info == NULL:
             raise MemoryError()
+        cdef int same = 1 if same_host else 0
+        cdef bint hint = same_host is not None and self.t.ops.same_host != NULL
         self._enter()
         try:
             with nogil:
+                if hint:
+                    self.t.ops.same_host(self.t, peer, same)
                 if masked:
                     rc = self.t.ops.prepare_pairs(self.t, peer, mask, info, &n, &conn)
                 else:
@@ -590,6 +606,19 @@ cdef class Messenger:
             self._busy -= 1
         if rc < 0:
             _raise(rc, msg, "complete")
+
+    def route(self, uint32_t conn):
+        """(the transport carrying ``conn``, why it is not shm or ""): auto's choice for that
+        connection; ``conn`` 0: (None, a region shm could not share or ""). Other transports:
+        (their own name, "")."""
+        cdef char why[PDKV_REASON_MAX]
+        cdef const char *name
+        self._check()
+        if self.t.ops.route == NULL:
+            return (None if conn == 0 else self.transport), ""
+        why[0] = 0
+        name = self.t.ops.route(self.t, conn, why, sizeof(why))
+        return (None if name == NULL else name.decode()), why.decode("utf-8", "replace")
 
     def disconnect(self, uint32_t conn):
         """Drop `conn`: its pending writes end with errors; its threads are joined."""

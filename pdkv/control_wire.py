@@ -167,6 +167,9 @@ class Hello:
     # What the prefill node prepares for the decode node's speculative proposer (method, draft
     # model, MTP layers: pdkv/disagg/protocol.py spec_handoff); must match key by key. {}: nothing.
     speculative: dict = field(default_factory=dict)
+    # This host's identity (pdkv.disagg.protocol.host_identity; not compared): equal on both
+    # sides means one host, where messenger.transport auto offers shm. "": a peer that does not say.
+    host: str = ""
 
     def differences(self, other: "Hello") -> list[str]:
         out = []

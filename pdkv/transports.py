@@ -226,11 +226,41 @@ class ShmOptions:
     in_config: ClassVar[bool] = True
     probe_rdma: ClassVar[bool] = False
     dir: str = "/dev/shm"
+    fault_host_id: str = ""  # fault injection (tests): the boot id our connection info claims
+    fault_fail_maps: int = 0  # fault injection (tests): the next N grants peers send fail to map
 
     @classmethod
     def from_config(cls, ms, where) -> ShmOptions:
-        return cls(dir=ms.shm_dir)
+        return cls(dir=ms.shm_dir, fault_host_id=ms.fault_shm_host_id, fault_fail_maps=ms.fault_shm_fail_maps)
 
     @staticmethod
     def listeners(ms) -> dict[str, str]:
         return {}
+
+
+@transport("auto", Capability.HOST_MEMORY)
+@dataclass(frozen=True)
+class AutoOptions:
+    """auto (csrc/auto.c): shm to a peer whose HELLO names this host (and whose shm connection
+    then passes its own checks: boot id, the peer's socket reachable), tcp to every other peer
+    and as the fallback. Only what both can do is declared: tcp's isolation and sealed streams
+    do not hold for an shm peer. Over RDMA between hosts, name verbs or libfabric instead."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capability]
+    in_config: ClassVar[bool] = True
+    probe_rdma: ClassVar[bool] = False
+    tcp: TcpOptions = TcpOptions()
+    dir: str = "/dev/shm"
+    fault_host_id: str = ""  # fault injection, as ShmOptions'
+    fault_fail_maps: int = 0
+
+    @classmethod
+    def from_config(cls, ms, where) -> AutoOptions:
+        shm = ShmOptions.from_config(ms, where)
+        return cls(tcp=TcpOptions.from_config(ms, where), dir=shm.dir, fault_host_id=shm.fault_host_id,
+                   fault_fail_maps=shm.fault_fail_maps)
+
+    @staticmethod
+    def listeners(ms) -> dict[str, str]:
+        return TcpOptions.listeners(ms)

@@ -136,10 +136,16 @@ class LibfabricConfig:
 @dataclass(frozen=True)
 class MessengerConfig:
     # Reserved for the disaggregation issues: filled in as they land.
-    transport: str = "tcp"  # tcp | verbs | libfabric | shm (both nodes on this host: pdkv/csrc/shm.c)
+    # tcp | verbs | libfabric | shm (both nodes on this host: pdkv/csrc/shm.c) | auto (shm to
+    # peers of this host, tcp to the others: pdkv/csrc/auto.c)
+    transport: str = "tcp"
     # shm: where the decode node's registered memory is made shared (an unnamed file; its free
     # space is checked at start). Prefill peers map only their granted pages of it.
     shm_dir: str = "/dev/shm"
+    # fault injection (tests only): the boot id this node's shm connection info claims (a peer
+    # that says it is on the host but is not), and how many grants of peers fail to map here
+    fault_shm_host_id: str = ""
+    fault_shm_fail_maps: int = 0
     host: str = "127.0.0.1"
     port: int = 0
     nics: tuple[str, ...] = ("auto",)

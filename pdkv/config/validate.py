@@ -103,6 +103,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     # what the transport can do (pdkv/transports.py), not its name, decides the checks below
     caps = capabilities(ms.transport, ms) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)
+    need(0 <= ms.fault_shm_fail_maps < 2**32, "messenger.fault_shm_fail_maps",
+         "a count of grants in 0..2**32-1 (fault injection, tests only)", ms.fault_shm_fail_maps)
+    need(len(ms.fault_shm_host_id) < 80, "messenger.fault_shm_host_id",
+         "a boot id of under 80 characters (fault injection, tests only)", ms.fault_shm_host_id)
     need(all(n.strip() and n != "auto" for n in ms.rank_nics), "messenger.rank_nics",
          "one NIC device name per TP rank (not 'auto')", list(ms.rank_nics))
     need(not ms.rank_nics or "auto" in ms.nics or set(ms.rank_nics) <= set(ms.nics), "messenger.rank_nics",

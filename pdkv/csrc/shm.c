@@ -634,6 +634,12 @@ static void on_message(shm_t *t, shm_conn *c) {
     int rc = 0;
     switch (h.type) {
     case SHM_MAP:
+        if (t->fault_fail_maps) { /* only the listener thread reads or writes it */
+            t->fault_fail_maps--;
+            rc = pdkv_seterr(why, sizeof why, -ENOMEM, "mapping %llu granted bytes: %s (fault injection)",
+                             (unsigned long long)h.len, strerror(ENOMEM));
+            break;
+        }
         rc = (size_t)got == h.n * sizeof(shm_piece)
                  ? do_map(c, &h, (const shm_piece *)buf, h.n, fd, why, sizeof why)
                  : pdkv_seterr(why, sizeof why, -EPROTO, "malformed grant message");
@@ -815,6 +821,9 @@ pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, cha
     t->listen_fd = t->wake_fd = -1;
     snprintf(t->dir, sizeof t->dir, "%s", opts && opts->dir && *opts->dir ? opts->dir : "/dev/shm");
     pdkv_shm_host_id(t->host, sizeof t->host);
+    if (opts && opts->fault_host_id && *opts->fault_host_id)
+        snprintf(t->host, sizeof t->host, "%s", opts->fault_host_id);
+    t->fault_fail_maps = opts ? opts->fault_fail_maps : 0;
     pthread_mutex_init(&t->mu, NULL);
     for (uint32_t i = 0; i < SHM_MAX_CONNS; i++) {
         pthread_mutex_init(&t->conns[i].out_mu, NULL);

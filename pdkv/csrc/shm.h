@@ -9,6 +9,11 @@
 
 typedef struct pdkv_shm_opts {
     const char *dir; /* where the shared files are made (unnamed, O_TMPFILE); NULL: /dev/shm */
+    /* fault injection (tests): NULL/"" or the boot id our connection info claims (a peer that
+     * says it is on this host but is not); and how many of the grants peers send us next fail
+     * to map (as a full address space or a vanished file would) */
+    const char *fault_host_id;
+    uint32_t fault_fail_maps;
 } pdkv_shm_opts;
 
 pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, char *err, size_t errlen);

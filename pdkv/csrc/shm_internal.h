@@ -89,6 +89,7 @@ typedef struct shm_t {
     uint32_t num_files;
     uint64_t refused_writes, refused_conns;
     uint64_t copied_writes, copied_bytes, shared_writes; /* atomics */
+    uint32_t fault_fail_maps; /* fault injection: grants still to fail mapping (pdkv_shm_opts) */
 } shm_t;
 
 /* Make [addr, addr+len) (page-rounded) memory of shared files: f->seg (fds owned by the caller).

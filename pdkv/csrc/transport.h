@@ -167,6 +167,12 @@ typedef struct pdkv_transport_ops {
     int (*share_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t rkey,
                        uint64_t roff, uint64_t len);
     int (*unshare_pages)(pdkv_transport *t, uint32_t conn, uint64_t lkey, uint64_t loff, uint64_t len);
+    /* Optional (auto; NULL elsewhere: one path). Before prepare(): whether the control handshake
+     * found `peer` on this host (auto offers it shm only then). */
+    int (*same_host)(pdkv_transport *t, uint64_t peer, int yes);
+    /* Optional (auto): the name of the transport carrying conn ("shm", "tcp"), why (n bytes) it
+     * is not shm ("" when it is). conn 0: NULL, and why names a region that could not be shared. */
+    const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

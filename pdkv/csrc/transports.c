@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "auto.h"
 #include "fake.h"
 #include "shm.h"
 #include "transport.h"
@@ -26,6 +27,10 @@ static pdkv_transport *open_fake(uint64_t id, const void *o, char *err, size_t n
 
 static pdkv_transport *open_shm(uint64_t id, const void *o, char *err, size_t n) {
     return pdkv_shm_create(id, o, err, n);
+}
+
+static pdkv_transport *open_auto(uint64_t id, const void *o, char *err, size_t n) {
+    return pdkv_auto_create(id, o, err, n);
 }
 
 #ifdef PDKV_HAVE_VERBS
@@ -73,6 +78,8 @@ static const struct {
     /* same host only (complete() refuses a peer on another host); grants bound what the peer
      * maps, but it holds the whole file: no isolation from a hostile process of the same user */
     {"shm", open_shm, PDKV_CAP_HOST_MEMORY | PDKV_CAP_SAME_HOST_ONLY, NULL},
+    /* shm to peers of this host, tcp to the others: only what both can do */
+    {"auto", open_auto, PDKV_CAP_HOST_MEMORY, NULL},
 };
 #define NUM_TRANSPORTS (sizeof TABLE / sizeof TABLE[0])
 

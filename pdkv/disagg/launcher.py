@@ -98,8 +98,11 @@ def role_configs(path: str, overrides: list[str], workdir: Path) -> dict:
             d["role"] = role
             m = d.setdefault("messenger", {})
             # every node runs on this host: one copy of the weights (pdkv/shared_weights.py) and KV
-            # handed over through shared memory (pdkv/csrc/shm.c), unless the file says otherwise
-            m.setdefault("transport", "shm")
+            # handed over through shared memory, unless the file says otherwise. auto, not shm: the
+            # HELLOs find the peers on this host and take shm (pdkv/csrc/auto.c), and memory shm
+            # cannot share (a full shm_dir, TP ranks' files without CAP_CHECKPOINT_RESTORE) or a
+            # peer elsewhere goes through tcp, with a warning, where shm would refuse to start
+            m.setdefault("transport", "auto")
             d.setdefault("model", {}).setdefault("share_weights", "auto")
             if role == "prefill" and (n > 1 or not m.get("control_port")):
                 m["control_port"] = _free_port(m.get("control_host", "127.0.0.1"))

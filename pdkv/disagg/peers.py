@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError, HandshakeRefused
 from pdkv.disagg import messages as M
+from pdkv.disagg import protocol as P
 from pdkv.disagg.choice import PeerRoute, PrefillChooser
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import link_pairs, plan_link
@@ -98,7 +99,8 @@ class PrefillPeers:
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
                                                                                     ch.peer.extra),
-                                        data_key=ch.data_key if self.mcfg.tls_data else None)
+                                        data_key=ch.data_key if self.mcfg.tls_data else None,
+                                        same_host=P.same_host(self.hello, ch.peer))
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its
             # request's ranges and carries their write keys (pdkv/disagg/grants.py)
             keys, hidden_key, spec_key = self.kv.keys, self.hidden_key, self.spec_key
@@ -112,6 +114,7 @@ class PrefillPeers:
                 exc = ControlError if msg.busy else HandshakeRefused
                 raise exc(f"prefill {peer.host}:{peer.port} refused: {msg.reason}")
             await self.loop.run_in_executor(self._setups, self.m.complete, conn, msg.info)
+            P.log_route(self.m, conn, ch.peer.node_id, P.same_host(self.hello, ch.peer), "decode")
         except BaseException:
             ch.close()  # a half set-up connection must not stay behind (a redial tries again)
             if conn is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pdkv.control import ControlChannel, ControlError
 from pdkv.disagg import messages as M
+from pdkv.disagg import protocol as P
 from pdkv.disagg.control_admission import ControlAdmission, Place
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import check_keys, link_pairs, plan_link
@@ -141,9 +142,11 @@ class DecodeLinks:
             # messenger.tls_data: the data streams sealed with the session's key (HELLO agreed on it)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
                                                                                     ch.peer.extra),
-                                        data_key=ch.data_key if self.mcfg.tls_data else None)
+                                        data_key=ch.data_key if self.mcfg.tls_data else None,
+                                        same_host=P.same_host(self._hello, ch.peer))
             try:
                 await self._complete(conn, connect.info)
+                P.log_route(self.m, conn, ch.peer.node_id, P.same_host(self._hello, ch.peer), "prefill")
             except BaseException:
                 self.m.disconnect(conn)
                 raise

@@ -2,7 +2,8 @@
 
 HELLO (pdkv.control.Hello, from make_hello) carries, besides model / dtype / layout / page size,
 the speculative hand-off (spec_handoff: what the prefill node prepares for the decode node's
-proposer), which both sides compare field by field.
+proposer), which both sides compare field by field, and this host's identity (host_identity:
+where both name one host, messenger.transport auto offers shm to the link: same_host).
 
 Messages (msgpack maps over pdkv.control, after HELLO; each is a frozen dataclass of
 pdkv/disagg/messages.py, which builds and checks them):
@@ -44,11 +45,15 @@ pages (on tcp a write completes locally once it is in the kernel, before it land
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from pathlib import Path
 
 from pdkv.control import Hello, model_fingerprint
 from pdkv.disagg import messages as M
 from pdkv.shard import KVGeometry
+
+log = logging.getLogger(__name__)
 
 # the messages' type names (their classes, fields and checks: pdkv/disagg/messages.py)
 CONNECT, CONNECTED, REFUSE = M.CONNECT, M.CONNECTED, M.REFUSE
@@ -146,4 +151,44 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
                         "hidden_size": int(engine.loaded.arch.hidden_size),
                         "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra,
                         **(extra or {})},
-                 speculative=handoff)
+                 speculative=handoff, host=host_identity())
+
+
+def host_identity() -> str:
+    """This host, as the kernel knows it: machine id, boot id and network namespace (the shm
+    transport's abstract sockets reach only processes of one namespace), hashed: a peer learns
+    whether it shares them, not what they are. "" when none can be read."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(str(Path("/proc/self/ns/net").stat().st_ino))
+    except OSError:
+        parts.append("")
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:32] if any(parts[1:]) else ""
+
+
+def same_host(mine: Hello, peer: Hello) -> bool:
+    """Whether the HELLOs name one host (both said which): what ``Messenger.prepare(same_host=)``
+    takes, so that auto offers shm to this peer. Only a hint: the shm connection checks the boot
+    id itself and auto falls back to tcp when it fails."""
+    return bool(mine.host) and mine.host == peer.host
+
+
+def log_route(messenger, conn: int, peer_id: int, hinted: bool, who: str) -> None:
+    """Which transport carries ``conn`` (auto), logged; a fallback from shm where the HELLOs
+    named one host is a warning naming why."""
+    if getattr(messenger, "transport", None) != "auto":
+        return
+    via, why = messenger.route(conn)
+    _, note = messenger.route(0)
+    if hinted and via != "shm":
+        log.warning("%s: peer %#x said it is on this host, but its data path falls back to %s: %s", who,
+                    peer_id, via, why)
+    else:
+        log.info("%s: peer %#x's data path: %s%s", who, peer_id, via, f" ({why})" if why else "")
+    if note:
+        log.warning("%s: a region could not be shared, its pages go through tcp: %s", who, note)

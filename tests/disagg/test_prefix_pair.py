@@ -120,14 +120,17 @@ def test_greedy_tokens_equal_with_prefix_caching_on_and_off(tiny_model_dir, want
         c.stop()
 
 
-def test_second_request_moves_only_the_pages_the_decode_node_lacks(tiny_model_dir):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_second_request_moves_only_the_pages_the_decode_node_lacks(tiny_model_dir, transport):
     """Two prompts sharing a 10-page prefix (page size 4), each 46 tokens (45 sent: 12 pages).
     The first moves all 12 pages; the second only pages 10 and 11, which the metrics of both
-    nodes count to the byte and the immediate, and its answer equals the colocated one."""
+    nodes count to the byte and the immediate, and its answer equals the colocated one (shm:
+    only those pages' ranges are mapped into the prefill process)."""
     prefix = [(7 * i) % 500 + 3 for i in range(40)]
     first, second = prefix + [11, 12, 13, 14, 15, 16], prefix + [21, 22, 23, 24, 25, 26]
     want = reference(tiny_model_dir, [first, second])
-    c = Cluster(tiny_model_dir)
+    over = {"messenger__transport": transport}
+    c = Cluster(tiny_model_dir, prefill_over=over, decode_over=over)
     try:
         name = c.model_name()
         sent = record_prefills(c)

@@ -1,4 +1,4 @@
-"""Disaggregation between nodes of different tensor-parallel degrees (CPU, gloo, tcp): greedy
+"""Disaggregation between nodes of different tensor-parallel degrees (CPU, gloo, tcp and shm): greedy
 tokens through prefill TP2 -> decode TP1, TP1 -> TP2 and TP2 -> TP2 equal the colocated TP1
 engine's, also for a model with fewer KV heads than ranks (replicated KV heads, seeded choice of
 the source replica set); the handshake refuses a pair the shard planner cannot serve, naming it.
@@ -43,7 +43,7 @@ class Nodes:
     """P1, P2 (prefill TP1/TP2), D1 (TP1 <- P2), D2 (TP2 <- P1, P2), D3 (TP1 <- P2) and D4
     (TP2 <- P1) with prefix caching on both sides; ServerThreads on loopback."""
 
-    def __init__(self, model_dir, staging: str = "auto"):
+    def __init__(self, model_dir, staging: str = "auto", transport: str = "tcp"):
         from pdkv.disagg.node import DecodeNode, PrefillNode
         from pdkv.server.runner import ServerThread
 
@@ -51,7 +51,7 @@ class Nodes:
 
         def start(role, tp, node_cls, **over):
             cfg = node_config(model_dir, role, parallel__tp=tp, parallel__timeout_s=30.0,
-                              messenger__staging=staging, **over)
+                              messenger__staging=staging, messenger__transport=transport, **over)
             eng = _engine(cfg)
             self.engines.append(eng)
             t = ServerThread(cfg, eng, node_cls(cfg, eng)).start()
@@ -110,20 +110,22 @@ def _run_twice(url: str) -> list[list[int]]:
     return got[0]
 
 
-@pytest.fixture(scope="module", params=[(2, "auto"), (1, "auto"), (2, "cpu")],
-                ids=["kv2-sharded", "kv1-replicated", "kv2-sharded-staged"])
+@pytest.fixture(scope="module", params=[(2, "auto", "tcp"), (1, "auto", "tcp"), (2, "cpu", "tcp"),
+                                        (2, "auto", "shm")],
+                ids=["kv2-sharded", "kv1-replicated", "kv2-sharded-staged", "kv2-sharded-shm"])
 def nodes(request, tmp_path_factory, tiny_model_dir):
     """kv2: 2 KV heads, split one per rank at TP2. kv1: 1 KV head, on both ranks at TP2 (two
     replica sets per TP2 node). staged: every rank's pages through the staging rings (CPU copy
-    engine over every rank's shared KV memory; pdkv/disagg/staged.py)."""
-    kv_heads, staging = request.param
+    engine over every rank's shared KV memory; pdkv/disagg/staged.py). shm: the same pairs over
+    the same-host transport (each rank's shared KV file reopened and granted range by range)."""
+    kv_heads, staging, transport = request.param
     if kv_heads == 2:
         model_dir = tiny_model_dir
     else:
         from pdkv.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny_kv1"), num_kv_heads=1, seed=3)
-    n = Nodes(model_dir, staging)
+    n = Nodes(model_dir, staging, transport)
     n.want = _reference(model_dir)
     n.want_kv = colocated_kv(model_dir, PROMPTS)
     n.num_kv_heads = kv_heads

@@ -67,8 +67,10 @@ def _idle(c):
     assert not c.coordinator.spec._reserved and not c.coordinator.spec._landed
 
 
-def test_self_draft_accepts_every_draft_from_the_first_step(tiny_model_dir, plain):
-    c = Cluster(tiny_model_dir, prefill_over=_over(tiny_model_dir), decode_over=_over(tiny_model_dir))
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_self_draft_accepts_every_draft_from_the_first_step(tiny_model_dir, plain, transport):
+    over = _over(tiny_model_dir, messenger__transport=transport)
+    c = Cluster(tiny_model_dir, prefill_over=over, decode_over=over)
     try:
         eng = c.decode_engine
         hello = c.coordinator.hello.speculative

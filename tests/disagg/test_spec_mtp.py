@@ -24,9 +24,10 @@ def mtp_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mtp"), seed=0, num_nextn_predict_layers=1)
 
 
-@pytest.fixture(scope="module")
-def cluster(mtp_dir):
-    c = Cluster(mtp_dir, prefill_over=MTP, decode_over=MTP)
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def cluster(mtp_dir, request):
+    over = {**MTP, "messenger__transport": request.param}
+    c = Cluster(mtp_dir, prefill_over=over, decode_over=over)
     yield c
     c.stop()
 
@@ -155,12 +156,14 @@ def test_mtp_pages_wait_for_the_writes_after_a_failed_transfer(mtp_dir):
         c.stop()
 
 
-def test_tp2_prefill_to_tp1_decode_first_drafts_equal_colocated(mtp_dir):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_tp2_prefill_to_tp1_decode_first_drafts_equal_colocated(mtp_dir, transport):
     """Prefill TP2 (rank 0 runs the MTP layer alone over the sharded target's hidden states) ->
     decode TP1: the same first drafts, MTP KV and row as a colocated engine, greedy equality."""
     from _tp_pair import TP2ToTP1
 
-    pair = TP2ToTP1(mtp_dir, MTP, MTP)
+    over = {**MTP, "messenger__transport": transport}
+    pair = TP2ToTP1(mtp_dir, over, over)
     try:
         _check_first_drafts(pair, mtp_dir)
     finally:

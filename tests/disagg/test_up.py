@@ -69,12 +69,13 @@ def test_up_config_error_names_file_node_and_field(tiny_model_dir, tmp_path):
 
 
 def test_up_puts_roles_on_shared_weights_and_shm_unless_the_file_says(tiny_model_dir, tmp_path):
-    """Every node of `pdkv up` runs on this host: shm transport and one copy of the weights by
-    default; the cluster file (or --set) still chooses."""
+    """Every node of `pdkv up` runs on this host: the auto transport (shm between them, found by
+    the HELLOs' host identity) and one copy of the weights by default; the cluster file (or
+    --set) still chooses."""
     from pdkv.disagg.launcher import role_configs
 
     nodes = role_configs(str(_cluster_file(tmp_path, tiny_model_dir)), [], tmp_path)
-    assert {(c.messenger.transport, c.model.share_weights) for _, _, c in nodes.values()} == {("shm", "auto")}
+    assert {(c.messenger.transport, c.model.share_weights) for _, _, c in nodes.values()} == {("auto", "auto")}
     nodes = role_configs(str(_cluster_file(tmp_path, tiny_model_dir)),
                          ["messenger.transport=tcp", "model.share_weights=off"], tmp_path)
     assert {(c.messenger.transport, c.model.share_weights) for _, _, c in nodes.values()} == {("tcp", "off")}

@@ -95,9 +95,11 @@ class Peer:
 
 
 def _connect(a: Peer, b: Peer) -> tuple[int, int]:
-    """Two-phase connect both ways -> (conn of a to b, conn of b to a)."""
-    ca, ia = a.m("prepare", b.node_id)
-    cb, ib = b.m("prepare", a.node_id)
+    """Two-phase connect both ways -> (conn of a to b, conn of b to a). auto: as processes of one
+    host (what a HELLO's host identity tells a node), so its shm route is what runs."""
+    hint = {"same_host": True} if a.transport == "auto" else {}
+    ca, ia = a.m("prepare", b.node_id, **hint)
+    cb, ib = b.m("prepare", a.node_id, **hint)
     a.m("complete", ca, ib)
     b.m("complete", cb, ia)
     return ca, cb

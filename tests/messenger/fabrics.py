@@ -71,7 +71,8 @@ def fabric_params(providers=FABRIC_PROVIDERS) -> list:
 
 
 def transport_params(providers=("tcp;ofi_rxm",)) -> list:
-    """tcp, verbs, shm (same host: grants are mappings), and libfabric over `providers` (the whole suite: tcp;ofi_rxm, the software
+    """tcp, verbs, shm (same host: grants are mappings), auto (connected as peers of one host: its
+    shm route), and libfabric over `providers` (the whole suite: tcp;ofi_rxm, the software
     provider closest to EFA -- RDM emulated over connections, manual progress; test_transfer.py
     runs over every provider: transport_params(FABRIC_PROVIDERS))."""
     from pdkv._messenger import HAVE_VERBS
@@ -80,4 +81,4 @@ def transport_params(providers=("tcp;ofi_rxm",)) -> list:
     # loopback_verbs_dir fixture) instead of skipping them.
     skip = not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1"
     verbs = pytest.param("verbs", marks=pytest.mark.skipif(skip, reason="pdkv built without libibverbs"))
-    return ["tcp", verbs, "shm"] + fabric_params(providers)
+    return ["tcp", verbs, "shm", "auto"] + fabric_params(providers)

@@ -180,7 +180,7 @@ print(json.dumps({"alive": sum(t.is_alive() for t in threads), "errors": errors,
                   "after": after}))
 """
 
-CLOSE_TRANSPORTS = ["fake", "tcp", pytest.param("verbs", marks=pytest.mark.skipif(
+CLOSE_TRANSPORTS = ["fake", "tcp", "shm", "auto", pytest.param("verbs", marks=pytest.mark.skipif(
     not HAVE_VERBS and os.environ.get("PDKV_REQUIRE_VERBS") != "1", reason="pdkv built without libibverbs")),
     *fabric_params(["tcp;ofi_rxm"])]
 

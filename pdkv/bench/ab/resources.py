@@ -3,7 +3,8 @@
 * Memory: the summed RSS of every process of the architecture, sampled every ``period`` s during
   the replay (peak and mean), plus the weight bytes each node loads. RSS counts a page shared by
   two processes twice (shared weights, the shm transport's KV pool): the peak summed PSS (each
-  shared page split among its users) is the memory the architecture really holds. Disaggregation keeps one
+  shared page split among its users), with the /dev/shm files the processes hold counted whole
+  (``held_bytes``: PSS misses their untouched pages), is the memory the architecture really holds. Disaggregation keeps one
   copy of the weights per node, so duplicated weight memory = (nodes - 1) x weight bytes.
 * Energy: RAPL package counters (``/sys/class/powercap/intel-rapl:*/energy_uj``) when readable;
   they count the whole package, other processes included. Otherwise CPU-seconds consumed by the
@@ -42,6 +43,47 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+def shm_held(pid: int, files: dict) -> int:
+    """Adds to ``files`` ({(dev, inode): allocated bytes}) the /dev/shm files ``pid`` holds open;
+    returns the PSS of its mappings of files it holds (what ``held_bytes`` counts whole instead)."""
+    mine = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    continue
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            mine.add(st.st_ino)
+    except OSError:
+        return 0
+    pss, counted = 0, False
+    try:
+        for line in open(f"/proc/{pid}/smaps"):
+            head = line.split(maxsplit=5)
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms off dev inode path
+                counted = len(head) == 6 and head[5].startswith("/dev/shm/") and int(head[4]) in mine
+            elif counted and head[0] == "Pss:":
+                pss += int(head[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pss
+
+
+def held_bytes(pids) -> int:
+    """The memory ``pids`` hold: their PSS, with the /dev/shm files they hold open counted whole
+    and once. PSS counts a tmpfs page only in a process that touched it, but the shm transport
+    allocates its files whole at registration (moving only the non-zero pages), so a KV pool
+    there holds its memory whether or not any process has touched it yet."""
+    files: dict = {}
+    total = 0
+    for p in pids:
+        total += pss_bytes(p) - shm_held(p, files)
+    return total + sum(files.values())
+
+
 def cpu_seconds(pid: int) -> float:
     try:
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -74,7 +116,7 @@ class Sampler:
     def __init__(self, pids: Callable[[], list[int]], period: float = 0.25):
         self._pids, self._period = pids, period
         self._stop = threading.Event()
-        self.peak_rss = self.peak_pss = 0
+        self.peak_rss = self.peak_pss = self.peak_held = 0
         self._rss_sum, self._n = 0, 0
         self._cpu0: dict[int, float] = {}
         self._cpu_last: dict[int, float] = {}
@@ -89,7 +131,9 @@ class Sampler:
 
     def _sample(self) -> None:
         total = pss = 0
-        for p in self._pids():
+        pids = self._pids()
+        held = held_bytes(pids)
+        for p in pids:
             total += rss_bytes(p)
             pss += pss_bytes(p)
             c = cpu_seconds(p)
@@ -98,6 +142,7 @@ class Sampler:
                 self._cpu0.setdefault(p, 0.0)  # a process started during the replay counts from 0
         self.peak_rss = max(self.peak_rss, total)
         self.peak_pss = max(self.peak_pss, pss)
+        self.peak_held = max(self.peak_held, held)
         self._rss_sum += total
         self._n += 1
 
@@ -111,7 +156,8 @@ class Sampler:
         self._thread.join(5)
         wall = time.monotonic() - self._t0
         cpu = sum(self._cpu_last[p] - self._cpu0.get(p, 0.0) for p in self._cpu_last)
-        out = {"peak_rss_bytes": self.peak_rss, "peak_pss_bytes": self.peak_pss, "mean_rss_bytes": self._rss_sum // max(1, self._n),
+        out = {"peak_rss_bytes": self.peak_rss, "peak_pss_bytes": self.peak_pss, "peak_held_bytes": self.peak_held,
+               "mean_rss_bytes": self._rss_sum // max(1, self._n),
                "cpu_seconds": cpu, "wall_seconds": wall}
         rapl1 = rapl_uj()
         if self._rapl0 and rapl1:
