@@ -189,9 +189,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(pc.gpu_sm_percent in (0, 100) or str(m.device).startswith("cuda"), "parallel.gpu_sm_percent",
          f"0 with model.device {m.device} (it splits a GPU; CPUs are split by parallel.cpus)", pc.gpu_sm_percent)
     if dg.kv_handoff == "share":
-        need(ms.transport == "shm", "disagg.kv_handoff", "copy with messenger.transport "
+        need(ms.transport in ("shm", "auto"), "disagg.kv_handoff", "copy with messenger.transport "
              f"{ms.transport}: share computes KV in the decode node's memory, which only the shm "
-             "transport maps into the prefill process (both nodes on one host)", dg.kv_handoff)
+             "transport (or auto's links through it) maps into the prefill process (both nodes on one "
+             "host)", dg.kv_handoff)
         need(not str(m.device).startswith("cuda"), "disagg.kv_handoff", "copy on a GPU (share maps host "
              "memory; the GPU's is not shared between the processes here)", dg.kv_handoff)
         need(pc.tp == 1, "disagg.kv_handoff", "copy with parallel.tp > 1 (share needs whole pages in one "

@@ -79,6 +79,8 @@ static void a_counters(pdkv_transport *bt, pdkv_transport_counters *out) {
     pdkv_transport_counters a = {0}, b = {0};
     t->tcp->ops->counters(t->tcp, &a);
     t->shm->ops->counters(t->shm, &b);
+    out->copied_writes = b.copied_writes, out->copied_bytes = b.copied_bytes; /* shm's alone */
+    out->shared_writes = b.shared_writes;
     out->refused_writes = a.refused_writes + b.refused_writes;
     out->refused_conns = a.refused_conns + b.refused_conns;
     out->pending_conns = a.pending_conns + b.pending_conns;
@@ -102,6 +104,40 @@ static int a_nic_stats(pdkv_transport *bt, pdkv_nic_stats *out, int max) {
     }
     pthread_mutex_unlock(&t->mu);
     return k;
+}
+
+/* The shared hand-off (kv_handoff: share) on a link auto routed through shm: shm's own, under
+ * shm's keys; a link (or a grant) that went through tcp has nothing to share. */
+static int a_share_pages(pdkv_transport *bt, uint32_t id, uint64_t lkey, uint64_t loff, uint64_t rkey,
+                         uint64_t roff, uint64_t len) {
+    auto_t *t = (auto_t *)bt;
+    auto_conn *c = pdkv_auto_conn(t, id);
+    if (!c) return pdkv_auto_fail(-ENOENT, "unknown auto connection %u", id);
+    pthread_mutex_lock(&t->mu);
+    uint32_t sconn = c->sconn;
+    pthread_mutex_unlock(&t->mu);
+    if (!(rkey & SHM_TAG) || !sconn)
+        return pdkv_auto_fail(-EOPNOTSUPP, "share_pages: peer %llu's grant went through tcp: "
+                              "nothing to share", (unsigned long long)c->peer);
+    uint64_t skey = pdkv_auto_skey(t, lkey);
+    if (!skey)
+        return pdkv_auto_fail(-EINVAL, "share_pages: local region 0x%llx is not shared (shm could not "
+                              "register it: %s)", (unsigned long long)lkey, t->reg_note);
+    int rc = t->shm->ops->share_pages(t->shm, sconn, skey, loff, rkey & ~SHM_TAG, roff, len);
+    return rc < 0 ? pdkv_auto_sub_fail(t->shm, rc) : rc;
+}
+
+static int a_unshare_pages(pdkv_transport *bt, uint32_t id, uint64_t lkey, uint64_t loff, uint64_t len) {
+    auto_t *t = (auto_t *)bt;
+    auto_conn *c = pdkv_auto_conn(t, id);
+    if (!c) return 0; /* as shm: a range not shared (any more) is no error */
+    pthread_mutex_lock(&t->mu);
+    uint32_t sconn = c->sconn;
+    pthread_mutex_unlock(&t->mu);
+    uint64_t skey = pdkv_auto_skey(t, lkey);
+    if (!sconn || !skey) return 0;
+    int rc = t->shm->ops->unshare_pages(t->shm, sconn, skey, loff, len);
+    return rc < 0 ? pdkv_auto_sub_fail(t->shm, rc) : rc;
 }
 
 static void a_destroy(pdkv_transport *bt) {
@@ -130,6 +166,7 @@ static const pdkv_transport_ops auto_ops = {
     .set_token = pdkv_auto_set_token, .disconnect = pdkv_auto_disconnect, .post = pdkv_auto_post, .poll = a_poll,
     .event_fd = a_event_fd, .last_error = a_last_error, .counters = a_counters, .destroy = a_destroy,
     .nic_stats = a_nic_stats, .same_host = pdkv_auto_same_host, .route = pdkv_auto_route,
+    .share_pages = a_share_pages, .unshare_pages = a_unshare_pages,
 };
 
 pdkv_transport *pdkv_auto_create(uint64_t node_id, const pdkv_auto_opts *opts, char *err, size_t errlen) {

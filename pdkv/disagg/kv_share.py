@@ -39,7 +39,7 @@ def handoff(cfg) -> str:
     h = cfg.disagg.kv_handoff
     if h != "auto":
         return h
-    ok = (cfg.messenger.transport == "shm" and not str(cfg.model.device).startswith("cuda")
+    ok = (cfg.messenger.transport in ("shm", "auto") and not str(cfg.model.device).startswith("cuda")
           and cfg.parallel.tp == 1 and not cfg.kv_cache.prefix_caching and cfg.messenger.staging != "cpu")
     return "share" if ok else "copy"
 
@@ -67,7 +67,11 @@ class KVShare:
 
     def why_not(self, link) -> str:
         """Why ``link`` cannot share pages ("" when it can)."""
-        if self.m.transport != "shm":
+        if self.m.transport == "auto":  # auto shares on the links it routed through shm
+            via, why = self.m.route(link.conn)
+            if via != "shm":
+                return f"auto took {via} for this link ({why}; share needs shm)"
+        elif self.m.transport != "shm":
             return f"transport {self.m.transport} (share needs shm)"
         if len(self.kv.keys) != 1 or len(link.kv_rkeys) != 1 or not isinstance(link.kv_rkeys[0], int):
             return "tensor parallelism on either side (the pages are cut between ranks)"
@@ -101,6 +105,9 @@ class KVShare:
             return
         src, dst = pages[first:], job.dst_pages[first - job.skip:len(pages) - job.skip]
         lkey, rkey = self.kv.keys[0], job.link.kv_rkeys[0]
+        keys = job.dst_keys  # the request's grant key: on auto it names the transport that granted it
+        if keys is not None and keys.uniform:
+            rkey = keys.keys[0][0][0]
         g, d = self.src, job.link.dst
         try:
             for layer in range(g.num_layers):

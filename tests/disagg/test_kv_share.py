@@ -23,11 +23,11 @@ PAGE_SIZE = 16  # the tiny model's page is then 4096 bytes: whole OS pages, so s
 @pytest.mark.parametrize("chunk,layerwise", [(4, True), (64, True), (4, False)])
 @pytest.mark.parametrize("handoff", ["copy", "share"])
 def test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model_dir, handoff, chunk, layerwise,
-                                                                       layout):
+                                                                       layout, transport="shm"):
     over = {"kv_cache__page_size": PAGE_SIZE, "kv_cache__layout": layout}
     want_tokens, _ = _colocated(tiny_model_dir)
     want_kv = colocated_kv(tiny_model_dir, PROMPTS, **over)
-    shm = {"messenger__transport": "shm", "disagg__kv_handoff": handoff}
+    shm = {"messenger__transport": transport, "disagg__kv_handoff": handoff}
     # NOTE: both prefix caches off: the counts below are exact only if every page is computed
     c = Cluster(tiny_model_dir, prefill_over={**over, **shm, "scheduler__chunk_size": chunk,
                                               "messenger__layerwise": layerwise,
@@ -70,6 +70,13 @@ def test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model
     assert c.pools_full()
 
 
+def test_share_on_auto_links_that_took_shm(tiny_model_dir):
+    """transport auto: the link the HELLOs found on one host went through shm, so the share
+    applies there as on shm itself (every page computed in place, counted)."""
+    test_tokens_and_landed_kv_equal_colocated_with_and_without_a_copy(tiny_model_dir, "share", 4, True, "HND",
+                                                                       transport="auto")
+
+
 def test_share_after_share_reuses_pages_that_are_the_prefill_nodes_own_again(tiny_model_dir):
     """Requests one after the other reuse the prefill node's page slots: each lands right, so an
     alias never outlives its request (a stale one would put the next request's KV in the old
@@ -95,7 +102,7 @@ def test_share_after_share_reuses_pages_that_are_the_prefill_nodes_own_again(tin
 
 
 @pytest.mark.parametrize("over,why", [
-    ({"messenger": {"transport": "tcp"}}, "only the shm transport maps"),
+    ({"messenger": {"transport": "tcp"}}, "only the shm transport .or auto.s links through it. maps"),
     ({"messenger": {"transport": "shm"}, "parallel": {"tp": 2}}, "parallel.tp > 1"),
     ({"messenger": {"transport": "shm"}, "model": {"device": "cuda:0"}}, "on a GPU"),
     ({"messenger": {"transport": "shm", "staging": "cpu"}}, "staging cpu"),
