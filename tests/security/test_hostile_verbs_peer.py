@@ -84,8 +84,8 @@ def nodes(tiny_model_dir, tmp_path, request):
         running.append(imp)
         dec = proc("decode", "decode", env, transport, decode_messenger,
                    peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
-        pre.wait_healthy(60)
-        dec.wait_healthy(60)
+        pre.wait_healthy()
+        dec.wait_healthy()
         wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 30, "both peers connected")
         return pre, imp, dec
 

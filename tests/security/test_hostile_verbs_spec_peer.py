@@ -38,7 +38,7 @@ def test_proposer_writes_outside_their_ranges_get_remote_access_errors(mtp_dir, 
     d["speculative"] = {"method": "mtp", "num_tokens": SPEC_TOKENS}
     dec = NodeProc(tmp_path, "decode", d, env)
     try:
-        dec.wait_healthy(60)
+        dec.wait_healthy()
         name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
         end = time.monotonic() + 60
         for i in range(2):  # one attack per connection; the impostor then closes it
