@@ -25,6 +25,7 @@ def mtp_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mtp"), seed=0, num_nextn_predict_layers=1)
 
 
+@pytest.mark.slow  # a node process and an impostor: ~30 s
 def test_proposer_writes_outside_their_ranges_get_remote_access_errors(mtp_dir, tmp_path, loopback_verbs_dir):
     from _verbs_impostor import SPEC_TOKENS
 
