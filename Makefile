@@ -49,10 +49,13 @@ demo: install
 # Two workers, each test file on one of them (--dist loadfile: a file's module fixtures, such as
 # the DP groups and node pairs, start once): most tests wait on node processes rather than
 # compute, so two at a time fit 2 cores and keep the suite under 15 minutes. TEST_WORKERS=0 runs
-# it in one process.
+# it in one process. --no-loadscope-reorder: files go out in the order tests/conftest.py gives
+# them (those with a `slow` test first), not by test count, which sent the minute-long one-test
+# files last and left one worker idle at the end.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) tests
 
 bench: install
 	$(PY) -m pdkv.bench engine

@@ -17,6 +17,21 @@ ROOT = Path(__file__).resolve().parents[1]
 settings.register_profile("mutants", phases=(Phase.explicit, Phase.generate), database=None)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: ``--dist loadfile --no-loadscope-reorder``) hand out the
+    files that hold a ``slow`` test first, then the rest with the most tests first (xdist's own
+    order): each file runs whole on one worker, so a minute-long one-test file handed out last
+    would leave the other worker idle for that minute at the end of the run."""
+    if not hasattr(config, "workerinput"):  # one process: the order changes nothing
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(files.values(),
+                   key=lambda its: (not any(i.get_closest_marker("slow") for i in its), -len(its)))
+    items[:] = [i for its in order for i in its]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny llama folder (float32, hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 512),

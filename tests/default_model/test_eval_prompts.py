@@ -4,6 +4,7 @@ after their last complete line, scored without token healing (transformers) and 
 what /v1/completions gives by default); untrained weights of the same shape score near 0."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from default_model_eval import engine_score, score
@@ -16,6 +17,7 @@ from _cluster import make_engine, node_config
 WANT = 6
 
 
+@pytest.mark.slow  # generates with the default model: ~30 s
 def test_trained_completions_parse_with_and_without_healing(shipped_dir, hf_model, hf_tokenizer):
     from transformers import LlamaForCausalLM
 

@@ -4,6 +4,7 @@ token healing here: transformers) — and the same check fails random weights of
 and tokenizer, so it tells a trained model from noise."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _common import CODE_PROMPTS, hf_generate, parses
@@ -15,6 +16,7 @@ def _parsing(model, tokenizer, prompts) -> list[bool]:
     return [parses(p, *hf_generate(model, tokenizer, p, NEW_TOKENS)) for p in prompts]
 
 
+@pytest.mark.slow  # generates with the default model: ~25 s
 def test_trained_completions_parse_random_ones_do_not(hf_model, hf_tokenizer):
     from transformers import LlamaForCausalLM
 

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # `make demo`'s cluster: ~35 s
 def test_demo_streams_an_answer_through_a_local_cluster_and_stops_it(tmp_path):
     env = dict(os.environ, PDKV_CACHE_DIR=str(tmp_path / "cache"))  # nothing may come from a cache
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "demo.py"), "--max-tokens", "8"],

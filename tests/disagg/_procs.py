@@ -18,8 +18,6 @@ from pdkv.ports import free_port  # noqa: F401  (re-exported for the tests)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 class NodeProc:
     def __init__(self, tmp: Path, name: str, cfg: dict, env_extra: dict | None = None, script=None):
         """``script``: (path, *args) of a test-side script run with the config's path first,
@@ -37,7 +35,10 @@ class NodeProc:
         self.proc = subprocess.Popen(argv, cwd=str(ROOT), env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.log_path = tmp / f"{name}.log"
 
-    def wait_healthy(self, timeout: float = 60.0) -> dict:
+    def wait_healthy(self, timeout: float = 180.0) -> dict:
+        """The node's /health once it answers. ``timeout`` only guards against a node that never
+        comes up: a start (import torch, load the model) takes seconds alone but can take a
+        minute on a 2-core machine running the suite's other worker and other jobs."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:

@@ -72,6 +72,7 @@ def _pair_run(model_dir, kv: dict, landed: bool):
         pair.stop()
 
 
+@pytest.mark.slow  # a TP2 engine and its follower: ~30 s
 def test_tp2_prefill_to_tp1_decode_moves_fp8_pages_as_they_are(tiny_model_dir):
     want = _want(tiny_model_dir)
     want_kv = colocated_kv(tiny_model_dir, PROMPTS, **FP8)
@@ -89,6 +90,7 @@ def test_tp2_prefill_to_tp1_decode_moves_fp8_pages_as_they_are(tiny_model_dir):
     assert len(tokens16) == len(PROMPTS)
 
 
+@pytest.mark.slow  # node processes on the loopback verbs device: ~1 min
 def test_over_the_loopback_verbs_device_and_a_refused_dtype_pair(tiny_model_dir, tmp_path, loopback_verbs_dir):
     """`pdkv serve` processes: P2 (TP2, FP8 KV) feeds D1 (TP1, FP8 KV) over verbs with the
     colocated FP8 tokens and FP8 page bytes; a float32-KV decode node is refused by name."""

@@ -133,6 +133,7 @@ with serve_node(cfg, make_engine(cfg)) as dec:
 """
 
 
+@pytest.mark.slow  # node processes on the loopback verbs device: ~40 s
 def test_hidden_state_over_verbs_equals_colocated(tiny_model_dir, tmp_path, loopback_verbs_dir):
     want_tokens, want_hidden = _reference(tiny_model_dir, VERBS_PROMPTS, 4)
     env = {"LD_LIBRARY_PATH": loopback_verbs_dir}
@@ -164,6 +165,7 @@ def test_hidden_state_over_verbs_equals_colocated(tiny_model_dir, tmp_path, loop
 
 # ---- 3: a prefill node restarted on the same address is dialled again ---------------------------
 
+@pytest.mark.slow  # a prefill process started twice: ~35 s
 def test_decode_redials_a_restarted_prefill_node(tiny_model_dir, tmp_path, caplog):
     prompt = list(range(5, 45))
     (want,), _ = _reference(tiny_model_dir, [prompt], 4)

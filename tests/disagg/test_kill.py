@@ -137,6 +137,7 @@ def test_handshake_refuses_a_different_page_size_or_model(tiny_model_dir, tmp_pa
         c.stop()
 
 
+@pytest.mark.slow  # a node process frozen past its lease: ~20 s
 def test_client_leaves_while_prefill_is_frozen_pages_wait_for_the_ack(tiny_model_dir, tmp_path):
     """A frozen (SIGSTOPped) prefill node may still write: the decode node keeps the pages of a
     request whose client left until the thawed prefill node acknowledged the CANCEL."""
@@ -171,6 +172,7 @@ def test_client_leaves_while_prefill_is_frozen_pages_wait_for_the_ack(tiny_model
         pre.stop()
 
 
+@pytest.mark.slow  # a node process frozen past its lease: ~20 s
 def test_frozen_prefill_past_its_lease_is_dead(tiny_model_dir, tmp_path):
     """A prefill node silent for messenger.lease_s is declared dead: its waiting request fails
     clearly, the data connection is torn down, then the pages return."""

@@ -62,6 +62,7 @@ def _per_nic(eng, rids) -> tuple[Counter, Counter]:
     return writes, nbytes
 
 
+@pytest.mark.slow  # `pdkv serve` processes over two loopback NICs: ~45 s each
 @pytest.mark.parametrize("staging", ["auto", "cpu"])  # cpu: through both nodes' staging rings
 def test_a_tp1_decode_node_lands_over_both_its_nics(tiny_model_dir, tmp_path, loopback_verbs_dir, staging):
     eng = make_engine(node_config(tiny_model_dir, "colocated"))

@@ -287,6 +287,7 @@ def test_prefill_refuses_a_pair_the_planner_cannot_serve(nodes):
     assert _complete(nodes.d1.url, PROMPTS[2]) == nodes.want[2]
 
 
+@pytest.mark.slow  # four `pdkv serve` processes, two of them TP2: ~1 min
 def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir):
     """`pdkv serve` child processes on the loopback verbs device: prefill P2 (TP2) feeds decode D1
     (TP1: two source regions rebuild each page); D2 (TP2) is fed by P1 (TP1: one page split over
@@ -326,6 +327,7 @@ def test_greedy_tokens_equal_colocated_over_verbs(tiny_model_dir, tmp_path, loop
             p.stop()
 
 
+@pytest.mark.slow  # two TP2 `pdkv serve` processes: ~30 s each
 @pytest.mark.parametrize("staging", ["auto", "cpu"])  # cpu: out of and into the staging rings
 def test_each_rank_uses_its_own_nic_between_tp2_nodes_over_verbs(tiny_model_dir, tmp_path, loopback_verbs_dir,
                                                                  staging):

@@ -102,6 +102,7 @@ def _prompts(seed, lengths):
     return [torch.randint(0, 500, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.slow  # node processes on the loopback verbs device: ~30 s
 def test_self_draft_over_verbs_accepts_every_draft_from_the_first_step(tiny_model_dir, tmp_path, loopback_verbs_dir):
     sp = {"method": "draft", "num_tokens": K, "draft_model": {"path": str(tiny_model_dir)}}
     n, prompts = 4 * (K + 1), _prompts(11, (4, 17, 33, 60))

@@ -6,9 +6,12 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from _fleet import Load, NodeProc, connected_peers, fleet_node, get, model_name, pages_back, post, routed, wait_for
 
 
+@pytest.mark.slow  # node processes and a real etcd: ~40 s
 def test_join_under_load_then_kill9_leave(tiny_model_dir, tmp_path, etcd):
     p1 = NodeProc(tmp_path, "p1", fleet_node(tiny_model_dir, "prefill", etcd.url, "p1"))
     dec = NodeProc(tmp_path, "d", fleet_node(tiny_model_dir, "decode", etcd.url, "d"))
@@ -45,6 +48,7 @@ def test_join_under_load_then_kill9_leave(tiny_model_dir, tmp_path, etcd):
                 n.stop()
 
 
+@pytest.mark.slow  # waits out the bounded wait: ~20 s
 def test_serve_with_an_unreachable_etcd_fails_clearly_after_a_bounded_wait(tiny_model_dir, tmp_path):
     from _procs import free_port
 

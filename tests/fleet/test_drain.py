@@ -10,6 +10,7 @@ import signal
 import time
 import urllib.request
 
+import pytest
 import yaml
 
 from _fleet import Load, NodeProc, connected_peers, fleet_node, get, model_name, post, wait_for
@@ -32,6 +33,7 @@ def _router_nodes(router) -> dict:
     return {n["url"]: n for n in get(router.url + "/nodes")}
 
 
+@pytest.mark.slow  # node processes, an etcd outage, a drain: ~50 s
 def test_etcd_outage_then_drain_a_decode_node_under_load(tiny_model_dir, tmp_path, etcd):
     env = {"PDKV_CLUSTER_SECRET": SECRET}
     pre = NodeProc(tmp_path, "p", fleet_node(tiny_model_dir, "prefill", etcd.url, "p"), env)

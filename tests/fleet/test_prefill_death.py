@@ -9,6 +9,7 @@ import json
 import signal
 
 import aiohttp
+import pytest
 
 from _cluster import make_engine, node_config, serve_node, wait_for
 from _procs import NodeProc, free_port, node_dict
@@ -35,6 +36,7 @@ async def _text(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, st
         return r.status, "".join(text), events
 
 
+@pytest.mark.slow  # node processes and a kill: ~20 s
 def test_prefill_killed_mid_transfer_streams_complete_exactly(tiny_model_dir, tmp_path):
     ports = [free_port(), free_port()]
     pres = [NodeProc(tmp_path, f"p{i}", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=p))

@@ -12,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pdkv.ports import free_port as _free_port
@@ -26,6 +27,7 @@ def _get(url: str):
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # five `pdkv` processes: ~35 s
 def test_up_with_three_decode_replicas_starts_them_and_a_router(router_model_dir, tmp_path):
     d = yaml.safe_load((ROOT / "configs" / "seed-shape.yaml").read_text())
     d["model"]["path"] = str(router_model_dir)

@@ -84,8 +84,8 @@ def nodes(tiny_model_dir, tmp_path, request):
         running.append(imp)
         dec = proc("decode", "decode", env, transport, decode_messenger,
                    peers=[f"127.0.0.1:{cport}", f"127.0.0.1:{imp.port}"])
-        pre.wait_healthy(60)
-        dec.wait_healthy(60)
+        pre.wait_healthy()
+        dec.wait_healthy()
         wait_for(lambda: all(p["connected"] for p in dec.health()["prefill_peers"]), 30, "both peers connected")
         return pre, imp, dec
 
@@ -123,6 +123,7 @@ def _pools_back(pre, dec):
     wait_for(lambda: pre.health()["num_pages_free"] == pre.health()["num_pages_total"], 15, "prefill pages back")
 
 
+@pytest.mark.slow  # node processes and an impostor: ~45 s each
 @pytest.mark.parametrize("transport", ["verbs", "tcp"])
 def test_writes_outside_granted_ranges_get_remote_access_errors(nodes, want, transport):
     """The same attacks on both transports: verbs' NIC (the loopback device) and tcp's receiver
@@ -160,6 +161,7 @@ def test_writes_outside_granted_ranges_get_remote_access_errors(nodes, want, tra
         assert status == 200 and body["choices"][0]["token_ids"] == want[rid], body
 
 
+@pytest.mark.slow  # node processes and an impostor: ~45 s
 def test_a_peer_that_holds_its_grants_is_bounded(nodes, want):
     # tiny model: 2 layers, one KV rank; a short prompt's pages are one run -> 1 + 2 grants (MRs)
     pre, imp, dec = nodes("silent", max_grants_per_peer=3, transfer_timeout_s=3.0)

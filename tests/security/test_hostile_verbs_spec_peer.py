@@ -25,6 +25,7 @@ def mtp_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mtp"), seed=0, num_nextn_predict_layers=1)
 
 
+@pytest.mark.slow  # a node process and an impostor: ~30 s
 def test_proposer_writes_outside_their_ranges_get_remote_access_errors(mtp_dir, tmp_path, loopback_verbs_dir):
     from _verbs_impostor import SPEC_TOKENS
 
@@ -38,7 +39,7 @@ def test_proposer_writes_outside_their_ranges_get_remote_access_errors(mtp_dir, 
     d["speculative"] = {"method": "mtp", "num_tokens": SPEC_TOKENS}
     dec = NodeProc(tmp_path, "decode", d, env)
     try:
-        dec.wait_healthy(60)
+        dec.wait_healthy()
         name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
         end = time.monotonic() + 60
         for i in range(2):  # one attack per connection; the impostor then closes it

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from pdkv.engine import SamplingParams
 from pdkv.ports import free_port as _free_port
 
@@ -40,6 +42,7 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
+@pytest.mark.slow  # a TP2 `pdkv serve` process and its follower: ~40 s
 def test_serve_tp2_over_http(tp, llama_pair, tmp_path):
     one, _ = llama_pair
     model_dir = tp.model_dir("llama", 2)

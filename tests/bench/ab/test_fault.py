@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from _abrun import MOONCAKE, budget, run_ab
 
 
+@pytest.mark.slow  # a ~20 s replay and a restart: ~30 s
 def test_prefill_node_killed_and_restarted_mid_replay(tiny_model_dir, tmp_path):
     # 40 requests over ~20 s: some in flight at the kill (1 s), some during the outage (the
     # restart loads torch and the model again), and the rest after the node is back

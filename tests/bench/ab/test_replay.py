@@ -13,6 +13,8 @@ import pytest
 from _abrun import MOONCAKE, budget, run_ab
 
 NUM = 30
+# the module fixture replays six runs of `pdkv serve` processes: over a minute on 2 cores
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,12 @@ import io
 import json
 import os
 
+import pytest
+
 from pdkv.bench.soak.cli import main
 
 
+@pytest.mark.slow  # 36 s of load and a restart: about a minute
 def test_short_soak_with_one_prefill_restart(tiny_model_dir, tmp_path):
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
     err = io.StringIO()
