@@ -213,6 +213,10 @@ class DisaggConfig:
     # loaded node's (its prefix cache may hold those pages). 0 pages: off.
     affinity_pages: int = 4
     affinity_max_extra_tokens: int = 2048
+    # A prefill node dying mid-transfer: this node revokes its grants and sends the PREFILL to
+    # another live prefill node, at most this many times per request (then, or with no other
+    # node live, the request fails with a 503 + Retry-After, which a router retries). 0: off.
+    prefill_retries: int = 2
 
 
 @dataclass(frozen=True)

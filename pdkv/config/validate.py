@@ -176,6 +176,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
          f"an integer in [0, {MAX_AFFINITY_PAGES}] (0: no prefix affinity)", dg.affinity_pages)
     need(dg.affinity_max_extra_tokens >= 0, "disagg.affinity_max_extra_tokens",
          "zero or a positive number of queued prompt tokens", dg.affinity_max_extra_tokens)
+    need(isinstance(dg.prefill_retries, int) and 0 <= dg.prefill_retries <= 16, "disagg.prefill_retries",
+         "an integer in [0, 16] (0: a prefill node dying mid-transfer fails its requests)", dg.prefill_retries)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

@@ -70,6 +70,8 @@ class DecodeCoordinator(PrefillSender):
         # NOTE: grants are made in one thread, never on the event loop (verbs: an MR per range)
         self._grant_pool = ThreadPoolExecutor(1, thread_name_prefix="pdkv-decode-grant")
         self._granting: dict[str, bool] = {}  # rid -> its client left while the grant thread ran
+        # rid -> its client left while its reservation was reset for another prefill node
+        self._resending: dict[str, bool] = {}
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
@@ -213,6 +215,10 @@ class DecodeCoordinator(PrefillSender):
             self.metrics.failed("cancelled")
             self._granting[rid] = True
             return
+        if rid in self._resending:  # its dead peer's grants are being revoked: nothing is sent again
+            self.metrics.failed("cancelled")
+            self._resending[rid] = True
+            return
         slot = self.by_rid.get(rid)
         if slot is None and self.landing is not None and self.landing.copying(rid):
             self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
@@ -339,13 +345,16 @@ class DecodeCoordinator(PrefillSender):
             peer.channel = None
         if was_dead and not peer.slots:
             return
-        log.warning("decode: prefill node at %s:%d is gone (%s); failing %d request(s)", peer.host, peer.port,
-                    reason, len(peer.slots))
+        log.warning("decode: prefill node at %s:%d is gone (%s); %d request(s) in transfer go to another "
+                    "prefill node (disagg.prefill_retries %d) or fail", peer.host, peer.port, reason,
+                    len(peer.slots), self.cfg.disagg.prefill_retries)
         try:
             self.m.disconnect(peer.conn)  # joins its receive threads: no write of it lands after this
         except Exception as e:  # noqa: BLE001
             log.warning("decode: disconnect failed: %s", e)
         for slot in list(peer.slots.values()):
+            if slot.state == SlotState.SENT and self._retry(slot, "peer_dead"):
+                continue  # its PREFILL goes to another prefill node
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
                 what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
@@ -354,6 +363,40 @@ class DecodeCoordinator(PrefillSender):
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)
+
+    def _retry(self, slot: Slot, cause: str) -> bool:
+        """``slot``'s prefill node died before every write landed (its data connection is torn
+        down, or it never got the PREFILL): unless the request used its disagg.prefill_retries,
+        the slot ends without its reservation, which is reset (the dead node's grants revoked;
+        the row, landing slots and pages kept) and then granted to another live prefill node,
+        with a new slot and a new immediate (a stale count cannot reach it). False: the caller
+        fails the request as before."""
+        if slot.res.resets >= self.cfg.disagg.prefill_retries or not any(
+                p is not slot.peer for p in self.links.live()):
+            return False
+        if slot.timer is not None:
+            slot.timer.cancel()
+        self.slots.pop(slot.imm, None)
+        if self.by_rid.get(slot.rid) is slot:
+            del self.by_rid[slot.rid]
+        slot.peer.slots.pop(slot.imm, None)
+        slot.state = SlotState.RELEASED
+        self.m.forget(slot.imm)
+        self._resending[slot.rid] = False
+        self.metrics.retried(cause)
+        log.info("decode: sending %s's PREFILL to another prefill node (%s, try %d of %d)", slot.rid, cause,
+                 slot.res.resets + 1, self.cfg.disagg.prefill_retries)
+        slot.res.reset(lambda: self._resend(slot))
+        return True
+
+    def _resend(self, slot: Slot) -> None:
+        """The dead node's grants of ``slot`` are revoked: grant and send its PREFILL again (the
+        chooser picks among the live nodes; none left: a 503), unless its client left meanwhile."""
+        if self._resending.pop(slot.rid, False):  # the engine quarantined its pages: they go back
+            slot.res.release(pages=True)
+            return
+        tokens, cached, ask = slot.job
+        self.send_prefill(slot.rid, list(tokens), list(slot.kv_pages), slot.res.row, None, cached, ask, res=slot.res)
 
     def _free(self, slot: Slot, release: bool, then=None) -> None:
         """The slot ends: no write of it can land any more. Its reservation is released: the

@@ -98,6 +98,34 @@ def test_an_unsent_reservation_gives_its_row_back():
     assert mem.events == [("cmd", "ReleasePages", "r")] and mem.held == {7: 3}
 
 
+def test_reset_revokes_the_dead_peers_grants_and_keeps_the_rest_for_another():
+    mem, again = _Memory(busy_rounds=1), []
+    res = _granted(mem)
+    assert res.reset(lambda: again.append(res.grants)) is True
+    # revoked (one range busy: retried), nothing else went back, and only then the resend ran
+    assert mem.events == [("revoke", 7, 3), ("revoke", 7, 1)] and again == [()] and mem.held == {7: 0}
+    assert mem.live == {"r": res} and sorted(mem.rows._free) == [1] and not res.released
+    res.granted(9, (Range(1, 0, 8),))  # another prefill node: granted the same pages afresh
+    mem.held[9] = 1
+    assert res.release(pages=True) is True
+    assert mem.events[2:] == [("revoke", 9, 1), ("landing", "r"), ("cmd", "ReleasePages", "r")]
+    assert mem.held == {7: 0, 9: 0} and sorted(mem.rows._free) == [0, 1] and res.resets == 1
+    assert res.reset(lambda: again.append("no")) is False and again == [()]  # released: no reset
+
+
+def test_a_release_during_a_reset_waits_for_its_revocation_and_then_gives_back_once():
+    mem, again, pending = _Memory(busy_rounds=1), [], []
+    mem.later = lambda delay, fn, *args: pending.append((fn, args))  # the retry runs when we say
+    res = _granted(mem)
+    res.reset(lambda: again.append("resend"))
+    assert res.release(pages=True) is True and res.release(pages=True) is False  # the node stops
+    assert mem.events == [("revoke", 7, 3)] and sorted(mem.rows._free) == [1]  # a write may land still
+    fn, args = pending.pop()
+    fn(*args)
+    assert again == [] and mem.events[1:] == [("revoke", 7, 1), ("landing", "r"), ("cmd", "ReleasePages", "r")]
+    assert sorted(mem.rows._free) == [0, 1] and not mem.live and mem.held == {7: 0}
+
+
 # ---- on a real pair --------------------------------------------------------------------------------
 DELAY = ("delay", 0, 0, 700_000)  # every prefill write lands 0.7 s late: each transfer is in flight a while
 
