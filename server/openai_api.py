@@ -212,8 +212,6 @@ class OpenAIRoutes:
             return body
 
         def choice_of(c: Choice, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
-            if gen.resume_text and c.index not in started:  # a resumed stream owes the held-back text
-                text = gen.resume_text + text
             records = c.logprobs[sent_lps[c.index]:len(c.logprobs)] if req.logprobs is not None else []
             sent_lps[c.index] = len(c.logprobs)
             if chat:

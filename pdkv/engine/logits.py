@@ -133,6 +133,7 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
     for row, req, drafts in rows:
         p = req.params
         out = req.output_token_ids + drafts
+        hist = req.resumed_ids + out if p.resume is not None else out  # a resume: all the output
         if p.allowed_token_ids is not None:
             only.append((row, p.allowed_token_ids))
         if p.min_tokens and len(out) < p.min_tokens:
@@ -140,7 +141,7 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
             ban_r += [row] * len(stops)
             ban_t += list(stops)
         for w in p.bad_words_ids:
-            if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]):
+            if len(w) == 1 or (len(hist) >= len(w) - 1 and hist[len(hist) - len(w) + 1:] == w[:-1]):
                 ban_r.append(row)
                 ban_t.append(w[-1])
         if p.logit_bias:
@@ -149,8 +150,8 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
             bias_v += list(p.logit_bias.values())
         if p.frequency_penalty or p.presence_penalty:
             pen_rows.append(row)
-            cnt_r += [len(pen_rows) - 1] * len(out)
-            cnt_t += out
+            cnt_r += [len(pen_rows) - 1] * len(hist)
+            cnt_t += hist
             freq.append(p.frequency_penalty)
             pres.append(p.presence_penalty)
         if p.repetition_penalty != 1.0:

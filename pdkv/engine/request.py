@@ -83,6 +83,13 @@ class Request:
     healing: object = None
     priority: int = 0  # scheduler.policy priority: lower runs first (vLLM's request field)
     seq: int = 0  # submission order on this node (the scheduler's tie-break after arrival)
+    generator_skip: int = 0  # draws the seeded generator must make before its first (a resume)
+
+    @property
+    def resumed_ids(self) -> list[int]:
+        """The prompt's last tokens that are output of the node the stream began on (a resume)."""
+        r = self.params.resume
+        return self.prompt_token_ids[r.prompt_len:] if r is not None else []
 
     @property
     def num_prompt_tokens(self) -> int:

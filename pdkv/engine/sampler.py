@@ -32,6 +32,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return x
 
 
+def advance(gen: torch.Generator, draws: int, vocab: int) -> None:
+    """Moves ``gen`` past ``draws`` of this sampler's draws over ``vocab`` tokens: a resumed
+    stream's generator continues where the first node's was. A draw's use of the generator
+    depends on the shape of what it draws from only (one exponential per token), not on the
+    probabilities: drawing from a uniform row consumes exactly what the real draw did."""
+    ones = torch.ones(vocab)
+    for _ in range(draws):
+        torch.multinomial(ones, 1, generator=gen)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids=()):
         """``eos_token_ids``: what min_tokens holds back (pdkv/engine/logits.py)."""
@@ -55,5 +65,8 @@ class Sampler:
         probs = x.softmax(-1)
         for j, i in enumerate(rows):
             gen = requests[i].generator if requests[i].generator is not None else self.generator
+            if requests[i].generator is not None and requests[i].generator_skip:
+                advance(gen, requests[i].generator_skip, V)
+                requests[i].generator_skip = 0
             greedy[i] = int(torch.multinomial(probs[j], 1, generator=gen))
         return greedy

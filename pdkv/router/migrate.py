@@ -12,9 +12,12 @@ on with exactly the tokens an undisturbed run gives, none lost or repeated; chun
 
 Only streams with one choice and no echo migrate, at most ``migration_limit`` times and while
 they have streamed at most ``migration_max_tokens`` tokens (what the router holds per stream).
-Not carried yet: a seeded sampler's position (a sampled, seeded stream continues from a fresh
-generator on the new node), structured output (refused by the node: the stream ends with the
-SSE error), a reasoning parser's state for chat.
+The new node replays the resumed tokens into the request's state (pdkv.engine.params.Resume):
+the seeded generator's position (a seeded sampled stream goes on with the tokens an undisturbed
+run gives), the detokenizer's (text held back for a stop string, a stop string spanning the
+point of failure, a character whose bytes the failure split), the structured-output matcher's
+and the penalties' counts. Not carried: a tool parser's state (requests with ``tools`` do not
+migrate) and a chat reasoning parser's (the new node's parser starts outside any reasoning).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ def migratable(body: dict | None, limit: int) -> bool:
         return False
     if body.get("n", 1) != 1 or body.get("echo") or "pdkv_resume" in body:
         return False
-    return not any(k in body for k in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                       "guided_choice", "guided_grammar", "tools"))
+    return "tools" not in body  # a tool parser's state is not carried
 
 
 @dataclass
