@@ -247,6 +247,9 @@ class DecodeCoordinator(PrefillSender):
             kind = M.message_class(raw, M.TO_DECODE)
             # PROMPT_LOGPROBS is checked against what its slot asked, below
             msg = kind.parse(raw) if kind is not M.PromptLogprobs else None
+            if isinstance(msg, M.Draining):  # about the peer: the chooser skips it while draining
+                self.links.set_draining(peer.host, peer.port, msg.draining)
+                return
             rid = msg.req if msg is not None else M.request_id(raw)
         except M.MessageError as e:
             self._rlog.warning(f"bad_message:{peer.host}:{peer.port}", "decode: ignoring a control message from "
