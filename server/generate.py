@@ -82,6 +82,7 @@ class Generation:
             self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
                                      for p in req.prompts]
         self.resume: Resume | None = None  # a migrated stream's state (the engine replays it)
+        self.resume_replay = ""  # the output text the client has of a resumed stream
         if req.resume_token_ids:
             resume = list(req.resume_token_ids)
             if req.max_tokens is not None and req.max_tokens <= len(resume):
@@ -109,6 +110,12 @@ class Generation:
                 finally:
                     mask.close()
             self.resume = Resume(len(prompt), req.resume_text_chars, skip)
+            # the text of the resumed tokens the client has: a chat stream's output parser
+            # (reasoning) is fed it first, so it is in the state the first node's was
+            det = IncrementalDetokenizer(tok, prompt, [], not self.keep_special_tokens, skip_prefix=skip)
+            for t in resume:
+                det.add(t)
+            self.resume_replay = det.text[:req.resume_text_chars]
             self.prompt_token_ids = [prompt + resume]
         bad_words = [w for word in req.bad_words for w in _word_ids(tok, word)]
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None

@@ -17,7 +17,9 @@ the seeded generator's position (a seeded sampled stream goes on with the tokens
 run gives), the detokenizer's (text held back for a stop string, a stop string spanning the
 point of failure, a character whose bytes the failure split), the structured-output matcher's
 and the penalties' counts. Not carried: a tool parser's state (requests with ``tools`` do not
-migrate) and a chat reasoning parser's (the new node's parser starts outside any reasoning).
+migrate). A chat stream's reasoning parser is fed, on the new node, the output text the client
+has (its node counts it in each chunk as ``pdkv_text_chars``: the deltas drop the reasoning
+tags, so the router cannot count it from them), so it goes on in the state the first one's was.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class StreamState:
                 self.prompt_token_ids = ch["prompt_token_ids"]
             ids = ch.get("token_ids") or []
             self.token_ids.extend(ids)
+            fed = ch.pop("pdkv_text_chars", None)  # the node's own count, never the client's
             if self.chat:
                 delta = ch.get("delta") or {}
                 text = delta.get("content") or ""
@@ -96,7 +99,10 @@ class StreamState:
                     keep = False  # the new node's opening role chunk: the client had it
             else:
                 text = ch.get("text") or ""
-            self.text_chars += len(text)
+            if isinstance(fed, int) and not isinstance(fed, bool) and fed >= self.text_chars:
+                self.text_chars = fed  # chat: the output text given to its parser (reasoning tags too)
+            else:
+                self.text_chars += len(text)
             if ch.get("finish_reason") is not None:
                 self.finished = True
             if not self.client_token_ids:

@@ -221,3 +221,65 @@ def test_resume_carries_seed_stop_strings_split_characters_and_structured_output
     cuts, bad = rt.run(main())
     assert cuts == 6
     assert bad[0] == 400 and "pdkv_resume" in bad[1] and "structured output" in bad[1], bad
+
+
+def _chat_view(events: list[bytes]) -> tuple[str, str, list[int]]:
+    """(reasoning_content, content, token ids) of a chat stream's SSE events as a client sees them."""
+    reasoning, content, ids = "", "", []
+    for e in events:
+        d = e.strip()[6:] if e.strip().startswith(b"data: ") else b""
+        if not d or d == b"[DONE]":
+            continue
+        msg = json.loads(d)
+        assert "error" not in msg, msg
+        for ch in msg["choices"]:
+            reasoning += ch["delta"].get("reasoning_content") or ""
+            content += ch["delta"].get("content") or ""
+            ids += ch.get("token_ids") or []
+    return reasoning, content, ids
+
+
+async def _raw_events(s, url, body) -> list[bytes]:
+    async with s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return [e + b"\n\n" for e in (await r.read()).split(b"\n\n") if e.strip()]
+
+
+def test_resume_carries_a_chat_reasoning_parsers_state(rt, router_model_dir):
+    """Chat with a reasoning parser: the router's StreamState cuts a stream (every output of
+    this model is reasoning under deepseek_r1, whose deltas drop the tags) and the node resumes
+    it: reasoning and content equal the undisturbed run's; under qwen3, resumed tokens that
+    opened a think block leave the new node's parser inside it."""
+    from pdkv.router.migrate import StreamState
+
+    r1 = rt.Node(router_model_dir, 0, "server.reasoning_parser=deepseek_r1")
+    q3 = rt.Node(router_model_dir, 0, "server.reasoning_parser=qwen3")
+    body = {"messages": [{"role": "user", "content": "raccontami"}], "max_tokens": 30, "temperature": 1.0,
+            "seed": 99, "ignore_eos": True, "stream": True}
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                want = await _raw_events(s, r1.url, {**body, "return_token_ids": True})
+                results = []
+                for cut in (3, 9, 20):
+                    st = StreamState(chat=True, client_token_ids=True)
+                    head = st.feed(b"".join(want[:cut]), False)  # what the client had at the break
+                    rest = st.feed(b"".join(await _raw_events(s, r1.url, st.resume_body(body))), True)
+                    results.append((cut, st.text_chars, head + rest))
+                # qwen3: the first node's output opened a think block just before the break
+                tok = q3.engine.tokenizer
+                opened = tok.encode("<think>\nhmm", add_special_tokens=False)
+                resume = {"token_ids": opened, "text_chars": len(tok.decode(opened))}
+                inside = await _raw_events(s, q3.url, {**body, "return_token_ids": True, "pdkv_resume": resume})
+                return want, results, inside
+        want, results, inside = rt.run(main())
+        wr, wc, wids = _chat_view(want)
+        assert wr and not wc  # deepseek_r1: everything this model says is reasoning
+        for cut, chars, got in results:
+            gr, gc, gids = _chat_view(got.split(b"\n\n"))
+            assert chars > 0 and gids == wids and (gr, gc) == (wr, wc), (cut, chars, gr[:40], wr[:40])
+        ir, ic, _ = _chat_view(inside)
+        assert ir and not ic, (ir[:40], ic[:40])  # the parser is in the think block it was in
+    finally:
+        r1.stop()
+        q3.stop()
