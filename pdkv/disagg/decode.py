@@ -44,7 +44,7 @@ from pdkv.fleet.admission import TTFTEstimator
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
-from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
+from pdkv.engine.loop import FailRequest, PrefillHere, ReleasePages, RemoteKVReady
 
 log = logging.getLogger(__name__)
 
@@ -372,10 +372,16 @@ class DecodeCoordinator(PrefillSender):
         down, or it never got the PREFILL): unless the request used its disagg.prefill_retries,
         the slot ends without its reservation, which is reset (the dead node's grants revoked;
         the row, landing slots and pages kept) and then granted to another live prefill node,
-        with a new slot and a new immediate (a stale count cannot reach it). False: the caller
-        fails the request as before."""
-        if slot.res.resets >= self.cfg.disagg.prefill_retries or not any(
-                p is not slot.peer for p in self.links.live()):
+        with a new slot and a new immediate (a stale count cannot reach it); with no other node
+        live and disagg.local_fallback, it is released (the row and landing slots back) and the
+        engine computes the prompt here into the pages it holds. False: the caller fails the
+        request as before."""
+        if slot.res.resets >= self.cfg.disagg.prefill_retries:
+            return False
+        # no other prefill node live: computed here when conditional disaggregation allows it
+        # (with a speculative hand-off the proposer's KV would have to be made here too: not done)
+        here = not any(p is not slot.peer for p in self.links.live())
+        if here and not (self.cfg.disagg.local_fallback and self.spec is None):
             return False
         if slot.timer is not None:
             slot.timer.cancel()
@@ -386,11 +392,20 @@ class DecodeCoordinator(PrefillSender):
         slot.state = SlotState.RELEASED
         self.m.forget(slot.imm)
         self._resending[slot.rid] = False
-        self.metrics.retried(cause)
+        self.metrics.retried(cause, "local" if here else "remote")
+        if here:  # the row and landing slots go back once the grants are gone; the pages stay the engine's
+            log.info("decode: prefilling %s here (%s; no other prefill node is live)", slot.rid, cause)
+            slot.res.release(pages=False, then=lambda: self._prefill_here(slot.rid))
+            return True
         log.info("decode: sending %s's PREFILL to another prefill node (%s, try %d of %d)", slot.rid, cause,
                  slot.res.resets + 1, self.cfg.disagg.prefill_retries)
         slot.res.reset(lambda: self._resend(slot))
         return True
+
+    def _prefill_here(self, rid: str) -> None:
+        """The dead node's grants of ``rid`` are revoked: its prompt is computed here (the
+        engine unpins its pages), unless its client left meanwhile (then they go back)."""
+        self.commands(ReleasePages(rid) if self._resending.pop(rid, False) else PrefillHere(rid))
 
     def _resend(self, slot: Slot) -> None:
         """The dead node's grants of ``slot`` are revoked: grant and send its PREFILL again (the

@@ -174,7 +174,10 @@ def _leave_mid_transfer(c, body):
 
 
 def test_every_ending_releases_each_reservation_exactly_once(tiny_model_dir, track):
-    c = Cluster(tiny_model_dir, prefill_faults=[DELAY], prefill_over={"kv_cache__num_pages": 8})
+    # disagg.prefill_retries 0: the prefill node's death ends the request (with retries it is
+    # prefilled here instead: tests/fleet/test_prefill_death.py)
+    c = Cluster(tiny_model_dir, prefill_faults=[DELAY], prefill_over={"kv_cache__num_pages": 8},
+                decode_over={"disagg__prefill_retries": 0})
     try:
         name = c.model_name()
         # done: the KV lands, the engine owns the pages from then on
@@ -229,3 +232,26 @@ def test_shutdown_releases_what_is_in_flight(tiny_model_dir, track):
         assert c.decode_engine.allocator.num_free == c.decode_engine.allocator.num_total
     finally:
         c.prefill.stop()
+
+
+def test_a_dead_prefill_nodes_request_is_prefilled_here_and_released_once(tiny_model_dir, track):
+    """The only prefill node dies mid-transfer (disagg.prefill_retries default, local_fallback):
+    the request is computed here, its tokens those of an undisturbed run, its reservation
+    released once (after the dead node's grants were revoked) and every page is back."""
+    c = Cluster(tiny_model_dir, prefill_faults=[DELAY])
+    try:
+        body = {"model": c.model_name(), "prompt": list(range(5, 18)), "max_tokens": 6, "temperature": 0}
+        box = {}
+        t = threading.Thread(target=lambda: box.__setitem__("r", post_completion(c.url, body)))
+        t.start()
+        wait_for(lambda: c.coordinator.slots, 10, "its PREFILL sent")
+        c.prefill.stop()
+        t.join(30)
+        _settled(c, track, 1)
+        assert c.decode_engine.allocator.num_free == c.decode_engine.allocator.num_total
+        m = c.coordinator.metrics
+        assert m.prefill_retries.labels(*m._lab, "peer_dead", "local")._value.get() == 1
+        want = post_completion(c.url, body)  # undisturbed (its prefix is cached here now: local)
+        assert box["r"][0] == 200 and box["r"][1]["choices"][0]["text"] == want[1]["choices"][0]["text"], box
+    finally:
+        c.stop()
