@@ -161,8 +161,7 @@ class Intake:
                 for t in req.resumed_ids:
                     req.detok.add(t)
                 req.detok.sent = min(resume.sent_chars, len(req.detok.text))
-                # one draw per token the first node sampled (greedy: none), before its own
-                req.generator_skip = len(req.resumed_ids) if req.generator is not None and not params.greedy else 0
+                # the seeded generator needs nothing: each draw is seeded from its position
         reuse = plan.reuse_cached if plan.reuse_cached is not None else \
             not (plan.prefill_only or plan.num_external_tokens)
         reuse = reuse and params.prompt_logprobs is None

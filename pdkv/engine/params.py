@@ -25,8 +25,9 @@ class Resume:
     last tokens after ``prompt_len`` are output that node produced. The engine replays them into
     the request's state, so the rest continues exactly as the undisturbed run would: the
     detokenizer (text held back for a stop string, a character split between tokens, stop
-    strings spanning the point of failure), the seeded generator (one draw per sampled token),
-    the structured-output matcher and the output-token penalties."""
+    strings spanning the point of failure), the structured-output matcher and the output-token
+    penalties; the seeded generator is seeded per output position (pdkv/engine/sampler.py), so
+    it goes on from the resumed tokens' count."""
 
     prompt_len: int  # the prompt's own tokens (the engine's prompt is them + the resumed output)
     sent_chars: int = 0  # characters of the resumed output's text the client has already

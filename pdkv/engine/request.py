@@ -83,7 +83,6 @@ class Request:
     healing: object = None
     priority: int = 0  # scheduler.policy priority: lower runs first (vLLM's request field)
     seq: int = 0  # submission order on this node (the scheduler's tie-break after arrival)
-    generator_skip: int = 0  # draws the seeded generator must make before its first (a resume)
 
     @property
     def resumed_ids(self) -> list[int]:

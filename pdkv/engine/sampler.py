@@ -2,7 +2,11 @@
 per-request generator when the request has a seed (same seed → same tokens, whatever the batch).
 
 Temperature, top-k and top-p are applied to the whole batch at once (one sort at most); only the
-final draw runs per row, because each seeded request owns its generator.
+final draw runs per row, because each seeded request owns its generator. A seeded request's
+generator is seeded afresh for each token from (seed, the token's position in the output): the
+draw for output token k does not depend on the draws before it, so a stream resumed on another
+node after k tokens (request migration) draws exactly what the undisturbed run would, at no cost
+(replaying k draws over the vocabulary would be k x V random numbers on the engine thread).
 
 What a request may not take (bans, biases, penalties, its TokenMask: structured output's
 grammar, token healing's first tokens) is already in the logits it gets (pdkv/engine/logits.py).
@@ -32,14 +36,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return x
 
 
-def advance(gen: torch.Generator, draws: int, vocab: int) -> None:
-    """Moves ``gen`` past ``draws`` of this sampler's draws over ``vocab`` tokens: a resumed
-    stream's generator continues where the first node's was. A draw's use of the generator
-    depends on the shape of what it draws from only (one exponential per token), not on the
-    probabilities: drawing from a uniform row consumes exactly what the real draw did."""
-    ones = torch.ones(vocab)
-    for _ in range(draws):
-        torch.multinomial(ones, 1, generator=gen)
+_M64 = 2**64 - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output token ``position`` (splitmix64 of the
+    pair: nearby seeds and positions give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
 class Sampler:
@@ -64,9 +70,9 @@ class Sampler:
             torch.tensor([p.top_p for p in params], dtype=torch.float32))
         probs = x.softmax(-1)
         for j, i in enumerate(rows):
-            gen = requests[i].generator if requests[i].generator is not None else self.generator
-            if requests[i].generator is not None and requests[i].generator_skip:
-                advance(gen, requests[i].generator_skip, V)
-                requests[i].generator_skip = 0
+            r = requests[i]
+            gen = r.generator if r.generator is not None else self.generator
+            if r.generator is not None:  # a resume's tokens count: the position is in the whole output
+                gen.manual_seed(draw_seed(r.params.seed & _M64, len(r.resumed_ids) + len(r.output_token_ids)))
             greedy[i] = int(torch.multinomial(probs[j], 1, generator=gen))
         return greedy

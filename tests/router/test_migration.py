@@ -211,7 +211,8 @@ def test_resume_carries_seed_stop_strings_split_characters_and_structured_output
             assert split, "no split character in this run: pick another prompt"
             _same(await _cut_and_resume(s, b, greedy, g, gp, split[0]), g)
             # structured output, sampled and seeded: the matcher goes on where it was
-            regex = {**seeded, "guided_regex": "(ab|c[de]+|[0-9]{2,3} )+", "max_tokens": 30}
+            # (not ignore_eos: a grammar that completed accepts EOS and must end there)
+            regex = {**seeded, "ignore_eos": False, "guided_regex": "(ab|c[de]+|[0-9]{2,3} )+", "max_tokens": 30}
             await check(regex, [2, 9])
             # tokens that do not follow the grammar are refused, naming the field
             async with s.post(b + "/v1/completions", json={**regex, "stream": True, "pdkv_resume": {
