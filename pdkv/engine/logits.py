@@ -41,7 +41,9 @@ class TokenMask(Protocol):
     def close(self) -> None:
         """The request left: let go of what the mask holds."""
 
-    # Optional: ``allows_all``, True while the mask allows every token (its rows are skipped).
+    # Optional: ``allows_all``, True while the mask allows every token (its rows are skipped);
+    # ``terminated``, True once it accepted its stop token (the request ends there, ignore_eos or
+    # not: a grammar that is done has no next token to allow).
 
 
 class BothMasks:
@@ -76,6 +78,10 @@ class BothMasks:
     @property
     def allows_all(self) -> bool:
         return getattr(self.first, "allows_all", False) and getattr(self.second, "allows_all", False)
+
+    @property
+    def terminated(self) -> bool:
+        return getattr(self.first, "terminated", False) or getattr(self.second, "terminated", False)
 
 
 def join_masks(current, new):

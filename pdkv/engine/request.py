@@ -121,7 +121,8 @@ class Request:
             if self.mask is not None:
                 self.mask.accept(token)
             self.output_token_ids.append(token)
-            ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            ends = ((token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+                    or (self.mask is not None and getattr(self.mask, "terminated", False)))
             if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
                 self.detok.add(token)
             new.append(token)
