@@ -18,6 +18,7 @@ from typing import AsyncIterator
 
 from pdkv.detokenizer import IncrementalDetokenizer
 from pdkv.engine import SamplingParams
+from pdkv.engine.params import Resume
 from pdkv.errors import InvalidRequest
 from pdkv.server.async_engine import AsyncEngine, EngineFailure
 from pdkv.server.errors import APIError
@@ -80,20 +81,18 @@ class Generation:
         else:
             self.prompt_token_ids = [_encode(tok, p, add_special_tokens=True) if isinstance(p, str) else p
                                      for p in req.prompts]
-        self.resume_text = ""  # text of the resumed tokens the client does not have yet
+        self.resume: Resume | None = None  # a migrated stream's state (the engine replays it)
+        self.resume_replay = ""  # the output text the client has of a resumed stream
         if req.resume_token_ids:
             resume = list(req.resume_token_ids)
             if req.max_tokens is not None and req.max_tokens <= len(resume):
                 raise APIError(f"pdkv_resume: {len(resume)} tokens already produced, max_tokens is "
                                f"{req.max_tokens}: nothing is left to generate", 400, param="pdkv_resume")
-            if self.constraint is not None:  # its matcher would have to replay them (not done)
-                raise APIError("pdkv_resume: a request with structured output cannot be resumed", 400,
-                               param="pdkv_resume")
             # the earlier tokens join the prompt: their KV is recomputed here, the next token is
-            # sampled from the same context (greedy: the one an undisturbed run gives)
-            # their text as the engine's detokenizer made it (decoded in the prompt's context):
-            # what the client has is its first text_chars characters
-            prompt, skip = self.prompt_token_ids[0], 0
+            # sampled from the same context; the engine replays them into the request's state
+            # (SamplingParams.resume: detokenizer, seeded generator, grammar, penalties), so the
+            # stream goes on as an undisturbed run would, from the text_chars the client has
+            prompt, skip = self.prompt_token_ids[0], ""
             eng = list(req.resume_prompt_token_ids or ())
             if eng and prompt[:len(eng)] == eng and len(eng) < len(prompt):
                 # the first node healed the prompt (ran it without its last tokens, and dropped
@@ -101,15 +100,22 @@ class Generation:
                 healed = IncrementalDetokenizer(tok, eng, [], not self.keep_special_tokens)
                 for t in prompt[len(eng):]:
                     healed.add(t)
-                prompt, skip = eng, len(healed.text)
-            det = IncrementalDetokenizer(tok, prompt, [], not self.keep_special_tokens)
+                prompt, skip = eng, healed.text
+            if self.constraint is not None:  # the tokens must follow the grammar the matcher replays
+                mask = self.constraint.new_mask(prompt)
+                try:
+                    if not all(mask.accept(t) for t in resume):
+                        raise APIError("pdkv_resume: the token ids do not follow the request's structured "
+                                       "output", 400, param="pdkv_resume")
+                finally:
+                    mask.close()
+            self.resume = Resume(len(prompt), req.resume_text_chars, skip)
+            # the text of the resumed tokens the client has: a chat stream's output parser
+            # (reasoning) is fed it first, so it is in the state the first node's was
+            det = IncrementalDetokenizer(tok, prompt, [], not self.keep_special_tokens, skip_prefix=skip)
             for t in resume:
                 det.add(t)
-            # text the detokenizer still held for an incomplete character: the new engine request
-            # starts its window after these tokens, so it would never emit it
-            done = det._decode(det.ids[det.prefix_offset:det.read_offset])
-            pending = det._decode(det.ids[det.prefix_offset:])[len(done):]
-            self.resume_text = (det.text + pending)[skip + req.resume_text_chars:]
+            self.resume_replay = det.text[:req.resume_text_chars]
             self.prompt_token_ids = [prompt + resume]
         bad_words = [w for word in req.bad_words for w in _word_ids(tok, word)]
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -138,7 +144,7 @@ class Generation:
                     repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
                     min_tokens=max(0, req.min_tokens - done), bad_words_ids=bad_words, allowed_token_ids=req.allowed_token_ids,
                     logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint,
-                    token_healing=heal)
+                    token_healing=heal, resume=self.resume)
                 try:
                     params.validate()
                     engine.validate_request(ids, params, req.priority)

@@ -197,6 +197,13 @@ class OpenAIRoutes:
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
         outs = {c.index: ChatOutput(self.parsers, req) for c in gen.choices} if chat else {}
+        # a resumed chat stream: its output parser (reasoning) sees the text the client has first
+        # (what it gives out for it the client had); ``fed``: the output text fed per choice, what
+        # a router counts to resume a chat stream (its deltas drop the reasoning tags)
+        fed = {c.index: len(gen.resume_replay) for c in gen.choices}
+        for out in outs.values():
+            if gen.resume_replay:
+                out.delta(gen.resume_replay)
         sent_lps = {c.index: 0 for c in gen.choices}  # logprob records already sent per choice
         offsets = {c.index: 0 for c in gen.choices}
 
@@ -212,8 +219,6 @@ class OpenAIRoutes:
             return body
 
         def choice_of(c: Choice, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
-            if gen.resume_text and c.index not in started:  # a resumed stream owes the held-back text
-                text = gen.resume_text + text
             records = c.logprobs[sent_lps[c.index]:len(c.logprobs)] if req.logprobs is not None else []
             sent_lps[c.index] = len(c.logprobs)
             if chat:
@@ -236,6 +241,9 @@ class OpenAIRoutes:
                 ch = {"index": c.index, "text": echo + text, "logprobs": lps, "finish_reason": finish}
             if req.return_token_ids:
                 ch["token_ids"] = token_ids
+                if chat:
+                    fed[c.index] += len(text)
+                    ch["pdkv_text_chars"] = fed[c.index]
                 if c.index not in started:
                     ch["prompt_token_ids"] = gen.engine_prompt(c.prompt_index)
             return ch

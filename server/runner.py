@@ -104,6 +104,9 @@ async def _drain(cfg: Config, app, node, member, stop: asyncio.Event) -> int:
     what is in flight (bounded by drain_timeout_s); 0 when everything finished."""
     cl = cfg.cluster
     t0 = time.monotonic()
+    tell = getattr(node, "draining", None)  # a prefill node tells its decode nodes over their links
+    if tell is not None:
+        tell()
     await member.draining()
     await asyncio.sleep(cl.drain_notice_s)
     deadline = t0 + cl.drain_timeout_s

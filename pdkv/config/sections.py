@@ -225,6 +225,10 @@ class DisaggConfig:
     # straight into the decode node's reserved pages, mapped here (pdkv/disagg/kv_share.py);
     # "auto": share where it applies and the prefill node keeps no prefix cache, else copy.
     kv_handoff: str = "auto"  # auto | copy | share
+    # A prefill node dying mid-transfer: this node revokes its grants and sends the PREFILL to
+    # another live prefill node, at most this many times per request (then, or with no other
+    # node live, the request fails with a 503 + Retry-After, which a router retries). 0: off.
+    prefill_retries: int = 2
 
 
 @dataclass(frozen=True)

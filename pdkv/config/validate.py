@@ -199,6 +199,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
              "rank's memory)", dg.kv_handoff)
         need(ms.staging != "cpu", "disagg.kv_handoff", "copy with messenger.staging cpu (the pages would be "
              "copied through the ring after all)", dg.kv_handoff)
+    need(isinstance(dg.prefill_retries, int) and 0 <= dg.prefill_retries <= 16, "disagg.prefill_retries",
+         "an integer in [0, 16] (0: a prefill node dying mid-transfer fails its requests)", dg.prefill_retries)
     sp = cfg.speculative
     if sp.method is not None:
         one_of("speculative.method", sp.method, SPEC_METHODS)

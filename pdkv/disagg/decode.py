@@ -45,7 +45,7 @@ from pdkv.transports import Capability
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg.sharded import hello_rank_nics
 from pdkv.disagg.staged_decode import CopyIn
-from pdkv.engine.loop import FailRequest, ReleasePages, RemoteKVReady
+from pdkv.engine.loop import FailRequest, PrefillHere, ReleasePages, RemoteKVReady
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class DecodeCoordinator(PrefillSender):
         self.instant_grants = Capability.INSTANT_GRANTS in messenger.capabilities
         self._grant_pool = ThreadPoolExecutor(1, thread_name_prefix="pdkv-decode-grant")
         self._granting: dict[str, bool] = {}  # rid -> its client left while the grant thread ran
+        # rid -> its client left while its reservation was reset for another prefill node
+        self._resending: dict[str, bool] = {}
         self.links = PrefillPeers(self.mcfg, messenger, self.kv, self.hidden_key, self._on_message, self._peer_dead,
                                   secret, cfg.disagg, engine.kv.page_size,
                                   spec_key=self.spec.key if self.spec is not None else None)
@@ -216,6 +218,10 @@ class DecodeCoordinator(PrefillSender):
             self.metrics.failed("cancelled")
             self._granting[rid] = True
             return
+        if rid in self._resending:  # its dead peer's grants are being revoked: nothing is sent again
+            self.metrics.failed("cancelled")
+            self._resending[rid] = True
+            return
         slot = self.by_rid.get(rid)
         if slot is None and self.landing is not None and self.landing.copying(rid):
             self._aborted.add(rid)  # its landing slots are (about to be) copied into the pages: wait for that
@@ -244,6 +250,9 @@ class DecodeCoordinator(PrefillSender):
             kind = M.message_class(raw, M.TO_DECODE)
             # PROMPT_LOGPROBS is checked against what its slot asked, below
             msg = kind.parse(raw) if kind is not M.PromptLogprobs else None
+            if isinstance(msg, M.Draining):  # about the peer: the chooser skips it while draining
+                self.links.set_draining(peer.host, peer.port, msg.draining)
+                return
             rid = msg.req if msg is not None else M.request_id(raw)
         except M.MessageError as e:
             self._rlog.warning(f"bad_message:{peer.host}:{peer.port}", "decode: ignoring a control message from "
@@ -342,13 +351,16 @@ class DecodeCoordinator(PrefillSender):
             peer.channel = None
         if was_dead and not peer.slots:
             return
-        log.warning("decode: prefill node at %s:%d is gone (%s); failing %d request(s)", peer.host, peer.port,
-                    reason, len(peer.slots))
+        log.warning("decode: prefill node at %s:%d is gone (%s); %d request(s) in transfer go to another "
+                    "prefill node (disagg.prefill_retries %d) or fail", peer.host, peer.port, reason,
+                    len(peer.slots), self.cfg.disagg.prefill_retries)
         try:
             self.m.disconnect(peer.conn)  # joins its receive threads: no write of it lands after this
         except Exception as e:  # noqa: BLE001
             log.warning("decode: disconnect failed: %s", e)
         for slot in list(peer.slots.values()):
+            if slot.state == SlotState.SENT and self._retry(slot, "peer_dead"):
+                continue  # its PREFILL goes to another prefill node
             if slot.state == SlotState.SENT:
                 self.metrics.failed("peer_dead")
                 what = "the KV transfer was cut" if stall is not None else "the prefill node died during the KV transfer"
@@ -357,6 +369,55 @@ class DecodeCoordinator(PrefillSender):
             self.m.forget(slot.imm)
             self._free(slot, release=True)
         self.links.redial(peer)
+
+    def _retry(self, slot: Slot, cause: str) -> bool:
+        """``slot``'s prefill node died before every write landed (its data connection is torn
+        down, or it never got the PREFILL): unless the request used its disagg.prefill_retries,
+        the slot ends without its reservation, which is reset (the dead node's grants revoked;
+        the row, landing slots and pages kept) and then granted to another live prefill node,
+        with a new slot and a new immediate (a stale count cannot reach it); with no other node
+        live and disagg.local_fallback, it is released (the row and landing slots back) and the
+        engine computes the prompt here into the pages it holds. False: the caller fails the
+        request as before."""
+        if slot.res.resets >= self.cfg.disagg.prefill_retries:
+            return False
+        # no other prefill node live: computed here when conditional disaggregation allows it
+        # (with a speculative hand-off the proposer's KV would have to be made here too: not done)
+        here = not any(p is not slot.peer for p in self.links.live())
+        if here and not (self.cfg.disagg.local_fallback and self.spec is None):
+            return False
+        if slot.timer is not None:
+            slot.timer.cancel()
+        self.slots.pop(slot.imm, None)
+        if self.by_rid.get(slot.rid) is slot:
+            del self.by_rid[slot.rid]
+        slot.peer.slots.pop(slot.imm, None)
+        slot.state = SlotState.RELEASED
+        self.m.forget(slot.imm)
+        self._resending[slot.rid] = False
+        self.metrics.retried(cause, "local" if here else "remote")
+        if here:  # the row and landing slots go back once the grants are gone; the pages stay the engine's
+            log.info("decode: prefilling %s here (%s; no other prefill node is live)", slot.rid, cause)
+            slot.res.release(pages=False, then=lambda: self._prefill_here(slot.rid))
+            return True
+        log.info("decode: sending %s's PREFILL to another prefill node (%s, try %d of %d)", slot.rid, cause,
+                 slot.res.resets + 1, self.cfg.disagg.prefill_retries)
+        slot.res.reset(lambda: self._resend(slot))
+        return True
+
+    def _prefill_here(self, rid: str) -> None:
+        """The dead node's grants of ``rid`` are revoked: its prompt is computed here (the
+        engine unpins its pages), unless its client left meanwhile (then they go back)."""
+        self.commands(ReleasePages(rid) if self._resending.pop(rid, False) else PrefillHere(rid))
+
+    def _resend(self, slot: Slot) -> None:
+        """The dead node's grants of ``slot`` are revoked: grant and send its PREFILL again (the
+        chooser picks among the live nodes; none left: a 503), unless its client left meanwhile."""
+        if self._resending.pop(slot.rid, False):  # the engine quarantined its pages: they go back
+            slot.res.release(pages=True)
+            return
+        tokens, cached, ask = slot.job
+        self.send_prefill(slot.rid, list(tokens), list(slot.kv_pages), slot.res.row, None, cached, ask, res=slot.res)
 
     def _free(self, slot: Slot, release: bool, then=None) -> None:
         """The slot ends: no write of it can land any more. Its reservation is released: the

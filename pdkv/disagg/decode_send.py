@@ -43,7 +43,7 @@ class PrefillSender:
     """What DecodeCoordinator sends: grants, slots, PREFILL (event loop, but the grant thread)."""
 
     def send_prefill(self, rid: str, tokens: list[int], pages: list[int], row: int, peer: Peer | None,
-                     cached: int = 0, ask: RemoteAsk | None = None) -> None:
+                     cached: int = 0, ask: RemoteAsk | None = None, res: Reservation | None = None) -> None:
         """The engine admitted ``rid`` with hidden-state row ``row``, and the chooser reserved
         ``peer`` for it (the connector; a peer that died since is replaced by another). This node
         holds the KV of ``tokens[:cached]`` already (whole pages of its prefix cache); ``pages``
@@ -51,10 +51,12 @@ class PrefillSender:
         it writes the landing slots reserved for them instead); ``ask``: PREFILL's optional
         fields: the speculative hand-off's (spec_pages, next_token), echo + logprobs'
         (prompt_logprobs, last_token, pdkv/disagg/prompt_logprobs.py), or None. From here on
-        the request's Reservation holds the row, the landing slots, the grants and the pages."""
+        the request's Reservation holds the row, the landing slots, the grants and the pages
+        (``res``: the one a PREFILL sent again keeps, reset: pdkv/disagg/reservation.py)."""
         ask = ask or RemoteAsk()
-        res = self.memory.reserve(rid, row)
-        self.memory.live[rid] = res
+        if res is None:
+            res = self.memory.reserve(rid, row)
+            self.memory.live[rid] = res
         dst = pages if self.landing is None else self.landing.slots_of(rid)  # where the writes land
         if peer is None or peer.dead or peer.channel is None:
             if peer is not None:
@@ -129,6 +131,7 @@ class PrefillSender:
             slot.nbytes += nbytes
         slot.skip = job.cached // self.engine.kv.page_size
         slot.kv_pages = tuple(job.pages)
+        slot.job = (job.tokens, job.cached, ask)
         if ask.prompt_logprobs is not None:
             slot.want_logprobs = ask.prompt_logprobs
             slot.prompt = (*job.tokens, ask.last_token)
@@ -137,6 +140,8 @@ class PrefillSender:
         peer.slots[imm] = slot
         if aborted or peer.dead or peer.channel is None or peer.channel.peer.node_id != grantee:
             self.chooser.unreserve(peer, len(job.tokens))
+            if not aborted and self._retry(slot, "granting"):  # nothing was sent: another node
+                return
             if not aborted:
                 self.metrics.failed("peer_dead")
                 self.commands(FailRequest(rid, "the prefill node died while the request's pages were granted "

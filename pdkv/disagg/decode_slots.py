@@ -9,7 +9,9 @@ A slot's state machine::
     DRAINING ──exactly ``posted`` writes landed (at once if they already had)──► RELEASED
     CANCELLING / DRAINING ──no answer / not every posted write within messenger.lease_s of the
       request's end──► RELEASED (its grants revoked first: the peer's later writes are refused)
-    (a dead peer: every slot RELEASED at once, after its data connection was torn down)
+    (a dead peer: every slot RELEASED at once, after its data connection was torn down; a SENT
+      one's Reservation is reset instead of released, and a new slot, with a new immediate, takes
+      its PREFILL to another prefill node: disagg.prefill_retries)
 
 Every transition is made by the decode coordinator (pdkv/disagg/decode.py) on the event loop;
 RELEASED (and LANDED, for what the engine does not take over) is the slot's Reservation's one
@@ -56,7 +58,9 @@ class Slot:
     prompt: tuple = ()
     logprobs: list | None = None
     kv_landed: bool = False
-    kv_pages: tuple = ()  # staged: the request's KV pages, which its landing slots are copied into
+    kv_pages: tuple = ()  # the request's KV pages (staged: its landing slots are copied into them)
+    # what its PREFILL was sent with, to send it again to another node: (tokens, cached, ask)
+    job: tuple = ()
 
     @property
     def rid(self) -> str:

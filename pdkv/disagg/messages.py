@@ -7,8 +7,8 @@ receive), which checks every field once and raises :class:`MessageError` (a Valu
 the first bad one. A peer's map is never read field by field anywhere else.
 
     decode -> prefill  Connect, Prefill, Cancel
-    prefill -> decode  Connected, Refuse, CancelAck, Fail, PromptLogprobs, DoneAt; every
-                       heartbeat carries a PrefillLoad (``load``)
+    prefill -> decode  Connected, Refuse, CancelAck, Fail, PromptLogprobs, DoneAt, Draining;
+                       every heartbeat carries a PrefillLoad (``load``)
 
 Before these, the handshake's own (AUTH, PROOF, HELLO, REFUSE) and the heartbeat are
 pdkv/control_wire.py's ``Auth``, ``Proof``, ``Hello``, ``Refuse`` (re-exported here: a prefill
@@ -31,7 +31,7 @@ from pdkv.disagg.range_keys import RangeKeys
 
 CONNECT, CONNECTED, REFUSE = "CONNECT", "CONNECTED", "REFUSE"
 PREFILL, CANCEL, CANCEL_ACK, FAIL, DONE_AT = "PREFILL", "CANCEL", "CANCEL_ACK", "FAIL", "DONE_AT"
-PROMPT_LOGPROBS = "PROMPT_LOGPROBS"
+PROMPT_LOGPROBS, DRAINING = "PROMPT_LOGPROBS", "DRAINING"
 
 MAX_REQ_ID = 256  # characters of a request id
 _TOKEN_TOP = 2**31
@@ -438,6 +438,27 @@ class PromptLogprobs(Message):
             raise MessageError(str(e)) from None
 
 
+@dataclass(frozen=True)
+class Draining(Message):
+    """prefill -> decode, about the link, not a request: the prefill node is draining (POST
+    /admin/drain, SIGTERM) and takes no new PREFILL: choose another node (or prefill here). Sent
+    to every connected decode node when the drain begins and on every link made after, so a
+    fleet of static peers (no etcd to watch) hears it too. ``draining`` false: ready again."""
+
+    TYPE: ClassVar[str] = DRAINING
+    draining: bool = True
+
+    def to_wire(self) -> dict:
+        return {"type": DRAINING, "draining": self.draining}
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Draining":
+        v = msg.get("draining", True)
+        if not isinstance(v, bool):
+            raise MessageError(f"draining must be true or false, got {v!r}"[:200])
+        return cls(v)
+
+
 # ---- heartbeats ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrefillLoad:
@@ -475,7 +496,7 @@ def heartbeat_fields(load: PrefillLoad) -> dict:
 # ---- receiving ------------------------------------------------------------------------------------
 TO_PREFILL = {CONNECT: Connect, PREFILL: Prefill, CANCEL: Cancel}
 TO_DECODE = {CONNECTED: Connected, REFUSE: Refuse, CANCEL_ACK: CancelAck, FAIL: Fail, DONE_AT: DoneAt,
-             PROMPT_LOGPROBS: PromptLogprobs}
+             PROMPT_LOGPROBS: PromptLogprobs, DRAINING: Draining}
 
 
 def request_id(msg: dict) -> str:

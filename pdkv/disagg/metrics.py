@@ -11,6 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 WHERE = ("remote", "local_short", "local_saturated", "local_no_peer", "refused_no_peer",  # choice.Where values
          "local_slo", "refused_slo")
+RETRY_CAUSES = ("peer_dead", "granting")
 _T = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -69,7 +70,15 @@ class DisaggMetrics:
                                  "refused_no_peer: a 503, disagg.local_fallback false; server.admission shed: "
                                  "local_slo, refused_slo: expected TTFT over server.ttft_slo_ms).",
                                  lab + ["where"], registry=registry)
+        self.prefill_retries = Counter("pdkv_disagg_prefill_retries", "Decode: prefills given up on a dead prefill "
+                                       "node and done again (disagg.prefill_retries), by cause: peer_dead (it died "
+                                       "mid-transfer), granting (it died while the pages were granted to it); "
+                                       "to: remote (another prefill node), local (here, none other live).",
+                                       lab + ["cause", "to"], registry=registry)
         if role == "decode":
+            for cause in RETRY_CAUSES:
+                for to in ("remote", "local"):
+                    self.prefill_retries.labels(*self._lab, cause, to)
             for where in WHERE:
                 self.decisions.labels(*self._lab, where)
 
@@ -80,6 +89,10 @@ class DisaggMetrics:
 
     def failed(self, reason: str) -> None:
         self.failures.labels(*self._lab, reason).inc()
+
+    def retried(self, cause: str, to: str = "remote") -> None:
+        """A prefill done again (``cause`` a RETRY_CAUSES value) on another prefill node or here."""
+        self.prefill_retries.labels(*self._lab, cause, to).inc()
 
     def decided(self, where) -> None:
         """A prefill decision (pdkv.disagg.choice.Where) for one request."""

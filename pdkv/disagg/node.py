@@ -225,6 +225,11 @@ class PrefillNode(_Node):
             await self.coordinator.stop()
         self._close()
 
+    def draining(self) -> None:
+        """The node drains (server/runner.py): the decode nodes connected are told over their links."""
+        if self.coordinator is not None:
+            self.coordinator.set_draining(True)
+
     def busy(self) -> int:
         """Jobs in the table (a draining prefill node leaves once it has none)."""
         return len(self.coordinator.jobs) if self.coordinator is not None else 0

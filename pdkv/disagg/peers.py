@@ -123,6 +123,9 @@ class PrefillPeers:
         self.chooser.connected(peer)  # NOTE: before it is live: its reports count this channel's PREFILLs
         ch.on_heartbeat = lambda hb: peer.channel is ch and self._heard(peer, hb)
         peer.channel, peer.conn, peer.plan, peer.dead = ch, conn, plan, False
+        # a new link: a node that is still draining says so on it at once (DRAINING), and one
+        # that restarted at the same address is not draining
+        peer.draining = False
         # NOTE: callbacks of this channel only act while it is the peer's current one (after a
         # redial, the old channel's reader and heartbeat must not kill the new connection)
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s,

@@ -105,6 +105,14 @@ class PrefillCoordinator(LoopEvents):
         self.port = await self.listener.start(self.hello)
         return self.port
 
+    def set_draining(self, draining: bool = True) -> None:
+        """This node drains (or is ready again): every connected decode node is told at once
+        (DRAINING), and every one that connects later on its new link, so the decode nodes stop
+        choosing it with static peers too (no etcd record to watch). Its jobs go on."""
+        self.listener.draining = draining
+        for link in list(self.links):
+            self._send(link, M.Draining(draining).to_wire())
+
     def close(self) -> None:
         """Take no more work, before the engine loop stops: the listener closes and every link
         goes (each decode node fails its requests as transient, as for a dead peer)."""

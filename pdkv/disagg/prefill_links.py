@@ -60,6 +60,7 @@ class DecodeLinks:
         self.handoff_on, self.secret = handoff_on, secret
         self._on_message, self._on_dead, self._load_report = on_message, on_dead, load_report
         self.links: list[Link] = []
+        self.draining = False  # said on every link made from now on (pdkv/disagg/messages.py Draining)
         self._hello = None
         self._server: asyncio.AbstractServer | None = None
         # messenger.tls, or None; a connection is upgraded only after it was counted (see _accept)
@@ -170,6 +171,8 @@ class DecodeLinks:
         ch.start_heartbeat(self.mcfg.heartbeat_s, self.mcfg.lease_s, lambda r: self._on_dead(link, r),
                            payload=lambda: M.heartbeat_fields(self._load_report(link)))
         try:
+            if self.draining:  # the decode node must not start choosing this node
+                await ch.send(M.Draining().to_wire())
             while not link.dead:
                 self._on_message(link, await ch.recv())
         except ControlError as e:

@@ -13,6 +13,12 @@ peer died, no peer or too many grants, the grants could not be made, the node st
    (``landed``: the copy-in gives them back);
 3. ``pages``: tell the engine it may reuse the request's pages (ReleasePages); then ``then``.
 
+A prefill node that died mid-transfer (its data connection torn down: none of its writes lands
+any more) does not end the request: ``reset`` revokes that node's grants and keeps the row, the
+landing slots and the pages for another prefill node, which is granted them afresh and rewrites
+every one of them (a new immediate: a late count of the dead node's writes finds no counter). A
+``release`` while the revocation is retried waits for it, then gives everything back.
+
 The speculative hand-off's proposer pages are not held here: the proposer takes them at its
 first draft, or they go back at the connector's ``released`` (after ReleasePages).
 """
@@ -36,6 +42,9 @@ class Reservation:
     grants: tuple = ()  # pdkv.disagg.grants.Range: what that node may write now
     landed: bool = False  # staged: the landing slots are being copied in (the copy gives them back)
     releases: int = field(default=0, repr=False)  # calls of release, the first one counts (tests read it)
+    resets: int = 0  # prefill nodes that died holding its grants (disagg.prefill_retries bounds them)
+    _resetting: bool = field(default=False, repr=False)  # a reset's revocation is being retried
+    _after_reset: tuple | None = field(default=None, repr=False)  # (pages, then) of a release meanwhile
 
     @property
     def released(self) -> bool:
@@ -56,18 +65,38 @@ class Reservation:
         self.releases += 1
         if self.releases > 1:
             return False
+        if self._resetting:  # NOTE: the reset's revocation is still running: it finishes this release
+            self._after_reset = (pages, then)
+            return True
         self._revoke(list(self.grants), pages, then)
         return True
 
-    def _revoke(self, ranges: list, pages: bool, then) -> None:
+    def reset(self, then: Callable[[], None]) -> bool:
+        """The prefill node holding the grants is gone and none of its writes can land any more:
+        revoke its grants, keep everything else for another node, then ``then`` (which grants
+        and sends again, or releases). False: released already, nothing happens."""
+        if self.released or self._resetting:
+            return False
+        self.resets += 1
+        self._resetting = True
+        self._revoke(list(self.grants), False, then, keep=True)
+        return True
+
+    def _revoke(self, ranges: list, pages: bool, then, keep: bool = False) -> None:
         mem = self.memory
         busy = mem.grants.revoke(self.grantee, ranges) if ranges else []
         if busy:
-            mem.later(REVOKE_RETRY_S, self._revoke, busy, pages, then)
+            mem.later(REVOKE_RETRY_S, self._revoke, busy, pages, then, keep)
             return
         if self.grants:
             mem.hold(self.grantee, -len(self.grants))
         self.grants = ()
+        if keep:
+            self._resetting = False
+            if self._after_reset is None:
+                then()
+                return
+            (pages, then), self._after_reset = self._after_reset, None  # released meanwhile
         mem.live.pop(self.rid, None)
         # NOTE: the row goes back before ReleasePages / ``then``, which make the engine retry admission
         mem.rows.give_back(self.row)

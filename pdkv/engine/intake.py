@@ -152,8 +152,16 @@ class Intake:
             # Any integer is a valid seed (negative too): fold it into the generator's 64-bit range.
             req.generator = torch.Generator().manual_seed(params.seed & (2**64 - 1)) if params.seed is not None else None
             skip = req.healing.healing.removed_text if req.healing is not None else ""
-            req.detok = self.tokenizer.detokenizer(ids, params.stop, params.skip_special_tokens,
-                                                   skip_prefix=skip)
+            resume = params.resume
+            if resume is not None:  # the detokenizer as the first node's was after these tokens
+                skip = resume.skip_prefix
+            req.detok = self.tokenizer.detokenizer(ids[:resume.prompt_len] if resume is not None else ids,
+                                                   params.stop, params.skip_special_tokens, skip_prefix=skip)
+            if resume is not None:
+                for t in req.resumed_ids:
+                    req.detok.add(t)
+                req.detok.sent = min(resume.sent_chars, len(req.detok.text))
+                # the seeded generator needs nothing: each draw is seeded from its position
         reuse = plan.reuse_cached if plan.reuse_cached is not None else \
             not (plan.prefill_only or plan.num_external_tokens)
         reuse = reuse and params.prompt_logprobs is None
@@ -175,7 +183,12 @@ class Intake:
             # one TokenMask seam (pdkv/engine/logits.py) for the grammar and token healing's
             # first tokens; closed when the request leaves (LLMEngine._left), or below if it is
             # not admitted now (healing's part holds nothing: joined again at the next try)
-            grammar = params.constraint.new_mask(req.prompt_token_ids) if params.constraint is not None else None
+            grammar = None
+            if params.constraint is not None:
+                resumed = req.resumed_ids
+                grammar = params.constraint.new_mask(req.prompt_token_ids[:len(ids) - len(resumed)])
+                for t in resumed:  # a resume: the matcher is where the first node's was (the
+                    grammar.accept(t)  # server checked that the tokens follow it, pdkv/server/generate.py)
             req.mask = join_masks(grammar, req.healing)
         try:
             answer = self.connector().admit(req)

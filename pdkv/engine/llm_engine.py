@@ -139,6 +139,15 @@ class LLMEngine:
         if self.spec is not None:  # the first decode step verifies drafts already
             self.spec.draft([req])
 
+    def prefill_here(self, request_id: str) -> None:
+        """The remote prefill of ``request_id`` was given up and no write to its pages can land
+        any more: its prompt after the cached prefix is computed here, chunked as any other
+        (its pages' contents are overwritten; none of them was published)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise InvalidRequest(f"request {request_id!r} is not waiting for remote KV")
+        self.scheduler.remote_here(req)
+
     def in_transfer(self, request_id: str) -> bool:
         """Whether a transfer may still touch the request's pages (remote KV still arriving, or a
         prefill whose chunks' writes may still be leaving): an abort must hold them then."""

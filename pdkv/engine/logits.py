@@ -41,7 +41,9 @@ class TokenMask(Protocol):
     def close(self) -> None:
         """The request left: let go of what the mask holds."""
 
-    # Optional: ``allows_all``, True while the mask allows every token (its rows are skipped).
+    # Optional: ``allows_all``, True while the mask allows every token (its rows are skipped);
+    # ``terminated``, True once it accepted its stop token (the request ends there, ignore_eos or
+    # not: a grammar that is done has no next token to allow).
 
 
 class BothMasks:
@@ -76,6 +78,10 @@ class BothMasks:
     @property
     def allows_all(self) -> bool:
         return getattr(self.first, "allows_all", False) and getattr(self.second, "allows_all", False)
+
+    @property
+    def terminated(self) -> bool:
+        return getattr(self.first, "terminated", False) or getattr(self.second, "terminated", False)
 
 
 def join_masks(current, new):
@@ -133,6 +139,7 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
     for row, req, drafts in rows:
         p = req.params
         out = req.output_token_ids + drafts
+        hist = req.resumed_ids + out if p.resume is not None else out  # a resume: all the output
         if p.allowed_token_ids is not None:
             only.append((row, p.allowed_token_ids))
         if p.min_tokens and len(out) < p.min_tokens:
@@ -140,7 +147,7 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
             ban_r += [row] * len(stops)
             ban_t += list(stops)
         for w in p.bad_words_ids:
-            if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]):
+            if len(w) == 1 or (len(hist) >= len(w) - 1 and hist[len(hist) - len(w) + 1:] == w[:-1]):
                 ban_r.append(row)
                 ban_t.append(w[-1])
         if p.logit_bias:
@@ -149,8 +156,8 @@ def _penalise(logits: torch.Tensor, rows: list, eos_token_ids) -> None:
             bias_v += list(p.logit_bias.values())
         if p.frequency_penalty or p.presence_penalty:
             pen_rows.append(row)
-            cnt_r += [len(pen_rows) - 1] * len(out)
-            cnt_t += out
+            cnt_r += [len(pen_rows) - 1] * len(hist)
+            cnt_t += hist
             freq.append(p.frequency_penalty)
             pres.append(p.presence_penalty)
         if p.repetition_penalty != 1.0:

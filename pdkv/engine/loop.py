@@ -4,7 +4,7 @@ Every role runs this loop; what differs between colocated, prefill and decode se
 engine's KV connector (pdkv/engine/connector.py) and who sends the commands::
 
     any thread ──put(AddRequest | AbortRequest | RemoteKVReady | FailRequest |
-                     ReleasePages | Wake | Stop)─────────────────────────────────┐
+                     ReleasePages | PrefillHere | Wake | Stop)─────────────────────────────────┐
                                                                                  ▼
     engine thread:  admit → apply commands (block when there is no work) → admit → step
                       │                                                            │
@@ -98,6 +98,14 @@ class ReleasePages:
 
 
 @dataclass(frozen=True)
+class PrefillHere:
+    """The request's remote prefill was given up (its prefill node died; no write of it can
+    land any more): its prompt is computed here instead, into the pages it holds."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Wake:
     """Another thread gave back a per-request resource (a hidden-state row, pdkv/disagg/rows.py):
     requests waiting for admission may fit now."""
@@ -143,7 +151,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self.num_step_errors = 0
         self._handlers = {AddRequest: self._on_add, AbortRequest: self._on_abort, RemoteKVReady: self._on_ready,
-                          FailRequest: self._on_fail, ReleasePages: self._on_release,
+                          FailRequest: self._on_fail, ReleasePages: self._on_release, PrefillHere: self._on_here,
                           Wake: lambda cmd: None}  # the loop admits after every batch of commands
 
     def attach(self, events: LoopEvents) -> None:
@@ -254,6 +262,10 @@ class EngineLoop:
     def _on_ready(self, cmd: RemoteKVReady) -> None:
         if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
             self.engine.remote_kv_ready(cmd.request_id, cmd.prompt_logprobs)
+
+    def _on_here(self, cmd: PrefillHere) -> None:
+        if self.engine.in_transfer(cmd.request_id):  # not aborted meanwhile
+            self.engine.prefill_here(cmd.request_id)
 
     def _on_fail(self, cmd: FailRequest) -> None:
         self.engine.abort(cmd.request_id, quarantine=True, reason="error")  # a queued one just leaves

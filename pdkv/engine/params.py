@@ -19,6 +19,21 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A stream another node began (request migration, pdkv/router/migrate.py): the prompt's
+    last tokens after ``prompt_len`` are output that node produced. The engine replays them into
+    the request's state, so the rest continues exactly as the undisturbed run would: the
+    detokenizer (text held back for a stop string, a character split between tokens, stop
+    strings spanning the point of failure), the structured-output matcher and the output-token
+    penalties; the seeded generator is seeded per output position (pdkv/engine/sampler.py), so
+    it goes on from the resumed tokens' count."""
+
+    prompt_len: int  # the prompt's own tokens (the engine's prompt is them + the resumed output)
+    sent_chars: int = 0  # characters of the resumed output's text the client has already
+    skip_prefix: str = ""  # text the output starts with that is not the client's (healing)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -53,6 +68,7 @@ class SamplingParams:
     # the output give that text back first (pdkv/tokenizer_healing.py); the returned text
     # excludes it. The server sets it from the request or server.token_healing.
     token_healing: bool = False
+    resume: Resume | None = None  # a migrated stream's state to replay (see Resume)
 
     @property
     def greedy(self) -> bool:

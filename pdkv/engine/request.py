@@ -85,6 +85,12 @@ class Request:
     seq: int = 0  # submission order on this node (the scheduler's tie-break after arrival)
 
     @property
+    def resumed_ids(self) -> list[int]:
+        """The prompt's last tokens that are output of the node the stream began on (a resume)."""
+        r = self.params.resume
+        return self.prompt_token_ids[r.prompt_len:] if r is not None else []
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -115,7 +121,8 @@ class Request:
             if self.mask is not None:
                 self.mask.accept(token)
             self.output_token_ids.append(token)
-            ends = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            ends = ((token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+                    or (self.mask is not None and getattr(self.mask, "terminated", False)))
             if not (ends and not p.skip_special_tokens):  # an ending token's text is no output
                 self.detok.add(token)
             new.append(token)

@@ -3,7 +3,11 @@ per-request generator when the request has a seed (same seed → same tokens, wh
 
 Temperature, top-k and top-p are applied to the whole batch at once (one sort at most), and the
 rows without a seed draw in one call; only a seeded request's draw runs on its own, because it
-owns its generator.
+owns its generator. A seeded request's generator is seeded afresh for each token from (seed, the
+token's position in the output): the draw for output token k does not depend on the draws before
+it, so a stream resumed on another node after k tokens (request migration) draws exactly what
+the undisturbed run would, at no cost (replaying k draws over the vocabulary would be k x V
+random numbers on the engine thread).
 
 What a request may not take (bans, biases, penalties, its TokenMask: structured output's
 grammar, token healing's first tokens) is already in the logits it gets (pdkv/engine/logits.py).
@@ -33,6 +37,18 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
     return x
+
+
+_M64 = 2**64 - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output token ``position`` (splitmix64 of the
+    pair: nearby seeds and positions give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
 class Sampler:
@@ -65,6 +81,9 @@ class Sampler:
                 greedy[rows[j]] = t
         if len(shared) < len(rows):
             for j, i in enumerate(rows):
-                if requests[i].generator is not None:
-                    greedy[i] = int(torch.multinomial(probs[j], 1, generator=requests[i].generator))
+                r = requests[i]
+                if r.generator is not None:  # a resume's tokens count: the position is in the whole output
+                    position = len(r.resumed_ids) + len(r.output_token_ids)
+                    r.generator.manual_seed(draw_seed(r.params.seed & _M64, position))
+                    greedy[i] = int(torch.multinomial(probs[j], 1, generator=r.generator))
         return greedy

@@ -152,6 +152,16 @@ class Scheduler(PrefixReuse):
         self.publish(req)
         self.policy.insert(self.waiting, req, front=True)
 
+    def remote_here(self, req: Request) -> None:
+        """The remote prefill was given up (no remote write can land any more): the request
+        keeps its pages and computes its prompt after the cached prefix here, first in line."""
+        del self.remote[req.request_id]
+        self.allocator.unpin(req.pages)
+        req.num_computed_tokens = req.num_cached_tokens
+        req.num_external_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.policy.insert(self.waiting, req, front=True)
+
     def add_prefill(self, req: Request, num_cached: int = 0) -> bool:
         """Disaggregated prefill: all of the prompt's pages up front (False and nothing changed
         when they are not free), so the request never grows and is never a preemption victim

@@ -96,6 +96,10 @@ class ReasoningGate:
         self.inner.close()
 
     @property
+    def terminated(self) -> bool:
+        return self.opened_at is not None and getattr(self.inner, "terminated", False)
+
+    @property
     def allows_all(self) -> bool:
         return self.opened_at is None
 
@@ -124,6 +128,11 @@ class GrammarMask:
     @property
     def completed(self) -> bool:
         return self.matcher.is_completed()
+
+    @property
+    def terminated(self) -> bool:
+        """It accepted its stop token: no token may follow (the request ends, ignore_eos or not)."""
+        return self.matcher.is_terminated()
 
     def close(self) -> None:
         if self.matcher is not None:

@@ -12,9 +12,14 @@ on with exactly the tokens an undisturbed run gives, none lost or repeated; chun
 
 Only streams with one choice and no echo migrate, at most ``migration_limit`` times and while
 they have streamed at most ``migration_max_tokens`` tokens (what the router holds per stream).
-Not carried yet: a seeded sampler's position (a sampled, seeded stream continues from a fresh
-generator on the new node), structured output (refused by the node: the stream ends with the
-SSE error), a reasoning parser's state for chat.
+The new node replays the resumed tokens into the request's state (pdkv.engine.params.Resume):
+the seeded generator's position (a seeded sampled stream goes on with the tokens an undisturbed
+run gives), the detokenizer's (text held back for a stop string, a stop string spanning the
+point of failure, a character whose bytes the failure split), the structured-output matcher's
+and the penalties' counts. Not carried: a tool parser's state (requests with ``tools`` do not
+migrate). A chat stream's reasoning parser is fed, on the new node, the output text the client
+has (its node counts it in each chunk as ``pdkv_text_chars``: the deltas drop the reasoning
+tags, so the router cannot count it from them), so it goes on in the state the first one's was.
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ def migratable(body: dict | None, limit: int) -> bool:
         return False
     if body.get("n", 1) != 1 or body.get("echo") or "pdkv_resume" in body:
         return False
-    return not any(k in body for k in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                       "guided_choice", "guided_grammar", "tools"))
+    return "tools" not in body  # a tool parser's state is not carried
 
 
 @dataclass
@@ -87,6 +91,7 @@ class StreamState:
                 self.prompt_token_ids = ch["prompt_token_ids"]
             ids = ch.get("token_ids") or []
             self.token_ids.extend(ids)
+            fed = ch.pop("pdkv_text_chars", None)  # the node's own count, never the client's
             if self.chat:
                 delta = ch.get("delta") or {}
                 text = delta.get("content") or ""
@@ -94,7 +99,10 @@ class StreamState:
                     keep = False  # the new node's opening role chunk: the client had it
             else:
                 text = ch.get("text") or ""
-            self.text_chars += len(text)
+            if isinstance(fed, int) and not isinstance(fed, bool) and fed >= self.text_chars:
+                self.text_chars = fed  # chat: the output text given to its parser (reasoning tags too)
+            else:
+                self.text_chars += len(text)
             if ch.get("finish_reason") is not None:
                 self.finished = True
             if not self.client_token_ids:

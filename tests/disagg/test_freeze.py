@@ -30,6 +30,7 @@ def test_decode_node_sigstopped_mid_transfer_says_it_was_frozen(tiny_model_dir, 
         d = node_dict(tiny_model_dir, "decode", port=free_port(), peers=[f"127.0.0.1:{pnode.control_port}"],
                       chunk=8)
         d["messenger"].update(lease_s=LEASE, heartbeat_s=0.2)
+        d["disagg"]["prefill_retries"] = 0  # the failure and its message (retries: prefilled here)
         dec = NodeProc(tmp_path, "decode", d)
         try:
             h = dec.wait_healthy()

@@ -30,7 +30,10 @@ def _shm_files() -> set[int]:
 # grant waits for the prefill process to map it (up to SHM_REPLY_MS, csrc/shm_internal.h), so
 # there is no "PREFILL sent, KV awaited" state to kill it in (docs/TRANSPORTS.md, shm)
 @pytest.mark.parametrize("transport", ["tcp"])
-def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path, transport):
+@pytest.mark.parametrize("retries", [0, 2], ids=["fails", "prefilled-here"])
+def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_path, transport, retries):
+    """disagg.prefill_retries 0: the request fails with a 503; by default (the only prefill node
+    died, disagg.local_fallback) it is prefilled on the decode node and answers as colocated."""
     cport = free_port()
     pre = NodeProc(tmp_path, "prefill", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport,
                                                   transport=transport))
@@ -38,7 +41,7 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
         pre.wait_healthy()
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
                            messenger__lease_s=30.0,  # the death is seen by the broken connection
-                           messenger__transport=transport)
+                           messenger__transport=transport, disagg__prefill_retries=retries)
         eng = make_engine(dcfg)
         with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
@@ -46,7 +49,7 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             pre.signal(signal.SIGSTOP)
             box = {}
             t = threading.Thread(target=lambda: box.setdefault("r", _post(dec.url, {
-                "model": name, "prompt": list(range(5, 40)), "max_tokens": 4}, headers=True)))
+                "model": name, "prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0}, headers=True)))
             t.start()
             wait_for(lambda: coord.slots, 10, "PREFILL sent")
             assert eng.allocator.num_free < eng.allocator.num_total
@@ -55,9 +58,14 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             t.join(20)
             status, body, headers = box["r"]
             assert time.monotonic() - t0 < 5
-            # transient, not the client's fault: 503 + Retry-After, as for "no prefill node"
-            assert status == 503 and "prefill node died" in body["error"]["message"], body
-            assert headers["Retry-After"] == "2"
+            if retries:
+                assert status == 200, body
+                want = _post(dec.url, {"model": name, "prompt": list(range(5, 40)), "max_tokens": 4,
+                                       "temperature": 0})
+                assert body["choices"][0]["text"] == want[1]["choices"][0]["text"], (body, want)
+            else:  # transient, not the client's fault: 503 + Retry-After, as for "no prefill node"
+                assert status == 503 and "prefill node died" in body["error"]["message"], body
+                assert headers["Retry-After"] == "2"
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
             health = json.loads(urllib.request.urlopen(dec.url + "/health").read())
             assert health["prefill_peers"][0]["connected"] is False
@@ -66,8 +74,10 @@ def test_prefill_sigkilled_while_decode_waits_for_its_kv(tiny_model_dir, tmp_pat
             assert _post(dec.url, {"model": name, "prompt": [5], "max_tokens": 2})[0] == 200
             assert_colocated_answer(dec.url, name, tiny_model_dir, list(range(5, 40)), 4)
             metrics = urllib.request.urlopen(dec.url + "/metrics").read().decode()
-            assert 'pdkv_disagg_prefill_decisions_total{model_name="%s",role="decode",where="local_no_peer"} 1.0' \
-                % name in metrics, [x for x in metrics.splitlines() if "decisions" in x]
+            assert 'pdkv_disagg_prefill_decisions_total{model_name="%s",role="decode",where="local_no_peer"} %d.0' \
+                % (name, 2 if retries else 1) in metrics, [x for x in metrics.splitlines() if "decisions" in x]
+            assert ('pdkv_disagg_prefill_retries_total{cause="peer_dead",model_name="%s",role="decode",to="local"} '
+                    '%d.0' % (name, 1 if retries else 0)) in metrics, [x for x in metrics.splitlines() if "retr" in x]
     finally:
         pre.stop()
 
@@ -181,7 +191,8 @@ def test_frozen_prefill_past_its_lease_is_dead(tiny_model_dir, tmp_path):
     try:
         pre.wait_healthy()
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"],
-                           messenger__lease_s=1.0, messenger__heartbeat_s=0.2)
+                           messenger__lease_s=1.0, messenger__heartbeat_s=0.2,
+                           disagg__prefill_retries=0)  # the failure itself (retries: prefilled here)
         eng = make_engine(dcfg)
         with serve_node(dcfg, eng) as dec:
             name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]

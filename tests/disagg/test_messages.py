@@ -51,6 +51,8 @@ SAMPLES = [
     (M.DoneAt("r1", 12.5, 7, 1024), {}),
     (M.DoneAt("r1", None), {}),
     (M.PromptLogprobs("r1", LPS), {"prompt": PROMPT, "num_top": 2}),
+    (M.Draining(), {}),
+    (M.Draining(False), {}),
 ]
 
 
@@ -128,6 +130,7 @@ BAD = [
     (M.DoneAt("r", 1.0), "t_end", math.nan, "t_end must be"),
     (M.DoneAt("r", 1.0), "bytes", -5, "bytes must be"),
     (M.DoneAt("r", 1.0), "posted", True, "posted must be"),
+    (M.Draining(), "draining", "yes", "draining must be"),
 ]
 
 

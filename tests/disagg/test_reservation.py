@@ -98,6 +98,34 @@ def test_an_unsent_reservation_gives_its_row_back():
     assert mem.events == [("cmd", "ReleasePages", "r")] and mem.held == {7: 3}
 
 
+def test_reset_revokes_the_dead_peers_grants_and_keeps_the_rest_for_another():
+    mem, again = _Memory(busy_rounds=1), []
+    res = _granted(mem)
+    assert res.reset(lambda: again.append(res.grants)) is True
+    # revoked (one range busy: retried), nothing else went back, and only then the resend ran
+    assert mem.events == [("revoke", 7, 3), ("revoke", 7, 1)] and again == [()] and mem.held == {7: 0}
+    assert mem.live == {"r": res} and sorted(mem.rows._free) == [1] and not res.released
+    res.granted(9, (Range(1, 0, 8),))  # another prefill node: granted the same pages afresh
+    mem.held[9] = 1
+    assert res.release(pages=True) is True
+    assert mem.events[2:] == [("revoke", 9, 1), ("landing", "r"), ("cmd", "ReleasePages", "r")]
+    assert mem.held == {7: 0, 9: 0} and sorted(mem.rows._free) == [0, 1] and res.resets == 1
+    assert res.reset(lambda: again.append("no")) is False and again == [()]  # released: no reset
+
+
+def test_a_release_during_a_reset_waits_for_its_revocation_and_then_gives_back_once():
+    mem, again, pending = _Memory(busy_rounds=1), [], []
+    mem.later = lambda delay, fn, *args: pending.append((fn, args))  # the retry runs when we say
+    res = _granted(mem)
+    res.reset(lambda: again.append("resend"))
+    assert res.release(pages=True) is True and res.release(pages=True) is False  # the node stops
+    assert mem.events == [("revoke", 7, 3)] and sorted(mem.rows._free) == [1]  # a write may land still
+    fn, args = pending.pop()
+    fn(*args)
+    assert again == [] and mem.events[1:] == [("revoke", 7, 1), ("landing", "r"), ("cmd", "ReleasePages", "r")]
+    assert sorted(mem.rows._free) == [0, 1] and not mem.live and mem.held == {7: 0}
+
+
 # ---- on a real pair --------------------------------------------------------------------------------
 DELAY = ("delay", 0, 0, 700_000)  # every prefill write lands 0.7 s late: each transfer is in flight a while
 
@@ -146,7 +174,10 @@ def _leave_mid_transfer(c, body):
 
 
 def test_every_ending_releases_each_reservation_exactly_once(tiny_model_dir, track):
-    c = Cluster(tiny_model_dir, prefill_faults=[DELAY], prefill_over={"kv_cache__num_pages": 8})
+    # disagg.prefill_retries 0: the prefill node's death ends the request (with retries it is
+    # prefilled here instead: tests/fleet/test_prefill_death.py)
+    c = Cluster(tiny_model_dir, prefill_faults=[DELAY], prefill_over={"kv_cache__num_pages": 8},
+                decode_over={"disagg__prefill_retries": 0})
     try:
         name = c.model_name()
         # done: the KV lands, the engine owns the pages from then on
@@ -201,3 +232,26 @@ def test_shutdown_releases_what_is_in_flight(tiny_model_dir, track):
         assert c.decode_engine.allocator.num_free == c.decode_engine.allocator.num_total
     finally:
         c.prefill.stop()
+
+
+def test_a_dead_prefill_nodes_request_is_prefilled_here_and_released_once(tiny_model_dir, track):
+    """The only prefill node dies mid-transfer (disagg.prefill_retries default, local_fallback):
+    the request is computed here, its tokens those of an undisturbed run, its reservation
+    released once (after the dead node's grants were revoked) and every page is back."""
+    c = Cluster(tiny_model_dir, prefill_faults=[DELAY])
+    try:
+        body = {"model": c.model_name(), "prompt": list(range(5, 18)), "max_tokens": 6, "temperature": 0}
+        box = {}
+        t = threading.Thread(target=lambda: box.__setitem__("r", post_completion(c.url, body)))
+        t.start()
+        wait_for(lambda: c.coordinator.slots, 10, "its PREFILL sent")
+        c.prefill.stop()
+        t.join(30)
+        _settled(c, track, 1)
+        assert c.decode_engine.allocator.num_free == c.decode_engine.allocator.num_total
+        m = c.coordinator.metrics
+        assert m.prefill_retries.labels(*m._lab, "peer_dead", "local")._value.get() == 1
+        want = post_completion(c.url, body)  # undisturbed (its prefix is cached here now: local)
+        assert box["r"][0] == 200 and box["r"][1]["choices"][0]["text"] == want[1]["choices"][0]["text"], box
+    finally:
+        c.stop()

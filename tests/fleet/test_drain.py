@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 import yaml
 
-from _fleet import Load, NodeProc, connected_peers, fleet_node, get, model_name, post, wait_for
+from _fleet import (Load, NodeProc, connected_peers, fleet_node, free_port, get, model_name, node_dict, pages_back,
+                    post, routed, wait_for)
 from pdkv.config.router import load_router_config
 from pdkv.fleet.drain import admin_headers
 from pdkv.router import RouterThread
@@ -87,4 +88,46 @@ def test_etcd_outage_then_drain_a_decode_node_under_load(tiny_model_dir, tmp_pat
                                                  "max_tokens": 4})[0] == 200  # prefilled locally now
     finally:
         for n in (d1, d2, pre):
+            n.stop()
+
+
+def _peer_states(dec: NodeProc) -> dict[str, str]:
+    return {p["address"]: p.get("state", "ready") for p in get(dec.url + "/health")["prefill_peers"]}
+
+
+def test_static_prefill_drain_is_told_to_its_decode_nodes(tiny_model_dir, tmp_path):
+    """No etcd: a decode node with two static prefill peers under load; one prefill node gets
+    SIGTERM. Its DRAINING control message reaches the decode node before the drain notice is
+    over, the decode node sends it no PREFILL from then on, it exits 0, and no request fails."""
+    ports = [free_port(), free_port()]
+    pres = []
+    for i, cport in enumerate(ports):
+        d = node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=cport)
+        d["cluster"] = {"drain_notice_s": 1.5, "drain_timeout_s": 30}  # discovery static (default)
+        pres.append(NodeProc(tmp_path, f"p{i}", d))
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    dec = NodeProc(tmp_path, "d", node_dict(tiny_model_dir, "decode", port=free_port(), peers=addrs))
+    try:
+        for n in (*pres, dec):
+            n.wait_healthy(180)
+        wait_for(lambda: len(connected_peers(dec)) == 2, 20, "decode connected to both prefill nodes")
+        with Load(dec.url, model_name(dec.url), clients=2) as load:
+            wait_for(lambda: all(v > 0 for v in routed(dec).values()), 60, "both prefill nodes used")
+            t0 = time.monotonic()
+            pres[0].signal(signal.SIGTERM)
+            wait_for(lambda: _peer_states(dec)[addrs[0]] == "draining", 5, "the decode node told p0 is draining",
+                     step=0.01)
+            told_s = time.monotonic() - t0
+            assert pres[0].proc.poll() is None  # within the drain notice: told by the link, not by its exit
+            before = routed(dec)
+            time.sleep(1.0)
+            after = routed(dec)
+        assert after[addrs[0]] == before[addrs[0]] and after[addrs[1]] > before[addrs[1]], (before, after)
+        assert pres[0].proc.wait(60) == 0, pres[0].log_path.read_text()[-2000:]
+        assert load.results and not load.failures(), load.failures()[:3]
+        wait_for(lambda: pages_back(dec) and pages_back(pres[1]), 10, "every page back")
+        print(f"static drain: the decode node knew p0 was draining {told_s * 1000:.0f} ms after SIGTERM; "
+              f"{len(load.results)} requests, none failed")
+    finally:
+        for n in (dec, *pres):
             n.stop()

@@ -1,7 +1,10 @@
 """A prefill node killed mid-transfer while 8 greedy streams run through the router: the decode
-node fails those requests with a 503 before their first token (nothing was streamed), the router
-sends them again, the decode node now prefills them on the other prefill node, and every client
-stream completes with exactly the tokens of an undisturbed run; every page comes back."""
+node revokes the dead node's grants and sends those PREFILLs to the other prefill node itself
+(disagg.prefill_retries), or with no other one computes those prompts here
+(disagg.local_fallback), so no request fails and the router retries nothing; with
+disagg.prefill_retries 0 it fails them with a 503 before their first token (nothing was
+streamed) and the router sends them again. Either way every client stream completes with exactly
+the tokens of an undisturbed run and every page comes back on every node."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +15,7 @@ import aiohttp
 import pytest
 
 from _cluster import make_engine, node_config, serve_node, wait_for
+from _fleet import pages_back
 from _procs import NodeProc, free_port, node_dict
 from pdkv.config.router import load_router_config
 from pdkv.router import RouterThread
@@ -36,21 +40,28 @@ async def _text(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, st
         return r.status, "".join(text), events
 
 
-@pytest.mark.slow  # node processes and a kill: ~20 s
-def test_prefill_killed_mid_transfer_streams_complete_exactly(tiny_model_dir, tmp_path):
-    ports = [free_port(), free_port()]
+def _counter(metrics: str, prefix: str) -> float:
+    return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(prefix))
+
+
+@pytest.mark.slow  # node processes and a kill: ~20 s each
+@pytest.mark.parametrize("retries,num_prefill", [(2, 2), (0, 2), (2, 1)],
+                         ids=["decode-resends", "router-retries", "decode-prefills-here"])
+def test_prefill_killed_mid_transfer_streams_complete_exactly(tiny_model_dir, tmp_path, retries, num_prefill):
+    ports = [free_port() for _ in range(num_prefill)]
     pres = [NodeProc(tmp_path, f"p{i}", node_dict(tiny_model_dir, "prefill", port=free_port(), control_port=p))
             for i, p in enumerate(ports)]
     try:
         for p in pres:
             p.wait_healthy(180)
         dcfg = node_config(tiny_model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{p}" for p in ports],
-                           messenger__lease_s=30.0)  # the death is seen by the broken connection
+                           messenger__lease_s=30.0,  # the death is seen by the broken connection
+                           disagg__prefill_retries=retries)
         eng = make_engine(dcfg)
         prompts = [[5 + i + j for j in range(30)] for i in range(8)]
         with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
-            wait_for(lambda: len(coord.links.live()) == 2, 20, "both prefill nodes connected")
+            wait_for(lambda: len(coord.links.live()) == num_prefill, 20, "the prefill nodes connected")
             router = RouterThread(load_router_config(None, ["port=0", f"nodes=[{dec.url}]", "poll_interval_s=0.1"]))
             with router:
                 async def run(victim=None):
@@ -68,13 +79,26 @@ def test_prefill_killed_mid_transfer_streams_complete_exactly(tiny_model_dir, tm
                 pres[0].signal(signal.SIGSTOP)
                 got = asyncio.run(run(pres[0]))
                 metrics = __import__("urllib.request").request.urlopen(router.url + "/metrics").read().decode()
+                dmetrics = __import__("urllib.request").request.urlopen(dec.url + "/metrics").read().decode()
             for (st, text, events), (_, want_text, _) in zip(got, want):
                 assert st == 200 and events[-1] == b"[DONE]" and text == want_text, (st, text, want_text)
-            retried = sum(float(x.split()[-1]) for x in metrics.splitlines()
-                          if x.startswith('pdkv_router_retries_total{cause="unavailable"}'))
-            assert retried >= 1, [x for x in metrics.splitlines() if "retries" in x]
+            retried = _counter(metrics, 'pdkv_router_retries_total{cause="unavailable"}')
+            resent = _counter(dmetrics, "pdkv_disagg_prefill_retries_total{")
+            failed = _counter(dmetrics, 'pdkv_kv_transfer_failures_total{')
+            if retries:  # the decode node healed it: nothing failed, nothing reached the router
+                assert resent >= 1 and retried == 0 and failed == 0, (resent, retried, failed)
+                to = "remote" if num_prefill > 1 else "local"  # one prefill node: computed here
+                assert resent == sum(float(x.split()[-1]) for x in dmetrics.splitlines() if x.startswith(
+                    'pdkv_disagg_prefill_retries_total{cause="peer_dead"') and f'to="{to}"' in x), dmetrics
+            else:
+                assert retried >= 1 and resent == 0, [x for x in metrics.splitlines() if "retries" in x]
             wait_for(lambda: eng.allocator.num_free == eng.allocator.num_total, 10, "decode pool full")
-            print(f"prefill death: {int(retried)} request(s) sent again, all 8 streams exact")
+            wait_for(lambda: not coord.memory.live and not coord.memory.held and not coord.slots, 10,
+                     "every reservation released")
+            assert len(coord.rows._free) == coord.rows.num_rows
+            wait_for(lambda: all(pages_back(p) for p in pres[1:]), 10, "the surviving prefill node's pages back")
+            print(f"prefill death: {int(resent)} PREFILL(s) sent again by the decode node, {int(retried)} "
+                  "request(s) by the router, all 8 streams exact")
     finally:
         for p in pres:
             p.stop()

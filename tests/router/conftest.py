@@ -25,12 +25,13 @@ def router_model_dir(tmp_path_factory) -> Path:
 class Node:
     """A colocated node on a ServerThread (port 0: a free one, or a given one)."""
 
-    def __init__(self, model_dir: Path, port: int = 0):
+    def __init__(self, model_dir: Path, port: int = 0, *sets: str):
+        """``sets``: more config overrides (``server.reasoning_parser=qwen3``)."""
         from pdkv.engine import LLMEngine
         from pdkv.server import ServerThread
 
         self.cfg = load_config(None, [f"model.path={model_dir}", f"server.port={port}", "kv_cache.num_pages=256",
-                                      "kv_cache.page_size=16"])
+                                      "kv_cache.page_size=16", *sets])
         self.engine = LLMEngine.from_config(self.cfg)
         self.pages_at_start = self.engine.allocator.num_free
         self.thread = ServerThread(self.cfg, self.engine).start()

@@ -87,6 +87,16 @@ def test_regex_choice_grammar_and_json_object(api, node, field, value, check):
             assert c["finish_reason"] == "stop" and check(c["text"]), c
 
 
+def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(api, served):
+    """ignore_eos cannot make a grammar that accepted its stop token go on (no token is allowed
+    after it): the request ends there, "stop", its text the grammar's."""
+    status, body = api.http("POST", served.url + "/v1/completions", {
+        "prompt": "x", "max_tokens": 40, "n": 2, "seed": 3, "ignore_eos": True, "guided_choice": ["si", "no"]})
+    assert status == 200, body
+    assert all(c["finish_reason"] == "stop" and c["text"] in ("si", "no") for c in body["choices"]), body
+    assert _live_masks(served) == 0
+
+
 def test_max_tokens_mid_structure_is_length(api, served):
     status, body = api.http("POST", served.url + "/v1/chat/completions", {
         "messages": CHAT, "max_tokens": 4, "response_format": {"type": "json_schema",
