@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdkv.engine import SamplingParams
@@ -145,9 +147,10 @@ def test_unseeded_rows_draw_together_seeded_rows_alone():
     params = SamplingParams(temperature=1.0)
     greedy = SamplingParams(temperature=0)
 
-    def req(p, seed=None):
-        gen = None if seed is None else torch.Generator().manual_seed(seed)
-        return types.SimpleNamespace(params=p, generator=gen)
+    def req(p, seed=None):  # a seeded request's generator is re-seeded per token from (seed, position)
+        gen = None if seed is None else torch.Generator()
+        p = p if seed is None else dataclasses.replace(p, seed=seed)
+        return types.SimpleNamespace(params=p, generator=gen, resumed_ids=[], output_token_ids=[])
 
     batch = [req(params), req(greedy), req(params, seed=7), req(params), req(params)]
     out = Sampler(seed=3)(logits, batch)
