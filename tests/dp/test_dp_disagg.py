@@ -1,0 +1,128 @@
+"""Disaggregated decode on a DP2-EP group (DeepSeek-V3, MLA): a TP1 prefill node writes each
+request's latent pages straight into the pool of the one rank the group placed it on, over tcp
+(in-process nodes, both ranks' pools read through the front's mapping); the tokens equal a
+colocated TP1 engine's, the landed pages equal that engine's cache, and the other rank's pool
+is untouched. A transfer that times out on one rank fails that request alone; the other rank's
+request finishes, and every page of both ranks comes back."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "disagg"))
+
+from _cluster import Cluster, make_engine, node_config, read_kv, wait_for  # noqa: E402
+
+from pdkv.dp.group import DPGroup  # noqa: E402
+from pdkv.engine import SamplingParams  # noqa: E402
+
+MAX_TOKENS = 6
+DP = {"parallel__dp": 2, "parallel__ep": True, "parallel__timeout_s": 30.0, "parallel__startup_timeout_s": 300.0}
+# 18, 13 and 9 tokens: 5, 3 and 2 pages before the last token (page size 4)
+PROMPTS = [list(range(3, 21)), list(range(40, 53)), list(range(80, 89))]
+
+
+def _group(cfg):
+    return DPGroup.from_config(cfg)
+
+
+def _complete(url: str, name: str, prompt: list[int]) -> dict:
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "error": e.read().decode()}
+
+
+def _together(url: str, name: str, prompts: list, gap_s: float = 0.0) -> list[dict]:
+    got: list = [None] * len(prompts)
+
+    def run(i):
+        got[i] = _complete(url, name, prompts[i])
+    threads = []
+    for i in range(len(prompts)):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        time.sleep(gap_s or 0.05)  # in order: the first is placed first, on the less loaded rank
+    for t in threads:
+        t.join(90)
+    return got
+
+
+def _pools_back(group: DPGroup) -> bool:
+    ranks = group.load()["ranks"]
+    return all(r["free_pages"] == r["total_pages"] and r["held_pages"] == 0 and r["requests"] == 0 for r in ranks)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_models):
+    """Greedy tokens and each prompt's KV (the first n-1 positions) from a colocated TP1 engine."""
+    folder = moe_models["deepseek_v3"]
+    eng = make_engine(node_config(folder, "colocated"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = [o.output_token_ids for o in eng.generate(PROMPTS, params)]
+    kv = []
+    eng = make_engine(node_config(folder, "colocated", kv_cache__prefix_caching=False))  # every page computed
+    for i, p in enumerate(PROMPTS):
+        # the prompt less its last token, as the prefill node computes it (the same chunks)
+        eng.add_request(f"kv-{i}", p[:-1], SamplingParams(max_tokens=2, temperature=0.0))
+        req = eng.requests[f"kv-{i}"]
+        while req.num_computed_tokens < len(p) - 1:
+            eng.step()
+        kv.append(read_kv(eng.kv, req.pages, len(p) - 1))  # read before it ends and frees them
+        while eng.has_unfinished():
+            eng.step()
+    return tokens, kv
+
+
+def _match(cache, pages, kv_refs) -> list[int]:
+    """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
+    out = []
+    for i, ref in enumerate(kv_refs):
+        n = ref[0].shape[1]
+        if -(-n // 4) == len(pages) and all(torch.equal(a, b) for a, b in zip(read_kv(cache, pages, n), ref)):
+            out.append(i)
+    return out
+
+
+def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
+    want_tokens, want_kv = reference
+    c = Cluster(moe_models["deepseek_v3"], decode_over=DP, decode_engine=_group)
+    group = c.decode_engine
+    try:
+        assert group.dp_regions is not None and len(c.coordinator.kv.keys) == 2  # one region per rank's pool
+        assert c.coordinator.peers[0].plan.decode.tp == 1  # each DP rank is a TP1 engine
+        landed = {}  # rid -> (its rank, its pages)
+        pools = [r.cache for r in group.dp_regions]
+
+        def on_landed(rid, hidden):
+            rank, pages = group._remote[rid], c.coordinator.by_rid[rid].kv_pages
+            # what landed on the chosen rank is one prompt's latent; the other rank's pool holds
+            # no prompt's KV at those page ids (it received no write of this request)
+            landed[rid] = (rank, pages, _match(pools[rank], pages, want_kv), _match(pools[1 - rank], pages, want_kv))
+        c.coordinator.on_landed = on_landed
+        name = c.model_name()
+        idle = group.pools.buffers[1].tensor().clone()
+        first = _complete(c.url, name, PROMPTS[0])  # alone: on rank 0 (every tie goes to the lowest rank)
+        assert first["choices"][0]["token_ids"] == want_tokens[0]
+        assert torch.equal(group.pools.buffers[1].tensor(), idle), "the idle rank's pool was written"
+        got = _together(c.url, name, PROMPTS[1:])  # together: one on each rank (load placement)
+        assert [g["choices"][0]["token_ids"] for g in got] == want_tokens[1:]
+        assert sorted(rank for rank, _, _, _ in landed.values()) == [0, 0, 1]
+        assert sorted(m for _, _, mine, _ in landed.values() for m in mine) == [0, 1, 2]
+        assert all(len(mine) == 1 and not other for _, _, mine, other in landed.values())
+        wait_for(lambda: _pools_back(group), 10, "every page of both ranks back")
+    finally:
+        c.stop()
+        group.close()
