@@ -126,3 +126,34 @@ def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
     finally:
         c.stop()
         group.close()
+
+
+def test_remote_kv_timing_out_on_one_rank_fails_that_request_only(moe_models, reference):
+    """FAKE transport (fault injection): the first request's first write lands 4 s late, past
+    messenger.transfer_timeout_s (1.5 s); the request placed on the other rank meanwhile lands
+    at once and decodes; the late one fails naming the timeout; both ranks' pages come back once
+    the late write landed (the grants fence it until then)."""
+    want_tokens, _ = reference
+    c = Cluster(moe_models["deepseek_v3"], decode_over={**DP, "messenger__transfer_timeout_s": 1.5},
+                decode_engine=_group, prefill_faults=[("delay", 0, 1, 4_000_000)])
+    group = c.decode_engine
+    try:
+        name = c.model_name()
+        got: dict = {}
+        late = threading.Thread(target=lambda: got.setdefault("late", _complete(c.url, name, PROMPTS[0])))
+        late.start()
+        wait_for(lambda: len(group._remote) == 1, 20, "the first request's pages reserved")
+        (late_rank,) = group._remote.values()
+        t0 = time.monotonic()
+        ok = _complete(c.url, name, PROMPTS[1])
+        assert ok["choices"][0]["token_ids"] == want_tokens[1]
+        assert time.monotonic() - t0 < 4.0  # it did not wait for the other rank's late write
+        late.join(60)
+        assert got["late"]["status"] == 500 and "timed out after 1.5 s" in got["late"]["error"], got["late"]
+        assert late_rank == 0 and group.healthy
+        wait_for(lambda: _pools_back(group) and not c.coordinator.slots and not group._remote and not group.rank_of, 15,
+                 "every page of both ranks back")
+        assert not c.coordinator.memory.live and not c.coordinator.held  # every reservation released
+    finally:
+        c.stop()
+        group.close()
