@@ -157,3 +157,30 @@ def test_remote_kv_timing_out_on_one_rank_fails_that_request_only(moe_models, re
     finally:
         c.stop()
         group.close()
+
+
+def test_handshake_carries_the_dp_layout_and_refuses_a_pair_it_cannot_serve():
+    """HELLO's extra.dp: a decode DP2-EP group pairs with a prefill TP group of any degree (each
+    side plans TPn -> TP1, the latent replicated) and CONNECT then carries one key per DP rank; a
+    prefill DP-EP group, or a malformed layout, is refused naming both sides' layouts."""
+    from pdkv.control import HandshakeRefused
+    from pdkv.disagg.sharded import check_keys, plan_link
+    from pdkv.shard import KVGeometry, ShardSpec
+
+    latent = KVGeometry(1, 40, 4, "float32", "HND", True, 1)
+    dec, dp2 = ShardSpec(1, latent, "decode"), {"size": 2, "ep": True}
+    for tp in (1, 2):
+        pre = ShardSpec(tp, latent, "prefill")
+        on_decode = plan_link(dec, "decode", {"shard": pre.to_wire()}, dp2)
+        on_prefill = plan_link(pre, "prefill", {"shard": dec.to_wire(), "dp": dp2})
+        assert (on_decode.prefill.tp, on_decode.decode.tp) == (on_prefill.prefill.tp, on_prefill.decode.tp) == (tp, 1)
+        assert check_keys(on_prefill, [11, 12], dp=2) == [11, 12]
+        with pytest.raises(HandshakeRefused, match="expected 2 integer key"):
+            check_keys(on_prefill, [11], dp=2)
+    with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=1 per rank\) to decode dp=2 ep "
+                                               r"\(tp=1 per rank\): a prefill DP-EP group is not supported"):
+        plan_link(dec, "decode", {"shard": ShardSpec(1, latent, "prefill").to_wire(), "dp": dp2}, dp2)
+    with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=1 per rank\) to decode tp=1"):
+        plan_link(ShardSpec(1, latent, "prefill"), "prefill", {"shard": dec.to_wire()}, dp2)
+    with pytest.raises(HandshakeRefused, match="HELLO dp must be"):
+        plan_link(ShardSpec(2, latent, "prefill"), "prefill", {"shard": dec.to_wire(), "dp": {"size": 0}})
