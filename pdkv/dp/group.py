@@ -143,6 +143,7 @@ class DPGroup:
         self._tokens: dict[str, list[int]] = {}  # a remote request's prompt, until its pages are reserved
         self._work = [False] * n  # each rank's answer: it has something to compute or admit
         self._dirty = False  # a command since the last step that may give a rank work
+        self.remote_landed = [0] * n  # requests whose remote KV landed in each rank's pool
         self.dp_regions = None
         if shared_kv:
             self._map_pools(model, ready)
@@ -332,6 +333,7 @@ class DPGroup:
         r = self._remote.pop(request_id, None)
         if r is not None and self.error is None:
             self._dirty = True
+            self.remote_landed[r] += 1
             self._call(r, "kv_ready", (request_id, prompt_logprobs))
 
     def release(self, request_id: str) -> int:
@@ -378,7 +380,8 @@ class DPGroup:
         st = self.stats()
         ranks = [{"rank": r, "num_running": x.get("num_running", 0), "num_waiting": x.get("num_waiting", 0),
                   "queued_tokens": self._loads[r]["tokens"], "num_pages_free": x.get("num_pages_free", 0),
-                  "num_pages_total": x.get("num_pages_total", 0)} for r, x in enumerate(self._stats)]
+                  "num_pages_total": x.get("num_pages_total", 0), "num_remote_kv_landed": self.remote_landed[r]}
+                 for r, x in enumerate(self._stats)]
         return {"in_flight": in_flight, "num_running": st.get("num_running", 0),
                 "num_waiting": st.get("num_waiting", 0) + st.get("num_waiting_remote_kv", 0),
                 "queued_prompt_tokens": sum(r["queued_tokens"] for r in ranks),

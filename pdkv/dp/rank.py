@@ -30,8 +30,10 @@ log = logging.getLogger("pdkv.dp.rank")
 def load_info(engine) -> dict:
     """What the front places requests by (pdkv/dp/placement.py) and reports in /load."""
     s = engine.scheduler
-    return {"running": len(s.running), "waiting": len(s.waiting),
-            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting)),
+    # a request whose KV is on its way from a prefill node (disaggregated) is this rank's load too
+    return {"running": len(s.running), "waiting": len(s.waiting) + len(s.remote),
+            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting))
+            + sum(r.num_prompt_tokens + r.params.max_tokens for r in s.remote.values()),
             "free_pages": engine.allocator.num_free, "total_pages": engine.allocator.num_total,
             "requests": len(engine.requests), "held_pages": engine.num_held_pages}
 

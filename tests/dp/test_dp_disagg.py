@@ -7,84 +7,14 @@ request finishes, and every page of both ranks comes back."""
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+from _dp_disagg import DP, PROMPTS, complete, dp_group, pools_back, together, reference  # noqa: F401
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "disagg"))
-
-from _cluster import Cluster, make_engine, node_config, read_kv, wait_for  # noqa: E402
-
-from pdkv.dp.group import DPGroup  # noqa: E402
-from pdkv.engine import SamplingParams  # noqa: E402
-
-MAX_TOKENS = 6
-DP = {"parallel__dp": 2, "parallel__ep": True, "parallel__timeout_s": 30.0, "parallel__startup_timeout_s": 300.0}
-# 18, 13 and 9 tokens: 5, 3 and 2 pages before the last token (page size 4)
-PROMPTS = [list(range(3, 21)), list(range(40, 53)), list(range(80, 89))]
-
-
-def _group(cfg):
-    return DPGroup.from_config(cfg)
-
-
-def _complete(url: str, name: str, prompt: list[int]) -> dict:
-    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                       "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-    try:
-        return json.loads(urllib.request.urlopen(req, timeout=60).read())
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, "error": e.read().decode()}
-
-
-def _together(url: str, name: str, prompts: list, gap_s: float = 0.0) -> list[dict]:
-    got: list = [None] * len(prompts)
-
-    def run(i):
-        got[i] = _complete(url, name, prompts[i])
-    threads = []
-    for i in range(len(prompts)):
-        threads.append(threading.Thread(target=run, args=(i,)))
-        threads[-1].start()
-        time.sleep(gap_s or 0.05)  # in order: the first is placed first, on the less loaded rank
-    for t in threads:
-        t.join(90)
-    return got
-
-
-def _pools_back(group: DPGroup) -> bool:
-    ranks = group.load()["ranks"]
-    return all(r["free_pages"] == r["total_pages"] and r["held_pages"] == 0 and r["requests"] == 0 for r in ranks)
-
-
-@pytest.fixture(scope="module")
-def reference(moe_models):
-    """Greedy tokens and each prompt's KV (the first n-1 positions) from a colocated TP1 engine."""
-    folder = moe_models["deepseek_v3"]
-    eng = make_engine(node_config(folder, "colocated"))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    tokens = [o.output_token_ids for o in eng.generate(PROMPTS, params)]
-    kv = []
-    eng = make_engine(node_config(folder, "colocated", kv_cache__prefix_caching=False))  # every page computed
-    for i, p in enumerate(PROMPTS):
-        # the prompt less its last token, as the prefill node computes it (the same chunks)
-        eng.add_request(f"kv-{i}", p[:-1], SamplingParams(max_tokens=2, temperature=0.0))
-        req = eng.requests[f"kv-{i}"]
-        while req.num_computed_tokens < len(p) - 1:
-            eng.step()
-        kv.append(read_kv(eng.kv, req.pages, len(p) - 1))  # read before it ends and frees them
-        while eng.has_unfinished():
-            eng.step()
-    return tokens, kv
-
+from _cluster import Cluster, read_kv, wait_for
 
 def _match(cache, pages, kv_refs) -> list[int]:
     """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
@@ -98,7 +28,7 @@ def _match(cache, pages, kv_refs) -> list[int]:
 
 def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
     want_tokens, want_kv = reference
-    c = Cluster(moe_models["deepseek_v3"], decode_over=DP, decode_engine=_group)
+    c = Cluster(moe_models["deepseek_v3"], decode_over=DP, decode_engine=dp_group)
     group = c.decode_engine
     try:
         assert group.dp_regions is not None and len(c.coordinator.kv.keys) == 2  # one region per rank's pool
@@ -114,17 +44,21 @@ def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
         c.coordinator.on_landed = on_landed
         name = c.model_name()
         idle = group.pools.buffers[1].tensor().clone()
-        first = _complete(c.url, name, PROMPTS[0])  # alone: on rank 0 (every tie goes to the lowest rank)
+        first = complete(c.url, name, PROMPTS[0])  # alone: on rank 0 (every tie goes to the lowest rank)
         assert first["choices"][0]["token_ids"] == want_tokens[0]
         assert torch.equal(group.pools.buffers[1].tensor(), idle), "the idle rank's pool was written"
-        got = _together(c.url, name, PROMPTS[1:])  # together: one on each rank (load placement)
+        got = together(c.url, name, PROMPTS[1:])  # together: one on each rank (load placement)
         assert [g["choices"][0]["token_ids"] for g in got] == want_tokens[1:]
         assert sorted(rank for rank, _, _, _ in landed.values()) == [0, 0, 1]
         assert sorted(m for _, _, mine, _ in landed.values() for m in mine) == [0, 1, 2]
         assert all(len(mine) == 1 and not other for _, _, mine, other in landed.values())
-        wait_for(lambda: _pools_back(group), 10, "every page of both ranks back")
-    finally:
+        wait_for(lambda: not (group.rank_of or group._remote or c.coordinator.slots), 15, "every request ended")
         c.stop()
+        c = None
+        assert pools_back(group), group.load()["ranks"]  # the engine thread is gone: the ranks are ours
+    finally:
+        if c is not None:
+            c.stop()
         group.close()
 
 
@@ -135,27 +69,31 @@ def test_remote_kv_timing_out_on_one_rank_fails_that_request_only(moe_models, re
     the late write landed (the grants fence it until then)."""
     want_tokens, _ = reference
     c = Cluster(moe_models["deepseek_v3"], decode_over={**DP, "messenger__transfer_timeout_s": 1.5},
-                decode_engine=_group, prefill_faults=[("delay", 0, 1, 4_000_000)])
+                decode_engine=dp_group, prefill_faults=[("delay", 0, 1, 4_000_000)])
     group = c.decode_engine
     try:
         name = c.model_name()
         got: dict = {}
-        late = threading.Thread(target=lambda: got.setdefault("late", _complete(c.url, name, PROMPTS[0])))
+        late = threading.Thread(target=lambda: got.setdefault("late", complete(c.url, name, PROMPTS[0])))
         late.start()
         wait_for(lambda: len(group._remote) == 1, 20, "the first request's pages reserved")
         (late_rank,) = group._remote.values()
         t0 = time.monotonic()
-        ok = _complete(c.url, name, PROMPTS[1])
+        ok = complete(c.url, name, PROMPTS[1])
         assert ok["choices"][0]["token_ids"] == want_tokens[1]
         assert time.monotonic() - t0 < 4.0  # it did not wait for the other rank's late write
         late.join(60)
         assert got["late"]["status"] == 500 and "timed out after 1.5 s" in got["late"]["error"], got["late"]
         assert late_rank == 0 and group.healthy
-        wait_for(lambda: _pools_back(group) and not c.coordinator.slots and not group._remote and not group.rank_of, 15,
-                 "every page of both ranks back")
-        assert not c.coordinator.memory.live and not c.coordinator.held  # every reservation released
-    finally:
+        wait_for(lambda: not (group.rank_of or group._remote or c.coordinator.slots or c.coordinator.memory.live),
+                 15, "every request ended and its reservation released")
+        assert not c.coordinator.held  # no range is granted any more
         c.stop()
+        c = None
+        assert pools_back(group), group.load()["ranks"]  # the engine thread is gone: the ranks are ours
+    finally:
+        if c is not None:
+            c.stop()
         group.close()
 
 
