@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
-from _dp_disagg import DP, PROMPTS, complete, dp_group, pools_back, together, reference  # noqa: F401
+from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, pools_back, together, reference  # noqa: F401
 
-from _cluster import Cluster, read_kv, wait_for
+from _cluster import Cluster, colocated_tokens, read_kv, wait_for
 
 def _match(cache, pages, kv_refs) -> list[int]:
     """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
@@ -52,6 +52,10 @@ def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
         assert sorted(rank for rank, _, _, _ in landed.values()) == [0, 0, 1]
         assert sorted(m for _, _, mine, _ in landed.values() for m in mine) == [0, 1, 2]
         assert all(len(mine) == 1 and not other for _, _, mine, other in landed.values())
+        # a one-token prompt has no KV to fetch: its rank computes it, nothing is sent
+        one = complete(c.url, name, [7])
+        assert one["choices"][0]["token_ids"] == colocated_tokens(moe_models["deepseek_v3"], [7], MAX_TOKENS)
+        assert len(landed) == 3 and sum(group.remote_landed) == 3
         wait_for(lambda: not (group.rank_of or group._remote or c.coordinator.slots), 15, "every request ended")
         c.stop()
         c = None
