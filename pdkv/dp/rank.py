@@ -61,7 +61,8 @@ def step(engine, group) -> dict:
             engine.abort(rid, reason="error")
         outputs += engine.step()  # nothing left to schedule: only the aborts' final outputs
     return {"outputs": outputs, "dummy": dummy, "reserved": _reserved(engine),
-            "work": engine.has_work() or engine.num_pending > 0, "load": load_info(engine), "error": error, "stats": engine.stats(),
+            "work": engine.has_work() or engine.num_pending > 0, "load": load_info(engine), "error": error,
+            "stats": engine.stats(),
             "running": [r.request_id for r in engine.scheduler.running]}
 
 
