@@ -443,6 +443,7 @@ class DPGroup:
         for o in outputs:
             if o.finished:
                 self.rank_of.pop(o.request_id, None)
+                self._tokens.pop(o.request_id, None)  # its rank computed it after all (cached here)
                 self._status.pop(o.request_id, None)
                 self._last.pop(o.request_id, None)
                 self._prompts.pop(o.request_id, None)
@@ -491,6 +492,7 @@ class DPGroup:
             out.append(RequestOutput(rid, [], "", True, "error", self._prompts.get(rid, 0), len(ids), ids,
                                      last.text if last is not None else ""))
         self.rank_of.clear()
+        self._tokens.clear()
         self._status.clear()
         self._last.clear()
         self._prompts.clear()

@@ -116,7 +116,7 @@ def serve(ch) -> None:
                       "pool": pool_info(engine, pool) if pool else None})
     handlers = {
         "add": lambda p: _add(engine, remote, *p),
-        "abort": lambda p: engine.abort(*p),
+        "abort": lambda p: _abort(engine, remote, *p),
         "step": lambda _: step(engine, group),
         "load": lambda _: {**load_info(engine), "forwards": group.forwards, "dummies": group.dummies,
                            "comm_s": group.dispatcher.comm_s, "dispatch_s": group.dispatcher.total_s,
@@ -152,6 +152,12 @@ def _add(engine, remote, request_id, prompt, params, arrival=None, priority=0, i
             remote.remote.discard(request_id)
         raise
     return {"reserved": _reserved(engine)}
+
+
+def _abort(engine, remote, request_id, *args) -> None:
+    if remote is not None:  # one that was still pending never reaches the connector
+        remote.remote.discard(request_id)
+    engine.abort(request_id, *args)
 
 
 def _unlink(pool: list) -> None:
