@@ -14,7 +14,7 @@ import pytest
 import torch
 from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, pools_back, together, reference  # noqa: F401
 
-from _cluster import Cluster, colocated_tokens, read_kv, wait_for
+from _cluster import Cluster, colocated_tokens, node_config, read_kv, wait_for
 
 def _match(cache, pages, kv_refs) -> list[int]:
     """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
@@ -126,3 +126,9 @@ def test_handshake_carries_the_dp_layout_and_refuses_a_pair_it_cannot_serve():
         plan_link(ShardSpec(1, latent, "prefill"), "prefill", {"shard": dec.to_wire()}, dp2)
     with pytest.raises(HandshakeRefused, match="HELLO dp must be"):
         plan_link(ShardSpec(2, latent, "prefill"), "prefill", {"shard": dec.to_wire(), "dp": {"size": 0}})
+
+
+def test_a_prefill_dp_group_is_refused_by_name_before_any_rank_starts(moe_models):
+    cfg = node_config(moe_models["deepseek_v3"], "prefill", parallel__dp=2, parallel__ep=True)
+    with pytest.raises(ValueError, match="parallel.dp=2 with role prefill: a prefill DP-EP group is not implemented"):
+        dp_group(cfg)
