@@ -39,6 +39,7 @@ from pdkv.disagg.decode_connector import DecodeConnector
 from pdkv.disagg.decode_memory import DecodeMemory
 from pdkv.disagg.decode_send import PrefillSender
 from pdkv.disagg.decode_slots import Slot, SlotState
+from pdkv.disagg.dp_decode import DPDecodeConnector
 from pdkv.disagg.peers import Peer, PrefillPeers
 from pdkv.fleet.admission import TTFTEstimator
 from pdkv.transports import Capability
@@ -89,7 +90,10 @@ class DecodeCoordinator(PrefillSender):
         self._t_end: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._rlog = RateLimitedLog(log)  # a peer's repeated transport errors, once per interval
-        self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size, self.spec)
+        if mem.dp is not None:  # a DP group's front: each rank reserves its own pages (pdkv/dp/remote.py)
+            self.connector = DPDecodeConnector(self)
+        else:
+            self.connector = DecodeConnector(self, self.rows, self.landing, engine.kv.page_size, self.spec)
         engine.set_connector(self.connector)
 
     @property

@@ -38,13 +38,15 @@ from pdkv.engine.request import RequestStatus
 @dataclass(frozen=True)
 class RemoteAsk:
     """What a remote request's PREFILL asks beyond its KV: the speculative hand-off's proposer
-    pages and held-back token, echo + logprobs' alternatives and the prompt's last token."""
+    pages and held-back token, echo + logprobs' alternatives and the prompt's last token, and
+    on a DP group the rank whose pool the pages are in."""
 
     spec_pages: tuple[int, ...] | None = None
     next_token: int | None = None
     prompt_logprobs: int | None = None
     last_token: int | None = None
     priority: int = 0  # the request's (scheduler.policy: priority), for the prefill node's order
+    dp_rank: int | None = None  # a DP group's rank that decodes it (its region alone is granted)
 
 
 class DecodeConnector(KVConnector):

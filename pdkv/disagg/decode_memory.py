@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from pdkv.config import ConfigError
 from pdkv.disagg import protocol as P
 from pdkv.disagg.decode_connector import HiddenRows
 from pdkv.disagg.grants import RequestGrants
@@ -46,7 +47,7 @@ class DecodeMemory:
                                                    metrics)
         else:
             self.kv = NodeKV(engine, messenger)  # every rank's KV region, registered (one per rank)
-        num_rows = max(64, 2 * cfg.scheduler.max_num_seqs)
+        num_rows = max(64, 2 * cfg.scheduler.max_num_seqs * max(1, cfg.parallel.dp))  # a DP group: every rank's
         # what the prefill node prepares for this node's proposer (pdkv/disagg/spec_handoff.py)
         self.handoff = P.spec_handoff(cfg.speculative, engine)
         self.hidden_size = hidden = int(engine.loaded.arch.hidden_size)
@@ -63,6 +64,17 @@ class DecodeMemory:
             # seed picks, so landings spread over a rank's NICs (one NIC, tcp: its one key)
             self.grants = RequestGrants(messenger, self.kv.nic_keys, self.kv.geometry,
                                         rank_keys(messenger, self.hidden_key, 0), self.hidden_nbytes)
+        # A DP group (pdkv/dp/remote.py): its regions are its ranks' pools, not TP shards of one
+        # cache; a request's ranges are granted on its own rank's region only.
+        self.dp = None
+        if getattr(engine, "dp_regions", None) is not None:
+            if self.landing is not None or P.spec_handoff(cfg.speculative, engine):
+                raise ConfigError(f"{cfg.source}: a decode DP-EP group (parallel.dp={cfg.parallel.dp}) lands "
+                                  "pages straight in its ranks' pools: no staging ring (messenger.staging) and "
+                                  "no speculative hand-off")
+            self.dp = [RequestGrants(messenger, [keys], self.kv.geometry, rank_keys(messenger, self.hidden_key, 0),
+                                     self.hidden_nbytes) for keys in self.kv.nic_keys]
+            self.grants = self.dp[0]  # counts, write keys and revokes are the same for every rank
         self.spec = self.spec_grants = None
         proposer = handoff_proposer(engine, self.handoff)
         if proposer is not None:
@@ -82,18 +94,22 @@ class DecodeMemory:
         else:
             self.held.pop(grantee, None)
 
-    def grants_needed(self, dst: list[int], spec_pages: list[int] | None) -> int:
+    def _grants(self, dp_rank: int | None) -> RequestGrants:
+        return self.grants if dp_rank is None else self.dp[dp_rank]
+
+    def grants_needed(self, dst: list[int], spec_pages: list[int] | None, dp_rank: int | None = None) -> int:
         """How many ranges writing ``dst`` (and the proposer's ``spec_pages``) takes."""
-        need = self.grants.count(dst)
+        need = self._grants(dp_rank).count(dst)
         if spec_pages is not None:  # the proposer's ranges count too (no hidden row of their own)
             need += self.spec_grants.count(spec_pages) - 1
         return need
 
     def grant(self, grantee: int, dst: list[int], row: int, seed: int,
-              spec_pages: list[int] | None) -> tuple[list, list]:
+              spec_pages: list[int] | None, dp_rank: int | None = None) -> tuple[list, list]:
         """Grant ``grantee`` the request's pages and hidden row (and the proposer's pages): all
-        or none (what was granted is revoked when a later grant fails, then the error raised)."""
-        granted = self.grants.grant(grantee, dst, row, seed)
+        or none (what was granted is revoked when a later grant fails, then the error raised).
+        ``dp_rank``: a DP group's rank, whose pool alone holds the pages."""
+        granted = self._grants(dp_rank).grant(grantee, dst, row, seed)
         spec_granted = []
         if spec_pages is not None:
             try:

@@ -67,7 +67,7 @@ class PrefillSender:
                                            "prefill peers; retry shortly)", 503, 2))
             res.release(pages=True)  # nothing was sent: no write can land
             return
-        need = self.memory.grants_needed(dst, ask.spec_pages)
+        need = self.memory.grants_needed(dst, ask.spec_pages, ask.dp_rank)
         if need > self.mcfg.max_grants_per_request:
             self.chooser.unreserve(peer, len(tokens))
             self._refuse(res, f"the request's pages need {need} grants (one per KV rank, layer and run of "
@@ -87,13 +87,14 @@ class PrefillSender:
         if self.instant_grants:  # table entries (tcp): the grant thread would be a crossing for nothing
             fut = self.loop.create_future()
             try:
-                fut.set_result(self.memory.grant(grantee, dst, row, request_seed(rid), ask.spec_pages))
+                fut.set_result(self.memory.grant(grantee, dst, row, request_seed(rid), ask.spec_pages,
+                                                  ask.dp_rank))
             except Exception as e:  # noqa: BLE001 - _granted reports it, as from the grant thread
                 fut.set_exception(e)
         else:
             try:  # NOTE: on verbs each range is an MR registration (shm: a round trip): never on the event loop
                 fut = self.loop.run_in_executor(self._grant_pool, self.memory.grant, grantee, dst, row,
-                                                request_seed(rid), ask.spec_pages)
+                                                request_seed(rid), ask.spec_pages, ask.dp_rank)
             except RuntimeError as e:  # the pool is shut down: this node is stopping
                 fut = self.loop.create_future()
                 fut.set_exception(e)
@@ -157,7 +158,7 @@ class PrefillSender:
         self._send(peer, M.Prefill(rid, tuple(job.tokens), tuple(job.dst), imm, slot.hidden_row * self.hidden_nbytes,
                                    seed, job.cached, slot.expected, self.grants.write_keys(job.dst, granted),
                                    ask.spec_pages, ask.next_token, spec_keys, ask.prompt_logprobs,
-                                   ask.last_token, _wire_priority(ask.priority)).to_wire())
+                                   ask.last_token, _wire_priority(ask.priority), ask.dp_rank).to_wire())
 
     def _has_room(self, peer: Peer, need: int) -> bool:
         """Whether ``peer`` may hold ``need`` more grant ranges (messenger.max_grants_per_peer)."""

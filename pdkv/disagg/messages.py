@@ -190,6 +190,7 @@ class PrefillLimits:
     handoff: str | None = None  # the speculative hand-off's method (mtp, draft), None: none
     spec_num_pages: int = 0  # the decode node's proposer cache's pages
     spec_layers: int = 0
+    dp: int = 1  # the decode node's DP ranks (HELLO extra.dp): dp_rank must be below it
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ class Prefill(Message):
     prompt_logprobs: int | None = None
     last_token: int | None = None
     priority: int = 0
+    dp_rank: int | None = None  # a decode DP group's rank whose pool the pages are in
     dst_keys: RangeKeys | None = field(default=None, compare=False, repr=False)
     spec_dst_keys: RangeKeys | None = field(default=None, compare=False, repr=False)
 
@@ -239,6 +241,8 @@ class Prefill(Message):
             out["prompt_logprobs"], out["last_token"] = self.prompt_logprobs, self.last_token
         if self.priority:
             out["priority"] = self.priority
+        if self.dp_rank is not None:
+            out["dp_rank"] = self.dp_rank
         return out
 
     @staticmethod
@@ -281,6 +285,12 @@ class Prefill(Message):
         if expected is not None:
             _int(expected, "expected", 0, _COUNT_TOP)
         dst_keys = _range_keys(msg, pages, lim.kv_ranks, lim.kv_layers, "runs", "kv_rkeys", "hidden_rkey")
+        dp_rank = msg.get("dp_rank")
+        if dp_rank is not None:  # the keys name that rank's pool: without them nothing would
+            dp_rank = _int(dp_rank, "dp_rank", 0, max(1, lim.dp),
+                           f"an integer in [0, {max(1, lim.dp)}) (the decode node's DP ranks)")
+            if dst_keys is None:
+                raise MessageError("a PREFILL naming dp_rank must carry its ranges' write keys (runs, kv_rkeys)")
         lps = last = None
         if msg.get("prompt_logprobs") is not None:
             lps = _int(msg["prompt_logprobs"], "prompt_logprobs", 0, MAX_LOGPROBS + 1,
@@ -307,7 +317,7 @@ class Prefill(Message):
         return cls(req, tokens, pages, imm, hidden_off, seed, cached, expected,
                    _grant_keys(msg, dst_keys, "runs", "kv_rkeys", "hidden_rkey"), spec_pages, next_token,
                    _grant_keys(msg, spec_dst, "spec_runs", "spec_rkeys", None), lps, last, priority,
-                   dst_keys=dst_keys, spec_dst_keys=spec_dst)
+                   dp_rank, dst_keys=dst_keys, spec_dst_keys=spec_dst)
 
 
 def _range_keys(msg, pages, ranks, layers, runs_field, keys_field, hidden_field) -> RangeKeys | None:

@@ -85,7 +85,9 @@ class _Node:
             self.messenger = self.messenger_factory(self.cfg, self.node_id)
         else:
             # every TP rank's pages leave through its own NIC (verbs): the placement needs the ranks
-            self.messenger = open_messenger(self.cfg.messenger, self.node_id, num_ranks=self.cfg.parallel.tp)
+            # a DP group's ranks too: each lands its own requests' pages (pdkv/dp/remote.py)
+            self.messenger = open_messenger(self.cfg.messenger, self.node_id,
+                                            num_ranks=max(self.cfg.parallel.tp, self.cfg.parallel.dp))
         return self.messenger
 
     def fleet_record(self) -> dict:

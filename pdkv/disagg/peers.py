@@ -95,7 +95,8 @@ class PrefillPeers:
         conn = None
         try:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
-            plan = plan_link(self.kv.spec, "decode", ch.peer.extra)
+            # a DP group's layout (a staging ring is never one's)
+            plan = plan_link(self.kv.spec, "decode", ch.peer.extra, getattr(self.kv, "dp", None))
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
                                                                                     ch.peer.extra),

@@ -35,7 +35,7 @@ from pdkv.disagg.prefill_connector import PrefillConnector
 from pdkv.disagg.prefill_memory import PrefillMemory
 from pdkv.disagg import prompt_logprobs as PL
 from pdkv.disagg.prefill_links import DecodeLinks, Link
-from pdkv.disagg.sharded import hello_rank_nics
+from pdkv.disagg.sharded import dp_size, hello_rank_nics
 from pdkv.disagg.staged_prefill import build_sender
 from pdkv.engine import SamplingParams
 from pdkv.engine.loop import AbortRequest, AddRequest, EngineLoop, LoopEvents, ReleasePages, Wake
@@ -198,7 +198,8 @@ class PrefillCoordinator(LoopEvents):
                                link.plan.decode.tp, link.dst.num_layers,
                                self.cfg.server.max_prompt_logprobs_tokens,
                                self.handoff.get("method") if self.spec is not None else None,
-                               link.spec_num_pages, link.spec_dst.num_layers if link.spec_dst is not None else 0)
+                               link.spec_num_pages, link.spec_dst.num_layers if link.spec_dst is not None else 0,
+                               dp_size(link.channel.peer.extra))
 
     def _send(self, link: Link, wire: dict) -> None:
         """``wire``: a message's to_wire() (pdkv/disagg/messages.py)."""

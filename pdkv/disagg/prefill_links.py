@@ -21,7 +21,7 @@ from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
 from pdkv.disagg.control_admission import ControlAdmission, Place
 from pdkv.disagg.ratelog import RateLimitedLog
-from pdkv.disagg.sharded import check_keys, link_pairs, plan_link
+from pdkv.disagg.sharded import check_keys, dp_size, link_pairs, plan_link
 from pdkv.disagg.spec_handoff import connect_fields as spec_connect_fields
 from pdkv.disagg.writes import Geometry
 from pdkv.shard import ShardPlan
@@ -136,7 +136,8 @@ class DecodeLinks:
             if msg["type"] != M.CONNECT:
                 raise ControlError(f"expected CONNECT after HELLO, got {msg['type']}")
             connect = M.Connect.parse(msg, self.handoff_on)
-            rkeys = check_keys(plan, list(connect.kv_keys))  # one per decode rank (HandshakeRefused)
+            # one per decode rank (HandshakeRefused); a DP group: one per DP rank
+            rkeys = check_keys(plan, list(connect.kv_keys), dp_size(ch.peer.extra))
             dst = _peer_geometry(ch.peer.extra)
             spec_fields = spec_connect_fields(connect.spec_key, ch.peer.extra) if self.handoff_on else None
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)

@@ -132,6 +132,7 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
     layout, which may differ (each side sizes its own pool), and its ShardSpec (``shard``: the
     TP degree; the two sides' specs make the link's plan, pdkv/disagg/sharded.py); ``extra``: more
     of it (e.g. sharded.hello_rank_nics)."""
+    from pdkv.disagg.sharded import dp_layout  # noqa: PLC0415
     from pdkv.tp import shard_spec  # noqa: PLC0415
 
     kv = engine.kv
@@ -150,6 +151,7 @@ def make_hello(engine, node_id: int, role: str, transport: str, speculative=None
                         "layer_nbytes": kv.layer_nbytes, "num_pages": kv.num_pages,
                         "hidden_size": int(engine.loaded.arch.hidden_size),
                         "model_name": engine.model_name, "shard": shard_spec(engine).to_wire(), **spec_extra,
+                        **({"dp": dp_layout(engine)} if dp_layout(engine) else {}),
                         **(extra or {})},
                  speculative=handoff, host=host_identity())
 

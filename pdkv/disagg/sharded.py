@@ -28,13 +28,15 @@ from pdkv.tp import kv_regions, shard_spec
 
 
 class NodeKV:
-    """This node's KV memory as the messenger sees it: every rank's region, registered."""
+    """This node's KV memory as the messenger sees it: every rank's region, registered (a DP
+    group: every DP rank's pool, ``dp`` its layout; else ``dp`` is None)."""
 
     def __init__(self, engine, messenger, register: bool = True):
         """``register``: False when the pages travel through a staging ring (pdkv/disagg/staged.py):
         then no write may name the KV memory itself (``keys`` is empty)."""
         self.regions = kv_regions(engine)
         self.spec: ShardSpec = shard_spec(engine)
+        self.dp = dp_layout(engine)
         # NOTE: every rank has the same pages and shapes, so one Geometry describes each region.
         self.geometry = Geometry.of(self.regions[0].cache)
         # rank r's key names the NIC that carries rank r's pages (verbs over several NICs; the
@@ -60,9 +62,51 @@ def _register(messenger, region) -> int:
     return messenger.register_address(region.address, region.nbytes)
 
 
-def plan_link(local: ShardSpec, local_role: str, peer_extra: dict) -> ShardPlan:
+def dp_layout(engine) -> dict | None:
+    """A data-parallel group's layout as HELLO's ``extra.dp`` carries it (None: not a DP group)."""
+    regions = getattr(engine, "dp_regions", None)
+    return None if regions is None else {"size": len(regions), "ep": True}
+
+
+def dp_size(extra) -> int:
+    """The DP ranks a peer's HELLO ``extra`` announces (1: none); HandshakeRefused if malformed."""
+    dp = extra.get("dp") if isinstance(extra, dict) else None
+    if dp is None:
+        return 1
+    size = dp.get("size") if isinstance(dp, dict) else None
+    if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 1024) or dp.get("ep") is not True:
+        raise HandshakeRefused(f"the peer's HELLO dp must be {{'size': 1..1024, 'ep': true}}, got {dp!r:.200}")
+    return size
+
+
+def _layout(tp, dp: int) -> str:
+    return f"dp={dp} ep (tp={tp} per rank)" if dp > 1 else f"tp={tp}"
+
+
+def check_dp(local_tp: int, local_dp: dict | None, local_role: str, peer_extra: dict) -> None:
+    """A pair's DP layouts: a decode DP-EP group takes KV from a prefill TP group of any degree
+    (each rank is a TP1 engine: every prefill rank holds the whole latent); a prefill DP-EP group
+    is not built. HandshakeRefused naming both layouts."""
+    wire = peer_extra.get("shard") if isinstance(peer_extra, dict) else None
+    peer_tp = wire.get("tp") if isinstance(wire, dict) else "?"
+    mine = int(local_dp["size"]) if local_dp else 1
+    theirs = dp_size(peer_extra)
+    pre, dec = ((mine, local_tp), (theirs, peer_tp)) if local_role == "prefill" else ((theirs, peer_tp),
+                                                                                    (mine, local_tp))
+    if pre[0] > 1:
+        raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
+                               f"{_layout(dec[1], dec[0])}: a prefill DP-EP group is not supported (prefill with "
+                               "a TP group; its replicated latent goes to the decode rank's pool)")
+    if dec[0] > 1 and dec[1] != 1:
+        raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
+                               f"{_layout(dec[1], dec[0])}: a decode DP rank must be tp=1")
+
+
+def plan_link(local: ShardSpec, local_role: str, peer_extra: dict, local_dp: dict | None = None) -> ShardPlan:
     """The link's plan from this node's spec and the peer's HELLO ``extra``; HandshakeRefused
-    naming both TP degrees and the reason if the planner cannot serve the pair."""
+    naming both TP degrees and the reason if the planner cannot serve the pair, or both DP
+    layouts if those cannot pair (``local_dp``: this node's, dp_layout)."""
+    check_dp(local.tp, local_dp, local_role, peer_extra)
     peer_role = "decode" if local_role == "prefill" else "prefill"
     wire = peer_extra.get("shard") if isinstance(peer_extra, dict) else None
     peer_tp = wire.get("tp") if isinstance(wire, dict) else None
@@ -110,9 +154,11 @@ def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict) ->
     return sorted(used if local_role == "prefill" else {(j, i) for i, j in used})
 
 
-def check_keys(plan: ShardPlan, keys) -> list[int]:
-    """The decode node's region keys from CONNECT: one int per decode rank."""
-    if not isinstance(keys, list) or len(keys) != plan.decode.tp or not all(isinstance(k, int) for k in keys):
-        raise HandshakeRefused(f"decode node sent kv_keys {keys!r}; expected {plan.decode.tp} integer key(s), "
+def check_keys(plan: ShardPlan, keys, dp: int = 1) -> list[int]:
+    """The decode node's region keys from CONNECT: one int per decode rank (a DP group: per DP
+    rank, each rank's pool; its PREFILLs name the rank and carry their ranges' keys)."""
+    want = plan.decode.tp * dp
+    if not isinstance(keys, list) or len(keys) != want or not all(isinstance(k, int) for k in keys):
+        raise HandshakeRefused(f"decode node sent kv_keys {keys!r}; expected {want} integer key(s), "
                                f"one per decode rank")
     return keys

@@ -73,7 +73,10 @@ def _shutdown(procs: list, chans: list, broken: dict) -> None:
 
 class DPGroup:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
-                 parallel: ParallelConfig, num_threads: int | None = None, balance_tokens: int = 2048):
+                 parallel: ParallelConfig, num_threads: int | None = None, balance_tokens: int = 2048,
+                 shared_kv: bool = False):
+        """``shared_kv``: the group is a disaggregated decode node's engine: every rank's KV pool
+        is mapped here too (``dp_regions``, pdkv/dp/remote.py) for the node's messenger."""
         import torch.distributed as dist  # noqa: PLC0415
 
         validate_parallel(parallel, model.path)
@@ -118,7 +121,7 @@ class DPGroup:
                 self.chans.append(Channel(mine))
             init = {"size": n, "host": "127.0.0.1", "port": self._store.port, "timeout_s": self.timeout_s,
                     "startup_timeout_s": self.startup_timeout_s, "model": model, "kv_cache": kv_cache,
-                    "scheduler": scheduler, "num_threads": threads}
+                    "scheduler": scheduler, "num_threads": threads, "shared_kv": shared_kv}
             for r, ch in enumerate(self.chans):
                 ch.send("init", {**init, "rank": r, "cpus": cpu_sets[r]})
             self.pids = self._wait_all("hello", self.startup_timeout_s)
@@ -134,6 +137,16 @@ class DPGroup:
         self.max_model_len, self.page_size = ready[0]["max_model_len"], ready[0]["page_size"]
         self.model_name = ready[0]["model_name"]
         self.placer = Placer(n, self.page_size, balance_tokens)
+        self.connector = None  # a disaggregated decode node's (set_connector); None: colocated
+        self.tp = None  # each rank is a TP1 engine: a replicated latent, one region per rank
+        self._remote: dict[str, int] = {}  # rid -> rank, while a transfer may touch its pages
+        self._tokens: dict[str, list[int]] = {}  # a remote request's prompt, until its pages are reserved
+        self._work = [False] * n  # each rank's answer: it has something to compute or admit
+        self._dirty = False  # a command since the last step that may give a rank work
+        self.remote_landed = [0] * n  # requests whose remote KV landed in each rank's pool
+        self.dp_regions = None
+        if shared_kv:
+            self._map_pools(model, ready)
         self.tokenizer = None
         try:
             from pdkv.tokenizer import Tokenizer  # noqa: PLC0415
@@ -141,6 +154,39 @@ class DPGroup:
             self.tokenizer = Tokenizer(model.path, tuple(ready[0]["eos"])) if model.path else None
         except Exception:  # noqa: BLE001 - text prompts are then placed by load alone
             self.tokenizer = None
+
+    def _map_pools(self, model: ModelConfig, ready: list) -> None:
+        """Maps every rank's KV pool (pdkv/dp/remote.py) and gives the group what the decode
+        node reads of an engine: ``kv`` (rank 0's view: every pool has its geometry),
+        ``loaded`` (path, dtype, arch), ``config`` (the checkpoint's config.json)."""
+        from pathlib import Path  # noqa: PLC0415
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415
+
+        from pdkv.dp.remote import RankPools  # noqa: PLC0415
+        from pdkv.models.config import parse_arch_config  # noqa: PLC0415
+        from pdkv.models.loader import read_json  # noqa: PLC0415
+
+        try:
+            path = Path(model.path)
+            self.config = read_json(path / "config.json")
+            arch = parse_arch_config(self.config, str(path / "config.json"))
+            self.pools = RankPools(arch, [x["pool"] for x in ready])
+            for r in range(self.size):
+                self._call(r, "pool_mapped")
+        except BaseException:
+            self.close()
+            raise
+        self.dp_regions = self.pools.regions
+        self.kv = self.pools.kv
+        self.loaded = SimpleNamespace(path=str(path), dtype=getattr(torch, ready[0]["dtype"]), arch=arch)
+
+    def set_connector(self, connector) -> None:
+        """A disaggregated decode node's front connector (pdkv/disagg/dp_decode.py): it decides
+        which requests prefill remotely (``route``) and sends the PREFILL of each reservation a
+        rank made (``reserved``); None: every request prefills on its rank."""
+        self.connector = connector
 
     # ---- talking to ranks ------------------------------------------------------------------
     def _alive(self, r: int) -> None:
@@ -216,7 +262,12 @@ class DPGroup:
             rank = self.placer.choose(ids, self._loads)
         elif not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is out of range for parallel.dp={self.size}")
-        self._call(rank, "add", (request_id, ids if ids is not None else prompt, params, arrival, priority))
+        remote = self.connector is not None and ids is not None and self.connector.route(len(ids))
+        got = self._call(rank, "add", (request_id, ids if ids is not None else prompt, params, arrival, priority,
+                                       remote))
+        if remote:
+            self._tokens[request_id] = list(ids)
+        self._dirty = True
         self.placer.placed(ids, rank)
         self.rank_of[request_id] = rank
         self._status[request_id] = _Seen(RequestStatus.WAITING)
@@ -225,13 +276,24 @@ class DPGroup:
         load = self._loads[rank]  # until the rank's next report: count what was just placed
         load["tokens"] += len(ids or ()) + params.max_tokens
         load["free_pages"] -= -(-len(ids or ()) // self.page_size)
+        self._reserved(rank, (got or {}).get("reserved", ()))
         return rank
+
+    def _reserved(self, rank: int, reserved) -> None:
+        """Rank ``rank`` reserved these requests' pages for remote KV: their PREFILLs go out."""
+        for rid, cached, pages in reserved:
+            self._remote[rid] = rank
+            self.connector.reserved(rid, rank, self._tokens.pop(rid), cached, pages)
 
     def abort(self, request_id: str, quarantine: bool = False, reason: str = "abort") -> None:
         """As LLMEngine.abort, on the request's rank (its final output comes from the next step)."""
         r = self.rank_of.get(request_id)
-        if r is not None:
+        if r is not None and self.error is None:  # broken: every request was failed already
             self._call(r, "abort", (request_id, quarantine, reason))
+            self._tokens.pop(request_id, None)
+            self._dirty = True
+            if self.connector is not None and request_id in self._remote:
+                self.connector.finished(request_id, reason)
 
     # ---- what the server's engine loop and routes read (pdkv/engine/loop.py, server/) ----------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -263,10 +325,24 @@ class DPGroup:
                                  f"exceeds the model's context length ({self.max_model_len})")
 
     def in_transfer(self, request_id: str) -> bool:
-        return False  # colocated: no remote write can touch a request's pages
+        """Whether a remote write may still land in the request's pages (colocated: never)."""
+        return request_id in self._remote and request_id in self.rank_of
+
+    def remote_kv_ready(self, request_id: str, prompt_logprobs: list | None = None) -> None:
+        """As LLMEngine.remote_kv_ready, on the request's rank (its pages were written there)."""
+        r = self._remote.pop(request_id, None)
+        if r is not None and self.error is None:
+            self._dirty = True
+            self.remote_landed[r] += 1
+            self._call(r, "kv_ready", (request_id, prompt_logprobs))
 
     def release(self, request_id: str) -> int:
-        return 0
+        """As LLMEngine.release: the request's held pages on its rank go back."""
+        r = self._remote.pop(request_id, None)
+        if r is None or self.error is not None:
+            return 0
+        self._dirty = True
+        return self._call(r, "release", request_id)
 
     def release_all(self) -> None:
         pass
@@ -304,7 +380,8 @@ class DPGroup:
         st = self.stats()
         ranks = [{"rank": r, "num_running": x.get("num_running", 0), "num_waiting": x.get("num_waiting", 0),
                   "queued_tokens": self._loads[r]["tokens"], "num_pages_free": x.get("num_pages_free", 0),
-                  "num_pages_total": x.get("num_pages_total", 0)} for r, x in enumerate(self._stats)]
+                  "num_pages_total": x.get("num_pages_total", 0), "num_remote_kv_landed": self.remote_landed[r]}
+                 for r, x in enumerate(self._stats)]
         return {"in_flight": in_flight, "num_running": st.get("num_running", 0),
                 "num_waiting": st.get("num_waiting", 0) + st.get("num_waiting_remote_kv", 0),
                 "queued_prompt_tokens": sum(r["queued_tokens"] for r in ranks),
@@ -312,7 +389,11 @@ class DPGroup:
                 "dp": self.size, "healthy": self.error is None, "ranks": ranks}
 
     def has_work(self) -> bool:
-        return bool(self.rank_of)
+        """Colocated: any request open. With remote KV, only what a step can compute or admit
+        (requests waiting for their KV are not work: stepping for them would spin)."""
+        if self.connector is None:
+            return bool(self.rank_of)
+        return bool(self.rank_of) and (self._dirty or any(self._work))
 
     def has_unfinished(self) -> bool:
         return bool(self.rank_of)
@@ -351,13 +432,18 @@ class DPGroup:
                 if seen is not None:
                     seen.status = RequestStatus.RUNNING
             self.dummy_steps[r] += rep["dummy"]
+            self._work[r] = rep["work"]
+            if rep["reserved"]:
+                self._reserved(r, rep["reserved"])
             if rep["error"] is not None:
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r}: {rep['error']}"))
             outputs += rep["outputs"]
         self.steps += 1
+        self._dirty = False
         for o in outputs:
             if o.finished:
                 self.rank_of.pop(o.request_id, None)
+                self._tokens.pop(o.request_id, None)  # its rank computed it after all (cached here)
                 self._status.pop(o.request_id, None)
                 self._last.pop(o.request_id, None)
                 self._prompts.pop(o.request_id, None)
@@ -406,6 +492,7 @@ class DPGroup:
             out.append(RequestOutput(rid, [], "", True, "error", self._prompts.get(rid, 0), len(ids), ids,
                                      last.text if last is not None else ""))
         self.rank_of.clear()
+        self._tokens.clear()
         self._status.clear()
         self._last.clear()
         self._prompts.clear()
@@ -461,11 +548,15 @@ class DPGroup:
     def from_config(cls, cfg) -> DPGroup:
         """The group of a pdkv.config.Config (role colocated; its model, kv_cache, scheduler and
         parallel sections: the scheduler and cache are each rank's)."""
-        if cfg.role != "colocated":
-            raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} runs colocated only for now: role "
-                             f"{cfg.role!r} would need the decode group to reserve on a chosen rank and tell the "
-                             "prefill node which (not implemented)")
-        return cls(cfg.model, cfg.kv_cache, cfg.scheduler, cfg.parallel)
+        if cfg.role == "prefill":
+            raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} with role prefill: a prefill DP-EP "
+                             "group is not implemented; prefill with a TP group (parallel.tp) into a decode "
+                             "DP-EP group")
+        if cfg.role == "decode" and cfg.speculative is not None and cfg.speculative.method in ("mtp", "draft"):
+            raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} with speculative.method "
+                             f"{cfg.speculative.method}: the speculative hand-off to a decode DP-EP group is "
+                             "not implemented")
+        return cls(cfg.model, cfg.kv_cache, cfg.scheduler, cfg.parallel, shared_kv=cfg.role == "decode")
 
     def close(self) -> None:
         """Stops every rank (kills them if the group is broken: they may sit in a collective)."""

@@ -3,8 +3,10 @@
 this rank's share, stepping when the group's front says so (pdkv/dp/group.py).
 
 Control messages (pdkv/tp/channel.py framing), front → rank:
-  ("init", dict) ("add", (request_id, prompt, params)) ("abort", request_id) ("step", None)
-  ("load", None) ("record", bool) ("stop", None)
+  ("init", dict) ("add", (request_id, prompt, params, arrival, priority, remote)) ("abort", ...)
+  ("step", None) ("load", None) ("record", bool) ("stop", None); on a disaggregated decode group
+  (pdkv/dp/remote.py) also ("pool_mapped", None) ("kv_ready", (request_id, prompt_logprobs))
+  ("release", request_id)
 and each answered, rank → front, by ("ok", payload) or ("err", exception); first ("hello", pid)
 and ("ready", info) or ("error", traceback text).
 
@@ -28,8 +30,10 @@ log = logging.getLogger("pdkv.dp.rank")
 def load_info(engine) -> dict:
     """What the front places requests by (pdkv/dp/placement.py) and reports in /load."""
     s = engine.scheduler
-    return {"running": len(s.running), "waiting": len(s.waiting),
-            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting)),
+    # a request whose KV is on its way from a prefill node (disaggregated) is this rank's load too
+    return {"running": len(s.running), "waiting": len(s.waiting) + len(s.remote),
+            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting))
+            + sum(r.num_prompt_tokens + r.params.max_tokens for r in s.remote.values()),
             "free_pages": engine.allocator.num_free, "total_pages": engine.allocator.num_total,
             "requests": len(engine.requests), "held_pages": engine.num_held_pages}
 
@@ -56,7 +60,9 @@ def step(engine, group) -> dict:
         for rid in list(engine.requests):
             engine.abort(rid, reason="error")
         outputs += engine.step()  # nothing left to schedule: only the aborts' final outputs
-    return {"outputs": outputs, "dummy": dummy, "load": load_info(engine), "error": error, "stats": engine.stats(),
+    return {"outputs": outputs, "dummy": dummy, "reserved": _reserved(engine),
+            "work": engine.has_work() or engine.num_pending > 0, "load": load_info(engine), "error": error,
+            "stats": engine.stats(),
             "running": [r.request_id for r in engine.scheduler.running]}
 
 
@@ -84,15 +90,33 @@ def serve(ch) -> None:
     store = dist.TCPStore(init["host"], init["port"], size, False,
                           timeout=datetime.timedelta(seconds=init["startup_timeout_s"]))
     group = ExpertGroup(rank, size, store, device, init["timeout_s"])
-    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group)
+    pool: list = []  # a disaggregated decode group's shared KV file (pdkv/dp/remote.py)
+    kw = {}
+    if init.get("shared_kv"):
+        from pdkv.dp.remote import RankRemoteConnector, shared_kv_buffer  # noqa: PLC0415
+
+        if device.type != "cpu":
+            raise RuntimeError(f"a disaggregated decode group maps its ranks' KV pools in shared memory, "
+                               f"CPU only: model.device {model.device} would need the ranks' cuMem "
+                               "exported to the front (not implemented)")
+        kw["kv_buffer"] = shared_kv_buffer(pool)
+    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group, **kw)
+    remote = None
+    if pool:
+        from pdkv.dp.remote import pool_info  # noqa: PLC0415
+
+        remote = RankRemoteConnector(engine.kv.page_size)
+        engine.set_connector(remote)
     ch.send("ready", {"pid": os.getpid(), "load": load_info(engine), "max_model_len": engine.max_model_len,
                       "stats": engine.stats(), "vocab_size": engine.vocab_size,
                       "eos": list(engine.tokenizer.eos_token_ids), "cpus": sorted(os.sched_getaffinity(0)),
                       "page_size": engine.kv.page_size, "experts": list(engine.loaded.arch.moe.local_experts),
-                      "model_name": engine.model_name})
+                      "model_name": engine.model_name, "hidden_size": int(engine.loaded.arch.hidden_size),
+                      "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+                      "pool": pool_info(engine, pool) if pool else None})
     handlers = {
-        "add": lambda p: engine.add_request(*p),
-        "abort": lambda p: engine.abort(*p),
+        "add": lambda p: _add(engine, remote, *p),
+        "abort": lambda p: _abort(engine, remote, *p),
         "step": lambda _: step(engine, group),
         "load": lambda _: {**load_info(engine), "forwards": group.forwards, "dummies": group.dummies,
                            "comm_s": group.dispatcher.comm_s, "dispatch_s": group.dispatcher.total_s,
@@ -100,6 +124,10 @@ def serve(ch) -> None:
                            "pairs_received": group.dispatcher.pairs_received},
         "record": lambda on: _record(group, on),
         "cached": lambda prompt: engine.cached_prefix_tokens(prompt),
+        # the front mapped this rank's pool: the file's name is no longer needed (a crash leaves none)
+        "pool_mapped": lambda _: _unlink(pool),
+        "kv_ready": lambda p: engine.remote_kv_ready(*p),
+        "release": lambda rid: engine.release(rid),
     }
     while True:
         kind, payload = ch.recv()
@@ -110,6 +138,36 @@ def serve(ch) -> None:
         except Exception as e:  # noqa: BLE001 - the front re-raises it for the caller
             ch.send("err", e)
     engine.release_all()
+
+
+def _add(engine, remote, request_id, prompt, params, arrival=None, priority=0, is_remote=False) -> dict:
+    """Submits and tries to admit the request (remote: its prompt's KV comes from a prefill
+    node); returns the reservations made, for the front to send their PREFILLs."""
+    if is_remote:
+        remote.remote.add(request_id)
+    try:
+        engine.add_request(request_id, prompt, params, arrival, priority)
+    except BaseException:
+        if remote is not None:
+            remote.remote.discard(request_id)
+        raise
+    return {"reserved": _reserved(engine)}
+
+
+def _abort(engine, remote, request_id, *args) -> None:
+    if remote is not None:  # one that was still pending never reaches the connector
+        remote.remote.discard(request_id)
+    engine.abort(request_id, *args)
+
+
+def _unlink(pool: list) -> None:
+    for buf in pool:
+        buf.unlink()
+
+
+def _reserved(engine) -> list:
+    take = getattr(engine.connector, "take_reserved", None)
+    return take() if take is not None else []
 
 
 def _record(group, on: bool):

@@ -12,7 +12,10 @@ from pdkv.tp.leader import KVRegion
 
 
 def kv_regions(engine) -> list[KVRegion]:
-    """Every rank's KV memory as rank 0 sees it, by rank (see KVRegion)."""
+    """Every rank's KV memory as rank 0 sees it, by rank (see KVRegion); a data-parallel
+    group's front: every DP rank's pool (pdkv/dp/remote.py), as the front maps it."""
+    if getattr(engine, "dp_regions", None) is not None:
+        return list(engine.dp_regions)
     if engine.tp is not None:
         return list(engine.tp.regions)
     kv = engine.kv

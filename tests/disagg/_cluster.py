@@ -59,9 +59,12 @@ def make_engine(cfg):
 class Cluster:
     """prefill + decode ServerThreads; ``.url`` is the decode node's API."""
 
-    def __init__(self, model_dir, prefill_over=None, decode_over=None, prefill_faults=()):
+    def __init__(self, model_dir, prefill_over=None, decode_over=None, prefill_faults=(), decode_engine=make_engine,
+                 prefill_engine=make_engine):
         """``prefill_faults``: (kind, first, count, delay_us) applied to the prefill node's writes;
-        given, both nodes run on the FAKE in-process transport (fault injection), else on tcp."""
+        given, both nodes run on the FAKE in-process transport (fault injection), else on tcp.
+        ``decode_engine(cfg)`` / ``prefill_engine(cfg)``: the nodes' engines (e.g. a DP group or
+        a TP group, tests/dp)."""
         from pdkv.disagg.node import DecodeNode, PrefillNode
         from pdkv.server.runner import ServerThread
 
@@ -79,13 +82,13 @@ class Cluster:
                 return Messenger("fake", node_id)
 
         pcfg = node_config(model_dir, "prefill", **(prefill_over or {}))
-        self.prefill_engine = make_engine(pcfg)
+        self.prefill_engine = prefill_engine(pcfg)
         self.prefill = ServerThread(pcfg, self.prefill_engine,
                                     PrefillNode(pcfg, self.prefill_engine, pfactory)).start()
         port = self.prefill.app[NODE].control_port
         dcfg = node_config(model_dir, "decode", messenger__prefill_peers=[f"127.0.0.1:{port}"],
                            **(decode_over or {}))
-        self.decode_engine = make_engine(dcfg)
+        self.decode_engine = decode_engine(dcfg)
         self.decode = ServerThread(dcfg, self.decode_engine,
                                    DecodeNode(dcfg, self.decode_engine, messenger_factory=dfactory)).start()
         self.url = self.decode.url

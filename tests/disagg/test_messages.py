@@ -16,6 +16,7 @@ from pdkv.engine.request import TokenLogprob
 LIMITS = M.PrefillLimits(num_pages=64, page_size=4, kv_ranks=2, kv_layers=2, max_prompt_logprobs_tokens=32)
 SPEC_LIMITS = M.PrefillLimits(num_pages=64, page_size=4, kv_ranks=1, kv_layers=1, handoff="mtp", spec_num_pages=16,
                               spec_layers=1)
+DP_LIMITS = M.PrefillLimits(num_pages=64, page_size=4, kv_ranks=2, kv_layers=2, dp=2)  # a decode DP2 group
 PROMPT = [5, 6, 7, 8, 9]
 LPS = (TokenLogprob(6, -1.0, ((6, -1.0), (2, -2.0))), TokenLogprob(7, -0.5, ()),
        TokenLogprob(8, -math.inf, ((3, -0.25),)), TokenLogprob(9, 0.0, ()))
@@ -44,6 +45,7 @@ SAMPLES = [
     (_prefill(priority=-3), {"limits": LIMITS}),
     (_prefill(tokens=(1, 2, 3), pages=(7,), keys=None, spec_pages=(3,), next_token=4,
               spec_keys=M.GrantKeys(((3, 1),), (40,))), {"limits": SPEC_LIMITS}),
+    (_prefill(dp_rank=1), {"limits": DP_LIMITS}),
     (M.Cancel("r1"), {}),
     (M.CancelAck("r1", 5), {}),
     (M.Fail("r1", "boom", 2), {}),
@@ -73,13 +75,24 @@ def test_parsed_prefill_holds_its_checked_keys():
     assert M.Prefill.parse(_wire(_prefill(keys=None)), LIMITS).dst_keys is None  # the link's region keys
 
 
+def test_prefill_dp_rank_is_below_the_decode_nodes_dp_and_comes_with_its_keys():
+    wire = _wire(_prefill(dp_rank=2))
+    with pytest.raises(M.MessageError, match=r"dp_rank must be an integer in \[0, 2\)"):
+        M.Prefill.parse(wire, DP_LIMITS)
+    with pytest.raises(M.MessageError, match=r"dp_rank must be an integer in \[0, 1\)"):
+        M.Prefill.parse(_wire(_prefill(dp_rank=1)), LIMITS)  # a decode node that announced no DP layout
+    no_keys = {k: v for k, v in _wire(_prefill(dp_rank=1)).items() if k not in ("runs", "kv_rkeys", "hidden_rkey")}
+    with pytest.raises(M.MessageError, match="dp_rank must carry its ranges' write keys"):
+        M.Prefill.parse(no_keys, DP_LIMITS)
+
+
 def test_prefill_defaults_of_an_older_decode_node():
     from pdkv.shard import request_seed
 
     wire = {"type": "PREFILL", "req": "old", "tokens": [1, 2, 3], "pages": [0], "imm": 1, "hidden_off": 0}
     p = M.Prefill.parse(wire, LIMITS)
-    assert (p.seed, p.cached, p.expected, p.keys, p.spec_pages, p.prompt_logprobs, p.priority) == (
-        request_seed("old"), 0, None, None, None, None, 0)
+    assert (p.seed, p.cached, p.expected, p.keys, p.spec_pages, p.prompt_logprobs, p.priority,
+            p.dp_rank) == (request_seed("old"), 0, None, None, None, None, 0, None)
     assert "priority" not in _prefill().to_wire()  # the common priority costs nothing on the wire
 
 

@@ -1,5 +1,6 @@
 """tests/dp: tiny MoE models (Qwen3-MoE, DeepSeek-V3 with MLA) built with transformers, shared by
-the data-parallel expert-parallel tests; the helpers of tests/models (_hf.py) are reused."""
+the data-parallel expert-parallel tests; the helpers of tests/models (_hf.py) are reused, and the
+disaggregated ones' (_dp_disagg.py over tests/disagg's _cluster.py / _procs.py)."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _dp_disagg, the disaggregated tests' helpers
 
 from _hf import VOCAB, save_hf_model  # noqa: E402
 

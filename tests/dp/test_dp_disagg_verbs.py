@@ -1,0 +1,54 @@
+"""Disaggregated decode on a DP2-EP group over the loopback verbs device (both nodes `pdkv
+serve` children): a TP1 prefill node writes each request's latent into the one rank's pool the
+group placed it on (its ranges MRs of that rank's region alone); tokens equal colocated."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+from _dp_disagg import PROMPTS, complete, reference  # noqa: F401
+
+from _cluster import wait_for
+from _procs import NodeProc, free_port, node_dict
+
+LONG = 150  # tokens of the request that keeps rank 0 busy
+
+
+def _load(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/load", timeout=10).read())
+
+
+def test_tp1_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loopback_verbs_dir):
+    """Both nodes as `pdkv serve` children on the loopback verbs device: each request's ranges are
+    MRs of its rank's pool (granted on that region alone); tokens equal colocated, and /load
+    counts each rank's landed requests where the group placed them."""
+    want_tokens, _ = reference
+    folder, env, cport = moe_models["deepseek_v3"], {"LD_LIBRARY_PATH": loopback_verbs_dir}, free_port()
+    pre = NodeProc(tmp_path, "prefill", node_dict(folder, "prefill", port=free_port(), control_port=cport,
+                                                  transport="verbs", nics=["lo_verbs0"]), env)
+    d = node_dict(folder, "decode", port=free_port(), peers=[f"127.0.0.1:{cport}"], transport="verbs",
+                  nics=["lo_verbs0"])
+    d["parallel"] = {"dp": 2, "ep": True, "timeout_s": 30.0, "startup_timeout_s": 300.0}
+    dec = NodeProc(tmp_path, "decode", d, env)
+    try:
+        pre.wait_healthy(120)
+        dec.wait_healthy(120)
+        name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+        # a long request keeps rank 0 busy (every tie goes to the lowest rank), so the two after
+        # it are placed on rank 1 by load
+        busy: dict = {}
+        t = threading.Thread(target=lambda: busy.update(complete(dec.url, name, PROMPTS[0], LONG)))
+        t.start()
+        wait_for(lambda: _load(dec.url)["ranks"][0]["num_running"] == 1, 30, "the long request running on rank 0")
+        got = [complete(dec.url, name, p) for p in PROMPTS[1:]]
+        t.join(120)
+        assert [g.get("choices", [{}])[0].get("token_ids") for g in got] == want_tokens[1:], got
+        assert busy["choices"][0]["token_ids"][:len(want_tokens[0])] == want_tokens[0], busy  # greedy: a prefix
+        assert len(busy["choices"][0]["token_ids"]) == LONG
+        load = _load(dec.url)
+        assert [r["num_remote_kv_landed"] for r in load["ranks"]] == [1, 2], load
+    finally:
+        dec.stop()
+        pre.stop()
