@@ -30,10 +30,15 @@ log = logging.getLogger("pdkv.dp.rank")
 def load_info(engine) -> dict:
     """What the front places requests by (pdkv/dp/placement.py) and reports in /load."""
     s = engine.scheduler
-    # a request whose KV is on its way from a prefill node (disaggregated) is this rank's load too
-    return {"running": len(s.running), "waiting": len(s.waiting) + len(s.remote),
-            "tokens": sum(r.num_tokens - r.num_computed_tokens for r in (*s.running, *s.waiting))
-            + sum(r.num_prompt_tokens + r.params.max_tokens for r in s.remote.values()),
+    # Outstanding tokens, counted as the front counts what it places (prompt + max_tokens): the
+    # prompt tokens still to compute plus the output tokens still to come, for every request not
+    # finished -- not admitted yet, waiting, running, or waiting for its KV from a prefill node.
+    # A report counting less would undo the front's count and send the next request here too.
+    def outstanding(r) -> int:
+        return (max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                + max(0, r.params.max_tokens - len(r.output_token_ids)))
+    return {"running": len(s.running), "waiting": len(s.waiting) + len(s.pending) + len(s.remote),
+            "tokens": sum(outstanding(r) for r in (*s.running, *s.waiting, *s.pending, *s.remote.values())),
             "free_pages": engine.allocator.num_free, "total_pages": engine.allocator.num_total,
             "requests": len(engine.requests), "held_pages": engine.num_held_pages}
 

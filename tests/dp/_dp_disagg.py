@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "disagg"))
 
-from _cluster import make_engine, node_config, read_kv  # noqa: E402
+from _cluster import make_engine, node_config, read_kv, wait_for  # noqa: E402
 
 from pdkv.dp.group import DPGroup  # noqa: E402
 from pdkv.engine import SamplingParams  # noqa: E402
@@ -41,16 +41,25 @@ def complete(url: str, name: str, prompt: list[int], max_tokens: int = MAX_TOKEN
         return {"status": e.code, "error": e.read().decode()}
 
 
-def together(url: str, name: str, prompts: list, gap_s: float = 0.0) -> list[dict]:
+def together(url: str, name: str, prompts: list, gap_s: float = 0.0, group: DPGroup | None = None) -> list[dict]:
+    """The prompts in flight at once, started in order; with ``group``, each one once the one
+    before it was placed (so placement sees it: a fixed gap lets a fast request finish first)."""
     got: list = [None] * len(prompts)
 
     def run(i):
         got[i] = complete(url, name, prompts[i])
+
+    def placed() -> int:
+        return group.placer.placed_by_load + group.placer.placed_by_affinity
     threads = []
     for i in range(len(prompts)):
+        before = placed() if group is not None else 0
         threads.append(threading.Thread(target=run, args=(i,)))
         threads[-1].start()
-        time.sleep(gap_s or 0.05)  # in order: the first is placed first, on the less loaded rank
+        if group is not None:
+            wait_for(lambda: placed() > before, 30, f"request {i} placed")
+        else:
+            time.sleep(gap_s or 0.05)  # in order: the first is placed first, on the less loaded rank
     for t in threads:
         t.join(90)
     return got

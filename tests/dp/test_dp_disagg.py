@@ -47,7 +47,7 @@ def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
         first = complete(c.url, name, PROMPTS[0])  # alone: on rank 0 (every tie goes to the lowest rank)
         assert first["choices"][0]["token_ids"] == want_tokens[0]
         assert torch.equal(group.pools.buffers[1].tensor(), idle), "the idle rank's pool was written"
-        got = together(c.url, name, PROMPTS[1:])  # together: one on each rank (load placement)
+        got = together(c.url, name, PROMPTS[1:], group=group)  # together: one on each rank (load placement)
         assert [g["choices"][0]["token_ids"] for g in got] == want_tokens[1:]
         assert sorted(rank for rank, _, _, _ in landed.values()) == [0, 0, 1]
         assert sorted(m for _, _, mine, _ in landed.values() for m in mine) == [0, 1, 2]

@@ -22,7 +22,7 @@ def test_tp2_prefill_into_dp2_decode_over_tcp(moe_models, reference):
     try:
         assert [(q.plan.prefill.tp, q.plan.decode.tp) for q in c.coordinator.peers] == [(2, 1)]
         name = c.model_name()
-        got = [complete(c.url, name, PROMPTS[0])] + together(c.url, name, PROMPTS[1:])
+        got = [complete(c.url, name, PROMPTS[0])] + together(c.url, name, PROMPTS[1:], group=group)
         assert [g.get("choices", [{}])[0].get("token_ids") for g in got] == want_tokens, got
         assert sorted(group.remote_landed) == [1, 2]  # both ranks' pools received
         wait_for(lambda: not (group.rank_of or group._remote or c.coordinator.slots), 15, "every request ended")
