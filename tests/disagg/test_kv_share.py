@@ -205,7 +205,8 @@ def test_prefill_sigkilled_while_computing_in_the_decode_nodes_pages(tmp_path):
         pre.wait_healthy()
         dcfg = node_config(model, "decode", messenger__prefill_peers=[f"127.0.0.1:{cport}"], messenger__lease_s=30.0,
                            messenger__transport="shm", disagg__kv_handoff="share", kv_cache__page_size=PAGE_SIZE,
-                           kv_cache__num_pages=128)
+                           kv_cache__num_pages=128,
+                           disagg__prefill_retries=0)  # the failure path (a retry prefills it locally)
         eng = make_engine(dcfg)
         with serve_node(dcfg, eng) as dec:
             coord = dec.app[NODE].coordinator
