@@ -103,8 +103,10 @@ def test_local_actuator_scales_prefill_then_decode_up_and_drains_down(tmp_path):
         assert len(running("decode")) == 1, "long prompts must not add a decode node"
         for t in threads:
             t.join(150)
-        # 2. many short streams: prompts prefilled on the decode node, 40 tokens each
-        threads = [threading.Thread(target=_complete, args=(api, f"x = {i}\n", 40, results)) for i in range(16)]
+        # 2. many short streams: prompts prefilled on the decode node, 160 tokens each -- long
+        # enough that the planner sees them for several intervals (the default model decodes 40
+        # tokens of 16 streams in well under one 0.5 s interval on a fast core)
+        threads = [threading.Thread(target=_complete, args=(api, f"x = {i}\n", 160, results)) for i in range(16)]
         for t in threads:
             t.start()
         _wait(lambda: len(running("decode")) == 2, 60, "a second decode node", proc)

@@ -20,8 +20,20 @@ from pdkv.tp import TPRankError
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _workers() -> list[int]:
-    """Live pdkv.tp.worker children of this process."""
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _workers_before():
+    """The workers alive when a test starts are not its own: session-wide TP engines of other
+    files (tests/tp/conftest.py) that ran earlier on this test worker keep theirs."""
+    _BEFORE.clear()
+    _BEFORE.update(_workers(everyone=True))
+
+
+def _workers(everyone: bool = False) -> list[int]:
+    """Live pdkv.tp.worker children of this process that the running test started (``everyone``:
+    all of them)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -33,7 +45,7 @@ def _workers() -> list[int]:
             continue
         if ppid == os.getpid() and b"pdkv.tp.worker" in cmd:
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z":
+            if state != "Z" and (everyone or int(d.name) not in _BEFORE):
                 out.append(int(d.name))
     return out
 
