@@ -34,6 +34,8 @@ int fb_conn_open(fb_transport *t, uint64_t peer, uint32_t dev, uint32_t rdev, ui
     c->slots = calloc(t->tx_depth, sizeof *c->slots);
     int rc = c->slots ? fb_open_endpoint(t, d->dom, c)
                       : fb_fail(-ENOMEM, "libfabric: out of memory");
+    if (!rc && t->mr_ep && (rc = fb_ep_open_mrs(t, i)))
+        fb_close_endpoint(c); /* its MRs are gone already */
     if (rc) {
         free(c->slots);
         memset(c, 0, sizeof *c);
@@ -80,6 +82,8 @@ void fb_drop_conn(fb_transport *t, fb_conn *c, const char *why)
 {
     fb_flush_backlog(t, c, -ECONNRESET, why);
     fb_close_endpoint(c);
+    if (t->mr_ep) /* after the endpoint: nothing reaches its MRs any more */
+        fb_ep_close_mrs(t, (uint32_t)(c - t->conns));
     fb_fail_outstanding(t, c, -ECONNRESET, why);
     free(c->slots);
     free(c->backlog);

@@ -77,13 +77,23 @@ typedef struct fb_region {
     uint64_t dmabuf_off; /* where the region starts in it */
 } fb_region;
 
+/* A grant's MR on one endpoint (FI_MR_ENDPOINT): conn is the endpoint's index in t->conns. */
+typedef struct fb_ep_mr {
+    uint32_t conn;
+    struct fid_mr *mr;
+} fb_ep_mr;
+
 /* A registration of (part of) a region that one peer may write: the grant itself (the provider
- * checks key, access and bounds). off/len are region offsets; whole: the entire region. */
+ * checks key, access and bounds). off/len are region offsets; whole: the entire region.
+ * mr: the domain's MR; under FI_MR_ENDPOINT NULL, and on_ep holds one MR per endpoint of the
+ * domain, all under wkey (fabric_mrep.c). */
 typedef struct fb_grant_mr {
     struct fid_mr *mr;
     uint32_t region;
     int whole;
     uint64_t off, len, wkey;
+    fb_ep_mr *on_ep;
+    uint32_t num_on_ep, on_ep_cap;
 } fb_grant_mr;
 
 /* One fabric domain per peer and device (libfabric MR keys are domain-wide, so a peer's domain
@@ -93,7 +103,8 @@ typedef struct fb_domain {
     uint32_t dev;        /* the device (t->dev[]) it was opened on */
     uint64_t peer;
     struct fid_domain *dom;
-    struct fid_mr **lmr; /* [FB_MAX_REGIONS] local-only MRs (sources of our writes), by index */
+    struct fid_mr **lmr; /* [FB_MAX_REGIONS] local-only MRs (sources of our writes), by index;
+                          * unused under FI_MR_ENDPOINT (each endpoint has its own: fb_conn) */
     fb_grant_mr *grants;
     uint32_t num_grants, grants_cap;
     uint32_t num_conns;
@@ -118,6 +129,7 @@ typedef struct fb_conn {
     struct fid_ep *ep;     /* an endpoint of its own: closing it ends everything of the conn */
     struct fid_av *av;
     struct fid_cq *cq;
+    struct fid_mr **lmr;   /* FI_MR_ENDPOINT: [FB_MAX_REGIONS] local MRs bound to ep, else NULL */
     fi_addr_t dest;
     int peer_virt;         /* the peer's MRs take virtual addresses (its info's flag) */
     uint64_t *peer_table;  /* the peer's provider keys: its regions' addresses by index, or NULL */
@@ -181,6 +193,7 @@ typedef struct fb_transport {
     int table;             /* provider keys (FI_MR_PROV_KEY, or the table_keys stand-in) */
     int prov_key;          /* ... chosen by the provider (not the stand-in) */
     int mr_local;          /* FI_MR_LOCAL: descriptors on every write */
+    int mr_ep;             /* FI_MR_ENDPOINT: every MR bound to an endpoint (fabric_mrep.c) */
     int hmem;              /* the provider registers device memory (FI_HMEM, FI_MR_HMEM) */
     int hmem_asked;        /* the options asked for it (device_memory) */
     int hmem_system;       /* the stand-in: reg_device takes host memory through FI_HMEM_SYSTEM */
@@ -204,8 +217,8 @@ typedef struct fb_transport {
  *   fabric.c (function table, create, destroy) -> fabric_progress.c (the progress thread)
  *   -> fabric_link.c (connections: their endpoint pairs, routing of writes)
  *   -> fabric_conn.c (endpoints) -> fabric_post.c (backlog, posting) -> fabric_mr.c (regions,
- *   grants, domains) -> fabric_keys.c (grant keys) -> fabric_setup.c (provider choice, fabric,
- *   per-peer objects)
+ *   grants, domains) -> fabric_mrep.c (MRs bound to endpoints) -> fabric_keys.c (grant keys)
+ *   -> fabric_setup.c (provider choice, fabric, per-peer objects)
  *   -> fabric_dl.c (libfabric loaded at run time) -> fabric_report.c (errors, completions). */
 
 /* fabric_dl.c (leaf): libfabric's entry points, loaded at the first create (never linked) */
@@ -234,6 +247,8 @@ void fb_close_endpoint(fb_conn *c);
 /* An MR over [off, off+len) of region r (device memory through fi_mr_regattr, see fb_region) */
 int fb_mr_reg(fb_transport *t, struct fid_domain *dom, const fb_region *r, uint64_t off,
               uint64_t len, uint64_t access, uint64_t key, struct fid_mr **out);
+/* FI_MR_ENDPOINT: fi_mr_bind(mr, ep) then fi_mr_enable; on failure mr is closed (*mr = NULL) */
+int fb_mr_bind_ep(fb_transport *t, struct fid_mr **mr, struct fid_ep *ep);
 
 /* fabric_mr.c: regions, per-peer domains, grants (caller holds t->mu unless named a vtable op) */
 int fb_reg(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
@@ -249,6 +264,14 @@ fb_region *fb_find_region(fb_transport *t, uint64_t key);
 fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, uint32_t dev, int create); /* + fb_fail */
 void fb_domain_tidy(fb_transport *t, fb_domain *d); /* free it once no conn or grant uses it */
 void fb_domain_free(fb_transport *t, fb_domain *d);
+
+/* fabric_mrep.c: FI_MR_ENDPOINT, an MR per endpoint (caller holds t->mu; only when t->mr_ep) */
+int fb_ep_open_mrs(fb_transport *t, uint32_t ci); /* a new endpoint: every region's, grant's */
+void fb_ep_close_mrs(fb_transport *t, uint32_t ci); /* its endpoint is closed: drop its MRs */
+int fb_ep_grant(fb_transport *t, fb_domain *d, fb_grant_mr *g); /* a new grant on d's endpoints */
+void fb_ep_grant_close(fb_grant_mr *g);
+int fb_ep_region(fb_transport *t, uint32_t idx); /* a new region's local MR on every endpoint */
+void fb_ep_region_close(fb_transport *t, uint32_t idx);
 
 /* fabric_keys.c: grant keys (caller holds t->mu) */
 int fb_narrow_key(fb_domain *d, uint64_t base, uint64_t *out); /* our requested keys */

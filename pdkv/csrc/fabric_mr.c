@@ -49,9 +49,12 @@ int fb_nic_key(pdkv_transport *base, uint64_t key, uint32_t dev, uint64_t *key_o
     return rc;
 }
 
+/* A region's local MR in domain d (under FI_MR_ENDPOINT none: each endpoint has its own). */
 static int add_local(fb_transport *t, fb_domain *d, uint32_t i)
 {
     fb_region *r = &t->regions[i];
+    if (t->mr_ep)
+        return 0;
     return fb_mr_reg(t, d->dom, r, 0, r->len, LOCAL_ACCESS, FB_LKEY(i), &d->lmr[i]);
 }
 
@@ -93,10 +96,17 @@ fb_domain *fb_domain_get(fb_transport *t, uint64_t peer, uint32_t dev, int creat
     return d;
 }
 
+static void close_grant(fb_grant_mr *g)
+{
+    if (g->mr)
+        fi_close(&g->mr->fid);
+    fb_ep_grant_close(g);
+}
+
 void fb_domain_free(fb_transport *t, fb_domain *d)
 {
     for (uint32_t i = 0; i < d->num_grants; i++)
-        fi_close(&d->grants[i].mr->fid);
+        close_grant(&d->grants[i]);
     for (uint32_t i = 0; d->lmr && i < t->num_regions; i++)
         if (d->lmr[i])
             fi_close(&d->lmr[i]->fid);
@@ -142,6 +152,8 @@ static int reg_region(fb_transport *t, void *addr, uint64_t len, int iface, uint
     for (uint32_t k = 0; !rc && k < FB_MAX_DOMAINS; k++)
         if (t->domains[k].used)
             rc = add_local(t, &t->domains[k], i);
+    if (!rc && t->mr_ep)
+        rc = fb_ep_region(t, i);
     if (rc) {
         for (uint32_t k = 0; k < FB_MAX_DOMAINS; k++)
             if (t->domains[k].used && t->domains[k].lmr[i])
@@ -231,12 +243,17 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
         rc = fb_table_grant(t, d, region, off, len, &mr, &wkey);
     } else {
         rc = whole ? 0 : fb_narrow_key(d, t->virt ? (uint64_t)(uintptr_t)r->addr : off, &wkey);
-        if (!rc)
+        if (!rc && !t->mr_ep)
             rc = fb_mr_reg(t, d->dom, r, off, len, FI_REMOTE_WRITE, wkey, &mr);
     }
     if (rc)
         return rc;
-    d->grants[d->num_grants++] = (fb_grant_mr){mr, region, whole, off, len, wkey};
+    fb_grant_mr *g = &d->grants[d->num_grants];
+    *g = (fb_grant_mr){.mr = mr, .region = region, .whole = whole, .off = off, .len = len,
+                       .wkey = wkey};
+    if (t->mr_ep && (rc = fb_ep_grant(t, d, g)))
+        return rc; /* the key is handed out only once every endpoint's MR is bound and enabled */
+    d->num_grants++;
     if (key_out)
         *key_out = wkey;
     return 0;
@@ -244,7 +261,7 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
 
 static void drop_grant(fb_domain *d, uint32_t i)
 {
-    fi_close(&d->grants[i].mr->fid);
+    close_grant(&d->grants[i]);
     d->grants[i] = d->grants[--d->num_grants];
 }
 
@@ -377,6 +394,8 @@ int fb_dereg(pdkv_transport *base, uint64_t key)
                 fi_close(&d->lmr[idx]->fid), d->lmr[idx] = NULL;
             fb_domain_tidy(t, d);
         }
+        if (t->mr_ep)
+            fb_ep_region_close(t, idx);
         if (r->dmabuf_fd >= 0)
             close(r->dmabuf_fd);
         r->key = 0;

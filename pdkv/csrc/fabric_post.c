@@ -122,7 +122,8 @@ int fb_pump(fb_transport *t, fb_conn *c)
             continue;
         }
         struct iovec iov = {.iov_base = r->addr + w->loff, .iov_len = w->len};
-        void *desc = d->lmr[idx] ? fi_mr_desc(d->lmr[idx]) : NULL;
+        struct fid_mr *lmr = t->mr_ep ? c->lmr[idx] : d->lmr[idx];
+        void *desc = lmr ? fi_mr_desc(lmr) : NULL;
         memset(&p->ctx, 0, sizeof p->ctx);
         struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = c->dest,
                                  .rma_iov = &rma, .rma_iov_count = 1, .context = p,

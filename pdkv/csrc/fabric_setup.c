@@ -2,8 +2,8 @@
  * objects each peer gets (a domain; per connection an RDM endpoint with its AV and CQ).
  *
  * The hints name what pdkv needs -- FI_EP_RDM, FI_RMA with FI_WRITE / FI_REMOTE_WRITE, remote CQ
- * data -- and every MR mode we can live with (LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY): a provider
- * that demands another one is not chosen. A provider that is missing, or present without a
+ * data -- and every MR mode we can live with (LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY, ENDPOINT): a
+ * provider that demands another one is not chosen. A provider that is missing, or present without a
  * capability we need, is a clear error naming it and the capability (asked again with fewer
  * hints to tell which).
  * Compiled into the extension only with libfabric (PDKV_HAVE_LIBFABRIC); see fabric.c. */
@@ -17,7 +17,8 @@
 #include <string.h>
 
 #define FB_API FI_VERSION(1, 9) /* fi_writemsg with FI_MORE, fi_context2 */
-#define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
+#define FB_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | \
+                     FI_MR_ENDPOINT)
 
 static struct fi_info *hints_for(const char *prov, uint64_t caps, uint64_t mr_modes)
 {
@@ -27,7 +28,7 @@ static struct fi_info *hints_for(const char *prov, uint64_t caps, uint64_t mr_mo
     h->caps = caps;
     h->ep_attr->type = FI_EP_RDM;
     h->mode = FI_CONTEXT | FI_CONTEXT2; /* every write's context is an fb_pending */
-    int every = FB_MR_MODES | FI_MR_ENDPOINT | FI_MR_HMEM; /* explain(): any mode at all */
+    int every = FB_MR_MODES | FI_MR_HMEM; /* explain(): any mode at all */
     h->domain_attr->mr_mode = mr_modes ? (int)mr_modes : every;
     h->domain_attr->threading = FI_THREAD_DOMAIN; /* t->mu serializes every call */
     h->tx_attr->msg_order = FI_ORDER_NONE;
@@ -66,8 +67,8 @@ static int explain(const char *prov, int rc)
                        name);
     fbl_freeinfo(i);
     return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' demands an MR mode pdkv does not "
-                                "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY; "
-                                "FI_MR_ENDPOINT is not supported yet)", name);
+                                "support (it handles FI_MR_LOCAL, VIRT_ADDR, ALLOCATED, PROV_KEY, "
+                                "ENDPOINT)", name);
 }
 
 /* Does fi_info entry i match a configured name: "domain" or "domain@fabric" (a domain the
@@ -194,6 +195,7 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     int mode = t->info->domain_attr->mr_mode;
     t->virt = !!(mode & FI_MR_VIRT_ADDR);
     t->mr_local = !!(mode & FI_MR_LOCAL);
+    t->mr_ep = !!(mode & FI_MR_ENDPOINT);
     /* shm drops a refused write without ever completing it at delivery: transmit completion
      * there (the write is then reported done; the immediate the target waits for never comes) */
     t->complete_flag = strcmp(t->provider, "shm") ? FI_DELIVERY_COMPLETE : 0;
@@ -203,6 +205,12 @@ int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o)
     t->batch_more = !(no_more && !strcmp(no_more, "1"));
     t->prov_key = !!(mode & FI_MR_PROV_KEY);
     t->table = t->prov_key || (o && o->table_keys);
+    if (t->mr_ep && t->table)
+        return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' binds MRs to endpoints "
+                                    "(FI_MR_ENDPOINT) and %s: a grant would have one key per "
+                                    "endpoint, pdkv's carry one", t->provider,
+                       t->prov_key ? "picks their keys (FI_MR_PROV_KEY)"
+                                   : "table_keys asks for provider-style keys");
     if (t->table && !t->virt)
         return fb_fail(-EOPNOTSUPP, "libfabric: provider '%s' picks MR keys (FI_MR_PROV_KEY) "
                                     "without FI_MR_VIRT_ADDR: not supported", t->provider);
@@ -263,6 +271,19 @@ int fb_mr_reg(fb_transport *t, struct fid_domain *dom, const fb_region *r, uint6
                        (unsigned long long)len, r->iface == FI_HMEM_CUDA ? "CUDA" : "system",
                        r->dmabuf_fd >= 0 ? ", dma-buf" : "", t->provider, fbl_strerror(-rc));
     return 0;
+}
+
+int fb_mr_bind_ep(fb_transport *t, struct fid_mr **mr, struct fid_ep *ep)
+{
+    const char *what = "fi_mr_bind(mr, ep)";
+    int rc = fi_mr_bind(*mr, &ep->fid, 0);
+    if (!rc)
+        what = "fi_mr_enable", rc = fi_mr_enable(*mr);
+    if (!rc)
+        return 0;
+    fi_close(&(*mr)->fid);
+    *mr = NULL;
+    return fb_fail(fb_errno(rc), "libfabric: %s on %s: %s", what, t->provider, fbl_strerror(-rc));
 }
 
 void fb_close_endpoint(fb_conn *c)

@@ -1,6 +1,11 @@
 """The transports the messenger tests run over (``transport_params``), the libfabric software
 providers that work here ("libfabric:<provider>"), and what each reports of a refused write.
-Imported by conftest.py and the tests (tests/messenger is on sys.path)."""
+Imported by conftest.py and the tests (tests/messenger is on sys.path).
+
+"mrep_double" is a TEST DOUBLE, not a libfabric provider: fabric_mrep_provider.c, built here
+into a DL provider that libfabric loads through FI_PROVIDER_PATH (set at import, before any
+process of the tests loads libfabric), wrapping tcp;ofi_rxm on the loopback and demanding
+FI_MR_ENDPOINT, which no provider installed here does (see that file)."""
 from __future__ import annotations
 
 import os
@@ -8,9 +13,42 @@ import sys
 
 import pytest
 
-FABRIC_PROVIDERS = ("tcp;ofi_rxm", "sockets", "shm")  # libfabric's software providers
-FABRIC_DOMAINS = {"tcp;ofi_rxm": ["lo"], "sockets": ["lo"]}  # real sockets on the loopback only
+FABRIC_PROVIDERS = ("tcp;ofi_rxm", "sockets", "shm", "mrep_double")  # software ones + the double
+FABRIC_DOMAINS = {"tcp;ofi_rxm": ["lo"], "sockets": ["lo"], "mrep_double": ["lo"]}  # loopback only
+MREP_DOUBLE = "mrep_double"
 _FOUND = None
+
+
+def _build_mrep_double() -> str | None:
+    """Build the FI_MR_ENDPOINT test double (once per source text) and put its directory on
+    FI_PROVIDER_PATH; None (and the double's tests skip, naming why) without gcc or headers."""
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent / "fabric_mrep_provider.c"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        return "no C compiler"
+    out = Path(tempfile.gettempdir()) / f"pdkv-mrep-{hashlib.sha1(src.read_bytes()).hexdigest()[:12]}"
+    lib = out / "libmrep_double-fi.so"
+    if not lib.exists():
+        out.mkdir(exist_ok=True)
+        tmp = out / f".build-{os.getpid()}.so"
+        r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-o", str(tmp), str(src), "-lfabric"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            return f"cannot build {src.name}: {r.stderr[-300:]}"
+        tmp.replace(lib)  # atomic: parallel test processes never load half a file
+    paths = [p for p in os.environ.get("FI_PROVIDER_PATH", "").split(":") if p]
+    if str(out) not in paths:
+        os.environ["FI_PROVIDER_PATH"] = ":".join([*paths, str(out)])
+    return None
+
+
+MREP_DOUBLE_MISSING = _build_mrep_double()
 
 
 def refusal_reported(transport: str) -> tuple[bool, bool]:
