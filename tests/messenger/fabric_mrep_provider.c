@@ -17,7 +17,8 @@
  * what pdkv calls (fabric, domain, endpoint with fi_writemsg and fi_getname, MRs; AVs and CQs
  * are the inner provider's own objects). Records: MREP_DOUBLE_LOG=path appends one line per MR
  * event ("<pid> bind|enable|close key=<hex> ..."). Fault injection: MREP_DOUBLE_FAULT=bind makes
- * fi_mr_bind fail -FI_ENOSYS (what tcp;ofi_rxm and shm answer). */
+ * fi_mr_bind fail -FI_ENOSYS (what tcp;ofi_rxm and shm answer), =bind_remote only for MRs a peer
+ * may write (FI_REMOTE_WRITE: grants), so that connections still work. */
 #define _GNU_SOURCE
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -244,8 +245,11 @@ static int mr_bind(struct fid *fid, struct fid *bfid, uint64_t flags)
 {
     struct mrep_mr *m = (struct mrep_mr *)fid;
     const char *fault = getenv("MREP_DOUBLE_FAULT");
-    if (fault && !strcmp(fault, "bind"))
+    if (fault && (!strcmp(fault, "bind") ||
+                  (!strcmp(fault, "bind_remote") && (m->attr.access & FI_REMOTE_WRITE)))) {
+        note("refused-bind key=0x%llx access=0x%llx", m->mr.key, m->attr.access);
         return -FI_ENOSYS;
+    }
     if (bfid->fclass != FI_CLASS_EP || bfid->ops != &ep_fid_ops || flags || m->ep || m->inner)
         return -FI_EINVAL; /* one of our endpoints, once, before enable */
     m->ep = (struct mrep_ep *)bfid;

@@ -104,15 +104,17 @@ def fabric_params(providers=FABRIC_PROVIDERS) -> list:
     found = fabric_providers()
     need = os.environ.get("PDKV_REQUIRE_LIBFABRIC") == "1"
     return [pytest.param(f"libfabric:{p}", marks=pytest.mark.skipif(
-        p not in found and not need, reason=f"libfabric provider {p} not available"))
+        p not in found and not need, reason=f"libfabric provider {p} not available"
+        + (f" ({MREP_DOUBLE_MISSING})" if p == MREP_DOUBLE and MREP_DOUBLE_MISSING else "")))
         for p in providers]
 
 
-def transport_params(providers=("tcp;ofi_rxm",)) -> list:
+def transport_params(providers=("tcp;ofi_rxm", MREP_DOUBLE)) -> list:
     """tcp, verbs, shm (same host: grants are mappings), auto (connected as peers of one host: its
     shm route), and libfabric over `providers` (the whole suite: tcp;ofi_rxm, the software
-    provider closest to EFA -- RDM emulated over connections, manual progress; test_transfer.py
-    runs over every provider: transport_params(FABRIC_PROVIDERS))."""
+    provider closest to EFA -- RDM emulated over connections, manual progress -- and the same
+    under the FI_MR_ENDPOINT test double; test_transfer.py runs over every provider:
+    transport_params(FABRIC_PROVIDERS))."""
     from pdkv._messenger import HAVE_VERBS
 
     # Under PDKV_REQUIRE_VERBS=1 (.ci/run) a missing verbs build fails these (in the

@@ -11,7 +11,8 @@ sending and on the receiving node.
 
 The tests of what any multi-device transport does (pairs made only where asked, writes routed
 by their keys' devices, each rank through its own device) also run over libfabric's tcp;ofi_rxm
-(csrc/fabric_link.c): its "lo" domain is listed under two fabrics, 127.0.0.1/32 and ::1/128,
+(csrc/fabric_link.c), and over it again under the FI_MR_ENDPOINT test double (mrep_double,
+fabrics.py: several endpoints in one peer domain, each MR bound to each): its "lo" domain is listed under two fabrics, 127.0.0.1/32 and ::1/128,
 which are two real domains (``lo@127.0.0.1/32``, ``lo@::1/128``: an endpoint of one cannot
 reach the other's, so their writes use the pairs (0, 0) and (1, 1) only); where a test needs
 cross pairs the same domain is opened twice under two names (``lo``, ``lo@127.0.0.1/32``).
@@ -32,12 +33,13 @@ from fabrics import fabric_params
 
 DGX = str(Path(__file__).resolve().parents[1] / "topo" / "fixtures" / "dgx-h100")
 PAGES = 64  # pages per rank region (one layer); at least one per request in a test
-FABRIC = "libfabric:tcp;ofi_rxm"
+FABRIC_PROVIDERS = ("tcp;ofi_rxm", "mrep_double")
 LO_V4_V6 = ("lo@127.0.0.1/32", "lo@::1/128")  # two real domains: pairs (0, 0), (1, 1) only
 LO_TWICE = ("lo", "lo@127.0.0.1/32")  # one domain opened twice: every pair connects
 # the words of each transport's refusals: (what a device pair is, what a device is)
-PAIR_WORDS = {"verbs": ("queue pair", "NIC"), FABRIC: ("endpoint pair", "domain")}
-BOTH = pytest.mark.parametrize("transport", ["verbs", *fabric_params(("tcp;ofi_rxm",))], indirect=True)
+PAIR_WORDS = {"verbs": ("queue pair", "NIC"), **{f"libfabric:{p}": ("endpoint pair", "domain")
+                                                   for p in FABRIC_PROVIDERS}}
+BOTH = pytest.mark.parametrize("transport", ["verbs", *fabric_params(FABRIC_PROVIDERS)], indirect=True)
 
 
 @pytest.fixture
@@ -414,7 +416,7 @@ def test_link_pairs_are_the_plans_rank_pairs_over_both_placements():
 
 
 # where a key names its device: verbs_multi.h (NIC bits 53:48), fabric_internal.h (bits 62:59)
-DEVICE_BIT = {"verbs": 1 << 48, FABRIC: 1 << 59}
+DEVICE_BIT = {"verbs": 1 << 48, **{f"libfabric:{p}": 1 << 59 for p in FABRIC_PROVIDERS}}
 
 
 @BOTH
