@@ -13,7 +13,7 @@ import torch
 
 from _cluster import colocated_kv, hold_kv_on_landing, make_engine, node_config, wait_for
 from pdkv.engine import SamplingParams
-from test_equality import libfabric_messenger
+from test_equality import MREP_DOUBLE, admit_test_double, libfabric_messenger
 
 PROMPTS = [list(range(3, 3 + n)) for n in (2, 7, 18, 33)]
 MAX_TOKENS = 5
@@ -27,13 +27,17 @@ def _complete(url: str, name: str, prompt: list[int]) -> list[int]:
         return json.loads(r.read())["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("provider, domains", [("tcp;ofi_rxm", None), ("tcp;ofi_rxm", ("lo", "lo@127.0.0.1/32"))],
-                         ids=["one-domain", "two-domains"])
-def test_tp2_prefill_to_tp1_decode_over_libfabric_equals_colocated(tiny_model_dir, provider, domains):
+@pytest.mark.parametrize("provider, domains", [("tcp;ofi_rxm", None), ("tcp;ofi_rxm", ("lo", "lo@127.0.0.1/32")),
+                                              (MREP_DOUBLE, ("lo", "lo@127.0.0.1/32"))],
+                         ids=["one-domain", "two-domains", "two-domains-mr-endpoint"])
+def test_tp2_prefill_to_tp1_decode_over_libfabric_equals_colocated(tiny_model_dir, provider, domains, monkeypatch):
     """Two domains (one opened twice under two names: any endpoint reaches any, as EFA devices
     do): prefill rank r's pages leave through domain r, each request lands through the decode
-    rank's domain its seed picks, over only the endpoint pairs the plan uses."""
+    rank's domain its seed picks, over only the endpoint pairs the plan uses. MREP_DOUBLE: the
+    same with every MR bound to its endpoint (FI_MR_ENDPOINT, the test double)."""
     from _tp_pair import TP2ToTP1
+
+    admit_test_double(monkeypatch, provider)
 
     ms = {f"messenger__{k}": v for k, v in libfabric_messenger(provider, domains).items()}
     ref = make_engine(node_config(tiny_model_dir, "colocated"))
