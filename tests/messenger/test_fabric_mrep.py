@@ -93,3 +93,13 @@ def test_a_grant_the_provider_cannot_bind_fails_by_name_and_its_key_opens_nothin
     # the hostile peer writes with the key a whole-region grant is (the region's own key)
     _refused(a, b, ca, region, 0, 256, imm=5, writer_id=1)
     assert b.read("dst") == bytes(SIZE) and b.guards_ok("dst")
+
+
+def test_endpoint_bound_mrs_with_provider_style_keys_are_refused_by_name(transport):
+    """A grant carries one key; endpoint-bound MRs under provider-chosen keys would give it one
+    per endpoint (the table_keys stand-in asks for that path)."""
+    from pdkv._messenger import Messenger
+    from pdkv.transports import LibfabricOptions
+
+    with pytest.raises(Exception, match=r"binds MRs to endpoints \(FI_MR_ENDPOINT\) and table_keys"):
+        Messenger("libfabric", 1, LibfabricOptions(provider=MREP_DOUBLE, domains=("lo",), table_keys=True))
