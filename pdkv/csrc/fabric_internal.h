@@ -238,6 +238,8 @@ void fb_clear_error(void);
 void fb_push_error(fb_transport *t, uint64_t wr_id, uint64_t peer, int status, const char *fmt,
                    ...) __attribute__((format(printf, 5, 6)));
 int fb_errno(int fi_rc); /* a libfabric return code as a negative errno */
+/* *items (*cap entries of `size` bytes) twice as long, or `first` long; 0 or -ENOMEM */
+int fb_grow(void **items, uint32_t *cap, size_t size, uint32_t first);
 
 /* fabric_setup.c */
 int fb_open_fabric(fb_transport *t, const pdkv_libfabric_opts *o);

@@ -228,13 +228,9 @@ static int add_grant(fb_transport *t, fb_domain *d, uint32_t region, int whole, 
     if (d->num_grants == FB_MAX_GRANTS)
         return fb_fail(-ENOSPC, "libfabric: peer %llu holds %d grants already",
                        (unsigned long long)d->peer, FB_MAX_GRANTS);
-    if (d->num_grants == d->grants_cap) {
-        uint32_t cap = d->grants_cap ? d->grants_cap * 2 : 64;
-        fb_grant_mr *g = realloc(d->grants, cap * sizeof *g);
-        if (!g)
-            return fb_fail(-ENOMEM, "libfabric: out of memory");
-        d->grants = g, d->grants_cap = cap;
-    }
+    if (d->num_grants == d->grants_cap &&
+        fb_grow((void **)&d->grants, &d->grants_cap, sizeof *d->grants, 64))
+        return -ENOMEM;
     fb_region *r = &t->regions[region];
     uint64_t wkey = FB_ON_DEV(r->key, d->dev);
     struct fid_mr *mr = NULL;

@@ -36,13 +36,9 @@ static int ep_mr(fb_transport *t, uint32_t ci, const fb_region *r, uint64_t off,
 
 static int grant_on(fb_transport *t, fb_grant_mr *g, uint32_t ci)
 {
-    if (g->num_on_ep == g->on_ep_cap) {
-        uint32_t cap = g->on_ep_cap ? g->on_ep_cap * 2 : 2;
-        fb_ep_mr *a = realloc(g->on_ep, cap * sizeof *a);
-        if (!a)
-            return fb_fail(-ENOMEM, "libfabric: out of memory");
-        g->on_ep = a, g->on_ep_cap = cap;
-    }
+    if (g->num_on_ep == g->on_ep_cap &&
+        fb_grow((void **)&g->on_ep, &g->on_ep_cap, sizeof *g->on_ep, 2))
+        return -ENOMEM;
     struct fid_mr *mr = NULL;
     int rc = ep_mr(t, ci, &t->regions[g->region], g->off, g->len, FI_REMOTE_WRITE, g->wkey, &mr);
     if (!rc)

@@ -1,5 +1,6 @@
 /* pdkv libfabric transport, leaf: the per-thread error reason, libfabric codes as errno values,
- * and error completions for the core. Every other fabric file calls these; they call nothing.
+ * error completions for the core, and growing arrays. Every other fabric file calls these;
+ * they call nothing.
  * Compiled into the extension only with libfabric (PDKV_HAVE_LIBFABRIC); see fabric.c. */
 #ifdef PDKV_HAVE_LIBFABRIC
 #define _GNU_SOURCE
@@ -8,8 +9,19 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+int fb_grow(void **items, uint32_t *cap, size_t size, uint32_t first)
+{
+    uint32_t n = *cap ? *cap * 2 : first;
+    void *a = realloc(*items, (size_t)n * size);
+    if (!a)
+        return fb_fail(-ENOMEM, "libfabric: out of memory");
+    *items = a, *cap = n;
+    return 0;
+}
 
 uint64_t fb_now_ns(void)
 {

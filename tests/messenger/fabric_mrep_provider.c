@@ -354,16 +354,9 @@ static int dom_endpoint(struct fid_domain *dom, struct fi_info *info, struct fid
 {
     struct mrep_domain *d = (struct mrep_domain *)dom;
     struct mrep_ep *e = calloc(1, sizeof *e);
-    if (!e || !(e->info = inner_info(info))) {
-        free(e);
-        return -FI_ENOMEM;
-    }
-    int rc = d->inner->ops->endpoint(d->inner, e->info, &e->inner, ctx);
-    if (rc) {
-        fi_freeinfo(e->info);
-        free(e);
-        return rc;
-    }
+    int rc = e && (e->info = inner_info(info)) ? 0 : -FI_ENOMEM;
+    if (rc || (rc = d->inner->ops->endpoint(d->inner, e->info, &e->inner, ctx)))
+        return e ? fi_freeinfo(e->info) : (void)0, free(e), rc;
     e->ep.fid = (struct fid){.fclass = FI_CLASS_EP, .context = ctx, .ops = &ep_fid_ops};
     e->ep.ops = &ep_ops, e->ep.cm = &ep_cm, e->ep.rma = &ep_rma;
     *out = &e->ep;
@@ -384,16 +377,9 @@ static int fab_domain(struct fid_fabric *fab, struct fi_info *info, struct fid_d
 {
     struct mrep_fabric *f = (struct mrep_fabric *)fab;
     struct mrep_domain *d = calloc(1, sizeof *d);
-    if (!d || !(d->info = inner_info(info))) {
-        free(d);
-        return -FI_ENOMEM;
-    }
-    int rc = f->inner->ops->domain(f->inner, d->info, &d->inner, ctx);
-    if (rc) {
-        fi_freeinfo(d->info);
-        free(d);
-        return rc;
-    }
+    int rc = d && (d->info = inner_info(info)) ? 0 : -FI_ENOMEM;
+    if (rc || (rc = f->inner->ops->domain(f->inner, d->info, &d->inner, ctx)))
+        return d ? fi_freeinfo(d->info) : (void)0, free(d), rc;
     d->dom.fid = (struct fid){.fclass = FI_CLASS_DOMAIN, .context = ctx, .ops = &dom_fid_ops};
     d->dom.ops = &dom_ops, d->dom.mr = &dom_mr;
     *out = &d->dom;
