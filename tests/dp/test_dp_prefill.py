@@ -1,0 +1,129 @@
+"""Disaggregated prefill on a DP2-EP group (DeepSeek-V3, MLA), over tcp (in-process nodes): the
+prefill node's front places each PREFILL on a rank by load, that rank computes the prompt's
+latent into its own pool (a shared-memory file the front registers) and bumps its layer
+counter, and the front writes the pages into the decode node's grants. A long prompt keeps
+prefill rank 0 busy so the next ones go to rank 1. Tokens equal a colocated TP1 engine's; the
+landed latent equals that engine's cache, on the chosen decode rank only."""
+
+from __future__ import annotations
+
+import threading
+
+from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv, pools_back, together, reference  # noqa: F401
+
+from _cluster import Cluster, colocated_tokens, hold_kv_on_landing, wait_for
+
+LONG = list(range(100, 250))  # 150 tokens, 10 chunks of 16 on its prefill rank
+
+
+def _forwards(group) -> list[int]:
+    """Each rank's real forward passes (call it with no engine thread driving the group)."""
+    return [r["forwards"] for r in group.load()["ranks"]]
+
+
+def test_dp2_prefill_into_dp2_decode_over_tcp(moe_models, reference):
+    want_tokens, want_kv = reference
+    folder = moe_models["deepseek_v3"]
+    c = Cluster(folder, prefill_over=DP, decode_over=DP, prefill_engine=dp_group, decode_engine=dp_group)
+    prefill, group, stopped = c.prefill_engine, c.decode_engine, False
+    try:
+        assert [(q.plan.prefill.tp, q.plan.decode.tp) for q in c.coordinator.peers] == [(1, 1)]
+        landed = {}
+        pools = [r.cache for r in group.dp_regions]
+
+        def on_landed(rid, hidden):
+            rank, pages = group._remote[rid], c.coordinator.by_rid[rid].kv_pages
+            landed[rid] = (rank, match_kv(pools[rank], pages, want_kv), match_kv(pools[1 - rank], pages, want_kv))
+        c.coordinator.on_landed = on_landed
+        name = c.model_name()
+        got = together(c.url, name, [LONG] + PROMPTS[1:], group=group)
+        assert got[0]["choices"][0]["token_ids"] == colocated_tokens(folder, LONG, MAX_TOKENS)
+        assert [g["choices"][0]["token_ids"] for g in got[1:]] == want_tokens[1:]
+        # decode: the long one on rank 0, the two after it on rank 1 (load); each landed latent
+        # is its prompt's, on that rank alone
+        assert sorted(rank for rank, _, _ in landed.values()) == [0, 1, 1]
+        assert sorted(m for _, mine, _ in landed.values() for m in mine) == [1, 2]
+        assert all(not other for _, _, other in landed.values())
+        first = complete(c.url, name, PROMPTS[0])  # alone: rank 0 on both nodes (a tie goes to the lowest)
+        assert first["choices"][0]["token_ids"] == want_tokens[0]
+        wait_for(lambda: not (group.rank_of or group._remote or c.coordinator.slots), 15, "every request ended")
+        c.stop()
+        stopped = True
+        assert pools_back(group), group.load()["ranks"]
+        assert pools_back(prefill), prefill.load()["ranks"]
+        assert all(n > 0 for n in _forwards(prefill)), prefill.load()["ranks"]  # both prefill ranks computed
+    finally:
+        if not stopped:
+            c.stop()
+        prefill.close()
+        group.close()
+
+
+def test_dp2_prefill_into_tp1_decode_over_tcp(moe_models, reference):
+    """The decode node is a TP1 engine: a prefill DP rank writes as a TP1 node does (the
+    plan's one pair); the latent that lands before the decode starts is the colocated one."""
+    want_tokens, want_kv = reference
+    folder = moe_models["deepseek_v3"]
+    c = Cluster(folder, prefill_over=DP, prefill_engine=dp_group)
+    prefill, stopped = c.prefill_engine, False
+    try:
+        seen = hold_kv_on_landing(c.coordinator, c.decode_engine)
+        name = c.model_name()
+        got = together(c.url, name, [LONG] + PROMPTS[1:], gap_s=0.02)
+        assert got[0]["choices"][0]["token_ids"] == colocated_tokens(folder, LONG, MAX_TOKENS)
+        assert [g["choices"][0]["token_ids"] for g in got[1:]] == want_tokens[1:]
+        by_prompt = {prompt: kv for prompt, kv in seen.values()}
+        for i in (1, 2):
+            (kv,) = by_prompt[tuple(PROMPTS[i])]
+            assert all(a.equal(b) for a, b in zip(kv, want_kv[i])), f"prompt {i}'s landed latent differs"
+        wait_for(lambda: not c.coordinator.slots, 15, "every transfer ended")
+        c.stop()
+        stopped = True
+        a = c.decode_engine.allocator
+        assert a.num_free == a.num_total
+        assert pools_back(prefill), prefill.load()["ranks"]
+        assert all(n > 0 for n in _forwards(prefill)), prefill.load()["ranks"]
+    finally:
+        if not stopped:
+            c.stop()
+        prefill.close()
+
+
+def test_a_prefill_rank_killed_mid_request(moe_models, reference):
+    """FAULT (a rank process killed): the long prompt's prefill rank dies while computing it.
+    The group fails its requests and is unhealthy; the prefill node drops its decode node, which
+    computes the prompt itself (disagg.local_fallback: no other prefill node is live) and answers
+    the colocated tokens; every decode page comes back, no rank waits forever. Bounded by the
+    surviving rank's all-to-all (it fails at once when the dead peer's connection closes, else
+    after parallel.timeout_s), then the decode node's lease."""
+    import os
+    import signal
+    import time
+
+    folder = moe_models["deepseek_v3"]
+    c = Cluster(folder, prefill_over=DP, prefill_engine=dp_group,
+                decode_over={"disagg__local_fallback": True})
+    prefill, stopped = c.prefill_engine, False
+    try:
+        name = c.model_name()
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(complete(c.url, name, LONG)))
+        t0 = time.monotonic()
+        t.start()
+        wait_for(lambda: bool(prefill.rank_of), 30, "the long prompt placed on a prefill rank")
+        (rank,) = prefill.rank_of.values()
+        os.kill(prefill.procs[rank].pid, signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive(), "the request hangs"
+        assert got["choices"][0]["token_ids"] == colocated_tokens(folder, LONG, MAX_TOKENS), got
+        assert time.monotonic() - t0 < 90
+        assert not prefill.healthy and f"rank {rank}" in str(prefill.error)
+        wait_for(lambda: not c.coordinator.slots, 15, "every transfer ended")
+        c.stop()
+        stopped = True
+        a = c.decode_engine.allocator
+        assert a.num_free == a.num_total
+    finally:
+        if not stopped:
+            c.stop()
+        prefill.close()
