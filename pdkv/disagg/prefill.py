@@ -294,6 +294,10 @@ class PrefillCoordinator(LoopEvents):
         # the hidden-state write releases the GIL, and in a process shared with other Python
         # threads getting it back can take milliseconds, which would hide transfer time.
         t_end = self.connector.t_forward_end or time.time()
+        if not self._broken and not getattr(self.engine, "healthy", True):
+            # before the failed jobs' FAILs: the links go first, so the decode nodes retry them
+            self._broken = True
+            self._post(self._engine_broken, str(self.engine.error))
         for out in outputs:
             if out.finish_reason == "prefilled":
                 if out.prompt_logprobs is not None:  # before DONE_AT, which waits for the writes
@@ -301,9 +305,6 @@ class PrefillCoordinator(LoopEvents):
                 self._post(self._engine_done, out.request_id, JobEnd.PREFILLED, "", t_end)
             elif out.finish_reason == "error":
                 self._post(self._engine_done, out.request_id, JobEnd.FAILED, "the prefill forward pass failed")
-        if not self._broken and not getattr(self.engine, "healthy", True):
-            self._broken = True
-            self._post(self._engine_broken, str(self.engine.error))
         self.on_commands_applied()
 
     def on_failed(self, request_id: str, error) -> None:

@@ -8,6 +8,9 @@ landed latent equals that engine's cache, on the chosen decode rank only."""
 from __future__ import annotations
 
 import threading
+import urllib.request
+
+import pytest
 
 from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv, pools_back, together, reference  # noqa: F401
 
@@ -89,20 +92,22 @@ def test_dp2_prefill_into_tp1_decode_over_tcp(moe_models, reference):
         prefill.close()
 
 
-def test_a_prefill_rank_killed_mid_request(moe_models, reference):
+@pytest.mark.parametrize("retries", [0, 2], ids=["fails", "prefilled-here"])
+def test_a_prefill_rank_killed_mid_request(moe_models, retries):
     """FAULT (a rank process killed): the long prompt's prefill rank dies while computing it.
     The group fails its requests and is unhealthy; the prefill node drops its decode node, which
-    computes the prompt itself (disagg.local_fallback: no other prefill node is live) and answers
-    the colocated tokens; every decode page comes back, no rank waits forever. Bounded by the
-    surviving rank's all-to-all (it fails at once when the dead peer's connection closes, else
-    after parallel.timeout_s), then the decode node's lease."""
+    computes the prompt itself (disagg.prefill_retries 2, disagg.local_fallback: no other prefill
+    node is live) and answers the colocated tokens, or with retries 0 fails it with a 503; every
+    decode page comes back, no rank waits forever. Bounded: the front sees the dead process at
+    once, the surviving rank's all-to-all fails when the dead peer's connection closes (else
+    after parallel.timeout_s, 30 s here)."""
     import os
     import signal
     import time
 
     folder = moe_models["deepseek_v3"]
     c = Cluster(folder, prefill_over=DP, prefill_engine=dp_group,
-                decode_over={"disagg__local_fallback": True})
+                decode_over={"disagg__local_fallback": True, "disagg__prefill_retries": retries})
     prefill, stopped = c.prefill_engine, False
     try:
         name = c.model_name()
@@ -115,8 +120,14 @@ def test_a_prefill_rank_killed_mid_request(moe_models, reference):
         os.kill(prefill.procs[rank].pid, signal.SIGKILL)
         t.join(120)
         assert not t.is_alive(), "the request hangs"
-        assert got["choices"][0]["token_ids"] == colocated_tokens(folder, LONG, MAX_TOKENS), got
-        assert time.monotonic() - t0 < 90
+        if retries:
+            assert got["choices"][0]["token_ids"] == colocated_tokens(folder, LONG, MAX_TOKENS), got
+        else:
+            assert got["status"] == 503 and "the prefill node died" in got["error"], got
+        assert time.monotonic() - t0 < 60
+        metrics = urllib.request.urlopen(c.url + "/metrics").read().decode()
+        assert ('pdkv_disagg_prefill_retries_total{cause="peer_dead",model_name="%s",role="decode",to="local"} '
+                '%d.0' % (name, 1 if retries else 0)) in metrics, [x for x in metrics.splitlines() if "retr" in x]
         assert not prefill.healthy and f"rank {rank}" in str(prefill.error)
         wait_for(lambda: not c.coordinator.slots, 15, "every transfer ended")
         c.stop()
