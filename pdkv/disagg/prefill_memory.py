@@ -39,9 +39,9 @@ class PrefillMemory:
         self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
         if self.kv.dp is not None and (self.mode.staged or cfg.disagg.kv_handoff == "share"
                                    or cfg.speculative.method):
-            raise ConfigError(f"{cfg.source}: a prefill DP-EP group (parallel.dp={cfg.parallel.dp}) writes pages "
-                              "straight from its ranks' pools: no staging ring (messenger.staging), no shared "
-                              "hand-off (disagg.kv_handoff) and no speculative hand-off")
+            raise ConfigError(f"{cfg.source}: a prefill DP-EP group (parallel.dp={cfg.parallel.dp}) writes "
+                              "pages straight from its ranks' pools: no staging ring (messenger.staging), "
+                              "no shared hand-off (disagg.kv_handoff) and no speculative hand-off")
         # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
         self.handoff = P.spec_handoff(cfg.speculative, engine)
         hidden = int(engine.loaded.arch.hidden_size)

@@ -580,7 +580,8 @@ class DPGroup:
     def from_config(cls, cfg) -> DPGroup:
         """The group of a pdkv.config.Config (any role; its model, kv_cache, scheduler and
         parallel sections: the scheduler and cache are each rank's)."""
-        if cfg.role != "colocated" and cfg.speculative is not None and cfg.speculative.method in ("mtp", "draft"):
+        method = cfg.speculative.method if cfg.speculative is not None else None
+        if cfg.role != "colocated" and method in ("mtp", "draft"):
             raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} with speculative.method "
                              f"{cfg.speculative.method}: the speculative hand-off with a DP-EP group is "
                              "not implemented")

@@ -12,8 +12,9 @@ import time
 
 import pytest
 import torch
-from _dp_disagg import (DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv as _match, pools_back,  # noqa: F401
-                        together, reference)
+from _dp_disagg import (DP, MAX_TOKENS, PROMPTS, complete, dp_group, pools_back,  # noqa: F401
+                        reference, together)
+from _dp_disagg import match_kv as _match
 
 from _cluster import Cluster, colocated_tokens, node_config, wait_for
 
@@ -115,7 +116,8 @@ def test_handshake_carries_the_dp_layout_and_refuses_a_pair_it_cannot_serve():
     pre = ShardSpec(1, latent, "prefill")
     for dec_dp in (dp2, None):  # prefill DP2 -> decode DP2, prefill DP2 -> decode TP1
         on_decode = plan_link(dec, "decode", {"shard": pre.to_wire(), "dp": dp2}, dec_dp)
-        on_prefill = plan_link(pre, "prefill", {"shard": dec.to_wire(), **({"dp": dec_dp} if dec_dp else {})}, dp2)
+        peer = {"shard": dec.to_wire(), **({"dp": dec_dp} if dec_dp else {})}
+        on_prefill = plan_link(pre, "prefill", peer, dp2)
         assert [(p.prefill_rank, p.decode_rank) for p in on_prefill.pairs] == [(0, 0)]
         assert (on_decode.prefill.tp, on_decode.decode.tp) == (1, 1)
     with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=2 per rank\) to decode dp=2 ep "

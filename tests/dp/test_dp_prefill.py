@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv, pools_back, together, reference  # noqa: F401
+from _dp_disagg import (DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv, pools_back,  # noqa: F401
+                        reference, together)
 
 from _cluster import Cluster, colocated_tokens, hold_kv_on_landing, wait_for
 
