@@ -173,6 +173,10 @@ class PrefillCoordinator(LoopEvents):
                                link.channel.peer.node_id, e)
             self._send(link, M.Fail(M.Prefill.request_id(msg), f"malformed PREFILL: {e}", 0).to_wire())
             return
+        if p.prompt_logprobs is not None and self.kv.dp is not None:  # a rank would need the last token
+            self._send(link, M.Fail(p.req, "prompt logprobs (echo with logprobs) are not computed by a prefill "
+                                           "DP-EP group (parallel.dp)", 0).to_wire())
+            return
         job = Job(f"{link.channel.peer.node_id:x}:{p.req}", p.req, link, list(p.tokens),
                   np.asarray(p.pages, dtype=np.int64), p.imm, p.hidden_off, next(self._tags), time.perf_counter(),
                   p.seed, skip=p.cached // self.engine.kv.page_size, dst_keys=p.dst_keys)

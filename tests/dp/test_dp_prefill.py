@@ -15,7 +15,7 @@ import pytest
 from _dp_disagg import (DP, MAX_TOKENS, PROMPTS, complete, dp_group, match_kv, pools_back,  # noqa: F401
                         reference, together)
 
-from _cluster import Cluster, colocated_tokens, hold_kv_on_landing, wait_for
+from _cluster import Cluster, colocated_tokens, hold_kv_on_landing, post_completion, wait_for
 
 LONG = list(range(100, 250))  # 150 tokens, 10 chunks of 16 on its prefill rank
 
@@ -56,6 +56,7 @@ def test_dp2_prefill_into_dp2_decode_over_tcp(moe_models, reference):
         assert pools_back(group), group.load()["ranks"]
         assert pools_back(prefill), prefill.load()["ranks"]
         assert all(n > 0 for n in _forwards(prefill)), prefill.load()["ranks"]  # both prefill ranks computed
+        assert prefill.dummy_steps[1] > 0  # idle while rank 0 computed the long prompt: the lock step held
     finally:
         if not stopped:
             c.stop()
@@ -80,6 +81,10 @@ def test_dp2_prefill_into_tp1_decode_over_tcp(moe_models, reference):
         for i in (1, 2):
             (kv,) = by_prompt[tuple(PROMPTS[i])]
             assert all(a.equal(b) for a, b in zip(kv, want_kv[i])), f"prompt {i}'s landed latent differs"
+        # echo with logprobs: a rank would need the prompt's last token; refused by name
+        status, body = post_completion(c.url, {"model": name, "prompt": PROMPTS[1], "max_tokens": 2,
+                                               "echo": True, "logprobs": 1})
+        assert status == 500 and "not computed by a prefill DP-EP group" in body["error"]["message"], body
         wait_for(lambda: not c.coordinator.slots, 15, "every transfer ended")
         c.stop()
         stopped = True
@@ -87,6 +92,7 @@ def test_dp2_prefill_into_tp1_decode_over_tcp(moe_models, reference):
         assert a.num_free == a.num_total
         assert pools_back(prefill), prefill.load()["ranks"]
         assert all(n > 0 for n in _forwards(prefill)), prefill.load()["ranks"]
+        assert prefill.dummy_steps[1] > 0
     finally:
         if not stopped:
             c.stop()
