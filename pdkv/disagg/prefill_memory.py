@@ -37,13 +37,12 @@ class PrefillMemory:
         self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
         # every rank's KV region, registered (one per rank) unless the pages go through the ring
         self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
-        if self.kv.dp is not None and (self.mode.staged or cfg.disagg.kv_handoff == "share"
-                                   or cfg.speculative.method):
+        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
+        self.handoff = P.spec_handoff(cfg.speculative, engine)
+        if self.kv.dp is not None and (self.mode.staged or cfg.disagg.kv_handoff == "share" or self.handoff):
             raise ConfigError(f"{cfg.source}: a prefill DP-EP group (parallel.dp={cfg.parallel.dp}) writes "
                               "pages straight from its ranks' pools: no staging ring (messenger.staging), "
                               "no shared hand-off (disagg.kv_handoff) and no speculative hand-off")
-        # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
-        self.handoff = P.spec_handoff(cfg.speculative, engine)
         hidden = int(engine.loaded.arch.hidden_size)
         self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes

@@ -83,6 +83,12 @@ def _layout(tp, dp: int) -> str:
     return f"dp={dp} ep (tp={tp} per rank)" if dp > 1 else f"tp={tp}"
 
 
+def _dp_sides(local_dp: dict | None, local_role: str, peer_extra: dict) -> tuple[int, int]:
+    """(prefill DP ranks, decode DP ranks) of a link; 1: that side is not a DP group."""
+    mine, theirs = (int(local_dp["size"]) if local_dp else 1), dp_size(peer_extra)
+    return (mine, theirs) if local_role == "prefill" else (theirs, mine)
+
+
 def check_dp(local_tp: int, local_dp: dict | None, local_role: str, peer_extra: dict) -> None:
     """A pair's DP layouts. Every DP rank is a TP1 engine holding its own requests' whole KV (the
     MLA latent), so a DP side pairs with any layout the way one TP1 node would: a prefill rank
@@ -91,10 +97,9 @@ def check_dp(local_tp: int, local_dp: dict | None, local_role: str, peer_extra: 
     whose ranks are not tp=1 is refused, naming both layouts (HandshakeRefused)."""
     wire = peer_extra.get("shard") if isinstance(peer_extra, dict) else None
     peer_tp = wire.get("tp") if isinstance(wire, dict) else "?"
-    mine = int(local_dp["size"]) if local_dp else 1
-    theirs = dp_size(peer_extra)
-    pre, dec = ((mine, local_tp), (theirs, peer_tp)) if local_role == "prefill" else ((theirs, peer_tp),
-                                                                                    (mine, local_tp))
+    pre_dp, dec_dp = _dp_sides(local_dp, local_role, peer_extra)
+    pre_tp, dec_tp = (local_tp, peer_tp) if local_role == "prefill" else (peer_tp, local_tp)
+    pre, dec = (pre_dp, pre_tp), (dec_dp, dec_tp)
     for side, (dp, tp) in (("prefill", pre), ("decode", dec)):
         if dp > 1 and tp != 1:
             raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
@@ -150,8 +155,7 @@ def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict,
         raise HandshakeRefused(f"the peer's HELLO rank_nics must be a list of per-rank lists of NIC indices "
                                f"0..{MAX_NICS - 1}, got {wire!r:.200}")
     pre, dec = (local, wire) if local_role == "prefill" else (wire, local)
-    mine, theirs = (int(local_dp["size"]) if local_dp else 1), dp_size(peer_extra)
-    pre_dp, dec_dp = (mine, theirs) if local_role == "prefill" else (theirs, mine)
+    pre_dp, dec_dp = _dp_sides(local_dp, local_role, peer_extra)
 
     def nics(side: list, rank: int, dp: int) -> set[int]:
         ranks = range(dp) if dp > 1 else (rank,)

@@ -145,3 +145,26 @@ def test_a_prefill_rank_killed_mid_request(moe_models, retries):
         if not stopped:
             c.stop()
         prefill.close()
+
+
+def test_a_dp_sides_queue_pairs_cover_every_ranks_nics():
+    """verbs over several NICs: a request leaves from (or lands on) the NICs of the rank it was
+    placed on, so the QPs of a DP side cover every rank's NICs (the plan itself is TP1's one
+    pair); both sides derive the same pairs."""
+    from types import SimpleNamespace
+
+    from pdkv.disagg.sharded import link_pairs, plan_link
+    from pdkv.shard import KVGeometry, ShardSpec
+
+    latent = KVGeometry(1, 40, 4, "float32", "HND", True, 1)
+    pre, dec, dp2 = ShardSpec(1, latent, "prefill"), ShardSpec(1, latent, "decode"), {"size": 2, "ep": True}
+    pre_m, dec_m = SimpleNamespace(rank_nics=[[0], [1]]), SimpleNamespace(rank_nics=[[2], [3]])  # NIC placements
+    for dec_dp, dec_nics in ((None, [[2]]), (dp2, [[2], [3]])):
+        dec_m.rank_nics = dec_nics
+        pre_extra = {"shard": pre.to_wire(), "dp": dp2, "rank_nics": pre_m.rank_nics}
+        dec_extra = {"shard": dec.to_wire(), "rank_nics": dec_nics, **({"dp": dec_dp} if dec_dp else {})}
+        plan = plan_link(pre, "prefill", dec_extra, dp2)
+        on_prefill = link_pairs(plan, "prefill", pre_m, dec_extra, dp2)
+        on_decode = link_pairs(plan_link(dec, "decode", pre_extra, dec_dp), "decode", dec_m, pre_extra, dec_dp)
+        want = {(p, d) for p in (0, 1) for d in sum(dec_nics, [])} | {(0, 0)}
+        assert set(on_prefill) == want and set(on_decode) == {(d, p) for p, d in want}
