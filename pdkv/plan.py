@@ -293,7 +293,9 @@ def plan_request(dep: Deployment, prompt_len: int, topo=None, request_id: str = 
         "nic_bytes": {"prefill": dict(nic_tx), "decode": dict(nic_rx)},
         "expected_immediates": expected_writes(plan, pages, L),
         "expected_writes_per_decode_rank": [plan.expected_writes(r, pages, L) for r in range(d.tp)],
-        "prefill_rank_share": {str(r): share[r] / total_share for r in range(p.tp)},
+        # a DP prefill group: each request is sent by the rank it was placed on (by load: evenly)
+        "prefill_rank_share": ({str(r): share[r] / total_share for r in range(p.tp)} if p.dp == 1
+                               else {str(r): 1 / p.dp for r in range(p.dp)}),
         "weight_bytes_per_rank": weights, "memory": memory, "dp_vs_tp": dp_vs_tp,
     }
 
@@ -308,10 +310,12 @@ def render(r: dict) -> str:
     if d.get("dp", 1) > 1:
         dp = (f" DP{d['dp']}-EP: {d['dp']} ranks, each its own requests and latent cache, 1/{d['dp']} of the routed "
               "experts (all-to-all)")
+    pdp = (f" DP{p['dp']}-EP: {p['dp']} ranks, each computing and sending its own requests"
+           if p.get("dp", 1) > 1 else "")
     lines = [
         f"deployment {r['deployment']}: {r['architecture']}, {r['num_layers']} layers, {r['dtype']}, "
         f"page {r['page_size']} tokens, {r['layout']}",
-        f"  prefill: {p['nodes']} node(s), TP{p['tp']}    decode: {d['nodes']} node(s), TP{d['tp']}{dp}",
+        f"  prefill: {p['nodes']} node(s), TP{p['tp']}{pdp}    decode: {d['nodes']} node(s), TP{d['tp']}{dp}",
         f"  cache: {r['cache']}, {r['values_per_token_per_layer']} values/token/layer"
         + (", replicated on every rank" if r["replicated"] else ""),
         f"  KV bytes per token: {r['kv_bytes_per_token']:,}",

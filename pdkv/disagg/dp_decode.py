@@ -9,8 +9,9 @@ the request.
   fails it with the 503 the TP path gives);
 - ``reserved``: the rank admitted the request and pinned its uncached pages: a hidden-state row
   (the front's, none free: a 503), the prefill peer, and the coordinator's ``send_prefill`` with
-  the rank (``RemoteAsk.dp_rank``): the grants are made on that rank's KV region alone and
-  PREFILL names the rank and carries those ranges' keys;
+  the rank (``RemoteAsk.dp_rank``) and the request's priority (the prefill node's order, as
+  DecodeConnector sends it): the grants are made on that rank's KV region alone and PREFILL
+  names the rank and carries those ranges' keys;
 - ``finished``: a client that left while its KV may still arrive: the transfer is cancelled and
   its pages released once no write can land (as DecodeConnector.finished).
 """
@@ -34,7 +35,8 @@ class DPDecodeConnector:
         c.metrics.decided(where)
         return False
 
-    def reserved(self, rid: str, rank: int, prompt: list[int], cached: int, pages: list[int]) -> None:
+    def reserved(self, rid: str, rank: int, prompt: list[int], cached: int, pages: list[int],
+                 priority: int = 0) -> None:
         c = self.coordinator
         row = c.rows.take()
         if row is None:  # every row is in flight: bounded like any remote request's resources
@@ -45,8 +47,11 @@ class DPDecodeConnector:
         tokens = list(prompt[:-1])
         c.metrics.decided(Where.REMOTE)
         c.post(c.send_prefill, rid, tokens, pages, row, c.chooser.pick(tokens), cached,
-               RemoteAsk(dp_rank=rank))
+               RemoteAsk(priority=priority, dp_rank=rank))
 
     def finished(self, rid: str, reason: str) -> None:
         if reason == "abort":
             self.coordinator.post(self.coordinator.client_aborted, rid)
+
+    def group_failed(self, error) -> None:
+        pass  # its final "error" outputs end the requests, as any failed request ends

@@ -96,10 +96,11 @@ class PrefillPeers:
         try:
             # HandshakeRefused naming both TP degrees if the shard planner cannot serve the pair
             # a DP group's layout (a staging ring is never one's)
-            plan = plan_link(self.kv.spec, "decode", ch.peer.extra, getattr(self.kv, "dp", None))
+            dp = getattr(self.kv, "dp", None)
+            plan = plan_link(self.kv.spec, "decode", ch.peer.extra, dp)
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "decode", self.m,
-                                                                                    ch.peer.extra),
+                                                                                    ch.peer.extra, dp),
                                         data_key=ch.data_key if self.mcfg.tls_data else None,
                                         same_host=P.same_host(self.hello, ch.peer))
             # the region keys name the regions; a peer may write nothing yet: each PREFILL grants its

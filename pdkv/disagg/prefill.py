@@ -28,6 +28,7 @@ from pdkv.control import ControlError
 from pdkv.disagg.ratelog import RateLimitedLog
 from pdkv.disagg import messages as M
 from pdkv.disagg import protocol as P
+from pdkv.disagg.dp_prefill import DPPrefillConnector
 from pdkv.disagg.jobs import DuplicateJob, Job, JobEnd, JobTable
 from pdkv.disagg.kv_share import KVShare, handoff
 from pdkv.disagg.load import PrefillLoad, measure_load
@@ -64,12 +65,15 @@ class PrefillCoordinator(LoopEvents):
                                     self._copy_ended, metrics) if self.mode.staged else None)
         # disagg.kv_handoff share: KV computed into the decode node's pages (pdkv/disagg/kv_share.py)
         self.share = (KVShare(messenger, self.kv, engine.kv.page_size, cfg.disagg.kv_handoff == "share")
-                      if handoff(cfg) == "share" else None)
+                      if handoff(cfg) == "share" and mem.kv.dp is None else None)
         self.connector = PrefillConnector(self.jobs, messenger, self.kv, self.counter, self.watch, self.staging,
                                           mem.staging_keys, self.mcfg.layerwise,
                                           engine.kv.page_size, metrics,
                                           staged=self.staged, spec=self.spec, share=self.share)
-        engine.set_connector(self.connector)
+        # a DP group's front hands each rank's chunks to the connector (pdkv/disagg/dp_prefill.py)
+        engine.set_connector(self.connector if mem.kv.dp is None
+                             else DPPrefillConnector(self.connector, messenger, engine))
+        self._broken = False  # the engine can run no further step (a DP group lost a rank)
         self._engine_stats = engine_stats
         # the engine's last stats (engine thread after each step), for the load report; before its
         # first step the engine thread is not running yet, so reading them here is safe
@@ -81,7 +85,7 @@ class PrefillCoordinator(LoopEvents):
         self.listener = DecodeLinks(self.mcfg, messenger, self.kv.spec, self.hidden_nbytes, self.spec is not None,
                                     secret, lambda link, msg: self._on_message(link, msg),
                                     lambda link, reason: self._peer_dead(link, reason),
-                                    lambda link: self.load_report(link))  # looked up per call
+                                    lambda link: self.load_report(link), kv_dp=self.kv.dp)  # looked up per call
         self.links = self.listener.links  # the decode nodes connected now
         self._rlog = RateLimitedLog(log)
 
@@ -169,6 +173,10 @@ class PrefillCoordinator(LoopEvents):
                                link.channel.peer.node_id, e)
             self._send(link, M.Fail(M.Prefill.request_id(msg), f"malformed PREFILL: {e}", 0).to_wire())
             return
+        if p.prompt_logprobs is not None and self.kv.dp is not None:  # a rank would need the last token
+            self._send(link, M.Fail(p.req, "prompt logprobs (echo with logprobs) are not computed by a prefill "
+                                           "DP-EP group (parallel.dp)", 0).to_wire())
+            return
         job = Job(f"{link.channel.peer.node_id:x}:{p.req}", p.req, link, list(p.tokens),
                   np.asarray(p.pages, dtype=np.int64), p.imm, p.hidden_off, next(self._tags), time.perf_counter(),
                   p.seed, skip=p.cached // self.engine.kv.page_size, dst_keys=p.dst_keys)
@@ -241,6 +249,17 @@ class PrefillCoordinator(LoopEvents):
         if job is not None:
             self._finished(job)
 
+    def _engine_broken(self, reason: str) -> None:
+        """The engine can run no further step (a DP group lost a rank; its jobs have failed):
+        this node takes no more decode nodes and drops the ones it has, so each gives its
+        requests in transfer to another prefill node or computes them itself
+        (disagg.prefill_retries, disagg.local_fallback) instead of waiting for them here."""
+        log.error("prefill: the engine failed (%s): dropping %d decode node(s), taking no more", reason,
+                  len(self.links))
+        self.listener.close()
+        for link in list(self.links):
+            self._peer_dead(link, f"the prefill node's engine failed: {reason}")
+
     def _send_prompt_logprobs(self, key: str, logprobs: list) -> None:
         job = self.jobs.get(key)
         if job is not None and job.prompt_logprobs is not None and len(logprobs) == len(job.tokens):
@@ -279,6 +298,10 @@ class PrefillCoordinator(LoopEvents):
         # the hidden-state write releases the GIL, and in a process shared with other Python
         # threads getting it back can take milliseconds, which would hide transfer time.
         t_end = self.connector.t_forward_end or time.time()
+        if not self._broken and not getattr(self.engine, "healthy", True):
+            # before the failed jobs' FAILs: the links go first, so the decode nodes retry them
+            self._broken = True
+            self._post(self._engine_broken, str(self.engine.error))
         for out in outputs:
             if out.finish_reason == "prefilled":
                 if out.prompt_logprobs is not None:  # before DONE_AT, which waits for the writes

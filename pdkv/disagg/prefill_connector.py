@@ -94,6 +94,12 @@ class PrefillConnector(KVConnector):
         base = self._issued
         # after-forward mode: one extra bump when the forward returned (see writes.py)
         self._step_end = base + self.src.num_layers + (0 if self.layerwise else 1)
+        self.queue_writes(batch, base, self.watch, self.kv.nic_keys)
+
+    def queue_writes(self, batch: ForwardBatch, base: int, watch: int, lkeys) -> None:
+        """Each prefill chunk's complete pages, queued on the counter ``watch`` from ``base`` (the
+        bumps issued before the forward), read from the regions ``lkeys`` (by prefill rank). A
+        DP group's front calls it for each rank's forward, with that rank's counter and pool."""
         for e in batch.entries:
             job = self.jobs.get(e.request_id)
             if job is None or not e.prefill_only:
@@ -126,8 +132,8 @@ class PrefillConnector(KVConnector):
             n = count_batches(link.plan, job.seed, self.src.num_layers, rkeys, chunk.dst_pages)
             self.jobs.queued(job, n)
             try:
-                _, writes = queue_chunk(self.m, watch=self.watch, base=base, layerwise=self.layerwise,
-                                        conn=link.conn, lkeys=self.kv.nic_keys, rkeys=rkeys,
+                _, writes = queue_chunk(self.m, watch=watch, base=base, layerwise=self.layerwise,
+                                        conn=link.conn, lkeys=lkeys, rkeys=rkeys,
                                         src=self.src, dst=link.dst, plan=link.plan, seed=job.seed,
                                         src_pages=chunk.src_pages, dst_pages=chunk.dst_pages, imm=job.imm,
                                         tag=job.tag)
@@ -161,16 +167,26 @@ class PrefillConnector(KVConnector):
         # the proposer (MTP layer, draft model) over the chunks, its pages queued like more
         # layers; for mtp o_{n-2} of each last chunk
         mtp_last = self.spec.after_forward(batch, hidden, self.jobs, self._issued) if self.spec is not None else {}
-        H = hidden.shape[-1]
-        for e in batch.entries:
-            if not e.prefill_only or not e.is_last_chunk:
+        self.send_hidden((e.request_id, hidden[e.row + e.num_tokens - 1], mtp_last.get(e.request_id))
+                         for e in last_chunks(batch))
+
+    def send_hidden(self, rows) -> None:
+        """Each ``(request id, its prompt's last hidden row [H], o_{n-2} [H] or None)`` to its
+        decode slot, from the job's staging row (a DP group's front takes the row here: the
+        rank that computed the prompt has none of the front's rows)."""
+        for rid, h, mtp in rows:
+            job = self.jobs.get(rid)
+            if job is None or job.link.dead:
                 continue
-            job = self.jobs.get(e.request_id)
-            if job is None or job.link.dead or job.staging is None:
-                continue
-            self.staging.buffer[job.staging, :H].copy_(hidden[e.row + e.num_tokens - 1])
-            if e.request_id in mtp_last:  # the row is [h_{n-2} ; o_{n-2}] with the MTP hand-off
-                self.staging.buffer[job.staging, H:].copy_(mtp_last[e.request_id])
+            if job.staging is None:
+                job.staging = self.staging.take()
+                if job.staging is None:
+                    job.write_failed("every hidden-state staging row of this prefill node is in use")
+                    continue
+            H = h.shape[-1]
+            self.staging.buffer[job.staging, :H].copy_(h)
+            if mtp is not None:  # the row is [h_{n-2} ; o_{n-2}] with the MTP hand-off
+                self.staging.buffer[job.staging, H:].copy_(mtp)
             nbytes = self.staging.row_nbytes
             self.jobs.queued(job, 1)
             hidden_rkey = job.link.hidden_rkey if job.dst_keys is None else job.dst_keys.hidden
@@ -183,3 +199,8 @@ class PrefillConnector(KVConnector):
                 job.write_failed(f"hidden-state write failed: {e}")
                 continue
             job.num_writes += 1
+
+
+def last_chunks(batch: ForwardBatch):
+    """The entries of ``batch`` that end a prefill-only prompt (its hidden row goes out)."""
+    return (e for e in batch.entries if e.prefill_only and e.is_last_chunk)

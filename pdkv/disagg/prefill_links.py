@@ -52,12 +52,13 @@ class Link:
 
 class DecodeLinks:
     def __init__(self, mcfg, messenger, kv_spec, hidden_nbytes: int, handoff_on: bool, secret: bytes | None,
-                 on_message, on_dead, load_report):
+                 on_message, on_dead, load_report, kv_dp: dict | None = None):
         """``on_message(link, msg)``, ``on_dead(link, reason)``: the coordinator's (event loop);
         ``load_report(link)``: what each heartbeat carries; ``handoff_on``: this node streams a
-        speculative hand-off (CONNECT then carries the proposer's region)."""
+        speculative hand-off (CONNECT then carries the proposer's region); ``kv_dp``: this
+        node's DP layout (pdkv/disagg/sharded.py dp_layout; None: not a DP group)."""
         self.mcfg, self.m, self.kv_spec, self.hidden_nbytes = mcfg, messenger, kv_spec, hidden_nbytes
-        self.handoff_on, self.secret = handoff_on, secret
+        self.handoff_on, self.secret, self.kv_dp = handoff_on, secret, kv_dp
         self._on_message, self._on_dead, self._load_report = on_message, on_dead, load_report
         self.links: list[Link] = []
         self.draining = False  # said on every link made from now on (pdkv/disagg/messages.py Draining)
@@ -125,7 +126,7 @@ class DecodeLinks:
                 await ch.send(M.Refuse(f"prefill node is full: {refused}", busy=True).to_wire())
                 raise ControlError(refused)
             try:
-                plan = plan_link(self.kv_spec, "prefill", ch.peer.extra)
+                plan = plan_link(self.kv_spec, "prefill", ch.peer.extra, self.kv_dp)
             except ControlError as e:  # HandshakeRefused: the shard planner cannot serve the pair
                 await ch.send(M.Refuse(str(e)).to_wire())
                 raise
@@ -143,7 +144,7 @@ class DecodeLinks:
             # QPs only for the (NIC, peer NIC) pairs the plan's writes can use (None: every pair)
             # messenger.tls_data: the data streams sealed with the session's key (HELLO agreed on it)
             conn, info = self.m.prepare(ch.peer.node_id, ch.token, pairs=link_pairs(plan, "prefill", self.m,
-                                                                                    ch.peer.extra),
+                                                                                    ch.peer.extra, self.kv_dp),
                                         data_key=ch.data_key if self.mcfg.tls_data else None,
                                         same_host=P.same_host(self._hello, ch.peer))
             try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from pdkv.disagg import protocol as P
+from pdkv.config import ConfigError
 from pdkv.disagg.rows import StagingRows
 from pdkv.disagg.sharded import NodeKV
 from pdkv.disagg.spec_handoff import PrefillHandoff, handoff_proposer, row_parts
@@ -38,6 +39,10 @@ class PrefillMemory:
         self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
         # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
         self.handoff = P.spec_handoff(cfg.speculative, engine)
+        if self.kv.dp is not None and (self.mode.staged or cfg.disagg.kv_handoff == "share" or self.handoff):
+            raise ConfigError(f"{cfg.source}: a prefill DP-EP group (parallel.dp={cfg.parallel.dp}) writes "
+                              "pages straight from its ranks' pools: no staging ring (messenger.staging), "
+                              "no shared hand-off (disagg.kv_handoff) and no speculative hand-off")
         hidden = int(engine.loaded.arch.hidden_size)
         self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes

@@ -83,23 +83,27 @@ def _layout(tp, dp: int) -> str:
     return f"dp={dp} ep (tp={tp} per rank)" if dp > 1 else f"tp={tp}"
 
 
+def _dp_sides(local_dp: dict | None, local_role: str, peer_extra: dict) -> tuple[int, int]:
+    """(prefill DP ranks, decode DP ranks) of a link; 1: that side is not a DP group."""
+    mine, theirs = (int(local_dp["size"]) if local_dp else 1), dp_size(peer_extra)
+    return (mine, theirs) if local_role == "prefill" else (theirs, mine)
+
+
 def check_dp(local_tp: int, local_dp: dict | None, local_role: str, peer_extra: dict) -> None:
-    """A pair's DP layouts: a decode DP-EP group takes KV from a prefill TP group of any degree
-    (each rank is a TP1 engine: every prefill rank holds the whole latent); a prefill DP-EP group
-    is not built. HandshakeRefused naming both layouts."""
+    """A pair's DP layouts. Every DP rank is a TP1 engine holding its own requests' whole KV (the
+    MLA latent), so a DP side pairs with any layout the way one TP1 node would: a prefill rank
+    writes the pages of the requests placed on it (the plan's prefill rank 0, from its own
+    pool), a decode rank takes those of the requests it decodes (PREFILL names it). A DP side
+    whose ranks are not tp=1 is refused, naming both layouts (HandshakeRefused)."""
     wire = peer_extra.get("shard") if isinstance(peer_extra, dict) else None
     peer_tp = wire.get("tp") if isinstance(wire, dict) else "?"
-    mine = int(local_dp["size"]) if local_dp else 1
-    theirs = dp_size(peer_extra)
-    pre, dec = ((mine, local_tp), (theirs, peer_tp)) if local_role == "prefill" else ((theirs, peer_tp),
-                                                                                    (mine, local_tp))
-    if pre[0] > 1:
-        raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
-                               f"{_layout(dec[1], dec[0])}: a prefill DP-EP group is not supported (prefill with "
-                               "a TP group; its replicated latent goes to the decode rank's pool)")
-    if dec[0] > 1 and dec[1] != 1:
-        raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
-                               f"{_layout(dec[1], dec[0])}: a decode DP rank must be tp=1")
+    pre_dp, dec_dp = _dp_sides(local_dp, local_role, peer_extra)
+    pre_tp, dec_tp = (local_tp, peer_tp) if local_role == "prefill" else (peer_tp, local_tp)
+    pre, dec = (pre_dp, pre_tp), (dec_dp, dec_tp)
+    for side, (dp, tp) in (("prefill", pre), ("decode", dec)):
+        if dp > 1 and tp != 1:
+            raise HandshakeRefused(f"cannot transfer KV from prefill {_layout(pre[1], pre[0])} to decode "
+                                   f"{_layout(dec[1], dec[0])}: a {side} DP rank must be tp=1")
 
 
 def plan_link(local: ShardSpec, local_role: str, peer_extra: dict, local_dp: dict | None = None) -> ShardPlan:
@@ -131,12 +135,15 @@ def hello_rank_nics(messenger) -> dict:
     return {"rank_nics": [list(r) for r in per_rank]} if per_rank else {}
 
 
-def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict) -> list[tuple[int, int]] | None:
+def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict,
+               local_dp: dict | None = None) -> list[tuple[int, int]] | None:
     """The (local NIC, peer NIC) index pairs this link's writes can use: for every pair of
     ranks (p, d) the plan may use (any seed), each NIC of prefill rank p x each NIC of decode
     rank d (the seed picks one of each), and (0, 0) (keys named as registered: NIC 0 is rank 0's
-    first). None (QPs for every pair) when either side has no rank placement (tcp, a single
-    path). HandshakeRefused when the peer's ``rank_nics`` is malformed."""
+    first). A DP side (``local_dp``, the peer's HELLO dp) is the plan's rank 0 on each of its
+    ranks' NICs: a request leaves from (or lands on) the NICs of the rank it was placed on.
+    None (QPs for every pair) when either side has no rank placement (tcp, a single path).
+    HandshakeRefused when the peer's ``rank_nics`` is malformed."""
     local = getattr(messenger, "rank_nics", ()) or ()
     wire = peer_extra.get("rank_nics") if isinstance(peer_extra, dict) else None
     if not local or wire is None:
@@ -148,9 +155,14 @@ def link_pairs(plan: ShardPlan, local_role: str, messenger, peer_extra: dict) ->
         raise HandshakeRefused(f"the peer's HELLO rank_nics must be a list of per-rank lists of NIC indices "
                                f"0..{MAX_NICS - 1}, got {wire!r:.200}")
     pre, dec = (local, wire) if local_role == "prefill" else (wire, local)
+    pre_dp, dec_dp = _dp_sides(local_dp, local_role, peer_extra)
+
+    def nics(side: list, rank: int, dp: int) -> set[int]:
+        ranks = range(dp) if dp > 1 else (rank,)
+        return {n for r in ranks for n in side[r % len(side)]}
     used = {(0, 0)}
     for p, d in {(pp.prefill_rank, pp.decode_rank) for pp in plan.pairs} | {(0, 0)}:  # + the hidden row
-        used |= {(i, j) for i in pre[p % len(pre)] for j in dec[d % len(dec)]}
+        used |= {(i, j) for i in nics(pre, p, pre_dp) for j in nics(dec, d, dec_dp)}
     return sorted(used if local_role == "prefill" else {(j, i) for i, j in used})
 
 

@@ -25,6 +25,7 @@ import datetime
 import itertools
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -74,9 +75,10 @@ def _shutdown(procs: list, chans: list, broken: dict) -> None:
 class DPGroup:
     def __init__(self, model: ModelConfig, kv_cache: KVCacheConfig, scheduler: SchedulerConfig,
                  parallel: ParallelConfig, num_threads: int | None = None, balance_tokens: int = 2048,
-                 shared_kv: bool = False):
-        """``shared_kv``: the group is a disaggregated decode node's engine: every rank's KV pool
-        is mapped here too (``dp_regions``, pdkv/dp/remote.py) for the node's messenger."""
+                 shared_kv: bool = False, role: str = "colocated"):
+        """``shared_kv``: the group is a disaggregated node's engine (``role`` decode or prefill):
+        every rank's KV pool is mapped here too (``dp_regions``, pdkv/dp/remote.py) for the
+        node's messenger."""
         import torch.distributed as dist  # noqa: PLC0415
 
         validate_parallel(parallel, model.path)
@@ -88,6 +90,7 @@ class DPGroup:
             config_json = Path(model.path) / "config.json"
             check_dp_model(parallel, read_json(config_json), str(config_json))
         self.size = n = parallel.dp
+        self.role = role
         self.timeout_s, self.startup_timeout_s = parallel.timeout_s, parallel.startup_timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = num_threads or max(1, cores // n)  # the ranks share this host's cores
@@ -121,7 +124,7 @@ class DPGroup:
                 self.chans.append(Channel(mine))
             init = {"size": n, "host": "127.0.0.1", "port": self._store.port, "timeout_s": self.timeout_s,
                     "startup_timeout_s": self.startup_timeout_s, "model": model, "kv_cache": kv_cache,
-                    "scheduler": scheduler, "num_threads": threads, "shared_kv": shared_kv}
+                    "scheduler": scheduler, "num_threads": threads, "shared_kv": shared_kv, "role": role}
             for r, ch in enumerate(self.chans):
                 ch.send("init", {**init, "rank": r, "cpus": cpu_sets[r]})
             self.pids = self._wait_all("hello", self.startup_timeout_s)
@@ -267,6 +270,8 @@ class DPGroup:
                                        remote))
         if remote:
             self._tokens[request_id] = list(ids)
+        if self.role == "prefill":  # every page it computes is read by the front's writes until release
+            self._remote[request_id] = rank
         self._dirty = True
         self.placer.placed(ids, rank)
         self.rank_of[request_id] = rank
@@ -281,9 +286,9 @@ class DPGroup:
 
     def _reserved(self, rank: int, reserved) -> None:
         """Rank ``rank`` reserved these requests' pages for remote KV: their PREFILLs go out."""
-        for rid, cached, pages in reserved:
+        for rid, cached, pages, priority in reserved:
             self._remote[rid] = rank
-            self.connector.reserved(rid, rank, self._tokens.pop(rid), cached, pages)
+            self.connector.reserved(rid, rank, self._tokens.pop(rid), cached, pages, priority)
 
     def abort(self, request_id: str, quarantine: bool = False, reason: str = "abort") -> None:
         """As LLMEngine.abort, on the request's rank (its final output comes from the next step)."""
@@ -414,14 +419,13 @@ class DPGroup:
                 sent.append(r)
             except ChannelClosed:
                 failure = failure or self._probe(r)
-        deadline = time.monotonic() + self.timeout_s + self.step_grace_s
+        replies = self._step_replies(sent, time.monotonic() + self.timeout_s + self.step_grace_s)
         for r in sent:
-            try:
-                k, rep = self._recv(r, deadline, "step")
-            except DPRankError as e:
-                failure = failure or e
+            if isinstance(replies[r], DPRankError):
+                failure = failure or replies[r]
                 silent.append(r)
                 continue
+            k, rep = replies[r]
             if k != "ok":
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r} failed a step: {rep}"))
                 continue
@@ -451,8 +455,36 @@ class DPGroup:
                 self._last[o.request_id] = o
         if failure is not None:
             self._diagnose(silent)
+            if self.connector is not None:
+                self.connector.group_failed(self.error)
             outputs += self._fail_all()
         return outputs
+
+    def _step_replies(self, sent: list[int], deadline: float) -> dict:
+        """Each rank's reply to "step" (or the DPRankError it ended with), read from whichever
+        rank is ready first: the notes a rank sends its front's connector during the step (a
+        prefill group's chunks, pdkv/dp/remote.py) are handed over as they come, while the other
+        ranks still compute."""
+        out: dict = {}
+        left = list(sent)
+        while left:
+            wait = max(0.0, min(0.2, deadline - time.monotonic()))
+            ready, _, _ = select.select([self.chans[r].sock for r in left], [], [], wait)
+            due = [r for r in left if self.chans[r].sock in ready] or (left if wait == 0.0 else [])
+            for r in left:
+                try:
+                    if r in due:
+                        k, payload = self._recv(r, deadline, "step")
+                        if k == "note":
+                            self.connector.note(r, payload)
+                            continue
+                        out[r] = (k, payload)
+                    else:
+                        self._alive(r)
+                except DPRankError as e:
+                    out[r] = e
+            left = [r for r in left if r not in out]
+        return out
 
     def _diagnose(self, silent: list[int]) -> None:
         """After a failed step: a rank that exited, or else one that never answered, is the cause
@@ -546,17 +578,15 @@ class DPGroup:
 
     @classmethod
     def from_config(cls, cfg) -> DPGroup:
-        """The group of a pdkv.config.Config (role colocated; its model, kv_cache, scheduler and
+        """The group of a pdkv.config.Config (any role; its model, kv_cache, scheduler and
         parallel sections: the scheduler and cache are each rank's)."""
-        if cfg.role == "prefill":
-            raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} with role prefill: a prefill DP-EP "
-                             "group is not implemented; prefill with a TP group (parallel.tp) into a decode "
-                             "DP-EP group")
-        if cfg.role == "decode" and cfg.speculative is not None and cfg.speculative.method in ("mtp", "draft"):
+        method = cfg.speculative.method if cfg.speculative is not None else None
+        if cfg.role != "colocated" and method in ("mtp", "draft"):
             raise ValueError(f"{cfg.source}: parallel.dp={cfg.parallel.dp} with speculative.method "
-                             f"{cfg.speculative.method}: the speculative hand-off to a decode DP-EP group is "
+                             f"{cfg.speculative.method}: the speculative hand-off with a DP-EP group is "
                              "not implemented")
-        return cls(cfg.model, cfg.kv_cache, cfg.scheduler, cfg.parallel, shared_kv=cfg.role == "decode")
+        return cls(cfg.model, cfg.kv_cache, cfg.scheduler, cfg.parallel, shared_kv=cfg.role != "colocated",
+                   role=cfg.role)
 
     def close(self) -> None:
         """Stops every rank (kills them if the group is broken: they may sit in a collective)."""

@@ -6,7 +6,8 @@ Control messages (pdkv/tp/channel.py framing), front → rank:
   ("init", dict) ("add", (request_id, prompt, params, arrival, priority, remote)) ("abort", ...)
   ("step", None) ("load", None) ("record", bool) ("stop", None); on a disaggregated decode group
   (pdkv/dp/remote.py) also ("pool_mapped", None) ("kv_ready", (request_id, prompt_logprobs))
-  ("release", request_id)
+  ("release", request_id); a disaggregated prefill group's rank sends ("note", RankChunks |
+  RankHidden) during a step, before its reply
 and each answered, rank → front, by ("ok", payload) or ("err", exception); first ("hello", pid)
 and ("ready", info) or ("error", traceback text).
 
@@ -101,17 +102,20 @@ def serve(ch) -> None:
         from pdkv.dp.remote import RankRemoteConnector, shared_kv_buffer  # noqa: PLC0415
 
         if device.type != "cpu":
-            raise RuntimeError(f"a disaggregated decode group maps its ranks' KV pools in shared memory, "
+            raise RuntimeError(f"a disaggregated DP group maps its ranks' KV pools in shared memory, "
                                f"CPU only: model.device {model.device} would need the ranks' cuMem "
                                "exported to the front (not implemented)")
         kw["kv_buffer"] = shared_kv_buffer(pool)
     engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group, **kw)
     remote = None
     if pool:
-        from pdkv.dp.remote import pool_info  # noqa: PLC0415
+        from pdkv.dp.remote import RankPrefillConnector, pool_info  # noqa: PLC0415
 
-        remote = RankRemoteConnector(engine.kv.page_size)
-        engine.set_connector(remote)
+        if init.get("role") == "prefill":  # every request prefill-only: the front sends its pages
+            engine.set_connector(RankPrefillConnector(ch, pool, engine.kv.num_layers))
+        else:
+            remote = RankRemoteConnector(engine.kv.page_size)
+            engine.set_connector(remote)
     ch.send("ready", {"pid": os.getpid(), "load": load_info(engine), "max_model_len": engine.max_model_len,
                       "stats": engine.stats(), "vocab_size": engine.vocab_size,
                       "eos": list(engine.tokenizer.eos_token_ids), "cpus": sorted(os.sched_getaffinity(0)),

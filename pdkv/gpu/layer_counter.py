@@ -109,8 +109,10 @@ class CpuLayerCounter:
     bump_kind = BumpKind.CPU_ATOMIC
     bump_fallback_reason = None
 
-    def __init__(self):
-        self._cell = ctypes.c_int64(0)
+    def __init__(self, address: int | None = None):
+        """``address``: an int64 in memory another process maps too (a data-parallel prefill
+        rank's counter, which the group's front watches: pdkv/dp/remote.py); None: its own."""
+        self._cell = ctypes.c_int64(0) if address is None else ctypes.c_int64.from_address(address)
         self.host_address = ctypes.addressof(self._cell)
         self._add = _atomic_add()
         if self._add is None and platform.machine() not in ("x86_64", "AMD64", "i686"):

@@ -72,6 +72,18 @@ def pools_back(group: DPGroup) -> bool:
     return all(r["free_pages"] == r["total_pages"] and r["held_pages"] == 0 and r["requests"] == 0 for r in ranks)
 
 
+def match_kv(cache, pages, kv_refs) -> list[int]:
+    """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
+    import torch  # noqa: PLC0415
+
+    out = []
+    for i, ref in enumerate(kv_refs):
+        n = ref[0].shape[1]
+        if -(-n // 4) == len(pages) and all(torch.equal(a, b) for a, b in zip(read_kv(cache, pages, n), ref)):
+            out.append(i)
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(moe_models):
     """Greedy tokens and each prompt's KV (the first n-1 positions) from a colocated TP1 engine."""

@@ -12,18 +12,11 @@ import time
 
 import pytest
 import torch
-from _dp_disagg import DP, MAX_TOKENS, PROMPTS, complete, dp_group, pools_back, together, reference  # noqa: F401
+from _dp_disagg import (DP, MAX_TOKENS, PROMPTS, complete, dp_group, pools_back,  # noqa: F401
+                        reference, together)
+from _dp_disagg import match_kv as _match
 
-from _cluster import Cluster, colocated_tokens, node_config, read_kv, wait_for
-
-def _match(cache, pages, kv_refs) -> list[int]:
-    """The reference prompts whose KV the pool ``cache`` holds in ``pages``, bit for bit."""
-    out = []
-    for i, ref in enumerate(kv_refs):
-        n = ref[0].shape[1]
-        if -(-n // 4) == len(pages) and all(torch.equal(a, b) for a, b in zip(read_kv(cache, pages, n), ref)):
-            out.append(i)
-    return out
+from _cluster import Cluster, colocated_tokens, node_config, wait_for
 
 
 def test_tp1_prefill_into_dp2_decode_over_tcp(moe_models, reference):
@@ -104,7 +97,8 @@ def test_remote_kv_timing_out_on_one_rank_fails_that_request_only(moe_models, re
 def test_handshake_carries_the_dp_layout_and_refuses_a_pair_it_cannot_serve():
     """HELLO's extra.dp: a decode DP2-EP group pairs with a prefill TP group of any degree (each
     side plans TPn -> TP1, the latent replicated) and CONNECT then carries one key per DP rank; a
-    prefill DP-EP group, or a malformed layout, is refused naming both sides' layouts."""
+    prefill DP2-EP group pairs as a TP1 node would, with a decode DP group or a TP node; a DP side
+    whose ranks are not tp=1, or a malformed layout, is refused naming both sides' layouts."""
     from pdkv.control import HandshakeRefused
     from pdkv.disagg.sharded import check_keys, plan_link
     from pdkv.shard import KVGeometry, ShardSpec
@@ -119,16 +113,18 @@ def test_handshake_carries_the_dp_layout_and_refuses_a_pair_it_cannot_serve():
         assert check_keys(on_prefill, [11, 12], dp=2) == [11, 12]
         with pytest.raises(HandshakeRefused, match="expected 2 integer key"):
             check_keys(on_prefill, [11], dp=2)
+    pre = ShardSpec(1, latent, "prefill")
+    for dec_dp in (dp2, None):  # prefill DP2 -> decode DP2, prefill DP2 -> decode TP1
+        on_decode = plan_link(dec, "decode", {"shard": pre.to_wire(), "dp": dp2}, dec_dp)
+        peer = {"shard": dec.to_wire(), **({"dp": dec_dp} if dec_dp else {})}
+        on_prefill = plan_link(pre, "prefill", peer, dp2)
+        assert [(p.prefill_rank, p.decode_rank) for p in on_prefill.pairs] == [(0, 0)]
+        assert (on_decode.prefill.tp, on_decode.decode.tp) == (1, 1)
+    with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=2 per rank\) to decode dp=2 ep "
+                                               r"\(tp=1 per rank\): a prefill DP rank must be tp=1"):
+        plan_link(dec, "decode", {"shard": ShardSpec(2, latent, "prefill").to_wire(), "dp": dp2}, dp2)
     with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=1 per rank\) to decode dp=2 ep "
-                                               r"\(tp=1 per rank\): a prefill DP-EP group is not supported"):
-        plan_link(dec, "decode", {"shard": ShardSpec(1, latent, "prefill").to_wire(), "dp": dp2}, dp2)
-    with pytest.raises(HandshakeRefused, match=r"from prefill dp=2 ep \(tp=1 per rank\) to decode tp=1"):
-        plan_link(ShardSpec(1, latent, "prefill"), "prefill", {"shard": dec.to_wire()}, dp2)
+                                               r"\(tp=2 per rank\): a decode DP rank must be tp=1"):
+        plan_link(pre, "prefill", {"shard": ShardSpec(2, latent, "decode").to_wire(), "dp": dp2}, dp2)
     with pytest.raises(HandshakeRefused, match="HELLO dp must be"):
         plan_link(ShardSpec(2, latent, "prefill"), "prefill", {"shard": dec.to_wire(), "dp": {"size": 0}})
-
-
-def test_a_prefill_dp_group_is_refused_by_name_before_any_rank_starts(moe_models):
-    cfg = node_config(moe_models["deepseek_v3"], "prefill", parallel__dp=2, parallel__ep=True)
-    with pytest.raises(ValueError, match="parallel.dp=2 with role prefill: a prefill DP-EP group is not implemented"):
-        dp_group(cfg)

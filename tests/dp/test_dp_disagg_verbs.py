@@ -1,6 +1,8 @@
-"""Disaggregated decode on a DP2-EP group over the loopback verbs device (both nodes `pdkv
-serve` children): a TP1 prefill node writes each request's latent into the one rank's pool the
-group placed it on (its ranges MRs of that rank's region alone); tokens equal colocated."""
+"""Disaggregated DP2-EP groups over the loopback verbs device (both nodes `pdkv serve` children):
+a TP1 prefill node, or a DP2-EP prefill group (each request computed on the rank its front
+placed it on, its pages written from that rank's pool), writes each request's latent into the
+one decode rank's pool the group placed it on (its ranges MRs of that rank's region alone);
+tokens equal colocated."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import threading
 import urllib.request
 
+import pytest
 from _dp_disagg import PROMPTS, complete, reference  # noqa: F401
 
 from _cluster import wait_for
@@ -20,17 +23,23 @@ def _load(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/load", timeout=10).read())
 
 
-def test_tp1_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loopback_verbs_dir):
+DP2 = {"dp": 2, "ep": True, "timeout_s": 30.0, "startup_timeout_s": 300.0}
+
+
+@pytest.mark.parametrize("prefill_dp", [False, True], ids=["tp1-prefill", "dp2-prefill"])
+def test_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loopback_verbs_dir, prefill_dp):
     """Both nodes as `pdkv serve` children on the loopback verbs device: each request's ranges are
     MRs of its rank's pool (granted on that region alone); tokens equal colocated, and /load
     counts each rank's landed requests where the group placed them."""
     want_tokens, _ = reference
     folder, env, cport = moe_models["deepseek_v3"], {"LD_LIBRARY_PATH": loopback_verbs_dir}, free_port()
-    pre = NodeProc(tmp_path, "prefill", node_dict(folder, "prefill", port=free_port(), control_port=cport,
-                                                  transport="verbs", nics=["lo_verbs0"]), env)
+    p = node_dict(folder, "prefill", port=free_port(), control_port=cport, transport="verbs", nics=["lo_verbs0"])
+    if prefill_dp:
+        p["parallel"] = DP2
+    pre = NodeProc(tmp_path, "prefill", p, env)
     d = node_dict(folder, "decode", port=free_port(), peers=[f"127.0.0.1:{cport}"], transport="verbs",
                   nics=["lo_verbs0"])
-    d["parallel"] = {"dp": 2, "ep": True, "timeout_s": 30.0, "startup_timeout_s": 300.0}
+    d["parallel"] = DP2
     dec = NodeProc(tmp_path, "decode", d, env)
     try:
         pre.wait_healthy(120)

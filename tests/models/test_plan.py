@@ -119,7 +119,8 @@ def test_text_report_and_bad_files(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("cfg", ["configs/deepseek-r1/prefill-tp8.yaml", "configs/deepseek-r1/decode-tp8.yaml",
-                                 "configs/deepseek-r1/decode-dp8.yaml", "configs/qwen3-coder/prefill-tp8.yaml",
+                                 "configs/deepseek-r1/decode-dp8.yaml", "configs/deepseek-r1/prefill-dp8.yaml",
+                                 "configs/qwen3-coder/prefill-tp8.yaml",
                                  "configs/qwen3-coder/decode-tp8.yaml"])
 def test_role_files_are_valid_configs(cfg, capsys):
     assert main(["config", "-c", str(ROOT / cfg)]) == 0
