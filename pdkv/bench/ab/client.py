@@ -174,3 +174,32 @@ def first_model(url: str) -> str:
 
     with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=5) as r:
         return json.loads(r.read())["data"][0]["id"]
+
+
+async def _closed_loop(url: str, bodies: Callable[[int], tuple[bytes, int]], concurrency: int, duration_s: float,
+                       timeout: float) -> list[RequestResult]:
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while time.perf_counter() - t0 < duration_s:
+                i = len(results)
+                body, n = bodies(i)
+                res = RequestResult(f"c{i:05d}", url, time.perf_counter() - t0)
+                results.append(res)
+                await _one(session, res, body, n, t0, timeout)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results
+
+
+def closed_loop(url: str, bodies: Callable[[int], tuple[bytes, int]], concurrency: int, duration_s: float,
+                timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+    """``concurrency`` streams, each sending its next request when its last one ended (AIPerf's
+    ``--concurrency``), until ``duration_s`` has passed; requests in flight then are waited for.
+    ``bodies(i)`` gives the i-th request's (body, max_tokens). Returns (results, client CPU seconds)."""
+    cpu0 = time.process_time()
+    results = asyncio.run(_closed_loop(url.rstrip("/"), bodies, concurrency, duration_s, timeout))
+    return results, time.process_time() - cpu0
