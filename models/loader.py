@@ -113,7 +113,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     ``tp`` (a models.parallel.TensorParallel): load only this rank's slice of every tensor and
     all-reduce the row-parallel outputs in the forward pass. ``ep`` (a pdkv.dp.ExpertGroup: data
     parallelism with expert parallelism): load every tensor whole but only this rank's routed
-    experts, and route the MoE blocks' tokens through its dispatcher. ``cpu_kernels`` (``model.cpu_kernels``):
+    experts, and route the MoE blocks' tokens through its dispatcher; both (tp x dp): this TP rank's
+    slice of its DP rank's experts, its lane's dispatcher (pdkv/dp/lane.py). ``cpu_kernels`` (``model.cpu_kernels``):
     on the CPU, run decode-sized GEMMs through pdkv's kernel (models/cpu_kernels.py) where this CPU
     has it; False: torch's GEMMs only (and torch's attention: the engine tells the backend)."""
     from safetensors import safe_open  # noqa: PLC0415
@@ -134,8 +135,10 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if tp is not None and tp.size > 1:
         from pdkv.models.parallel import TPLayout  # noqa: PLC0415
 
+        dp = ep.size if ep is not None else 1  # tp x dp: this TP group is one rank of a DP-EP group
         try:
-            layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False))
+            layout = TPLayout(tp.rank, tp.size, full_arch, getattr(tp, "expert_parallel", False), dp,
+                              ep.rank if dp > 1 else 0)
         except ValueError as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         arch = layout.local_arch()
@@ -232,7 +235,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         from pdkv.models.parallel import attach  # noqa: PLC0415
 
         attach(model, tp)
-    elif layout is not None:
+    if layout is not None and ep is not None and ep.size > 1:
         ep.attach(model)
     model.eval()
     scales = {i: (d.get("k", d.get("kv", 1.0)), d.get("v", d.get("kv", 1.0))) for i, d in kv_scales.items()}

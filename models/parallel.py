@@ -23,6 +23,9 @@ MoE and MLA (Qwen3-MoE, DeepSeek-V3; docs/TP.md says why):
   one all-reduce after the MLP is the dense one. The router is replicated: every rank sees the
   same all-reduced hidden state and picks the same experts. ``expert_parallel=True`` instead
   gives rank r whole experts [r * E/tp, (r + 1) * E/tp) (E must divide by tp).
+- Inside a data-parallel rank (``dp`` > 1, ``dp_rank``: tp x dp, pdkv/dp/lane.py): the routed
+  experts are first split whole across the DP ranks (``ExpertLayout``), and the DP rank's experts
+  are then sliced across its TP ranks as above; attention and shared experts split as without DP.
 - MLA: q_proj / q_b_proj rows and kv_b_proj rows split by head (each rank decompresses its own
   heads from the same latent), o_proj columns by head; q_a_proj, kv_a_proj_with_mqa and their
   norms are replicated, so every rank computes and caches the whole latent (the shard spec says
@@ -56,11 +59,19 @@ class TPLayout:
     tp: int
     arch: ArchConfig  # the checkpoint's full config
     expert_parallel: bool = False  # MoE: whole experts per rank instead of a slice of each
+    dp: int = 1  # the data-parallel group this TP group is one rank of (its experts: ExpertLayout's)
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         a, tp, m = self.arch, self.tp, self.arch.moe
         if not 0 <= self.rank < tp:
             raise TensorParallelError(f"parallel.tp={tp}: rank {self.rank} is out of range")
+        if self.dp > 1:
+            if self.expert_parallel:
+                raise TensorParallelError(f"parallel.expert_parallel with parallel.dp={self.dp}: the routed "
+                                          "experts are split whole across the DP ranks (parallel.ep) and each "
+                                          "DP rank's are sliced across its TP ranks; set expert_parallel: false")
+            ExpertLayout(self.dp_rank, self.dp, a)  # raises DataParallelError naming parallel.dp
         if a.num_heads % tp:
             raise TensorParallelError(f"parallel.tp={tp} must divide num_attention_heads={a.num_heads}")
         has_dense = m is None or len(m.sparse_layers) < a.num_layers
@@ -103,8 +114,10 @@ class TPLayout:
 
     @property
     def experts(self) -> range:
-        """Routed experts this rank holds (all of them unless expert parallel)."""
+        """Routed experts this rank holds (all of them unless expert parallel or data parallel)."""
         n = self.arch.moe.num_experts
+        if self.dp > 1:
+            return ExpertLayout(self.dp_rank, self.dp, self.arch).experts
         if not self.expert_parallel:
             return range(n)
         return range(self.rank * n // self.tp, (self.rank + 1) * n // self.tp)

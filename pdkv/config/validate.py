@@ -313,8 +313,13 @@ def _check_dp(cfg: Config, need) -> None:
     if pc.dp > 1:
         need(pc.ep, "parallel.ep", f"true with parallel.dp {pc.dp} (data-parallel attention shares the MoE "
              "layers by expert parallelism; dense models: separate engines behind the router)", pc.ep)
-        need(pc.tp == 1, "parallel.tp", f"1 with parallel.dp {pc.dp} (tensor-parallel attention inside a "
-             "data-parallel rank is not implemented)", pc.tp)
+        need(pc.tp == 1 or cfg.role == "colocated", "parallel.tp",
+             f"1 with parallel.dp {pc.dp} on a {cfg.role} node (a disaggregated tp x dp group is not "
+             "implemented; colocated, each DP rank may be a TP group)", pc.tp)
+        need(pc.tp == 1 or not pc.expert_parallel, "parallel.expert_parallel",
+             f"false with parallel.dp {pc.dp} and parallel.tp {pc.tp} (the routed experts are split whole "
+             "across the DP ranks by parallel.ep, and each DP rank's sliced across its TP ranks)",
+             pc.expert_parallel)
         need(cfg.speculative.method is None, "speculative.method",
              f"null with parallel.dp {pc.dp} (a verification would run a second forward in a lock step)",
              cfg.speculative.method)

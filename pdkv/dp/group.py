@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(pdkv.__file__)))
 
 
-def _shutdown(procs: list, chans: list, broken: dict) -> None:
+def _shutdown(procs: list, chans: list, broken: dict, lanes: list) -> None:
+    """``lanes``: the pids of the ranks' TP followers (tp x dp): a broken group's are killed
+    too, as a rank killed here cannot stop them and they may wait in a collective."""
     for ch in chans:
         if not broken["broken"]:
             try:
@@ -70,6 +73,11 @@ def _shutdown(procs: list, chans: list, broken: dict) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for pid in lanes if broken["broken"] else ():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class DPGroup:
@@ -82,6 +90,10 @@ class DPGroup:
         import torch.distributed as dist  # noqa: PLC0415
 
         validate_parallel(parallel, model.path)
+        if shared_kv and parallel.tp > 1:
+            raise ValueError(f"parallel.tp={parallel.tp} with parallel.dp={parallel.dp} on a {role} node: a "
+                             "disaggregated tp x dp group is not implemented (each rank's TP ranks would "
+                             "each need their latent pool mapped by the front); use tp: 1")
         if model.path:  # the model's fit (a MoE model; dp divides its experts), before any process starts
             from pdkv.models.loader import read_json  # noqa: PLC0415
 
@@ -90,15 +102,18 @@ class DPGroup:
             config_json = Path(model.path) / "config.json"
             check_dp_model(parallel, read_json(config_json), str(config_json))
         self.size = n = parallel.dp
+        self.tp_size = parallel.tp  # each rank's TP degree (tp x dp): n * tp processes
         self.role = role
         self.timeout_s, self.startup_timeout_s = parallel.timeout_s, parallel.startup_timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = num_threads or max(1, cores // n)  # the ranks share this host's cores
+        # the ranks share this host's cores; num_threads: each process's, a TP rank's included
+        threads = num_threads * parallel.tp if num_threads else max(parallel.tp, cores // n)
         cpu_sets = rank_cpu_sets(parallel.cpus, n)  # parallel.cpus: a share of the set per rank
         self.procs: list[subprocess.Popen] = []
         self.chans: list[Channel] = []
         self._state = {"broken": False}
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.chans, self._state)
+        self.lane_pids: list[int] = []  # the ranks' TP followers (tp x dp), by rank then TP rank
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.chans, self._state, self.lane_pids)
         self.error: DPRankError | None = None
         self.step_grace_s = STEP_GRACE_S
         self.rank_of: dict[str, int] = {}  # unfinished request -> its rank
@@ -109,7 +124,7 @@ class DPGroup:
         self._ids = itertools.count()
         self.steps = 0
         self.dummy_steps = [0] * n  # steps each rank ran a dummy forward in
-        self._store = dist.TCPStore("127.0.0.1", 0, n + 1, True, wait_for_workers=False,
+        self._store = dist.TCPStore("127.0.0.1", 0, n * parallel.tp + 1, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.startup_timeout_s))
         try:
             env = dict(os.environ)
@@ -124,11 +139,14 @@ class DPGroup:
                 self.chans.append(Channel(mine))
             init = {"size": n, "host": "127.0.0.1", "port": self._store.port, "timeout_s": self.timeout_s,
                     "startup_timeout_s": self.startup_timeout_s, "model": model, "kv_cache": kv_cache,
-                    "scheduler": scheduler, "num_threads": threads, "shared_kv": shared_kv, "role": role}
+                    "scheduler": scheduler, "num_threads": threads, "shared_kv": shared_kv, "role": role,
+                    "parallel": ParallelConfig(tp=parallel.tp, timeout_s=self.timeout_s,
+                                               startup_timeout_s=self.startup_timeout_s)}
             for r, ch in enumerate(self.chans):
                 ch.send("init", {**init, "rank": r, "cpus": cpu_sets[r]})
             self.pids = self._wait_all("hello", self.startup_timeout_s)
             ready = self._wait_all("ready", self.startup_timeout_s)
+            self.lane_pids += [pid for x in ready for pid in x["lanes"]]
         except BaseException:
             self.close()
             raise
@@ -413,6 +431,7 @@ class DPGroup:
         outputs: list[RequestOutput] = []
         failure: DPRankError | None = None
         silent: list[int] = []  # ranks that did not answer (gone, or stuck)
+        lost: dict[int, tuple] = {}  # tp x dp: ranks whose TP followers exited -> (exit codes, error)
         for r, ch in enumerate(self.chans):
             try:
                 ch.send_packed(framed)
@@ -441,6 +460,8 @@ class DPGroup:
                 self._reserved(r, rep["reserved"])
             if rep["error"] is not None:
                 failure = failure or self._broken(DPRankError(f"data-parallel rank {r}: {rep['error']}"))
+                if rep["lost"]:
+                    lost[r] = (rep["lost"], rep["error"])
             outputs += rep["outputs"]
         self.steps += 1
         self._dirty = False
@@ -454,7 +475,7 @@ class DPGroup:
             else:
                 self._last[o.request_id] = o
         if failure is not None:
-            self._diagnose(silent)
+            self._diagnose(silent, lost)
             if self.connector is not None:
                 self.connector.group_failed(self.error)
             outputs += self._fail_all()
@@ -486,10 +507,10 @@ class DPGroup:
             left = [r for r in left if r not in out]
         return out
 
-    def _diagnose(self, silent: list[int]) -> None:
-        """After a failed step: a rank that exited, or else one that never answered, is the cause
-        (the others' all-to-alls failed because of it), so the group's error names it; an exited
-        process gets a moment to be reaped."""
+    def _diagnose(self, silent: list[int], lost: dict[int, str]) -> None:
+        """After a failed step: a rank that exited, or one whose TP follower exited (tp x dp), or
+        else one that never answered, is the cause (the others' all-to-alls failed because of
+        it), so the group's error names it; an exited process gets a moment to be reaped."""
         deadline = time.monotonic() + 2.0
         while True:
             for r in range(self.size):
@@ -502,7 +523,13 @@ class DPGroup:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        if silent:
+        if lost:
+            # A follower killed by a signal is the cause; one that exited 1 reported the error its
+            # lane's all-to-all got from the dead one (else: the lowest rank's)
+            r = min(lost, key=lambda r: (not any(c < 0 for c in lost[r][0]), r))
+            self.error = DPRankError(f"data-parallel rank {r} lost a tensor-parallel rank: {lost[r][1]} (first "
+                                     f"failure seen: {self.error})")
+        elif silent:
             r = silent[0]
             self.error = DPRankError(f"data-parallel rank {r} (pid {self.procs[r].pid}) is alive but did not answer "
                                      f"the step within parallel.timeout_s={self.timeout_s:g} + {self.step_grace_s:g} s "
@@ -632,21 +659,28 @@ def validate_parallel(parallel: ParallelConfig, where: str = "") -> None:
         raise ValueError(f"{pre}parallel.dp={parallel.dp} needs parallel.ep: true (data-parallel attention shares "
                          "the MoE layers by expert parallelism; a dense model runs as separate engines behind "
                          "the router instead)")
-    if parallel.tp != 1:
-        raise ValueError(f"{pre}parallel.tp={parallel.tp} with parallel.dp={parallel.dp}: tensor-parallel "
-                         "attention inside a data-parallel rank is not implemented; use tp: 1")
+    if parallel.tp < 1:
+        raise ValueError(f"{pre}parallel.tp must be >= 1, got {parallel.tp}")
+    if parallel.tp > 1 and parallel.expert_parallel:
+        raise ValueError(f"{pre}parallel.expert_parallel with parallel.dp={parallel.dp} and parallel.tp="
+                         f"{parallel.tp}: the routed experts are split whole across the DP ranks (parallel.ep) "
+                         "and each DP rank's are sliced across its TP ranks; set expert_parallel: false")
 
 
 def check_dp_model(parallel, hf_config: dict, source: str) -> None:
     """Raises ConfigError when ``parallel.dp`` with ``parallel.ep`` cannot split this model's
-    experts: a dense model, or an expert count dp does not divide."""
+    experts: a dense model, or an expert count dp does not divide; with ``parallel.tp`` > 1
+    (tp x dp) also when tp cannot split its heads, MLP widths or an expert's width."""
     if parallel.dp <= 1:
         return
     from pdkv.config import ConfigError  # noqa: PLC0415
     from pdkv.models.config import parse_arch_config  # noqa: PLC0415
-    from pdkv.models.parallel import DataParallelError, ExpertLayout  # noqa: PLC0415
+    from pdkv.models.parallel import DataParallelError, ExpertLayout, TensorParallelError, TPLayout  # noqa: PLC0415
 
+    arch = parse_arch_config(hf_config, source)
     try:
-        ExpertLayout(0, parallel.dp, parse_arch_config(hf_config, source))
-    except DataParallelError as e:
+        ExpertLayout(0, parallel.dp, arch)
+        if parallel.tp > 1:
+            TPLayout(0, parallel.tp, arch, parallel.expert_parallel, parallel.dp)
+    except (DataParallelError, TensorParallelError) as e:
         raise ConfigError(f"{source}: {e}") from None

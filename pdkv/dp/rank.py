@@ -59,7 +59,7 @@ def step(engine, group) -> dict:
             group.dummy_forward()
         except Exception as e:  # noqa: BLE001 - the group is broken: report it, fail nothing here twice
             error = str(e)
-    broken = group.dispatcher.broken
+    broken = group.broken  # its all-to-all, or (tp x dp) one of its TP ranks
     if broken is not None:
         error = str(broken)
         # The group cannot step again: every request left fails now, its pages freed.
@@ -69,7 +69,16 @@ def step(engine, group) -> dict:
     return {"outputs": outputs, "dummy": dummy, "reserved": _reserved(engine),
             "work": engine.has_work() or engine.num_pending > 0, "load": load_info(engine), "error": error,
             "stats": engine.stats(),
-            "running": [r.request_id for r in engine.scheduler.running]}
+            "running": [r.request_id for r in engine.scheduler.running],
+            # tp x dp: this rank's TP followers that exited (the cause of the others' failures)
+            "lost": _lost(engine) if error is not None else []}
+
+
+def _lost(engine) -> list[int]:
+    """The exit codes of this rank's TP followers that exited."""
+    tp = engine.tp
+    codes = [] if tp is None else [tp.followers.procs[r].poll() for r in tp.followers.ranks]
+    return [c for c in codes if c is not None]
 
 
 def serve(ch) -> None:
@@ -95,7 +104,8 @@ def serve(ch) -> None:
     ch.send("hello", os.getpid())
     store = dist.TCPStore(init["host"], init["port"], size, False,
                           timeout=datetime.timedelta(seconds=init["startup_timeout_s"]))
-    group = ExpertGroup(rank, size, store, device, init["timeout_s"])
+    group = ExpertGroup(rank, size, store, device, init["timeout_s"],
+                        store_addr=(init["host"], init["port"], init["startup_timeout_s"]))
     pool: list = []  # a disaggregated decode group's shared KV file (pdkv/dp/remote.py)
     kw = {}
     if init.get("shared_kv"):
@@ -106,7 +116,9 @@ def serve(ch) -> None:
                                f"CPU only: model.device {model.device} would need the ranks' cuMem "
                                "exported to the front (not implemented)")
         kw["kv_buffer"] = shared_kv_buffer(pool)
-    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group, **kw)
+    # tp x dp: this rank is a TP engine whose followers are its lanes (pdkv/dp/lane.py)
+    engine = LLMEngine(model, init["kv_cache"], init["scheduler"], num_threads=threads, ep=group,
+                       parallel=init["parallel"], **kw)
     remote = None
     if pool:
         from pdkv.dp.remote import RankPrefillConnector, pool_info  # noqa: PLC0415
@@ -122,7 +134,8 @@ def serve(ch) -> None:
                       "page_size": engine.kv.page_size, "experts": list(engine.loaded.arch.moe.local_experts),
                       "model_name": engine.model_name, "hidden_size": int(engine.loaded.arch.hidden_size),
                       "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-                      "pool": pool_info(engine, pool) if pool else None})
+                      "pool": pool_info(engine, pool) if pool else None,
+                      "lanes": engine.tp.pids if engine.tp is not None else []})
     handlers = {
         "add": lambda p: _add(engine, remote, *p),
         "abort": lambda p: _abort(engine, remote, *p),
@@ -147,6 +160,7 @@ def serve(ch) -> None:
         except Exception as e:  # noqa: BLE001 - the front re-raises it for the caller
             ch.send("err", e)
     engine.release_all()
+    engine.close()  # tp x dp: its lanes stop with it
 
 
 def _add(engine, remote, request_id, prompt, params, arrival=None, priority=0, is_remote=False) -> dict:

@@ -147,7 +147,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
 
         tp = TPLeader(path, model.dtype, model.device, tp_degree, model.max_model_len or max_pos,
                       num_threads, parallel.timeout_s, parallel.startup_timeout_s, cpu_kernels=model.cpu_kernels,
-                      expert_parallel=parallel.expert_parallel)
+                      expert_parallel=parallel.expert_parallel, lanes=ep.lane_init() if ep is not None else None)
+        if ep is not None:  # tp x dp: the DP rank's forwards, dummies too, are announced to its lanes
+            ep.lead(tp)
     # "on" shares GPU weights too (CUDA IPC, pdkv/gpu/weights_ipc.py); "auto" host memory only
     share = model.share_weights == "on" or (model.share_weights == "auto" and torch.device(device).type == "cpu")
     if share and tp is None and ep is None:
@@ -200,7 +202,7 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
                         "using %s", want, cpu_kernels.GEMM_PATH)
     tokenizer = Tokenizer(path, arch.eos_token_id)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed, tokenizer.eos_token_ids), num_threads,
-                         followers=tp if tp is not None else ep)
+                         followers=ep if ep is not None else tp)
     if model.cuda_graphs:  # after the KV cache: the padding rows write into one of its pages
         from pdkv.engine.cuda_graphs import build_decode_graphs  # noqa: PLC0415
 

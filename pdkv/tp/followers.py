@@ -49,8 +49,9 @@ class Followers:
     def ranks(self) -> range:
         return range(1, len(self.procs))
 
-    def spawn(self, with_fd_socket: bool) -> int:
-        """Starts the next rank; returns it. ``with_fd_socket``: also a SCM_RIGHTS socket (GPU)."""
+    def spawn(self, with_fd_socket: bool, module: str = "pdkv.tp.worker") -> int:
+        """Starts the next rank (``python -m module``); returns it. ``with_fd_socket``: also a
+        SCM_RIGHTS socket (GPU)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds, argv = [theirs.fileno()], [str(theirs.fileno())]
         fd_mine = fd_theirs = None
@@ -61,7 +62,7 @@ class Followers:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_repo_root(), env.get("PYTHONPATH", "")) if p)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "pdkv.tp.worker", *argv], pass_fds=fds, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", module, *argv], pass_fds=fds, env=env)
         except BaseException:
             mine.close()
             if fd_mine is not None:

@@ -49,7 +49,7 @@ class KVRegion:
     cache: object = field(compare=False, repr=False)
 
 
-def _check_split(path: str, tp: int, expert_parallel: bool = False) -> None:
+def _check_split(path: str, tp: int, expert_parallel: bool = False, dp: int = 1) -> None:
     """A model that cannot be split ``tp`` ways fails here, before any process starts."""
     from pdkv.models.config import parse_arch_config  # noqa: PLC0415
     from pdkv.models.loader import read_json  # noqa: PLC0415
@@ -58,7 +58,7 @@ def _check_split(path: str, tp: int, expert_parallel: bool = False) -> None:
 
     config_path = Path(path) / "config.json"
     try:
-        TPLayout(0, tp, parse_arch_config(read_json(config_path), str(config_path)), expert_parallel)
+        TPLayout(0, tp, parse_arch_config(read_json(config_path), str(config_path)), expert_parallel, dp)
     except ModelLoadError:
         raise
     except ValueError as e:
@@ -68,14 +68,17 @@ def _check_split(path: str, tp: int, expert_parallel: bool = False) -> None:
 class TPLeader:
     def __init__(self, path: str, dtype: str, device: str, tp: int, max_positions: int,
                  num_threads: int, timeout_s: float = 120.0, startup_timeout_s: float = 600.0,
-                 cpu_kernels: bool = True, expert_parallel: bool = False):
+                 cpu_kernels: bool = True, expert_parallel: bool = False, lanes: dict | None = None):
+        """``lanes``: this engine is one rank of a data-parallel group (tp x dp): the followers
+        are ``python -m pdkv.dp.lane`` processes, each also joining its lane's dispatch group
+        (pdkv/dp/expert.py ``lane_init``: the group's store, this DP rank and the DP size)."""
         import torch.distributed as dist  # noqa: PLC0415
 
         from pdkv.models.parallel import TensorParallel  # noqa: PLC0415
 
         if tp < 2:
             raise ValueError(f"TPLeader: parallel.tp must be >= 2, got {tp}")
-        _check_split(path, tp, expert_parallel)
+        _check_split(path, tp, expert_parallel, lanes["dp"] if lanes else 1)
         self.size, self.timeout_s, self.startup_timeout_s = tp, timeout_s, startup_timeout_s
         self.device = torch.device(device)
         # GPU: rank r on cuda:(N + r) for model.device cuda:N.
@@ -91,11 +94,12 @@ class TPLeader:
                                     timeout=datetime.timedelta(seconds=startup_timeout_s))
         try:
             for _ in range(1, tp):
-                f.spawn(with_fd_socket=self.device.type == "cuda")
+                f.spawn(with_fd_socket=self.device.type == "cuda",
+                        module="pdkv.dp.lane" if lanes else "pdkv.tp.worker")
             init = {"tp": tp, "path": path, "dtype": dtype, "max_positions": max_positions,
                     "num_threads": num_threads, "timeout_s": timeout_s, "host": "127.0.0.1",
                     "cpu_kernels": cpu_kernels, "expert_parallel": expert_parallel,
-                    "port": self._store.port}
+                    "port": self._store.port, **(lanes or {})}
             for r in f.ranks:
                 f.chans[r].send("init", {**init, "rank": r, "device": str(self.devices[r])})
             f.wait_all("hello", startup_timeout_s)
@@ -195,9 +199,17 @@ class TPLeader:
     def run_step(self, input_ids: list[int], positions: list[int], batch) -> None:
         """Announces one forward pass; rank 0 then runs its own, meeting the others in the
         all-reduces. Raises TPRankError (nothing announced) if a follower is gone."""
+        self._announce("step", StepMeta(input_ids, positions, batch))
+
+    def run_dummy(self) -> None:
+        """tp x dp: this DP rank has no tokens this step; every follower joins its lane's
+        all-to-alls with none (pdkv/dp/expert.py ``dummy_forward``)."""
+        self._announce("dummy")
+
+    def _announce(self, kind: str, payload=None) -> None:
         self.check()
         try:
-            self.followers.send_all("step", StepMeta(input_ids, positions, batch))
+            self.followers.send_all(kind, payload)
         except ChannelClosed:
             self.check()
             raise

@@ -37,7 +37,9 @@ def _kv_buffer(kv: dict, rank: int, device, fd_sock):
     return buf, buf.tensor(), buf.address
 
 
-def serve(ch, fd_sock) -> None:
+def serve(ch, fd_sock, join_lane=None) -> None:
+    """``join_lane(init, device)``: tp x dp (pdkv/dp/lane.py), this rank's pdkv.dp.ExpertGroup
+    for its lane; its MoE blocks dispatch through it and "dummy" runs a forward with no tokens."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -59,8 +61,9 @@ def serve(ch, fd_sock) -> None:
                           timeout=datetime.timedelta(seconds=init["timeout_s"]))
     par = TensorParallel(rank, tp, store, device, init["timeout_s"])
     par.expert_parallel = bool(init.get("expert_parallel", False))
+    lane = join_lane(init, device) if join_lane is not None else None
     loaded = load_model(init["path"], init["dtype"], str(device), init["max_positions"], tp=par,
-                        cpu_kernels=init["cpu_kernels"])
+                        cpu_kernels=init["cpu_kernels"], ep=lane)
     ch.send("loaded")
     kind, kv = ch.recv()
     if kind == "stop":
@@ -83,20 +86,25 @@ def serve(ch, fd_sock) -> None:
             kind, payload = ch.recv()
             if kind == "stop":
                 break
+            if kind == "dummy" and lane is not None:
+                lane.dummy_forward()
+                continue
             if kind != "step":
                 raise RuntimeError(f"unexpected control message {kind!r}")
+            if lane is not None:
+                lane.run_step(payload.input_ids, payload.positions, payload.batch)
             payload.run(loaded.model, backend, device)
     del cache, backend, flat, keep
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], join_lane=None, name: str = "tp-worker") -> int:
     from pdkv.tp.channel import Channel, ChannelClosed  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-worker %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     ch = Channel(socket.socket(fileno=int(argv[0])))
     fd_sock = socket.socket(fileno=int(argv[1])) if len(argv) > 1 else None
     try:
-        serve(ch, fd_sock)
+        serve(ch, fd_sock, join_lane)
         return 0
     except ChannelClosed:
         return 0  # rank 0 is gone: nothing to report to, nothing to clean up but ourselves

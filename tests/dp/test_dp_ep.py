@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from pdkv.config import KVCacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdkv.dp.group import DPGroup
 from pdkv.engine import LLMEngine, SamplingParams
+
+from _dp_groups import check_abort_mid_run, check_uneven_run_finishes, reference, run_all, start_groups
 
 # Small chunks: a long prompt takes several steps, so its prefill chunks share steps with decodes.
 KV = KVCacheConfig(page_size=4, num_pages=96)
@@ -26,37 +27,12 @@ LONG = list(range(3, 43))  # 40 tokens: 5 chunks
 
 @pytest.fixture(scope="module")
 def groups(moe_models):
-    from concurrent.futures import ThreadPoolExecutor
-
-    def start(folder):  # the groups start side by side: their ranks' imports and loads overlap
-        return DPGroup(ModelConfig(path=str(folder)), KV, SCHED,
-                       ParallelConfig(dp=2, ep=True, timeout_s=30.0, startup_timeout_s=300.0))
-
-    with ThreadPoolExecutor(len(moe_models)) as pool:
-        futures = {family: pool.submit(start, folder) for family, folder in moe_models.items()}
-    made = {}
-    try:
-        for family, f in futures.items():
-            made[family] = f.result()
-        yield made
-    finally:
-        for family, f in futures.items():
-            if f.exception() is None:
-                f.result().close()
+    yield from start_groups(moe_models, KV, SCHED, ParallelConfig(dp=2, ep=True, timeout_s=30.0,
+                                                                  startup_timeout_s=300.0))
 
 
 def _reference(folder, prompts):
-    one = LLMEngine(ModelConfig(path=str(folder)), KV, SCHED)
-    return [o.output_token_ids for o in one.generate(prompts, GREEDY)]
-
-
-def _run(group, rids):
-    final = {}
-    while group.has_unfinished():
-        for o in group.step():
-            if o.finished:
-                final[o.request_id] = o
-    return [final[r] for r in rids]
+    return reference(folder, prompts, KV, SCHED, GREEDY)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -78,13 +54,7 @@ def test_dp2_ep_gives_tp1_greedy_tokens_with_uneven_ranks(family, groups, moe_mo
         assert not any(o.request_id == f"{family}-long" and o.new_token_ids for o in outs)
         mixed += any(o.request_id.startswith(f"{family}-s") and o.new_token_ids for o in outs)
     assert mixed == 4 and g.dummy_steps[1] - dummies[1] == 4  # rank 1 computed: no more dummies
-    got = _run(g, [f"{family}-s{i}" for i in range(len(SHORT))] + [f"{family}-long"])
-    assert [o.output_token_ids for o in got] == ref
-    assert all(o.finish_reason == "length" for o in got)
-    load = g.load()
-    assert load["healthy"] and load["total"]["free_pages"] == load["total"]["total_pages"] == 2 * KV.num_pages
-    assert load["ranks"][1]["dummies"] >= 4  # the ranks' own counts agree with the front's
-    assert load["total"]["pairs_sent"] == load["total"]["pairs_received"] > 0
+    check_uneven_run_finishes(g, family, len(SHORT), ref, KV.num_pages, 4)
 
 
 def test_each_routed_expert_lives_on_exactly_one_rank(groups):
@@ -132,28 +102,7 @@ def test_all_to_all_moves_exactly_the_pairs_the_router_chose(groups, moe_models)
 
 def test_abort_on_one_rank_mid_run(groups, moe_models):
     family = "qwen3_moe"
-    g = groups[family]
-    ref = _reference(moe_models[family], [SHORT[0]])[0]
-    g.add_request("keep", SHORT[0], GREEDY, rank=0)
-    g.add_request("drop", LONG, GREEDY, rank=1)
-    for _ in range(2):
-        g.step()
-    g.abort("drop")  # mid-prefill: rank 1 has nothing left and runs dummies from now on
-    dummies = g.dummy_steps[1]
-    final = {o.request_id: o for o in _run_all(g)}
-    assert final["drop"].finish_reason == "abort"
-    assert final["keep"].output_token_ids == ref
-    assert g.dummy_steps[1] > dummies
-    load = g.load()
-    assert load["total"]["free_pages"] == load["total"]["total_pages"]
-    assert load["total"]["requests"] == 0 and load["total"]["held_pages"] == 0
-
-
-def _run_all(g):
-    out = []
-    while g.has_unfinished():
-        out += [o for o in g.step() if o.finished]
-    return out
+    check_abort_mid_run(groups[family], _reference(moe_models[family], [SHORT[0]])[0], SHORT[0], LONG, GREEDY, 2)
 
 
 def test_placement_by_load_and_prefix_affinity(groups):
@@ -165,7 +114,7 @@ def test_placement_by_load_and_prefix_affinity(groups):
     assert rb != ra  # by load: the other rank is idle
     rc = g.add_request("c", p + [1, 2], GREEDY)  # the same first pages: where they were cached
     assert rc == ra and g.placer.placed_by_affinity == before + 1
-    _run_all(g)
+    run_all(g)
 
 
 def test_one_endpoint_serves_the_group(groups, moe_models):

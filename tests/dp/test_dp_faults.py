@@ -73,7 +73,7 @@ def test_bad_dp_settings_are_named(moe_models, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"parallel.ep: true needs a mixture-of-experts model"):
         check_dp_model(ParallelConfig(dp=2, ep=True), read_json(tiny_model_dir / "config.json"), "config.json")
     check_dp_model(ParallelConfig(dp=4, ep=True), cfg_json, "config.json")  # 8 / 4: fine
-    for parallel, field in [(ParallelConfig(dp=2), "parallel.ep"), (ParallelConfig(dp=2, ep=True, tp=2), "parallel.tp"),
+    for parallel, field in [(ParallelConfig(dp=2), "parallel.ep"), (ParallelConfig(dp=2, ep=True, tp=2, expert_parallel=True), "parallel.expert_parallel"),
                             (ParallelConfig(ep=True), "parallel.ep"), (ParallelConfig(dp=0), "parallel.dp")]:
         with pytest.raises(ConfigError, match=field):
             validate(Config(parallel=parallel), {}, check_paths=False)
