@@ -189,6 +189,14 @@ class Deployment:
     def pids(self) -> list[int]:
         return [p for n in self.nodes for p in n.pids()]
 
+    def pid_names(self) -> dict[int, str]:
+        """{pid: its node's name} (a node's own process; its descendants, TP ranks: name/pid)."""
+        out = {}
+        for n in self.nodes:
+            for i, p in enumerate(n.pids()):
+                out[p] = n.name if i == 0 else f"{n.name}/{p}"
+        return out
+
     def pools(self) -> dict[str, dict]:
         """{node: {"free": n, "total": n}} from every node's /health (None where unreachable)."""
         out = {}
