@@ -45,10 +45,8 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def shm_held(pid: int, files: dict) -> int:
-    """Adds to ``files`` ({(dev, inode): allocated bytes}) the /dev/shm files ``pid`` holds open;
-    returns the PSS of its mappings of files it holds (what ``held_bytes`` counts whole instead)."""
-    mine = set()
+def shm_files(pid: int, files: dict) -> None:
+    """Adds to ``files`` ({(dev, inode): allocated bytes}) the /dev/shm files ``pid`` holds open."""
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
@@ -58,15 +56,19 @@ def shm_held(pid: int, files: dict) -> int:
             except OSError:
                 continue
             files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-            mine.add(st.st_ino)
     except OSError:
-        return 0
+        pass
+
+
+def shm_mapped_pss(pid: int, inodes: set) -> int:
+    """The PSS of ``pid``'s mappings of the /dev/shm files ``inodes`` (what ``held_bytes`` counts
+    whole instead): whoever holds a file open, so a peer's granted pages mapped here count once."""
     pss, counted = 0, False
     try:
         for line in open(f"/proc/{pid}/smaps"):
             head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms off dev inode path
-                counted = len(head) == 6 and head[5].startswith("/dev/shm/") and int(head[4]) in mine
+                counted = len(head) == 6 and head[5].startswith("/dev/shm/") and int(head[4]) in inodes
             elif counted and head[0] == "Pss:":
                 pss += int(head[1]) * 1024
     except (OSError, ValueError, IndexError):
@@ -91,7 +93,10 @@ def held_breakdown(pids) -> dict:
     files it holds and its private bytes, and those files' bytes counted whole and once
     (``shm_bytes``)."""
     files: dict = {}
-    procs = [{"pid": p, "pss_bytes": pss_bytes(p) - shm_held(p, files), "private_bytes": private_bytes(p)}
+    for p in pids:
+        shm_files(p, files)
+    inodes = {ino for _, ino in files}
+    procs = [{"pid": p, "pss_bytes": pss_bytes(p) - shm_mapped_pss(p, inodes), "private_bytes": private_bytes(p)}
              for p in pids]
     shm = sum(files.values())
     return {"procs": procs, "shm_bytes": shm, "held_bytes": shm + sum(v["pss_bytes"] for v in procs)}
