@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 GRACE_S = 20.0
@@ -206,45 +207,59 @@ class ForkServer:
                                      pass_fds=(theirs.fileno(),), start_new_session=True, env=env)
         theirs.close()
         self._buf = b""
+        self._mu = threading.Lock()
+        self._replies: list[dict] = []
         self.status: dict[int, int] = {}  # pid -> exit status, of the children that ended
         first = self._reply(timeout)
         if not first.get("ready"):
             self.close()
             raise ForkError(first.get("error") or f"the fork server did not start: {first}")
 
-    def _line(self, timeout: float | None) -> dict | None:
-        self.sock.settimeout(timeout)
-        try:
-            while b"\n" not in self._buf:
-                data = self.sock.recv(65536)
-                if not data:
-                    raise ForkError(f"the fork server (pid {self.proc.pid}) exited with status {self.proc.wait()}")
-                self._buf += data
-        except (TimeoutError, BlockingIOError):
-            return None
-        line, self._buf = self._buf.split(b"\n", 1)
-        msg = json.loads(line)
-        if "exit" in msg:
-            self.status[msg["exit"]] = msg["status"]
-        return msg
+    def _line(self, timeout: float) -> bool:
+        """Read one message within ``timeout`` s (False: none came): an exit goes to ``status``,
+        anything else to the replies ``_reply`` takes. Under ``_mu``: the harness's sampler thread
+        polls for exits while its main thread waits for a spawn's reply."""
+        with self._mu:
+            self.sock.settimeout(timeout)
+            try:
+                while b"\n" not in self._buf:
+                    data = self.sock.recv(65536)
+                    if not data:
+                        raise ForkError(f"the fork server (pid {self.proc.pid}) exited with status "
+                                        f"{self.proc.wait()}")
+                    self._buf += data
+            except (TimeoutError, BlockingIOError):
+                return False
+            line, self._buf = self._buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if "exit" in msg:
+                self.status[msg["exit"]] = msg["status"]
+            else:
+                self._replies.append(msg)
+            return True
 
     def _reply(self, timeout: float) -> dict:
         end = time.monotonic() + timeout
-        while True:
-            msg = self._line(max(0.0, end - time.monotonic()))
-            if msg is None:
+        while not self._replies:
+            if time.monotonic() >= end:
                 raise ForkError(f"the fork server (pid {self.proc.pid}) did not answer in {timeout:.0f} s")
-            if "exit" not in msg:
-                return msg
+            self._line(min(0.2, max(0.0, end - time.monotonic())))
+        return self._replies.pop(0)
 
     def poll_events(self) -> None:
         """Take the exits the server reported so far (never blocks)."""
-        while self._line(0.0) is not None:
+        while self._line(0.0):
             pass
 
     def spawn(self, argv: list[str], env: dict, log: str | None = None) -> "ForkedChild":
-        self.sock.sendall((json.dumps({"op": "spawn", "argv": list(argv), "env": dict(env), "log": log}) + "\n").encode())
-        return ForkedChild(self, self._reply(30.0)["pid"])
+        with self._mu:
+            self.sock.settimeout(30.0)
+            self.sock.sendall((json.dumps({"op": "spawn", "argv": list(argv), "env": dict(env), "log": log})
+                               + "\n").encode())
+        reply = self._reply(30.0)
+        if "pid" not in reply:
+            raise ForkError(f"the fork server could not start {argv[:1]}: {reply}")
+        return ForkedChild(self, reply["pid"])
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the server (it stops the children still running) and wait for it."""

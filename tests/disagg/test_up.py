@@ -160,3 +160,11 @@ def test_a_forked_node_killed_stops_up_and_the_other_node(tiny_model_dir, tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_names_a_bad_fork_value(tiny_model_dir, tmp_path):
+    path = _cluster_file(tmp_path, tiny_model_dir, fork="sometimes")
+    r = subprocess.run([sys.executable, "-m", "pdkv", "up", "-c", str(path)], cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"{path}: fork must be true or false" in r.stderr and "'sometimes'" in r.stderr, r.stderr

@@ -105,3 +105,16 @@ def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp
             child.kill()
             child.wait()
         os.close(fd)
+
+
+def test_disagg_shm_forks_its_nodes_and_a_bad_fork_value_is_named(tmp_path):
+    import pytest
+
+    from pdkv.config import ConfigError
+
+    assert A.builtin("disagg-shm").fork and not A.builtin("disagg").fork and not A.builtin("colocated").fork
+    assert A.with_pd(A.builtin("disagg-shm"), "1:2", "auto").fork
+    f = tmp_path / "bad.yaml"
+    f.write_text("kind: disagg\nfork: yes-please\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: fork must be true or false .* got 'yes-please'"):
+        A.load_arch("bad", f)
