@@ -48,6 +48,7 @@ cdef extern from "transport.h" nogil:
                              uint64_t len) noexcept nogil
         int (*same_host)(pdkv_transport *t, uint64_t peer, int yes) noexcept nogil
         const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n) noexcept nogil
+        int (*reg_source)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out) noexcept nogil
 
     ctypedef struct pdkv_transport:
         const pdkv_transport_ops *ops
@@ -207,6 +208,7 @@ cdef class Messenger:
     cdef readonly uint64_t node_id
     cdef public tuple rank_nics  # verbs: per TP rank, NIC indices (pdkv/messenger.py); () otherwise
     cdef dict _pinned       # key -> the Python object whose memory is registered
+    cdef set _source_only   # keys registered as a write source only (never granted)
     cdef dict _watched      # watch id -> the object holding the counter
     cdef int _busy          # calls now running without the GIL (close() waits for them)
     cdef int _closing       # close() has begun: every new call fails

@@ -121,6 +121,7 @@ cdef class Messenger:
         self.core = NULL
         self.t = NULL
         self._pinned = {}
+        self._source_only = set()
         self._watched = {}
         self._busy = 0
         self._closing = 0
@@ -305,22 +306,40 @@ cdef class Messenger:
         self._pinned[key] = buf
         return key
 
-    def register_address(self, uint64_t addr, uint64_t length):
-        """Register raw memory [addr, addr+length) -> key. The caller keeps it alive."""
+    def register_address(self, uint64_t addr, uint64_t length, bint source_only=False):
+        """Register raw memory [addr, addr+length) -> key. The caller keeps it alive.
+
+        source_only: the region is only ever written from, never granted to a peer (a prefill
+        node's KV pool). shm/auto leave its memory as it is instead of moving it onto a shared
+        file, so untouched pages stay unallocated; grant() and grant_range() of it are refused
+        (InvalidRequestError naming the key) on every transport."""
         cdef uint64_t key = 0
         cdef int rc
         cdef const char *msg = NULL
+        cdef bint source
         self._check()
+        source = source_only and self.t.ops.reg_source != NULL
         self._enter()
         try:
             with nogil:
-                rc = self.t.ops.reg(self.t, <void *>addr, length, &key)
+                if source:
+                    rc = self.t.ops.reg_source(self.t, <void *>addr, length, &key)
+                else:
+                    rc = self.t.ops.reg(self.t, <void *>addr, length, &key)
                 msg = self.t.ops.last_error(self.t) if rc < 0 else NULL
         finally:
             self._busy -= 1
         if rc < 0:
             _raise(rc, msg, "register")
+        if source_only:
+            self._source_only.add(key)
         return key
+
+    def _refuse_source(self, uint64_t key):
+        # NOTE: every transport refuses the same way, whether or not its C side knows the region's use
+        if key in self._source_only:
+            raise InvalidRequestError(_errno.EPERM, f"region 0x{key:x} was registered as a write source only "
+                                      "(register_address(source_only=True)): it cannot be granted to a peer")
 
     def register_device(self, int fd, uint64_t offset, uint64_t length, uint64_t addr=0):
         """Register device (GPU) memory -> (key, "dmabuf" | "peermem" | "hmem").
@@ -360,6 +379,7 @@ cdef class Messenger:
         cdef int rc
         cdef uint64_t out = 0
         self._check()
+        self._refuse_source(key)
         rc = self.t.ops.grant(self.t, key, peer, &out)
         if rc < 0:
             _raise(rc, self.t.ops.last_error(self.t), "grant")
@@ -419,6 +439,8 @@ cdef class Messenger:
         cdef int rc
         cdef uint64_t out = 0
         cdef const char *msg = NULL
+        self._check()
+        self._refuse_source(key)
         self._enter()
         try:  # NOTE: without the GIL: on verbs this registers an MR (a caller's thread may wait)
             with nogil:
@@ -501,6 +523,7 @@ cdef class Messenger:
         if rc < 0:
             _raise(rc, err, "deregister")
         self._pinned.pop(key, None)
+        self._source_only.discard(key)
 
     # ---- connections ----
 

@@ -166,7 +166,7 @@ static const pdkv_transport_ops auto_ops = {
     .set_token = pdkv_auto_set_token, .disconnect = pdkv_auto_disconnect, .post = pdkv_auto_post, .poll = a_poll,
     .event_fd = a_event_fd, .last_error = a_last_error, .counters = a_counters, .destroy = a_destroy,
     .nic_stats = a_nic_stats, .same_host = pdkv_auto_same_host, .route = pdkv_auto_route,
-    .share_pages = a_share_pages, .unshare_pages = a_unshare_pages,
+    .share_pages = a_share_pages, .unshare_pages = a_unshare_pages, .reg_source = pdkv_auto_reg_source,
 };
 
 pdkv_transport *pdkv_auto_create(uint64_t node_id, const pdkv_auto_opts *opts, char *err, size_t errlen) {

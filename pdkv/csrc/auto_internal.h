@@ -18,7 +18,8 @@
 enum { VIA_NONE = 0, VIA_TCP = 1, VIA_SHM = 2 };
 
 typedef struct auto_info { uint32_t magic, tcp_len, shm_len, pad; } auto_info;
-typedef struct auto_region { uint64_t key, skey; } auto_region; /* key: tcp's (ours); skey 0: tcp only */
+/* key: tcp's (ours); skey 0: tcp only; source: registered as a write source only (never granted) */
+typedef struct auto_region { uint64_t key, skey; int source; } auto_region;
 typedef struct auto_conn {
     uint64_t peer;
     uint32_t tconn, sconn; /* 0: none */
@@ -57,6 +58,7 @@ uint64_t pdkv_auto_skey(auto_t *t, uint64_t key);   /* shm's key of region key, 
 auto_conn *pdkv_auto_conn(auto_t *t, uint32_t id);
 
 int pdkv_auto_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key);
+int pdkv_auto_reg_source(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key);
 int pdkv_auto_dereg(pdkv_transport *bt, uint64_t key);
 int pdkv_auto_grant(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t *out);
 int pdkv_auto_revoke(pdkv_transport *bt, uint64_t k, uint64_t p);

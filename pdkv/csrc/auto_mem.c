@@ -68,11 +68,11 @@ auto_conn *pdkv_auto_conn(auto_t *t, uint32_t id) {
 
 /* ---- memory ---- */
 
-int pdkv_auto_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
-    auto_t *t = (auto_t *)bt;
+static int reg_as(auto_t *t, void *addr, uint64_t len, uint64_t *key, int source) {
     uint64_t skey = 0;
     /* shm first: it remaps the pages in place, so tcp's registration sees the shared memory */
-    if (t->shm->ops->reg(t->shm, addr, len, &skey) < 0) {
+    int (*reg)(pdkv_transport *, void *, uint64_t, uint64_t *) = source ? t->shm->ops->reg_source : t->shm->ops->reg;
+    if (reg(t->shm, addr, len, &skey) < 0) {
         skey = 0; /* this region goes through tcp to every peer; said once in route(0) */
         pthread_mutex_lock(&t->mu);
         if (!t->reg_note[0])
@@ -92,9 +92,19 @@ int pdkv_auto_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
         if (skey) t->shm->ops->dereg(t->shm, skey);
         return pdkv_auto_fail(-ENOSPC, "auto transport: at most %d regions", AUTO_MAX_REGIONS);
     }
-    t->regions[t->num_regions++] = (auto_region){*key, skey};
+    t->regions[t->num_regions++] = (auto_region){*key, skey, source};
     pthread_mutex_unlock(&t->mu);
     return 0;
+}
+
+int pdkv_auto_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
+    return reg_as((auto_t *)bt, addr, len, key, 0);
+}
+
+/* Written from through either link, granted through neither: no peer maps it, so shm leaves
+ * its pages private (see transport.h's reg_source). */
+int pdkv_auto_reg_source(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
+    return reg_as((auto_t *)bt, addr, len, key, 1);
 }
 
 int pdkv_auto_dereg(pdkv_transport *bt, uint64_t key) {
@@ -115,6 +125,13 @@ int pdkv_auto_dereg(pdkv_transport *bt, uint64_t key) {
 static int grant_via(auto_t *t, uint64_t key, uint64_t peer, int whole, uint64_t off, uint64_t len, uint64_t *out) {
     uint64_t skey = pdkv_auto_skey(t, key), k = 0;
     int rc;
+    pthread_mutex_lock(&t->mu);
+    auto_region *r = region_of(t, key);
+    int source = r && r->source;
+    pthread_mutex_unlock(&t->mu);
+    if (source)
+        return pdkv_auto_fail(-EPERM, "auto: region 0x%llx was registered as a write source only: it cannot be "
+                              "granted to a peer", (unsigned long long)key);
     auto_conn *c = skey ? link_of(t, peer) : NULL;
     if (c && c->via == VIA_SHM) {
         rc = whole ? t->shm->ops->grant(t->shm, skey, peer, &k)

@@ -313,9 +313,33 @@ static int s_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
     return rc;
 }
 
+/* A write source only: its memory stays as it is (private pages allocated as they are touched),
+ * so no peer can map it; the shared hand-off may still put granted pages over its whole pages. */
+static int s_reg_source(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
+    shm_t *t = (shm_t *)bt;
+    if (!len) return serr(-EINVAL, "shm: cannot register an empty region");
+    pthread_mutex_lock(&t->mu);
+    int rc = t->num_files == SHM_MAX_FDS ? serr(-ENOSPC, "shm: at most %d registered regions", SHM_MAX_FDS)
+                                         : pdkv_regions_add(&t->regions, addr, len, key, tls_err, sizeof tls_err);
+    if (!rc) t->files[t->num_files++] = (shm_file){.key = *key, .addr = (uint64_t)addr, .len = len, .source = 1};
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* -EPERM for a region registered as a write source only. */
+static int refuse_source(shm_t *t, uint64_t k) {
+    pthread_mutex_lock(&t->mu);
+    shm_file *f = file_of(t, k);
+    int source = f && f->source;
+    pthread_mutex_unlock(&t->mu);
+    return source ? serr(-EPERM, "shm: region 0x%llx was registered as a write source only: it cannot be "
+                         "granted to a peer", (unsigned long long)k) : 0;
+}
+
 static int s_grant(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t *out) {
     shm_t *t = (shm_t *)bt;
     if (out) *out = k;
+    if (refuse_source(t, k) < 0) return -EPERM;
     int rc = pdkv_regions_grant(&t->regions, k, p, tls_err, sizeof tls_err);
     if (rc < 0) return rc;
     pthread_mutex_lock(&t->regions.mu);
@@ -345,6 +369,7 @@ static int s_revoke(pdkv_transport *bt, uint64_t k, uint64_t p) {
 static int s_grant_range(pdkv_transport *bt, uint64_t k, uint64_t p, uint64_t off, uint64_t len, uint64_t *out) {
     shm_t *t = (shm_t *)bt;
     if (out) *out = k;
+    if (refuse_source(t, k) < 0) return -EPERM;
     int rc = pdkv_regions_grant_range(&t->regions, k, p, off, len, tls_err, sizeof tls_err);
     if (rc < 0) return rc;
     rc = map_in_peer(t, k, p, off, len);
@@ -794,7 +819,7 @@ static const pdkv_transport_ops shm_ops = {
     .revoke_range = s_revoke_range, .dereg = s_dereg, .prepare = s_prepare, .complete = s_complete,
     .set_token = s_set_token, .disconnect = s_disconnect, .post = s_post, .poll = s_poll,
     .event_fd = s_event_fd, .last_error = s_last_error, .counters = s_counters, .destroy = s_destroy,
-    .share_pages = s_share_pages, .unshare_pages = s_unshare_pages,
+    .share_pages = s_share_pages, .unshare_pages = s_unshare_pages, .reg_source = s_reg_source,
 };
 
 static int listen_abstract(shm_t *t, char *err, size_t errlen) {

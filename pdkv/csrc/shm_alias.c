@@ -4,8 +4,9 @@
  * second mapping of a shared mapping's pages), so what this process computes there is already
  * in the peer and the write that follows moves nothing. The local address range keeps its
  * region's identity: unsharing maps the region's own file back over it (its contents from
- * before), and every exit of the grant (revoke, disconnect, destroy) unshares first, so no
- * alias outlives the grant it was made from. All under c->map_mu.
+ * before; a write source's pages come back zeroed), and every exit of the grant (revoke,
+ * disconnect, destroy) unshares first, so no alias outlives the grant it was made from. All under
+ * c->map_mu.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,8 +23,8 @@ static shm_file *local_file(shm_t *t, uint64_t lkey) {
     return NULL;
 }
 
-/* Give [a, a+len) of region lkey its own file's pages back; if that region is gone (deregistered),
- * fresh anonymous memory: never the peer's pages. */
+/* Give [a, a+len) of region lkey its own file's pages back; if that region is gone (deregistered)
+ * or a write source (no file), fresh anonymous memory: never the peer's pages. */
 static void restore(shm_t *t, uint64_t lkey, uint8_t *a, uint64_t len) {
     uint64_t at = (uint64_t)a, end = at + len;
     pthread_mutex_lock(&t->mu);
@@ -50,10 +51,12 @@ int pdkv_shm_alias(shm_conn *c, const shm_map *m, uint64_t lkey, uint64_t loff, 
     pthread_mutex_lock(&t->mu);
     shm_file *f = local_file(t, lkey);
     uint64_t laddr = f ? f->addr + loff : 0, at = laddr;
-    /* the local range must be pages of this region's own files: nothing else is ever replaced */
+    /* the local range must be pages of this region's own files (a write source: whole pages inside
+     * the region, whose edges may share a page with other memory): nothing else is ever replaced */
     for (uint32_t i = 0; f && i < f->nseg; i++)
         for (uint32_t k = 0; k < f->nseg; k++)
             if (f->seg[k].va0 <= at && at < f->seg[k].va1) at = f->seg[k].va1;
+    if (f && f->source) at = f->addr + f->len;
     pthread_mutex_unlock(&t->mu);
     if (!f) return pdkv_seterr(why, n, -ENOENT, "share_pages: unknown local region key 0x%llx",
                                (unsigned long long)lkey);

@@ -69,7 +69,14 @@ typedef struct shm_conn {
 /* A region's page-rounded memory as runs of shared files (one, unless a neighbour registered
  * earlier already moved an edge page onto its own file): [va0, va1) is file fd from foff. */
 typedef struct shm_seg { uint64_t va0, va1, foff; int fd; } shm_seg;
-typedef struct shm_file { uint64_t key, addr; uint32_t nseg; shm_seg seg[SHM_MAX_SEGS]; } shm_file;
+/* source: registered as a write source only (reg_source): no files (nseg 0), its own memory as it
+ * was, [addr, addr+len); never granted, and its pages go back to fresh anonymous ones on unshare. */
+typedef struct shm_file {
+    uint64_t key, addr, len;
+    uint32_t nseg;
+    int source;
+    shm_seg seg[SHM_MAX_SEGS];
+} shm_file;
 typedef struct shm_piece { uint64_t at, len, foff; } shm_piece; /* MAP payload, one per fd */
 
 typedef struct shm_t {

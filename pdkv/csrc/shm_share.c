@@ -116,8 +116,8 @@ int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char 
             return pdkv_seterr(why, n, -EINVAL, "shm: [%p, +%llu) lies in a mapping the shm transport "
                                "cannot share (%s %s): register private anonymous or shared memory",
                                addr, (unsigned long long)len, v[i].perms, v[i].path[0] ? v[i].path : "anon");
-    f->addr = (uint64_t)addr;
-    f->nseg = 0;
+    f->addr = (uint64_t)addr, f->len = len;
+    f->nseg = 0, f->source = 0;
     for (int i = 0; i < k && !rc;) {
         uint64_t s0 = v[i].start > a0 ? v[i].start : a0;
         if (f->nseg == SHM_MAX_SEGS) {

@@ -173,6 +173,12 @@ typedef struct pdkv_transport_ops {
     /* Optional (auto): the name of the transport carrying conn ("shm", "tcp"), why (n bytes) it
      * is not shm ("" when it is). conn 0: NULL, and why names a region that could not be shared. */
     const char *(*route)(pdkv_transport *t, uint32_t conn, char *why, size_t n);
+    /* Optional (shm, auto; NULL: reg() serves). Register [addr, addr+len) as a write source only:
+     * its memory stays as it is (shm moves nothing onto a shared file, so private anonymous pages
+     * stay private and untouched pages stay unallocated); granting it, whole or in part, is
+     * refused (-EPERM, naming the key). It may be the local side of share_pages (its whole pages
+     * only); unsharing gives those pages fresh zeroed memory, not their contents from before. */
+    int (*reg_source)(pdkv_transport *t, void *addr, uint64_t len, uint64_t *key_out);
 } pdkv_transport_ops;
 
 struct pdkv_transport {

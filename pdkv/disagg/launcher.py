@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pdkv.auth import SECRET_ENV, new_secret
 from pdkv.config import ConfigError, _read_yaml, load_config
+from pdkv.forkserver import ForkError, ForkServer, fork_enabled
 from pdkv.ports import free_port as _free_port
 
 log = logging.getLogger("pdkv.up")
@@ -74,6 +75,7 @@ def role_configs(path: str, overrides: list[str], workdir: Path) -> dict:
     if not isinstance(router, dict):
         raise ConfigError(f"{path}: router must be a mapping of router settings (see configs/router.yaml)")
     replicas = {r: _replicas(path, r, sections[r]) for r in ROLES}
+    fork_enabled(data.pop("fork", None), path)  # how the nodes start (up), not a node setting
     if data.pop("role", "disaggregated") not in ("disaggregated",):
         raise ConfigError(f"{path}: role must be 'disaggregated' (or absent) in a `pdkv up` cluster file")
     out = {}
@@ -186,15 +188,24 @@ def up(path: str, overrides: list[str], log_level: str | None = None, timeout: f
         def on_signal(sig, _frame):
             stop["sig"] = sig
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        procs: dict[str, subprocess.Popen] = {}
+        procs: dict = {}  # name -> subprocess.Popen, or pdkv.forkserver.ForkedChild
         # One secret per cluster, handed to the nodes through their environment (never argv, which
         # `ps` shows); an operator's own $PDKV_CLUSTER_SECRET is kept.
         env = dict(os.environ)
         env.setdefault(SECRET_ENV, new_secret())
+        forks = None
+        if fork_enabled(_read_yaml(Path(path)).get("fork"), path):
+            try:  # the nodes forked from one parent that imported torch and pdkv: those pages shared
+                forks = ForkServer(timeout, env)
+            except ForkError as e:
+                log.warning("starting the nodes as separate processes (fork: false): %s", e)
 
         def spawn(name: str, cmd: list[str]) -> None:
             if log_level:
                 cmd += ["--log-level", log_level]
+            if forks is not None:  # cmd[3:]: the pdkv arguments after `python -m pdkv`
+                procs[name] = forks.spawn(cmd[3:], env)
+                return
             # own process group: a terminal's Ctrl-C reaches `pdkv up`, which stops the nodes in order
             procs[name] = subprocess.Popen(cmd, start_new_session=True, env=env)
 
@@ -248,5 +259,7 @@ def up(path: str, overrides: list[str], log_level: str | None = None, timeout: f
                     except subprocess.TimeoutExpired:
                         p.kill()
                         p.wait()
+            if forks is not None:
+                forks.close()
             for s, h in old.items():
                 signal.signal(s, h)

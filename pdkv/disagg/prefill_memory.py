@@ -36,7 +36,9 @@ class PrefillMemory:
 
         self.mode = staging_mode(cfg)  # ConfigError for a combination that cannot work here
         # every rank's KV region, registered (one per rank) unless the pages go through the ring
-        self.kv = NodeKV(engine, messenger, register=not self.mode.staged)
+        # a write source only (never granted): on shm the pool then costs only the pages prefill
+        # touches (with the shared hand-off hardly any), not a shared file of its whole size
+        self.kv = NodeKV(engine, messenger, register=not self.mode.staged, source_only=True)
         # what this node prepares for its decode nodes' proposers (pdkv/disagg/spec_handoff.py)
         self.handoff = P.spec_handoff(cfg.speculative, engine)
         if self.kv.dp is not None and (self.mode.staged or cfg.disagg.kv_handoff == "share" or self.handoff):
@@ -47,7 +49,8 @@ class PrefillMemory:
         self.staging = StagingRows(NUM_HIDDEN_STAGING, hidden * row_parts(self.handoff), engine.loaded.dtype)
         self.hidden_nbytes = self.staging.row_nbytes
         buf = self.staging.buffer
-        self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.staging_key = messenger.register_address(buf.data_ptr(), buf.numel() * buf.element_size(),
+                                                      source_only=True)
         # the hidden row leaves through rank 0's NIC the seed picks, as rank 0's pages do
         self.staging_keys = rank_keys(messenger, self.staging_key, 0)
         self.counter = make_layer_counter(torch.device(cfg.model.device))

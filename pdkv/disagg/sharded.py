@@ -31,9 +31,12 @@ class NodeKV:
     """This node's KV memory as the messenger sees it: every rank's region, registered (a DP
     group: every DP rank's pool, ``dp`` its layout; else ``dp`` is None)."""
 
-    def __init__(self, engine, messenger, register: bool = True):
+    def __init__(self, engine, messenger, register: bool = True, source_only: bool = False):
         """``register``: False when the pages travel through a staging ring (pdkv/disagg/staged.py):
-        then no write may name the KV memory itself (``keys`` is empty)."""
+        then no write may name the KV memory itself (``keys`` is empty). ``source_only``: the
+        regions are only written from, never granted (a prefill node's pool when its pages are
+        copied): the shm transport then leaves them private memory that is allocated as it is
+        touched, instead of a shared file of the whole pool."""
         self.regions = kv_regions(engine)
         self.spec: ShardSpec = shard_spec(engine)
         self.dp = dp_layout(engine)
@@ -42,7 +45,7 @@ class NodeKV:
         # rank r's key names the NIC that carries rank r's pages (verbs over several NICs; the
         # region itself is registered on every NIC): the decode node's keys pick where pages land.
         # Staged (register False): no write may name the KV memory itself, no keys.
-        regs = [_register(messenger, r) for r in self.regions] if register else []
+        regs = [_register(messenger, r, source_only) for r in self.regions] if register else []
         self.keys = [rank_key(messenger, k, rank) for rank, k in enumerate(regs)]
         # a rank near several NICs has a key on each (an int when one), and the request's seed
         # picks one per request (pdkv.shard.pick_nic): as a source (prefill) the NIC its writes
@@ -51,7 +54,7 @@ class NodeKV:
         self.nic_keys = [rank_keys(messenger, k, rank) for rank, k in enumerate(regs)]
 
 
-def _register(messenger, region) -> int:
+def _register(messenger, region, source_only: bool = False) -> int:
     """Host memory as it is; GPU memory (pdkv.disagg.staged.StagingMode.GPUDIRECT) through the
     messenger's GPUDirect registration (dma-buf, else nvidia-peermem: pdkv.gpu.gpudirect)."""
     if str(region.device).startswith("cuda"):
@@ -59,7 +62,7 @@ def _register(messenger, region) -> int:
 
         index = int(str(region.device).split(":", 1)[1]) if ":" in str(region.device) else 0
         return register_on_messenger(messenger, region.address, region.nbytes, index).key
-    return messenger.register_address(region.address, region.nbytes)
+    return messenger.register_address(region.address, region.nbytes, source_only=source_only)
 
 
 def dp_layout(engine) -> dict | None:

@@ -8,6 +8,8 @@ the top level, plus harness keys:
     decode_nodes: 1         # disagg only (D of P:D); the harness spreads requests over them
     prefill: {...}          # disagg only: sections overriding the shared ones on prefill nodes
     decode: {...}           # disagg only: the same for decode nodes
+    fork: false             # true: the nodes forked from one parent that imported torch and pdkv
+                            # (pdkv/forkserver.py; its memory counts with the nodes')
 
 ``parallel.cpus`` left empty is filled from the hardware budget: a colocated node gets every CPU
 of it; disaggregated prefill nodes get its first half and decode nodes the rest (the CPUs they
@@ -25,7 +27,7 @@ from pdkv.config import ConfigError, _read_yaml
 KINDS = ("colocated", "disagg")
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "ab"
 BUILTIN = ("colocated", "chunked", "disagg")
-_HARNESS_KEYS = ("kind", "prefill_nodes", "decode_nodes", "prefill", "decode")
+_HARNESS_KEYS = ("kind", "prefill_nodes", "decode_nodes", "prefill", "decode", "fork")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ArchSpec:
     sections: dict = field(default_factory=dict)  # role -> override sections
     num_prefill: int = 0
     num_decode: int = 1  # colocated: the number of colocated nodes
+    fork: bool = False  # the nodes forked from one parent (pdkv/forkserver.py)
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,13 @@ def load_arch(name: str, path: str | Path) -> ArchSpec:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{path}: {key} must be a positive integer, got {v!r}")
     shared = {k: v for k, v in data.items() if k not in _HARNESS_KEYS and k != "role"}
+    fork = data.get("fork", False)
+    if not isinstance(fork, bool):
+        raise ConfigError(f"{path}: fork must be true or false (the nodes forked from one parent that imported "
+                          f"torch and pdkv), got {fork!r}")
     if kind == "colocated":
-        return ArchSpec(name, str(path), kind, shared, {}, 0, 1)
-    return ArchSpec(name, str(path), kind, shared, sections, np_, nd)
+        return ArchSpec(name, str(path), kind, shared, {}, 0, 1, fork)
+    return ArchSpec(name, str(path), kind, shared, sections, np_, nd, fork)
 
 
 def builtin(name: str) -> ArchSpec:
@@ -84,7 +91,7 @@ def with_pd(spec: ArchSpec, pd: str | None, transport: str | None) -> ArchSpec:
         if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
             raise ConfigError(f"--pd must be P:D with positive counts (e.g. 1:1), got {pd!r}")
         np_, nd = int(a), int(b)
-    return ArchSpec(spec.name, spec.file, spec.kind, shared, spec.sections, np_, nd)
+    return ArchSpec(spec.name, spec.file, spec.kind, shared, spec.sections, np_, nd, spec.fork)
 
 
 def _merge(base: dict, over: dict) -> dict:

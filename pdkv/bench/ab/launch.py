@@ -43,7 +43,8 @@ class NodeProc:
         self.cfg_path.write_text(yaml.safe_dump(spec.config, sort_keys=False))
         self.log_path = workdir / f"{spec.name}.log"
         self.sets = sets
-        self.proc: subprocess.Popen | None = None
+        self.forks = None  # pdkv.forkserver.ForkServer: the node is forked from it, not exec'd
+        self.proc = None  # subprocess.Popen, or pdkv.forkserver.ForkedChild
         self.num_starts = 0
         self._pids_cache: tuple[int, float, list[int]] = (0, 0.0, [])
 
@@ -51,10 +52,14 @@ class NodeProc:
         cmd = [sys.executable, "-m", "pdkv", "serve", "-c", str(self.cfg_path), "--log-level", "warning"]
         cmd += [a for o in self.sets for a in ("--set", o)]
         log = open(self.log_path, "ab")
-        log.write(f"--- start {self.num_starts}: {' '.join(cmd)}\n".encode())
+        log.write(f"--- start {self.num_starts}{' (forked)' if self.forks else ''}: {' '.join(cmd)}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        if self.forks is not None:  # cmd[3:]: the pdkv arguments after `python -m pdkv`
+            log.close()
+            self.proc = self.forks.spawn(cmd[3:], dict(os.environ), str(self.log_path))
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
         self.num_starts += 1
 
     def alive(self) -> bool:
@@ -158,6 +163,7 @@ class Deployment:
             elif s.role == "decode":
                 m["prefill_peers"] = peers
             self.nodes.append(NodeProc(s, workdir, sets))
+        self.forks = None
 
     @property
     def api_nodes(self) -> list[NodeProc]:
@@ -174,7 +180,15 @@ class Deployment:
         """Start every node at once (decode nodes keep dialling their prefill peers for
         messenger.connect_timeout_s while those load), then wait until all are ready."""
         try:
+            if self.spec.fork:
+                from pdkv.forkserver import ForkError, ForkServer  # noqa: PLC0415
+
+                try:
+                    self.forks = ForkServer(timeout)
+                except ForkError as e:
+                    raise LaunchError(f"{self.spec.name}: the fork server did not start: {e}") from None
             for n in self.nodes:
+                n.forks = self.forks
                 n.start()
             for n in self.by_role("prefill") + self.api_nodes:
                 n.wait_ready(timeout)
@@ -185,9 +199,23 @@ class Deployment:
     def stop(self) -> None:
         for n in self.api_nodes + self.by_role("prefill"):  # decode first: it owns the requests
             n.stop()
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
 
     def pids(self) -> list[int]:
-        return [p for n in self.nodes for p in n.pids()]
+        """Every process of the architecture: its nodes' and the parent they were forked from
+        (whose imported pages the nodes share: its part of them is the architecture's too)."""
+        server = [self.forks.proc.pid] if self.forks is not None and self.forks.proc.poll() is None else []
+        return server + [p for n in self.nodes for p in n.pids()]
+
+    def pid_names(self) -> dict[int, str]:
+        """{pid: its node's name} (a node's own process; its descendants, TP ranks: name/pid)."""
+        out = {self.forks.proc.pid: "forkserver"} if self.forks is not None else {}
+        for n in self.nodes:
+            for i, p in enumerate(n.pids()):
+                out[p] = n.name if i == 0 else f"{n.name}/{p}"
+        return out
 
     def pools(self) -> dict[str, dict]:
         """{node: {"free": n, "total": n}} from every node's /health (None where unreachable)."""

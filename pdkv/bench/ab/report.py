@@ -28,6 +28,27 @@ def _table(rows: list[list[str]], head: list[str]) -> str:
     return "\n".join(out)
 
 
+def _memory_table(runs: list[dict]) -> list[str]:
+    """Who held what at each run's peak (resources.peak_memory): every process's PSS without the
+    /dev/shm files (its private part beside it), the files counted once, and the total against
+    colocated's in the same run (the cost of splitting the roles on one host)."""
+    mem = {r["arch"]: (r.get("resources") or {}).get("peak_memory") or {} for r in runs}
+    base = (mem.get("colocated") or {}).get("held_bytes")
+    rows = []
+    for arch, pm in mem.items():
+        if not pm:
+            continue
+        procs = ", ".join(f"{p['name']} {p['pss_bytes'] / 2**20:.0f} ({p['private_bytes'] / 2**20:.0f})"
+                          for p in pm["procs"])
+        ratio = f"{pm['held_bytes'] / base:.2f}x" if base else "–"
+        rows.append([arch, procs, f"{pm['shm_bytes'] / 2**20:.0f}", f"{pm['held_bytes'] / 2**20:.0f}", ratio])
+    if not rows:
+        return []
+    return ["", "memory at the peak (MiB): each process's PSS without /dev/shm files (its private bytes), "
+                "the /dev/shm files counted once, their sum, and that sum against colocated's", "",
+            _table(rows, ["arch", "process PSS (private)", "/dev/shm", "held", "vs colocated"])]
+
+
 def markdown(report: dict) -> str:
     t, m, slo = report["trace"], report["machine"], report["slo"]
     lines = [f"# A/B replay: {t['name']}", "",
@@ -86,6 +107,7 @@ def markdown(report: dict) -> str:
         lines += ["", _table(rows, ["arch", "ITL during prefills / quiet", "queue wait mean ms", "prefill queue mean ms", "KV MiB moved",
                                     "KV transfer mean ms", "peak RSS MiB", "energy", "client CPU ms/req / us/token",
                                     "send lag p99 ms", "pools back", "client~server"])]
+        lines += _memory_table(runs)
         if any(r.get("resources", {}).get("energy", {}).get("joules") is None and r.get("resources") for r in runs):
             lines.append("\n\\* CPU-seconds of the architecture's processes: a proxy for energy (no readable RAPL).")
         for r in runs:

@@ -4,8 +4,10 @@
   the replay (peak and mean), plus the weight bytes each node loads. RSS counts a page shared by
   two processes twice (shared weights, the shm transport's KV pool): the peak summed PSS (each
   shared page split among its users), with the /dev/shm files the processes hold counted whole
-  (``held_bytes``: PSS misses their untouched pages), is the memory the architecture really holds. Disaggregation keeps one
-  copy of the weights per node, so duplicated weight memory = (nodes - 1) x weight bytes.
+  (``held_bytes``: PSS misses their untouched pages), is the memory the architecture really holds;
+  ``peak_memory`` breaks that peak down per process (PSS without the /dev/shm files, private
+  bytes) with the files once. Disaggregation keeps one copy of the weights per node, so
+  duplicated weight memory = (nodes - 1) x weight bytes.
 * Energy: RAPL package counters (``/sys/class/powercap/intel-rapl:*/energy_uj``) when readable;
   they count the whole package, other processes included. Otherwise CPU-seconds consumed by the
   architecture's processes, labelled as a proxy (not joules). (GPU energy from NVML is not read
@@ -43,10 +45,8 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def shm_held(pid: int, files: dict) -> int:
-    """Adds to ``files`` ({(dev, inode): allocated bytes}) the /dev/shm files ``pid`` holds open;
-    returns the PSS of its mappings of files it holds (what ``held_bytes`` counts whole instead)."""
-    mine = set()
+def shm_files(pid: int, files: dict) -> None:
+    """Adds to ``files`` ({(dev, inode): allocated bytes}) the /dev/shm files ``pid`` holds open."""
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
@@ -56,15 +56,19 @@ def shm_held(pid: int, files: dict) -> int:
             except OSError:
                 continue
             files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-            mine.add(st.st_ino)
     except OSError:
-        return 0
+        pass
+
+
+def shm_mapped_pss(pid: int, inodes: set) -> int:
+    """The PSS of ``pid``'s mappings of the /dev/shm files ``inodes`` (what ``held_bytes`` counts
+    whole instead): whoever holds a file open, so a peer's granted pages mapped here count once."""
     pss, counted = 0, False
     try:
         for line in open(f"/proc/{pid}/smaps"):
             head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms off dev inode path
-                counted = len(head) == 6 and head[5].startswith("/dev/shm/") and int(head[4]) in mine
+                counted = len(head) == 6 and head[5].startswith("/dev/shm/") and int(head[4]) in inodes
             elif counted and head[0] == "Pss:":
                 pss += int(head[1]) * 1024
     except (OSError, ValueError, IndexError):
@@ -72,16 +76,38 @@ def shm_held(pid: int, files: dict) -> int:
     return pss
 
 
+def private_bytes(pid: int) -> int:
+    """Pages only this process maps (Private_Clean + Private_Dirty of smaps_rollup)."""
+    total = 0
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return 0
+    return total
+
+
+def held_breakdown(pids) -> dict:
+    """``held_bytes`` in its parts: ``procs``, per pid (in order) its PSS without the /dev/shm
+    files it holds and its private bytes, and those files' bytes counted whole and once
+    (``shm_bytes``)."""
+    files: dict = {}
+    for p in pids:
+        shm_files(p, files)
+    inodes = {ino for _, ino in files}
+    procs = [{"pid": p, "pss_bytes": pss_bytes(p) - shm_mapped_pss(p, inodes), "private_bytes": private_bytes(p)}
+             for p in pids]
+    shm = sum(files.values())
+    return {"procs": procs, "shm_bytes": shm, "held_bytes": shm + sum(v["pss_bytes"] for v in procs)}
+
+
 def held_bytes(pids) -> int:
     """The memory ``pids`` hold: their PSS, with the /dev/shm files they hold open counted whole
     and once. PSS counts a tmpfs page only in a process that touched it, but the shm transport
     allocates its files whole at registration (moving only the non-zero pages), so a KV pool
     there holds its memory whether or not any process has touched it yet."""
-    files: dict = {}
-    total = 0
-    for p in pids:
-        total += pss_bytes(p) - shm_held(p, files)
-    return total + sum(files.values())
+    return held_breakdown(pids)["held_bytes"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -113,8 +139,11 @@ class Sampler:
     """Samples RSS and CPU time of ``pids()`` in a thread; keeps the last CPU time seen per pid so a
     process killed mid-replay still counts what it used."""
 
-    def __init__(self, pids: Callable[[], list[int]], period: float = 0.25):
-        self._pids, self._period = pids, period
+    def __init__(self, pids: Callable[[], list[int]], period: float = 0.25,
+                 names: Callable[[], dict[int, str]] | None = None):
+        """``names()``: {pid: what it is} (a node's name) for the memory breakdown at the peak."""
+        self._pids, self._period, self._names = pids, period, names
+        self.peak_memory: dict = {}
         self._stop = threading.Event()
         self.peak_rss = self.peak_pss = self.peak_held = 0
         self._rss_sum, self._n = 0, 0
@@ -132,7 +161,12 @@ class Sampler:
     def _sample(self) -> None:
         total = pss = 0
         pids = self._pids()
-        held = held_bytes(pids)
+        parts = held_breakdown(pids)
+        held = parts["held_bytes"]
+        if held > self.peak_held:  # who held what at the peak (the memory table of the report)
+            names = self._names() if self._names else {}
+            self.peak_memory = {"shm_bytes": parts["shm_bytes"], "held_bytes": held,
+                                "procs": [{"name": names.get(v["pid"], str(v["pid"])), **v} for v in parts["procs"]]}
         for p in pids:
             total += rss_bytes(p)
             pss += pss_bytes(p)
@@ -157,7 +191,7 @@ class Sampler:
         wall = time.monotonic() - self._t0
         cpu = sum(self._cpu_last[p] - self._cpu0.get(p, 0.0) for p in self._cpu_last)
         out = {"peak_rss_bytes": self.peak_rss, "peak_pss_bytes": self.peak_pss, "peak_held_bytes": self.peak_held,
-               "mean_rss_bytes": self._rss_sum // max(1, self._n),
+               "peak_memory": self.peak_memory, "mean_rss_bytes": self._rss_sum // max(1, self._n),
                "cpu_seconds": cpu, "wall_seconds": wall}
         rapl1 = rapl_uj()
         if self._rapl0 and rapl1:

@@ -149,7 +149,7 @@ def _replay_once(opts: Options, name: str, p: Prepared, urls: list[str], dep: De
     if dep is not None:
         run["pools_before"] = dep.wait_pools_full(30.0)
         before = {n.name: scrape.scrape(n.url) for n in dep.nodes}
-        sampler = Sampler(dep.pids).start()
+        sampler = Sampler(dep.pids, names=dep.pid_names).start()
     label = f"{name}" + (f" @ {p.rate:g} req/s" if p.rate else "")
     bar, tick = _progress(opts, label, len(p.jobs))
     inj = None

@@ -54,3 +54,67 @@ def test_held_memory_counts_a_held_shm_file_whole_and_once():
     finally:
         os.close(fd)
     assert held_bytes([me]) - pss_bytes(me) < (1 << 20)
+
+
+def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp_path):
+    """Two real processes mapping one /dev/shm file: the breakdown lists both, the file once (its
+    whole allocation), and its parts add up to held_bytes; the report's memory table prints them
+    with the ratio against colocated's held bytes."""
+    import mmap
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from pdkv.bench.ab.report import _memory_table
+    from pdkv.bench.ab.resources import Sampler, held_breakdown, held_bytes
+
+    size = 16 << 20
+    fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+    child = None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        m = mmap.mmap(fd, size)
+        m[: size // 4] = b"\2" * (size // 4)
+        child = subprocess.Popen([sys.executable, "-c", f"import mmap,os,sys,time; m=mmap.mmap({fd}, 0); "
+                                  "m[:len(m)//4]; sys.stdout.write('ok\\n'); sys.stdout.flush(); time.sleep(60)"],
+                                 pass_fds=(fd,), stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "ok\n"
+        pids = [os.getpid(), child.pid]
+        parts = held_breakdown(pids)
+        assert [v["pid"] for v in parts["procs"]] == pids
+        assert parts["shm_bytes"] >= size  # the file once, whole, though both map it
+        assert parts["shm_bytes"] < 2 * size
+        assert parts["held_bytes"] == parts["shm_bytes"] + sum(v["pss_bytes"] for v in parts["procs"])
+        assert abs(held_bytes(pids) - parts["held_bytes"]) < (2 << 20)
+        for v in parts["procs"]:
+            assert 0 < v["private_bytes"] <= v["pss_bytes"] + (1 << 20)
+        s = Sampler(lambda: pids, period=0.05, names=lambda: {os.getpid(): "me", child.pid: "child"}).start()
+        time.sleep(0.2)
+        res = s.stop()
+        pm = res["peak_memory"]
+        assert sorted(p["name"] for p in pm["procs"]) == ["child", "me"] and pm["held_bytes"] == res["peak_held_bytes"]
+        half = {**pm, "held_bytes": pm["held_bytes"] // 2}
+        lines = _memory_table([{"arch": "colocated", "resources": {"peak_memory": half}},
+                               {"arch": "pair", "resources": {"peak_memory": pm}}])
+        row = next(line for line in "\n".join(lines).splitlines() if line.startswith("| pair "))
+        assert f"| {pm['held_bytes'] / half['held_bytes']:.2f}x |" in row and "child " in row and "me " in row
+        m.close()
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        os.close(fd)
+
+
+def test_disagg_shm_forks_its_nodes_and_a_bad_fork_value_is_named(tmp_path):
+    import pytest
+
+    from pdkv.config import ConfigError
+
+    assert A.builtin("disagg-shm").fork and not A.builtin("disagg").fork and not A.builtin("colocated").fork
+    assert A.with_pd(A.builtin("disagg-shm"), "1:2", "auto").fork
+    f = tmp_path / "bad.yaml"
+    f.write_text("kind: disagg\nfork: yes-please\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: fork must be true or false .* got 'yes-please'"):
+        A.load_arch("bad", f)
