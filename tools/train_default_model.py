@@ -78,7 +78,7 @@ class Recipe:
     intermediate_size: int = 384
     context: int = 256
     batch_size: int = 8
-    steps: int = 2600
+    steps: int = 2000
     lr: float = 5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 80
@@ -87,7 +87,7 @@ class Recipe:
     grad_clip: float = 1.0
     chat_fraction: float = 0.25  # share of the training tokens that are ChatML function samples
     threads: int = 1  # a shared machine: one thread is not starved by spinning on the other
-    eval_every: int = 200
+    eval_every: int = 250
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     # "newline-apart": every "\n" is a pre-token of its own, so a newline never merges with the
