@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     r = recipe_from(a.recipe, steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
+    if r.ship not in SHIP:
+        raise SystemExit(f"--recipe ship={r.ship}: expected one of {', '.join(SHIP)}")  # now, not after training
     device = pick_device(a.device)
     torch.set_num_threads(r.threads)
     random.seed(r.seed)
@@ -416,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     heldout_ids = heldout_windows(tok.encode(heldout_text).ids, r.context)
     stream, n_code, n_chat = token_stream(train_files, tok, r)
     val = validation_prompts(held_files, r.validation_prompts, r.seed)
-    if r.ship not in SHIP:
-        raise SystemExit(f"--recipe ship={r.ship}: expected one of {', '.join(SHIP)}")  # before training, not after
     print(f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(stream) / 1e6:.2f} M tokens "
           f"({n_code} code, {n_chat} chat); held-out {heldout_ids.numel()} tokens "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
