@@ -39,6 +39,26 @@ score from pdkv with token healing on and off.
 """
 
 
+def _validation(rec: dict) -> str:
+    v = rec.get("validation")
+    if not v:
+        return ""
+    n = len(v["prompts"]["line_end"]) + len(v["prompts"]["after_newline"])
+    curve = ", ".join(f"{step}: {a}+{b}" for step, a, b in v["evals"])
+    if v["rule"].startswith("validation"):
+        how = (f"the checkpoint whose greedy completions of {n} validation prompts parse most often (ties to "
+               f"the lower held-out loss): step {v['chosen_step']}")
+    else:
+        how = f"the last checkpoint, step {v['chosen_step']}"
+    return f"""
+The shipped weights are {how}. The validation prompts are one-line function headers
+(`def name(args):`, a method after its `class ...:` line) taken from the held-out files, half
+ending where the header's line ends and half after its newline, listed in `training.json`; the
+16 evaluation prompts play no part in the choice. Validation prompts parsing per checkpoint
+(step: line end + after newline, of {n // 2} + {n // 2}): {curve}.
+"""
+
+
 def model_card(rec: dict) -> str:
     r, c = rec["recipe"], rec["corpus"]
     return f"""---
@@ -96,7 +116,7 @@ Greedy completions are Python in the stdlib's voice — mostly docstrings, often
 working code. `tests/default_model` checks that completions of fixed code prompts parse as
 Python (cut at their last complete line) for most of them, and that untrained weights of the
 same shape fail that check.
-{_prompt_score(rec)}
+{_prompt_score(rec)}{_validation(rec)}
 ## License
 
 The training text is the Python standard library, © Python Software Foundation, under the

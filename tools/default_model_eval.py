@@ -62,11 +62,15 @@ def hf_complete(model, tokenizer, prompt: str, n: int = NEW_TOKENS) -> tuple[str
     return fast.decode(out, skip_special_tokens=True), bool(out) and out[-1] in eos
 
 
-def score(model, tokenizer) -> dict:
-    """{"line_end": k, "after_newline": k, "total": k, "parsed": {prompt: bool}}."""
+def score(model, tokenizer, groups: dict[str, list[str]] | None = None) -> dict:
+    """{group: k, ..., "total": k, "parsed": {prompt: bool}}: k prompts of each group parse.
+    ``groups`` defaults to the 16 evaluation prompts ({"line_end": ..., "after_newline": ...});
+    the trainer passes its validation prompts (from held-out files) the same way."""
     parsed = {}
     counts = {}
-    for group, prompts in eval_prompts().items():
+    for group, prompts in (eval_prompts() if groups is None else groups).items():
+        if not prompts:
+            raise ValueError(f"prompt group {group!r} is empty")
         ok = [parses(p, *hf_complete(model, tokenizer, p)) for p in prompts]
         parsed.update(zip(prompts, ok))
         counts[group] = sum(ok)

@@ -35,8 +35,10 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import time
 import zlib
@@ -52,10 +54,14 @@ from default_model_card import model_card, save_png  # noqa: E402 - beside this 
 from default_model_eval import score as prompt_score  # noqa: E402
 
 # Top-level stdlib entries left out: the test suite (half the stdlib, and odd code on purpose),
-# codec tables, generated doc strings and the 2to3 fixers' fixtures.
-EXCLUDE_TOP = {"test", "encodings", "pydoc_data", "lib2to3", "site-packages", "__phello__", "idlelib"}
+# codec tables, generated doc strings, the 2to3 fixers' fixtures, and tkinter: its hundreds of
+# near-identical `self.tk.call(...)` wrappers are what a small model learns to repeat, and
+# greedy completions of unrelated prompts looped on them.
+EXCLUDE_TOP = {"test", "encodings", "pydoc_data", "lib2to3", "site-packages", "__phello__", "idlelib",
+               "tkinter"}
 HELDOUT_MOD = 40  # a file is held out when crc32(its path) % HELDOUT_MOD == 0
 HELDOUT_CHARS = 24_000  # how much of the held-out files is shipped as heldout.txt
+SHIP = ("validation", "last")  # Recipe.ship's choices (pick_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class Recipe:
     intermediate_size: int = 384
     context: int = 256
     batch_size: int = 8
-    steps: int = 1300
+    steps: int = 2000
     lr: float = 5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 80
@@ -81,13 +87,19 @@ class Recipe:
     grad_clip: float = 1.0
     chat_fraction: float = 0.25  # share of the training tokens that are ChatML function samples
     threads: int = 1  # a shared machine: one thread is not starved by spinning on the other
-    eval_every: int = 100
+    eval_every: int = 250
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     # "newline-apart": every "\n" is a pre-token of its own, so a newline never merges with the
     # indentation after it and a prompt ending in "\n" ends on a token training saw before
     # indented lines too. "gpt2": the plain byte-level split ("\n    " one token).
     pre_tokenizer: str = "newline-apart"
+    # Which checkpoint is shipped. "validation": the one whose greedy completions of the
+    # validation prompts (function headers from the held-out files, never trained on) parse
+    # most often, ties to the lower held-out loss -- chosen without the 16 evaluation prompts,
+    # which would be choosing on the test set. "last": the end of the schedule.
+    ship: str = "validation"
+    validation_prompts: int = 64  # half end where the header's line ends, half after its newline
     extra: dict = field(default_factory=dict)
 
 
@@ -113,6 +125,56 @@ def split(files):
     held = [(r, t) for r, t in files if zlib.crc32(r.encode()) % HELDOUT_MOD == 0]
     train = [(r, t) for r, t in files if zlib.crc32(r.encode()) % HELDOUT_MOD != 0]
     return train, held
+
+
+def validation_prompts(held, n: int, seed: int) -> dict[str, list[str]]:
+    """Code prompts from the held-out files only: the one-line headers of their functions,
+    ``def name(args):`` (a method after its one-line ``class ...:`` header, indented), deduplicated,
+    shuffled with ``seed``; the first n/2 end where the header's line ends, the next n/2 after its
+    newline -- the two shapes of the evaluation prompts, on code the model never saw."""
+    if n < 2 or n % 2:
+        raise ValueError(f"Recipe.validation_prompts must be an even number >= 2, got {n}")
+    heads = set()
+    for rel, text in held:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+
+        def one_line(node) -> str | None:
+            line = lines[node.lineno - 1].strip()
+            # a header on one line, with a body on the lines after it (not `def f(): pass`)
+            return line if line.endswith(":") and node.body[0].lineno > node.lineno else None
+
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and one_line(node):
+                heads.add(one_line(node))
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef) or not one_line(cls):
+                continue
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and one_line(node):
+                    heads.add(f"{one_line(cls)}\n    {one_line(node)}")
+    heads = sorted(heads)
+    if len(heads) < n:
+        raise ValueError(f"the held-out files have {len(heads)} one-line function headers, "
+                         f"fewer than Recipe.validation_prompts={n}")
+    random.Random(seed).shuffle(heads)
+    return {"line_end": heads[:n // 2], "after_newline": [h + "\n" for h in heads[n // 2:n]]}
+
+
+def pick_checkpoint(checkpoints: list[dict], ship: str) -> dict:
+    """The checkpoint to ship from ``[{"step", "heldout_loss", "validation": {"total", ...}}]``:
+    "last" is the final one; "validation" the most validation prompts parsing, ties to the lower
+    held-out loss, then to the later step."""
+    if not checkpoints:
+        raise ValueError("no checkpoint to ship: training saved none")
+    if ship == "last":
+        return checkpoints[-1]
+    if ship == "validation":
+        return min(checkpoints, key=lambda c: (-c["validation"]["total"], c["heldout_loss"], -c["step"]))
+    raise ValueError(f"Recipe.ship: {ship!r} is not 'validation' or 'last'")
 
 
 def chat_samples(text: str) -> list[str]:
@@ -330,12 +392,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a Recipe field (repeatable), e.g. hidden_size=512 num_layers=8")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains; "
                     "the saved weights are scored on the CPU either way")
+    ap.add_argument("--checkpoints", default="", metavar="DIR",
+                    help="keep every checkpoint's folder here (default: a temporary folder, removed "
+                         "once the chosen one is copied to --out)")
     ap.add_argument("--trial", type=float, default=0.0,
                     help="only measure: train this many seconds, print tokens/s, write nothing")
     a = ap.parse_args(argv)
     import torch
 
     r = recipe_from(a.recipe, steps=a.steps, batch_size=a.batch_size, eval_every=a.eval_every)
+    if r.ship not in SHIP:
+        raise SystemExit(f"--recipe ship={r.ship}: expected one of {', '.join(SHIP)}")  # now, not after training
     device = pick_device(a.device)
     torch.set_num_threads(r.threads)
     random.seed(r.seed)
@@ -350,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     heldout_text = "".join(f"# file: {p}\n{t}\n" for p, t in held_files)[:HELDOUT_CHARS]
     heldout_ids = heldout_windows(tok.encode(heldout_text).ids, r.context)
     stream, n_code, n_chat = token_stream(train_files, tok, r)
+    val = validation_prompts(held_files, r.validation_prompts, r.seed)
     print(f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(stream) / 1e6:.2f} M tokens "
           f"({n_code} code, {n_chat} chat); held-out {heldout_ids.numel()} tokens "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
@@ -371,10 +439,6 @@ def main(argv: list[str] | None = None) -> int:
             n += b[:, :-1].numel()
         print(f"trial: {n / (time.perf_counter() - t0):.0f} tokens/s, loss {float(loss.detach()):.3f}")
         return 0
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    evals: list[tuple[int, float]] = []
-    prompt_evals: list[tuple[int, int, int]] = []  # (step, line_end parsing, after_newline parsing)
     base = dict(recipe=asdict(r), parameters=n_params, corpus=dict(
         python=sys.version.split()[0], stdlib=sysconfig.get_path("stdlib"), sha256=corpus_sha,
         excluded_top_level=sorted(EXCLUDE_TOP), heldout_rule=f"crc32(path) % {HELDOUT_MOD} == 0",
@@ -382,36 +446,74 @@ def main(argv: list[str] | None = None) -> int:
         train_chars=sum(len(t) for _, t in train_files), stream_tokens=int(len(stream)),
         code_tokens=n_code, chat_tokens=n_chat), heldout_chars=len(heldout_text), torch=torch.__version__,
         device=str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})")
+    out = Path(a.out)
+    if a.checkpoints:
+        ckpt_root, tmp = Path(a.checkpoints), None
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="pdkv-checkpoints-")
+        ckpt_root = Path(tmp.name)
+    try:
+        _train_and_ship(a, r, out, ckpt_root, model, tok, stream, heldout_text, heldout_ids, val, base)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    rec = model_card_numbers(out)
+    print(f"done: shipped step {rec['steps_done']} ({r.ship}); held-out loss of the saved bfloat16 weights "
+          f"{rec['heldout_loss']:.4f}; {rec['train_seconds'] / 60:.1f} min of training, "
+          f"{rec['train_tokens'] / 1e6:.2f} M tokens", flush=True)
+    return 0
+
+
+def _train_and_ship(a, r: Recipe, out: Path, ckpt_root: Path, model, tok, stream, heldout_text, heldout_ids,
+                    val: dict[str, list[str]], base: dict) -> None:
+    """Trains, saving every checkpoint as its own folder under ``ckpt_root`` (scored on the
+    held-out loss, the validation prompts and -- reported, never used to choose -- the 16
+    evaluation prompts), then copies the one ``Recipe.ship`` picks to ``out``."""
+    evals: list[tuple[int, float]] = []
+    prompt_evals: list[tuple[int, int, int]] = []  # (step, line_end parsing, after_newline parsing)
+    val_evals: list[tuple[int, int, int]] = []  # the same on the validation prompts
+    saved: list[dict] = []
 
     def checkpoint(step, curve, train_s, tokens) -> float:
         t = time.perf_counter()
+        folder = ckpt_root / f"step-{step:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
         record = dict(base, steps_done=step, train_tokens=tokens, train_seconds=round(train_s, 1),
-                      final_train_loss=round(sum(curve[-50:]) / len(curve[-50:]), 4), evals=list(evals))
-        h, shipped = write_folder(out, model, tok, heldout_text, record)
+                      final_train_loss=round(sum(curve[-50:]) / len(curve[-50:]), 4))
+        h, shipped = write_folder(folder, model, tok, heldout_text, record)
         evals.append((step, round(h, 5)))
-        record["evals"] = list(evals)
-        # the code prompts, scored on the saved weights too: the held-out loss alone does not say
-        # whether completions after a newline read as Python
+        v = prompt_score(shipped, tok, groups=val)
+        val_evals.append((step, v["line_end"], v["after_newline"]))
+        # the evaluation prompts too, for the record: the held-out loss alone does not say
+        # whether completions read as Python (the choice of checkpoint uses the validation only)
         s = prompt_score(shipped, tok)
         prompt_evals.append((step, s["line_end"], s["after_newline"]))
-        record["prompt_evals"] = list(prompt_evals)
-        (out / "training.json").write_text(json.dumps(dict(record, heldout_loss=round(h, 5),
-                                                           prompt_score=s,
-                                                           heldout_tokens=int(heldout_ids.numel()),
-                                                           weights_bytes=(out / "model.safetensors").stat().st_size),
-                                                      indent=2) + "\n")
-        (out / "README.md").write_text(model_card(json.loads((out / "training.json").read_text())))
-        if a.loss_png:
-            save_png(Path(a.loss_png), curve, evals, r)
-        print(f"saved {out} at step {step}: prompts parse {s['line_end']}/8 line end, "
-              f"{s['after_newline']}/8 after newline ({time.perf_counter() - t:.0f} s)", flush=True)
+        record.update(heldout_loss=round(h, 5), heldout_tokens=int(heldout_ids.numel()),
+                      weights_bytes=(folder / "model.safetensors").stat().st_size, prompt_score=s,
+                      validation_score={k: v[k] for k in ("line_end", "after_newline", "total")})
+        (folder / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        saved.append(dict(step=step, heldout_loss=h, validation=v, folder=folder))
+        print(f"saved {folder} at step {step}: validation prompts parse {v['line_end']}+{v['after_newline']}"
+              f"/{len(val['line_end']) + len(val['after_newline'])}, evaluation prompts {s['line_end']}/8 "
+              f"line end + {s['after_newline']}/8 after newline ({time.perf_counter() - t:.0f} s)", flush=True)
         return h
 
-    train(model, stream, r, checkpoint)
-    rec = model_card_numbers(out)
-    print(f"done: held-out loss of the saved bfloat16 weights {rec['heldout_loss']:.4f}; "
-          f"{rec['train_seconds'] / 60:.1f} min of training, {rec['train_tokens'] / 1e6:.2f} M tokens", flush=True)
-    return 0
+    curve = train(model, stream, r, checkpoint)
+    best = pick_checkpoint(saved, r.ship)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in best["folder"].iterdir():
+        shutil.copyfile(f, out / f.name)
+    rec = json.loads((out / "training.json").read_text())
+    rec.update(evals=evals, prompt_evals=prompt_evals, validation=dict(
+        rule=f"{r.ship}: " + ("most validation prompts parsing, ties to the lower held-out loss"
+                              if r.ship == "validation" else "the last checkpoint"),
+        prompts=val, evals=val_evals, chosen_step=best["step"]))
+    (out / "training.json").write_text(json.dumps(rec, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(rec))
+    if a.loss_png:
+        save_png(Path(a.loss_png), curve, evals, r)
+    print(f"shipped step {best['step']} to {out}", flush=True)
 
 
 if __name__ == "__main__":
