@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except drive.AiperfError as e:
         print(f"pdkv bench peers: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the finally blocks have stopped every server by now
+        print("pdkv bench peers: interrupted; every server it started is stopped", file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, old)
     print(text)

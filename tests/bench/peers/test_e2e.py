@@ -17,9 +17,11 @@ import yaml
 from pdkv.bench.peers.cli import main
 
 pytestmark = pytest.mark.slow  # four pdkv servers started one after another
+
 TRACE = Path(__file__).resolve().parents[1] / "ab" / "data" / "mooncake_conversation_600s.jsonl"
 
 
+@pytest.mark.timeout(600)  # with AIPerf: its 8 runs start ~20 s each
 def test_interleaved_rounds_against_a_standin_peer(tiny_model_dir, tmp_path):
     aiperf = os.environ.get("PDKV_TEST_AIPERF")
     client = ["--aiperf", aiperf] if aiperf else []
