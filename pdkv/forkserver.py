@@ -95,12 +95,14 @@ def _child(req: dict, parents: list) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         import random  # noqa: PLC0415 - a fork copies the parent's generator: each child its own
+        import runpy  # noqa: PLC0415
 
         random.seed()
-        from pdkv.cli import main  # noqa: PLC0415 - imported already (PRELOAD)
-
+        # what `python -m pdkv ARGV` would run, by name as an exec would (its modules are imported
+        # already, PRELOAD); it ends in SystemExit with the command's status
         sys.argv = ["pdkv", *req["argv"]]
-        rc = main(req["argv"])
+        runpy.run_module("pdkv", run_name="__main__", alter_sys=True)
+        rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child must exit here whatever happened, with its traceback
