@@ -168,6 +168,9 @@ def serve(fd: int) -> int:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            if num_threads() != 1:  # nothing here starts one, but a fork beside one is never safe
+                sock.sendall((json.dumps({"error": f"the fork server runs {num_threads()} threads"}) + "\n").encode())
+                continue
             pid = os.fork()
             if pid == 0:
                 _child(req, [sel, sock, r, w])
