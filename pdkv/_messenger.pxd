@@ -92,6 +92,7 @@ cdef extern from "shm.h" nogil:
         const char *dir
         const char *fault_host_id
         uint32_t fault_fail_maps
+        uint32_t lazy_alloc
 
 cdef extern from "auto.h" nogil:
     ctypedef struct pdkv_auto_opts:

@@ -193,6 +193,7 @@ cdef class Messenger:
             keep.append(options.fault_host_id.encode())
             shm.fault_host_id = keep[-1]
             shm.fault_fail_maps = options.fault_fail_maps
+            shm.lazy_alloc = 0 if options.preallocate else 1
             opts = &shm
         if cls is _transports.AutoOptions:
             auto.tcp = tcp

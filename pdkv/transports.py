@@ -228,10 +228,12 @@ class ShmOptions:
     dir: str = "/dev/shm"
     fault_host_id: str = ""  # fault injection (tests): the boot id our connection info claims
     fault_fail_maps: int = 0  # fault injection (tests): the next N grants peers send fail to map
+    preallocate: bool = True  # a region's file allocated whole at registration (messenger.shm_preallocate)
 
     @classmethod
     def from_config(cls, ms, where) -> ShmOptions:
-        return cls(dir=ms.shm_dir, fault_host_id=ms.fault_shm_host_id, fault_fail_maps=ms.fault_shm_fail_maps)
+        return cls(dir=ms.shm_dir, fault_host_id=ms.fault_shm_host_id, fault_fail_maps=ms.fault_shm_fail_maps,
+                   preallocate=ms.shm_preallocate)
 
     @staticmethod
     def listeners(ms) -> dict[str, str]:
@@ -254,12 +256,13 @@ class AutoOptions:
     dir: str = "/dev/shm"
     fault_host_id: str = ""  # fault injection, as ShmOptions'
     fault_fail_maps: int = 0
+    preallocate: bool = True  # as ShmOptions'
 
     @classmethod
     def from_config(cls, ms, where) -> AutoOptions:
         shm = ShmOptions.from_config(ms, where)
         return cls(tcp=TcpOptions.from_config(ms, where), dir=shm.dir, fault_host_id=shm.fault_host_id,
-                   fault_fail_maps=shm.fault_fail_maps)
+                   fault_fail_maps=shm.fault_fail_maps, preallocate=shm.preallocate)
 
     @staticmethod
     def listeners(ms) -> dict[str, str]:

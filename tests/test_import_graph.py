@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.control_handshake",),  # opening a control connection (TLS, authentication, HELLO)
     ("pdkv.control_wire",),  # control frames, HELLO and the control errors
     ("pdkv.shard",),  # pure planning over KV geometries (a KV cache describes itself as one)
-    ("pdkv.detokenizer", "pdkv.tokenizer_healing", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls"),
+    ("pdkv.detokenizer", "pdkv.tokenizer_healing", "pdkv.tiny_model", "pdkv.topo", "pdkv.tls", "pdkv.forkserver"),
+    # forkserver: the parent role processes are forked from (it runs `python -m pdkv` in them by name)
     ("pdkv.config", "pdkv.env", "pdkv.errors", "pdkv._messenger", "pdkv._kernels", "pdkv.auth", "pdkv.ports", "pdkv.app_thread", "pdkv"),  # leaves
     ("pdkv.cpus", "pdkv.transports"),  # CPU-list parsing and pinning (the config validates parallel.cpus
     # with it); the transports' options and capabilities (the config, the staging choice and the

@@ -142,6 +142,10 @@ class MessengerConfig:
     # shm: where the decode node's registered memory is made shared (an unnamed file; its free
     # space is checked at start). Prefill peers map only their granted pages of it.
     shm_dir: str = "/dev/shm"
+    # shm: the decode node's pool file allocated whole at start (true: a full shm_dir fails the
+    # start, never a request), or as its pages are first used (false: only what is used costs
+    # memory, but a shm_dir that fills up meanwhile kills the node with SIGBUS at that first use)
+    shm_preallocate: bool = True
     # fault injection (tests only): the boot id this node's shm connection info claims (a peer
     # that says it is on the host but is not), and how many grants of peers fail to map here
     fault_shm_host_id: str = ""

@@ -301,7 +301,7 @@ static int s_reg(pdkv_transport *bt, void *addr, uint64_t len, uint64_t *key) {
     shm_t *t = (shm_t *)bt;
     shm_file f;
     if (!len) return serr(-EINVAL, "shm: cannot register an empty region");
-    int rc = pdkv_shm_share(t->dir, addr, len, &f, tls_err, sizeof tls_err);
+    int rc = pdkv_shm_share(t->dir, (int)t->lazy_alloc, addr, len, &f, tls_err, sizeof tls_err);
     if (rc < 0) return rc;
     pthread_mutex_lock(&t->mu);
     if (t->num_files == SHM_MAX_FDS) rc = serr(-ENOSPC, "shm: at most %d registered regions", SHM_MAX_FDS);
@@ -849,6 +849,7 @@ pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, cha
     if (opts && opts->fault_host_id && *opts->fault_host_id)
         snprintf(t->host, sizeof t->host, "%s", opts->fault_host_id);
     t->fault_fail_maps = opts ? opts->fault_fail_maps : 0;
+    t->lazy_alloc = opts ? opts->lazy_alloc : 0;
     pthread_mutex_init(&t->mu, NULL);
     for (uint32_t i = 0; i < SHM_MAX_CONNS; i++) {
         pthread_mutex_init(&t->conns[i].out_mu, NULL);

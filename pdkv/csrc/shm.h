@@ -14,6 +14,10 @@ typedef struct pdkv_shm_opts {
      * to map (as a full address space or a vanished file would) */
     const char *fault_host_id;
     uint32_t fault_fail_maps;
+    /* 0: a registered region's file is allocated whole at registration (a full dir fails then,
+     * never later); 1: as its pages are first touched (only what is used costs memory, but a dir
+     * that fills meanwhile makes that first touch a SIGBUS). Its free space is checked either way. */
+    uint32_t lazy_alloc;
 } pdkv_shm_opts;
 
 pdkv_transport *pdkv_shm_create(uint64_t node_id, const pdkv_shm_opts *opts, char *err, size_t errlen);

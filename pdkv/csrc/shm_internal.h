@@ -97,12 +97,13 @@ typedef struct shm_t {
     uint64_t refused_writes, refused_conns;
     uint64_t copied_writes, copied_bytes, shared_writes; /* atomics */
     uint32_t fault_fail_maps; /* fault injection: grants still to fail mapping (pdkv_shm_opts) */
+    uint32_t lazy_alloc;      /* pdkv_shm_opts.lazy_alloc */
 } shm_t;
 
 /* Make [addr, addr+len) (page-rounded) memory of shared files: f->seg (fds owned by the caller).
  * Private anonymous memory is moved onto a new unnamed file in `dir` in place (its bytes kept;
- * `dir`'s free space checked first); shared mappings are reopened. */
-int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char *why, size_t n);
+ * `dir`'s free space checked first; allocated whole unless `lazy`); shared mappings are reopened. */
+int pdkv_shm_share(const char *dir, int lazy, void *addr, uint64_t len, shm_file *f, char *why, size_t n);
 /* This host's identity (the kernel's boot id) into out. */
 void pdkv_shm_host_id(char *out, size_t n);
 uint64_t pdkv_shm_page(void);

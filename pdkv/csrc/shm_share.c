@@ -57,7 +57,7 @@ static int all_zero(const uint8_t *p, uint64_t n) {
 }
 
 /* Move the private anonymous pages [a0, a1) onto a new unnamed file in dir, in place. */
-static int move_anon(const char *dir, uint64_t a0, uint64_t a1, shm_seg *sg, char *why, size_t n) {
+static int move_anon(const char *dir, int lazy, uint64_t a0, uint64_t a1, shm_seg *sg, char *why, size_t n) {
     const uint64_t pg = pdkv_shm_page(), size = a1 - a0;
     struct statvfs sv;
     if (statvfs(dir, &sv) < 0)
@@ -69,8 +69,9 @@ static int move_anon(const char *dir, uint64_t a0, uint64_t a1, shm_seg *sg, cha
                            dir, (unsigned long long)avail, (unsigned long long)size);
     int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600); /* unnamed: gone with its last user */
     if (fd < 0) return pdkv_seterr(why, n, -errno, "shm: unnamed file in %s: %s", dir, strerror(errno));
-    /* every page now: a full /dev/shm is this error at start, never a SIGBUS while serving */
-    int frc = ftruncate(fd, (off_t)size) < 0 ? errno : posix_fallocate(fd, 0, (off_t)size);
+    /* every page now: a full /dev/shm is this error at start, never a SIGBUS while serving
+     * (lazy: the caller chose pages allocated as they are first touched, and that risk) */
+    int frc = ftruncate(fd, (off_t)size) < 0 ? errno : lazy ? 0 : posix_fallocate(fd, 0, (off_t)size);
     if (frc) {
         close(fd);
         return pdkv_seterr(why, n, -frc, "shm: %s: allocating %llu bytes (%llu were free): %s", dir,
@@ -100,7 +101,7 @@ static int anon_rw(const vma *v) {
            (!v->path[0] || !strcmp(v->path, "[heap]"));
 }
 
-int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char *why, size_t n) {
+int pdkv_shm_share(const char *dir, int lazy, void *addr, uint64_t len, shm_file *f, char *why, size_t n) {
     const uint64_t pg = pdkv_shm_page();
     uint64_t a0 = (uint64_t)addr & ~(pg - 1), a1 = ((uint64_t)addr + len + pg - 1) & ~(pg - 1);
     vma v[64];
@@ -144,7 +145,7 @@ int pdkv_shm_share(const char *dir, void *addr, uint64_t len, shm_file *f, char 
             int j = i;
             while (j < k && anon_rw(&v[j])) j++;
             uint64_t s1 = v[j - 1].end < a1 ? v[j - 1].end : a1;
-            rc = move_anon(dir, s0, s1, sg, why, n);
+            rc = move_anon(dir, lazy, s0, s1, sg, why, n);
             i = j;
         }
         if (!rc) f->nseg++;

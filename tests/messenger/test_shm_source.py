@@ -139,3 +139,45 @@ def test_shared_pages_over_a_source_land_in_the_receiver_and_come_back_zeroed():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "auto"])
+def test_preallocate_off_allocates_the_file_as_its_pages_are_touched(kind):
+    """messenger.shm_preallocate false: a registered region's file has no pages until they are
+    used (read from its allocated blocks), its bytes kept, and a grant of it still maps and lands."""
+    opts = {"shm": ShmOptions, "auto": AutoOptions}[kind]
+    a, b = Messenger(kind, 51, opts()), Messenger(kind, 52, opts(preallocate=False))
+    same = {"same_host": True} if kind == "auto" else {}
+    try:
+        ca, ia = a.prepare(52, **same)
+        cb, ib = b.prepare(51, **same)
+        a.complete(ca, ib)
+        b.complete(cb, ia)
+        dst_mm = _untouched(POOL)
+        dst = np.frombuffer(dst_mm, dtype=np.uint8)
+        dst[:PAGE] = 3  # one page with bytes before registering: kept
+        rkey = b.register_address(dst.ctypes.data, POOL)
+        assert _mapping(dst.ctypes.data)[0].startswith("/dev/shm/")
+        assert _shm_file_bytes(dst.ctypes.data) < POOL // 16  # not allocated whole
+        assert (dst[:PAGE] == 3).all()
+        src_mm = _untouched(4 * PAGE)
+        src = np.frombuffer(src_mm, dtype=np.uint8)
+        src[:] = 0x77
+        lkey = a.register_address(src.ctypes.data, 4 * PAGE, source_only=True)
+        wkey = b.grant_range(rkey, 51, 8 * PAGE, 4 * PAGE)
+        b.expect(5, 1)
+        a.write(ca, lkey, 0, wkey, 8 * PAGE, 4 * PAGE, imm=5)
+        assert any(e.kind == "imm_done" for e in _wait(b, "imm_done"))
+        assert (dst[8 * PAGE:12 * PAGE] == 0x77).all()
+        assert _shm_file_bytes(dst.ctypes.data) < POOL // 16
+        plain = Messenger(kind, 53, opts())  # the default: allocated whole at registration
+        try:
+            mm = _untouched(POOL)
+            buf = np.frombuffer(mm, dtype=np.uint8)
+            plain.register_address(buf.ctypes.data, POOL)
+            assert _shm_file_bytes(buf.ctypes.data) >= POOL
+        finally:
+            plain.close()
+    finally:
+        a.close()
+        b.close()
