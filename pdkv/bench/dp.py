@@ -7,6 +7,9 @@ time of those steps) and prefill tokens/s (prompt tokens to every first token). 
 the all-to-all's share of a decode step: the ranks' seconds inside the dispatcher's collectives
 over the decode time (mean of the ranks). Two TP1 engines run as two processes at once, each its
 own B requests; their tokens/s add up. The model is the same folder for every system.
+
+``--dp N --tp M --ep`` (``run_tp``): the tp x dp group (N DP ranks, each TP-M) against a DP-EP
+group of N*M ranks and a TP-(N*M) engine: the same N*M one-thread processes, the same N*B requests.
 """
 
 from __future__ import annotations
@@ -69,14 +72,33 @@ def single(argv: list[str]) -> int:
     return 0
 
 
-def run(args) -> int:
-    from pdkv.bench._moe import make_moe_model
+def _group(m, kv, s, n: int, tp: int, prompts, T: int) -> dict:
+    """A DP-EP group of n ranks, each a TP-``tp`` engine, one thread per process; the prompts
+    spread evenly over the ranks."""
     from pdkv.config import ParallelConfig
     from pdkv.dp.group import DPGroup
-    from pdkv.engine import LLMEngine
+
+    g = DPGroup(m, kv, s, ParallelConfig(dp=n, tp=tp, ep=True, timeout_s=600.0), num_threads=1)
+    try:
+        _drive(g, prompts[:n], 2, ranks=list(range(n)))  # warm-up
+        before = g.load()["ranks"]
+        pre, dec = _drive(g, prompts, T, ranks=[i % n for i in range(len(prompts))])
+        after = g.load()["ranks"]
+    finally:
+        g.close()
+    comm = sum(a["comm_s"] - x["comm_s"] for a, x in zip(after, before)) / n
+    P = len(prompts[0])
+    return {"prefill_tok_s": len(prompts) * P / pre, "decode_tok_s": len(prompts) * (T - 1) / dec,
+            "a2a_s_per_rank": comm, "a2a_share": comm / (pre + dec)}
+
+
+def run(args) -> int:
+    from pdkv.bench._moe import make_moe_model
 
     if not args.ep:
         raise SystemExit("--dp needs --ep: data-parallel ranks share the MoE layers by expert parallelism")
+    if args.tp > 1:
+        return run_tp(args)
     kind = args.model_kind if args.model_kind != "llama" else "qwen3_moe"
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_moe_model(kind, Path(tmp) / kind))
@@ -88,25 +110,8 @@ def run(args) -> int:
             row = {"B_per_rank": b, "ranks": n}
             prompts = _prompts(n * b, P, 32000 if args.model is None else 1000, 0)
             # DP-EP: n ranks of one thread each, requests spread evenly.
-            g = DPGroup(m, kv, s, ParallelConfig(dp=n, ep=True, timeout_s=600.0), num_threads=1)
-            try:
-                _drive(g, prompts[:n], 2, ranks=list(range(n)))  # warm-up
-                before = g.load()["ranks"]
-                pre, dec = _drive(g, prompts, T, ranks=[i % n for i in range(n * b)])
-                after = g.load()["ranks"]
-            finally:
-                g.close()
-            comm = sum(a["comm_s"] - x["comm_s"] for a, x in zip(after, before)) / n
-            row["dp_ep"] = {"prefill_tok_s": n * b * P / pre, "decode_tok_s": n * b * (T - 1) / dec,
-                            "a2a_s_per_rank": comm, "a2a_share": comm / (pre + dec)}
-            # TP-n: one engine, n ranks of one thread.
-            eng = LLMEngine(m, kv, s, num_threads=n, parallel=ParallelConfig(tp=n, timeout_s=600.0))
-            try:
-                _drive(eng, prompts[:1], 2)
-                pre, dec = _drive(eng, prompts, T)
-            finally:
-                eng.close()
-            row[f"tp{n}"] = {"prefill_tok_s": n * b * P / pre, "decode_tok_s": n * b * (T - 1) / dec}
+            row["dp_ep"] = _group(m, kv, s, n, 1, prompts, T)
+            row[f"tp{n}"] = _tp_engine(m, kv, s, n, prompts, T)  # one engine, n ranks of one thread
             # n independent TP1 engines at once, one thread each, b requests each.
             env = dict(os.environ)
             procs = [subprocess.Popen([sys.executable, "-m", "pdkv.bench.dp", "single", model, str(b), str(P), str(T),
@@ -116,19 +121,64 @@ def run(args) -> int:
                                 "decode_tok_s": sum(b * (T - 1) / o["decode_s"] for o in outs)}
             results.append(row)
             print(json.dumps(row), flush=True)
-        load = os.getloadavg()
-        print(f"\nDP{n}-EP vs TP{n} vs {n}x TP1 ({kind}, prompt {P}, {T} new tokens, one thread per rank; "
-              f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f})")
-        print(f"{'B/rank':>6} | {'DP-EP dec tok/s':>15} | {f'TP{n} dec':>9} | {f'{n}xTP1 dec':>10} | "
-              f"{'DP/TP':>6} | {'DP/indep':>8} | {'a2a share':>9}")
-        for r in results:
-            d, t, i = r["dp_ep"], r[f"tp{n}"], r[f"{n}x_tp1"]
-            print(f"{r['B_per_rank']:>6} | {d['decode_tok_s']:>15.1f} | {t['decode_tok_s']:>9.1f} | "
-                  f"{i['decode_tok_s']:>10.1f} | {d['decode_tok_s'] / t['decode_tok_s']:>6.2f} | "
-                  f"{d['decode_tok_s'] / i['decode_tok_s']:>8.2f} | {d['a2a_share']:>8.0%}")
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"rows": results, "loadavg": load, "kind": kind}, indent=1))
+        _report(args.out, f"DP{n}-EP vs TP{n} vs {n}x TP1 ({kind}, prompt {P}, {T} new tokens, one thread per rank",
+                results, kind, "B_per_rank", "dp_ep", [f"tp{n}", f"{n}x_tp1"])
+    return 0
+
+
+def _report(out: str, title: str, results: list, kind: str, bkey: str, main: str, others: list) -> None:
+    """Prints decode tok/s of ``main`` and ``others`` per B, ``main`` over each, its all-to-all
+    share, with the load average now; writes the rows to ``out`` (JSON)."""
+    load = os.getloadavg()
+    print(f"\n{title}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f})")
+    print(" | ".join([f"{bkey:>13}", f"{main + ' dec tok/s':>16}", *(f"{o:>9}" for o in others),
+                      *(f"{'/' + o:>9}" for o in others), "a2a share"]))
+    for r in results:
+        d = r[main]["decode_tok_s"]
+        print(" | ".join([f"{r[bkey]:>13}", f"{d:>16.1f}", *(f"{r[o]['decode_tok_s']:>9.1f}" for o in others),
+                          *(f"{d / r[o]['decode_tok_s']:>9.2f}" for o in others), f"{r[main]['a2a_share']:>8.0%}"]))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"rows": results, "loadavg": load, "kind": kind}, indent=1))
+
+
+def _tp_engine(m, kv, s, tp: int, prompts, T: int) -> dict:
+    from pdkv.config import ParallelConfig
+    from pdkv.engine import LLMEngine
+
+    eng = LLMEngine(m, kv, s, num_threads=tp, parallel=ParallelConfig(tp=tp, timeout_s=600.0))
+    try:
+        _drive(eng, prompts[:1], 2)
+        pre, dec = _drive(eng, prompts, T)
+    finally:
+        eng.close()
+    return {"prefill_tok_s": len(prompts) * len(prompts[0]) / pre, "decode_tok_s": len(prompts) * (T - 1) / dec}
+
+
+def run_tp(args) -> int:
+    """``--dp N --tp M --ep``: the tp x dp group (N DP ranks of M TP processes) against a pure
+    DP-EP group of N*M ranks and one TP-(N*M) engine: the same N*M processes of one thread each and
+    the same N*B requests (B per DP rank of the tp x dp group)."""
+    from pdkv.bench._moe import make_moe_model
+
+    kind = args.model_kind if args.model_kind != "llama" else "qwen3_moe"
+    n, tp, P, T = args.dp, args.tp, args.prompt_len, args.new_tokens
+    procs = n * tp
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_moe_model(kind, Path(tmp) / kind))
+        results = []
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            m, kv, s = _configs(model, b, P, T)
+            prompts = _prompts(n * b, P, 32000 if args.model is None else 1000, 0)
+            row = {"B_per_dp_rank": b, "dp": n, "tp": tp,
+                   "dp_tp": _group(m, kv, s, n, tp, prompts, T),
+                   f"dp{procs}_ep": _group(m, kv, s, procs, 1, prompts, T),
+                   f"tp{procs}": _tp_engine(m, kv, s, procs, prompts, T)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        _report(args.out, f"DP{n}xTP{tp}-EP vs DP{procs}-EP vs TP{procs} ({kind}, prompt {P}, {T} new tokens, "
+                f"{n}*B requests, one thread per process", results, kind, "B_per_dp_rank", "dp_tp",
+                [f"dp{procs}_ep", f"tp{procs}"])
     return 0
 
 

@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --ep: a DP-EP group of this many ranks vs TP of as many vs as many TP1 engines "
                          "(pdkv/bench/dp.py; MoE model kinds only)")
     ap.add_argument("--ep", action="store_true", help="expert parallelism across the --dp ranks")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="with --dp and --ep: each DP rank a TP group of this many (tp x dp) vs DP-EP and TP "
+                         "over as many processes")
     a = ap.parse_args(argv)
     if a.dp > 1 or a.ep:
         from pdkv.bench.dp import run  # noqa: PLC0415

@@ -1,5 +1,6 @@
 """A data-parallel group with expert parallelism (``parallel: {dp: N, ep: true}``): N rank
-processes (``python -m pdkv.dp.rank``), each with its own engine (scheduler, paged latent KV
+processes (``python -m pdkv.dp.rank``; with ``tp: M`` each a TP-M engine over M - 1 lane
+followers of its own, pdkv/dp/lane.py), each with its own engine (scheduler, paged latent KV
 cache, prefix cache, requests), attention and dense layers run on its own tokens, and every MoE
 layer's routed experts shared by all ranks through an all-to-all (pdkv/dp/dispatch.py). This
 object is the group's front: it places each request on a rank (pdkv/dp/placement.py), steps all
@@ -102,7 +103,6 @@ class DPGroup:
             config_json = Path(model.path) / "config.json"
             check_dp_model(parallel, read_json(config_json), str(config_json))
         self.size = n = parallel.dp
-        self.tp_size = parallel.tp  # each rank's TP degree (tp x dp): n * tp processes
         self.role = role
         self.timeout_s, self.startup_timeout_s = parallel.timeout_s, parallel.startup_timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -507,7 +507,7 @@ class DPGroup:
             left = [r for r in left if r not in out]
         return out
 
-    def _diagnose(self, silent: list[int], lost: dict[int, str]) -> None:
+    def _diagnose(self, silent: list[int], lost: dict[int, tuple]) -> None:
         """After a failed step: a rank that exited, or one whose TP follower exited (tp x dp), or
         else one that never answered, is the cause (the others' all-to-alls failed because of
         it), so the group's error names it; an exited process gets a moment to be reaped."""

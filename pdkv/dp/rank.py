@@ -13,7 +13,9 @@ and ("ready", info) or ("error", traceback text).
 
 A step is lock-step: every rank gets ("step") for every group step and runs exactly one forward
 pass: its engine's, or, when its scheduler has nothing to compute (no requests, or only ones
-waiting), a dummy one that joins every MoE layer's all-to-all with zero tokens.
+waiting), a dummy one that joins every MoE layer's all-to-all with zero tokens. With
+``parallel.tp`` > 1 (tp x dp) the engine is a TP engine whose followers are this rank's lanes
+(pdkv/dp/lane.py); its ExpertGroup announces every forward, dummies too, to them.
 """
 
 from __future__ import annotations
