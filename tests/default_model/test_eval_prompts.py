@@ -14,7 +14,7 @@ from _cluster import make_engine, node_config
 # Of 16. The issue asked for 12; the shipped 1.7 M-parameter model parses 7 with healing off
 # and on (its misses are docstrings and calls still open after 64 tokens, not the boundary:
 # 3 of the 8 prompts ending after a newline parse, against 0 for the model before it).
-WANT = 6
+WANT = 10
 
 
 @pytest.mark.slow  # generates with the default model: ~30 s
