@@ -62,6 +62,9 @@ EXCLUDE_TOP = {"test", "encodings", "pydoc_data", "lib2to3", "site-packages", "_
 HELDOUT_MOD = 40  # a file is held out when crc32(its path) % HELDOUT_MOD == 0
 HELDOUT_CHARS = 24_000  # how much of the held-out files is shipped as heldout.txt
 SHIP = ("validation", "last")  # Recipe.ship's choices (pick_checkpoint)
+# The block openers of the validation prompts: compound statements whose body is indented below
+BLOCKS = (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.If)
+BLOCK_SPAN = 6  # at most this many lines from a function's header to the block opener
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,11 @@ class Recipe:
     # indented lines too. "gpt2": the plain byte-level split ("\n    " one token).
     pre_tokenizer: str = "newline-apart"
     # Which checkpoint is shipped. "validation": the one whose greedy completions of the
-    # validation prompts (function headers from the held-out files, never trained on) parse
+    # validation prompts (headers and block openers from the held-out files, never trained on) parse
     # most often, ties to the lower held-out loss -- chosen without the 16 evaluation prompts,
     # which would be choosing on the test set. "last": the end of the schedule.
     ship: str = "validation"
-    validation_prompts: int = 64  # half end where the header's line ends, half after its newline
+    validation_prompts: int = 64  # half end where their last line ends, half after its newline
     extra: dict = field(default_factory=dict)
 
 
@@ -128,13 +131,15 @@ def split(files):
 
 
 def validation_prompts(held, n: int, seed: int) -> dict[str, list[str]]:
-    """Code prompts from the held-out files only: the one-line headers of their functions,
-    ``def name(args):`` (a method after its one-line ``class ...:`` header, indented), deduplicated,
-    shuffled with ``seed``; the first n/2 end where the header's line ends, the next n/2 after its
-    newline -- the two shapes of the evaluation prompts, on code the model never saw."""
+    """Code prompts from the held-out files only, in the evaluation prompts' shapes: the one-line
+    headers of their functions, ``def name(args):`` (a method after its one-line ``class ...:``
+    header, indented), and -- 3 in 8 of each group, as in the evaluation -- a function from its
+    header down to a block opener in its body (``for ...:``, ``with ...:``, ``try:``, ...), at most
+    ``BLOCK_SPAN`` lines, as written. Deduplicated, shuffled with ``seed``; the first n/2 end where
+    the last line ends, the next n/2 after its newline -- on code the model never saw."""
     if n < 2 or n % 2:
         raise ValueError(f"Recipe.validation_prompts must be an even number >= 2, got {n}")
-    heads = set()
+    heads, blocks = set(), set()
     for rel, text in held:
         try:
             tree = ast.parse(text)
@@ -147,21 +152,39 @@ def validation_prompts(held, n: int, seed: int) -> dict[str, list[str]]:
             # a header on one line, with a body on the lines after it (not `def f(): pass`)
             return line if line.endswith(":") and node.body[0].lineno > node.lineno else None
 
+        def openers(fn, prefix: str):
+            if not one_line(fn) or fn.decorator_list:
+                return
+            for stmt in fn.body:
+                if (isinstance(stmt, BLOCKS) and one_line(stmt)
+                        and stmt.lineno - fn.lineno < BLOCK_SPAN):
+                    blocks.add(prefix + "\n".join(lines[fn.lineno - 1:stmt.lineno]))
+
         for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and one_line(node):
-                heads.add(one_line(node))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if one_line(node):
+                    heads.add(one_line(node))
+                openers(node, "")
         for cls in ast.walk(tree):
             if not isinstance(cls, ast.ClassDef) or not one_line(cls):
                 continue
             for node in cls.body:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and one_line(node):
                     heads.add(f"{one_line(cls)}\n    {one_line(node)}")
-    heads = sorted(heads)
-    if len(heads) < n:
-        raise ValueError(f"the held-out files have {len(heads)} one-line function headers, "
-                         f"fewer than Recipe.validation_prompts={n}")
-    random.Random(seed).shuffle(heads)
-    return {"line_end": heads[:n // 2], "after_newline": [h + "\n" for h in heads[n // 2:n]]}
+                    if cls in tree.body:  # its methods' lines as written sit one indent in
+                        openers(node, one_line(cls) + "\n")
+    heads, blocks = sorted(heads), sorted(blocks)
+    half = n // 2
+    n_blocks = half * 3 // 8
+    if len(heads) < 2 * (half - n_blocks) or len(blocks) < 2 * n_blocks:
+        raise ValueError(f"the held-out files have {len(heads)} one-line function headers and "
+                         f"{len(blocks)} block openers, fewer than Recipe.validation_prompts={n} needs")
+    rng = random.Random(seed)
+    rng.shuffle(heads)
+    rng.shuffle(blocks)
+    k = half - n_blocks
+    return {"line_end": heads[:k] + blocks[:n_blocks],
+            "after_newline": [p + "\n" for p in heads[k:2 * k] + blocks[n_blocks:2 * n_blocks]]}
 
 
 def pick_checkpoint(checkpoints: list[dict], ship: str) -> dict:

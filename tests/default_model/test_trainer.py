@@ -33,6 +33,23 @@ def multi{i}(a,
 def oneliner{i}(): return 1
 
 
+def loop{i}(items):
+    total = 0
+    for item in items:
+        total += item
+    return total
+
+
+def far{i}(items):
+    a = 1
+    b = 2
+    c = 3
+    d = 4
+    e = 5
+    for item in items:
+        pass
+
+
 class Cls{i}(object):
     def meth{i}(self, x):
         """Doc."""
@@ -53,21 +70,28 @@ def test_validation_prompts_come_from_held_out_files_only():
     train, held = trainer.split(files)
     assert held and train and not {p for p, _ in train} & {p for p, _ in held}
     held_ids = {re.search(r"\d+", p).group() for p, _ in held}
-    n = 2 * len(held)  # three usable headers per file: top, meth, ameth
+    n = 2 * len(held)  # five usable headers per file (top, loop, far, meth, ameth), one block
     val = trainer.validation_prompts(held, n, seed=0)
     assert len(val["line_end"]) == len(val["after_newline"]) == n // 2
     assert not any(p.endswith("\n") for p in val["line_end"])
     assert all(p.endswith("\n") and not p.endswith("\n\n") for p in val["after_newline"])
     prompts = val["line_end"] + val["after_newline"]
     assert len(set(prompts)) == n  # no header twice
+    blocks = 0
     for p in prompts:
         ids = {re.search(r"\d+", name).group() for name in _names(p)}
         assert ids and ids <= held_ids, p  # nothing from a training file
         assert "multi" not in p and "oneliner" not in p, p  # one-line headers with a body below only
         if "meth" in p:  # a method follows its class's header, indented
             assert re.fullmatch(r"class Cls(\d+)\(object\):\n    (async )?def a?meth\1\(self(, x)?\):\n?", p), p
-        else:
-            assert re.fullmatch(r"def top\d+\(a, b=None\):\n?", p), p
+        elif "for item" in p:  # a function down to the block opener in its body, as written
+            blocks += 1
+            assert re.fullmatch(r"def loop\d+\(items\):\n    total = 0\n    for item in items:\n?", p), p
+        else:  # far's loop is more than BLOCK_SPAN lines below its header: only the header
+            assert re.fullmatch(r"def (top\d+\(a, b=None\)|loop\d+\(items\)|far\d+\(items\)):\n?", p), p
+    # the evaluation's share of block openers: 3 in 8 of each group
+    assert blocks == 2 * (n // 2 * 3 // 8)
+    assert sum("for item" in p for p in val["after_newline"]) == n // 2 * 3 // 8
     # seeded: the same seed gives the same prompts, another seed another order
     assert trainer.validation_prompts(held, n, seed=0) == val
     assert trainer.validation_prompts(held, n, seed=1) != val
@@ -83,7 +107,7 @@ def test_validation_prompts_refuse_a_bad_count():
     _, held = trainer.split(_files(400))
     with pytest.raises(ValueError, match="even number"):
         trainer.validation_prompts(held, 7, seed=0)
-    with pytest.raises(ValueError, match="fewer than Recipe.validation_prompts=100000"):
+    with pytest.raises(ValueError, match="block openers, fewer than Recipe.validation_prompts=100000"):
         trainer.validation_prompts(held, 100_000, seed=0)
 
 
