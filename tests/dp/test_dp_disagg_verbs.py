@@ -1,5 +1,6 @@
 """Disaggregated DP2-EP groups over the loopback verbs device (both nodes `pdkv serve` children):
-a TP1 prefill node, or a DP2-EP prefill group (each request computed on the rank its front
+a TP1 prefill node, a TP2 prefill node (the latent whole on both ranks, the seed picking the rank
+that sends), or a DP2-EP prefill group (each request computed on the rank its front
 placed it on, its pages written from that rank's pool), writes each request's latent into the
 one decode rank's pool the group placed it on (its ranges MRs of that rank's region alone);
 tokens equal colocated."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 from _dp_disagg import PROMPTS, complete, reference  # noqa: F401
@@ -19,6 +21,18 @@ from _procs import NodeProc, free_port, node_dict
 LONG = 150  # tokens of the request that keeps rank 0 busy
 
 
+def _children(pid: int) -> list[str]:
+    """The command lines of ``pid``'s child processes (from /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                out.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except FileNotFoundError:
+                continue
+    return out
+
+
 def _load(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/load", timeout=10).read())
 
@@ -26,16 +40,18 @@ def _load(url: str) -> dict:
 DP2 = {"dp": 2, "ep": True, "timeout_s": 30.0, "startup_timeout_s": 300.0}
 
 
-@pytest.mark.parametrize("prefill_dp", [False, True], ids=["tp1-prefill", "dp2-prefill"])
-def test_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loopback_verbs_dir, prefill_dp):
+@pytest.mark.parametrize("prefill", ["tp1", "tp2", "dp2"], ids=["tp1-prefill", "tp2-prefill", "dp2-prefill"])
+def test_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loopback_verbs_dir, prefill):
     """Both nodes as `pdkv serve` children on the loopback verbs device: each request's ranges are
     MRs of its rank's pool (granted on that region alone); tokens equal colocated, and /load
     counts each rank's landed requests where the group placed them."""
     want_tokens, _ = reference
     folder, env, cport = moe_models["deepseek_v3"], {"LD_LIBRARY_PATH": loopback_verbs_dir}, free_port()
     p = node_dict(folder, "prefill", port=free_port(), control_port=cport, transport="verbs", nics=["lo_verbs0"])
-    if prefill_dp:
+    if prefill == "dp2":
         p["parallel"] = DP2
+    elif prefill == "tp2":  # two rank processes, the latent whole on each: the seed picks the sender
+        p["parallel"] = {"tp": 2, "timeout_s": 30.0}
     pre = NodeProc(tmp_path, "prefill", p, env)
     d = node_dict(folder, "decode", port=free_port(), peers=[f"127.0.0.1:{cport}"], transport="verbs",
                   nics=["lo_verbs0"])
@@ -45,6 +61,8 @@ def test_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loo
         pre.wait_healthy(120)
         dec.wait_healthy(120)
         name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
+        if prefill == "tp2":  # rank 1 is a process of its own, beside the server's rank 0
+            assert sum("pdkv.tp.worker" in c for c in _children(pre.proc.pid)) == 1, _children(pre.proc.pid)
         # a long request keeps rank 0 busy (every tie goes to the lowest rank), so the two after
         # it are placed on rank 1 by load
         busy: dict = {}
