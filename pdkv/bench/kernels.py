@@ -9,7 +9,8 @@ thread. Each printed with the read bandwidth it reached and the kernel's speed-u
 faster torch layout; a 1-thread ``sum`` over 512 MB is the bandwidth baseline.
 
 Decode attention: one decode row over C cached tokens (the bench models' heads: 8 query / 2 KV
-heads of 64, and the MLA latent of 8 heads over 160 values), the torch backend's own path
+heads of 64, the default model's 4 query / 2 KV heads of 32, and the MLA latent of 8 heads over
+160 values), the torch backend's own path
 (gather the pages, SDPA) against the kernel over the pages (models/attention/cpu_decode.py),
 both through TorchAttentionBackend.forward.
 """
@@ -76,7 +77,7 @@ def bench_attention(contexts: list[int], rounds: int) -> list[dict]:
     from pdkv.kv import KVCache  # noqa: PLC0415
 
     P, out = 16, []
-    for label, (hq, hkv, d, dv, parts) in {"gqa": (8, 2, 64, 64, 2), "mla": (8, 1, 160, 128, 1)}.items():
+    for label, (hq, hkv, d, dv, parts) in {"gqa": (8, 2, 64, 64, 2), "gqa2": (4, 2, 32, 32, 2), "mla": (8, 1, 160, 128, 1)}.items():
         for ctx in contexts:
             pages = -(-ctx // P)
             kv = KVCache(1, pages + 1, P, hkv, d, torch.float32, "HND", "cpu", kv_parts=parts)

@@ -1,6 +1,7 @@
 /* See attention_decode.h. Two passes per (sequence, KV head): the scores of the g query heads
- * over every key (each key loaded once), a float32 softmax (its exp 8 lanes at a time), then
- * the weighted sum of values (each value loaded once). */
+ * over every key (each key loaded once per head block), a float32 softmax (its exp 8 lanes at a
+ * time), then the weighted sum of values (each value loaded once per head block). Scores are
+ * kept head-major, [g, len], so a head's softmax and its broadcasts read one contiguous row. */
 #include "attention_decode.h"
 
 #include <math.h>
@@ -39,53 +40,113 @@
 DEFINE_DOTS(4)
 DEFINE_DOTS(8)
 
-/* acc[r * 8 + i] = sum_j p[j * g + rr[r]] * value_j[c + i] for r < NB; value_j at head + at[j] */
-#define DEFINE_WEIGHTED(NB)                                                                       \
-    AVX2 static inline void weighted##NB(const float *head, const ptrdiff_t *at, int64_t len,     \
-                                         const float *p, int g, const int *rr, int c, float *acc) \
-    {                                                                                             \
-        __m256 a[NB];                                                                             \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) a[r] = _mm256_setzero_ps();          \
-        for (int64_t j = 0; j < len; j++) {                                                       \
-            __m256 v = _mm256_loadu_ps(head + at[j] + c);                                         \
-            const float *pj = p + j * g;                                                          \
-            _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++)                                  \
-                a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(pj + rr[r]), v, a[r]);                 \
-        }                                                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) _mm256_storeu_ps(acc + r * 8, a[r]); \
+/* The 8 scores q . key[k] of one head for 8 keys, one vector: 8 independent FMA chains, then a
+ * transposing reduction (7 hadds, 2 lane swaps) in place of 8 horizontal sums. For the few query
+ * heads of small GQA groups (g < 4) the per-key path above spends more on its horizontal sums
+ * and padded lanes than on the products: at d = 32, 4 hsums against 4 FMAs a head. (At 4 heads
+ * of 64 it was no faster than the per-key path, 32 rows x 576 keys.) */
+AVX2 static inline __m256 dots_keys8(const float *q, const float *const *key, int d)
+{
+    __m256 a[8];
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++)
+            a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[k] + i), a[k]);
     }
-DEFINE_WEIGHTED(4)
-DEFINE_WEIGHTED(8)
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    if (i < d) {  /* widths off the 8-float vectors */
+        float t[8];
+        _mm256_storeu_ps(t, s);
+        for (int k = 0; k < 8; k++)
+            for (int j = i; j < d; j++)
+                t[k] += q[j] * key[k][j];
+        s = _mm256_loadu_ps(t);
+    }
+    return s;
+}
 
-/* scores [len, g] -> exp(score - mx[head]) in place, and sum[head] of them. When g divides 8,
- * every 8 consecutive scores hold the same heads in the same lanes: one vector exp per 8 (the
- * scalar expf per score was ~1/6 of the kernel's time at 32 rows x 136 keys, 4 heads a group);
- * other groups take expf one score at a time. */
+/* acc[(r * NC + n) * 8 + i] = sum_j pr[r][j] * value_j[c + n * 8 + i] for r < NB, n < NC; value_j
+ * at head + at[j]. NB * NC = 8 running sums in registers: a group of 1 or 2 heads takes 64 or 32
+ * value columns per pass over the keys, not 8 (each pass re-walks every key's value). */
+#define DEFINE_WEIGHTED(NB, NC)                                                                     \
+    AVX2 static inline void weighted##NB##x##NC(const float *head, const ptrdiff_t *at, int64_t len, \
+                                                 const float *const *pr, int c, float *acc)           \
+    {                                                                                               \
+        __m256 a[NB * NC];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB * NC; r++) a[r] = _mm256_setzero_ps();       \
+        for (int64_t j = 0; j < len; j++) {                                                         \
+            const float *vj = head + at[j] + c;                                                     \
+            __m256 v[NC];                                                                           \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NC; n++) v[n] = _mm256_loadu_ps(vj + n * 8); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NB; r++) {                                  \
+                const __m256 p = _mm256_broadcast_ss(pr[r] + j);                                    \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NC; n++)                                \
+                    a[r * NC + n] = _mm256_fmadd_ps(p, v[n], a[r * NC + n]);                        \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB * NC; r++) _mm256_storeu_ps(acc + r * 8, a[r]); \
+    }
+DEFINE_WEIGHTED(1, 8)
+DEFINE_WEIGHTED(1, 1)
+DEFINE_WEIGHTED(2, 4)
+DEFINE_WEIGHTED(2, 1)
+DEFINE_WEIGHTED(4, 2)
+DEFINE_WEIGHTED(4, 1)
+DEFINE_WEIGHTED(8, 1)
+
+/* The weighted sums of rows pr[0 .. rows) (rows = 1, 2, 4 or 8: a block's spare rows repeat its
+ * first) over value columns [c, c + 8 * nc), nc = 8 / rows or 1; acc as in weighted##NB##x##NC. */
+AVX2 static inline void weighted(int rows, int nc, const float *head, const ptrdiff_t *at, int64_t len,
+                                 const float *const *pr, int c, float *acc)
+{
+    if (rows == 1)
+        (nc == 8 ? weighted1x8 : weighted1x1)(head, at, len, pr, c, acc);
+    else if (rows == 2)
+        (nc == 4 ? weighted2x4 : weighted2x1)(head, at, len, pr, c, acc);
+    else if (rows == 4)
+        (nc == 2 ? weighted4x2 : weighted4x1)(head, at, len, pr, c, acc);
+    else
+        weighted8x1(head, at, len, pr, c, acc);
+}
+
+/* scores [g, len] -> exp(score - mx[head]) in place, and sum[head] of them: 8 lanes at a time
+ * along each head's row (the scalar expf per score was ~1/6 of the kernel's time at 32 rows x
+ * 136 keys, 4 heads a group). */
 AVX2 static void softmax_exp(float *scores, int64_t len, int g, const float *mx, float *sum)
 {
-    for (int r = 0; r < g; r++)
-        sum[r] = 0.0f;
-    int64_t i = 0, total = len * g;
-    if (8 % g == 0) {
-        float lanes[8];
-        for (int l = 0; l < 8; l++)
-            lanes[l] = mx[l % g];
-        const __m256 m = _mm256_loadu_ps(lanes);
+    for (int r = 0; r < g; r++) {
+        float *row = scores + (size_t)r * (size_t)len;
+        const __m256 m = _mm256_set1_ps(mx[r]);
         __m256 acc = _mm256_setzero_ps();
-        for (; i + 8 <= total; i += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), m));
-            _mm256_storeu_ps(scores + i, e);
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+            _mm256_storeu_ps(row + i, e);
             acc = _mm256_add_ps(acc, e);
         }
-        _mm256_storeu_ps(lanes, acc);
-        for (int l = 0; l < 8; l++)
-            sum[l % g] += lanes[l];
+        float t = hsum(acc);
+        for (; i < len; i++) {
+            row[i] = expf(row[i] - mx[r]);
+            t += row[i];
+        }
+        sum[r] = t;
     }
-    for (; i < total; i++) {  /* the tail, or every score when g does not divide 8 */
-        int r = (int)(i % g);
-        float e = expf(scores[i] - mx[r]);
-        scores[i] = e;
-        sum[r] += e;
+}
+
+/* Prefetch the keys and values of slots [from, min(to, len)). */
+AVX2 static inline void prefetch_slots(const float *head, const ptrdiff_t *at, int64_t from, int64_t to, int64_t len,
+                                       int d, int dv, ptrdiff_t v_offset)
+{
+    for (int64_t t = from; t < to && t < len; t++) {
+        const float *nk = head + at[t];
+        for (int i = 0; i < d; i += 16)
+            _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);
+        for (int i = 0; i < dv; i += 16)
+            _mm_prefetch((const char *)(nk + v_offset + i), _MM_HINT_T0);
     }
 }
 
@@ -140,9 +201,11 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
             const float *head = kv->cache + h * kv->head_stride;
             float mx[MAX_GROUP], sum[MAX_GROUP];
             /* The g query heads in blocks of HEAD_BLOCK: each key (and value) chunk is loaded once
-             * for the block's heads, whose HEAD_BLOCK sums are independent chains in registers
-             * (one head at a time is a chain of dependent FMAs, latency-bound at long contexts). A
-             * block's unused lanes repeat its first head (computed, never stored). */
+             * for the block's heads, whose sums are independent chains in registers (one head at
+             * a time is a chain of dependent FMAs, latency-bound at long contexts). A block of 4
+             * or more heads takes a key at a time for all of them; one of fewer takes 8 keys at a
+             * time for each head (dots_keys8), and keys past the last 8 a key at a time. Spare
+             * lanes repeat the block's first head (computed, never stored). */
             for (int r0 = 0; r0 < g; r0 += HEAD_BLOCK) {
                 const int gb = g - r0 < HEAD_BLOCK ? g - r0 : HEAD_BLOCK;
                 const float *qr[HEAD_BLOCK];
@@ -151,17 +214,38 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                 float bmax[HEAD_BLOCK];
                 for (int r = 0; r < HEAD_BLOCK; r++)
                     bmax[r] = -INFINITY;
-                for (int64_t j = 0; j < len; j++) {
+                int64_t j = 0;
+                if (gb < 4) {
+                    const __m256 sc = _mm256_set1_ps(scale);
+                    __m256 vmax[4];
+                    for (int r = 0; r < 4; r++)
+                        vmax[r] = _mm256_set1_ps(-INFINITY);
+                    for (; j + 8 <= len; j += 8) {
+                        if (r0 == 0)
+                            prefetch_slots(head, at, j == 0 ? 1 : j + AHEAD, j + AHEAD + 8, len, d, dv, kv->v_offset);
+                        const float *keys[8];
+                        for (int k = 0; k < 8; k++)
+                            keys[k] = head + at[j + k];
+                        for (int r = 0; r < gb; r++) {
+                            const __m256 v = _mm256_mul_ps(dots_keys8(qr[r], keys, d), sc);
+                            _mm256_storeu_ps(scores + (size_t)(r0 + r) * (size_t)len + j, v);
+                            vmax[r] = _mm256_max_ps(vmax[r], v);
+                        }
+                    }
+                    for (int r = 0; r < gb; r++) {
+                        float t[8];
+                        _mm256_storeu_ps(t, vmax[r]);
+                        for (int k = 0; k < 8; k++)
+                            if (t[k] > bmax[r])
+                                bmax[r] = t[k];
+                    }
+                }
+                for (; j < len; j++) {
                     const float *key = head + at[j];
                     /* the key and value AHEAD slots on (the first AHEAD at j = 0): pages are
                      * scattered, so the hardware prefetcher loses the stream at every page */
-                    for (int64_t t = j == 0 ? 1 : AHEAD; r0 == 0 && t <= AHEAD && j + t < len; t++) {
-                        const float *nk = head + at[j + t];
-                        for (int i = 0; i < d; i += 16)
-                            _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);
-                        for (int i = 0; i < dv; i += 16)
-                            _mm_prefetch((const char *)(nk + kv->v_offset + i), _MM_HINT_T0);
-                    }
+                    if (r0 == 0)
+                        prefetch_slots(head, at, j == 0 ? 1 : j + AHEAD, j + AHEAD + 1, len, d, dv, kv->v_offset);
                     float v[HEAD_BLOCK];
                     if (gb <= 4)
                         dots4(qr, key, d, v);
@@ -169,7 +253,7 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                         dots8(qr, key, d, v);
                     for (int r = 0; r < gb; r++) {
                         v[r] *= scale;
-                        scores[j * g + r0 + r] = v[r];
+                        scores[(size_t)(r0 + r) * (size_t)len + j] = v[r];
                         if (v[r] > bmax[r])
                             bmax[r] = v[r];
                     }
@@ -178,32 +262,32 @@ AVX2 int pdkv_decode_attention(const float *q, ptrdiff_t q_row, const struct pdk
                     mx[r0 + r] = bmax[r];
             }
             softmax_exp(scores, len, g, mx, sum);
-            /* out_r = sum_j p_rj v_j / sum_r: per 8 value columns and block of heads, the
-             * HEAD_BLOCK running sums in registers over every key */
+            /* out_r = sum_j p_rj v_j / sum_r: per block of heads, 8 running sums in registers over
+             * every key, as 8 / rows value vectors of each of its rows */
             for (int r0 = 0; r0 < g; r0 += HEAD_BLOCK) {
                 const int gb = g - r0 < HEAD_BLOCK ? g - r0 : HEAD_BLOCK;
+                const int rows = gb == 1 ? 1 : gb == 2 ? 2 : gb <= 4 ? 4 : 8;
+                const float *pr[HEAD_BLOCK];
+                for (int r = 0; r < HEAD_BLOCK; r++)
+                    pr[r] = scores + (size_t)(r0 + (r < gb ? r : 0)) * (size_t)len;
                 int c = 0;
-                for (; c + 8 <= dv; c += 8) {
-                    float acc[HEAD_BLOCK * 8];
-                    int rr[HEAD_BLOCK];
-                    for (int r = 0; r < HEAD_BLOCK; r++)
-                        rr[r] = r < gb ? r : 0;
-                    if (gb <= 4)
-                        weighted4(head + kv->v_offset, at, len, scores + r0, g, rr, c, acc);
-                    else
-                        weighted8(head + kv->v_offset, at, len, scores + r0, g, rr, c, acc);
+                while (c + 8 <= dv) {
+                    const int nc = c + 64 / rows <= dv ? 8 / rows : 1;
+                    float acc[64];
+                    weighted(rows, nc, head + kv->v_offset, at, len, pr, c, acc);
                     for (int r = 0; r < gb; r++) {
-                        float inv = 1.0f / sum[r0 + r];
+                        const float inv = 1.0f / sum[r0 + r];
                         float *o = out + s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c;
-                        for (int i = 0; i < 8; i++)
-                            o[i] = acc[r * 8 + i] * inv;
+                        for (int i = 0; i < 8 * nc; i++)
+                            o[i] = acc[r * nc * 8 + i] * inv;
                     }
+                    c += 8 * nc;
                 }
                 for (; c < dv; c++)  /* value columns past the last 8 */
                     for (int r = 0; r < gb; r++) {
                         float a = 0.0f;
                         for (int64_t j = 0; j < len; j++)
-                            a += scores[j * g + r0 + r] * head[at[j] + kv->v_offset + c];
+                            a += pr[r][j] * head[at[j] + kv->v_offset + c];
                         out[s * out_row + (ptrdiff_t)(h * g + r0 + r) * dv + c] = a / sum[r0 + r];
                     }
             }

@@ -264,8 +264,8 @@ def _gathered(kv, pages, n, hnd):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("shape", [(4, 4, 64, 64, 2), (8, 2, 32, 32, 2), (8, 1, 96, 64, 1)],
-                         ids=["mha", "gqa4", "latent"])
+@pytest.mark.parametrize("shape", [(4, 4, 64, 64, 2), (4, 2, 32, 32, 2), (8, 2, 32, 32, 2), (8, 1, 96, 64, 1)],
+                         ids=["mha", "gqa2", "gqa4", "latent"])
 def test_decode_attention_matches_float64(layout, page_size, shape):
     Hq, Hkv, D, Dv, parts = shape
     hnd = layout == "HND"
@@ -290,11 +290,13 @@ def test_decode_attention_matches_float64(layout, page_size, shape):
         assert _rel(out[b], ref) < 1e-5, (b, n)
 
 
-@pytest.mark.parametrize("shape", [(6, 2, 12, 12, 2), (6, 1, 12, 12, 2), (12, 1, 20, 12, 1), (3, 3, 9, 9, 2)],
-                         ids=["group3_d12", "group6", "group12_latent_d20_v12", "mha_d9"])
+@pytest.mark.parametrize("shape", [(6, 2, 12, 12, 2), (6, 1, 12, 12, 2), (12, 1, 20, 12, 1), (3, 3, 9, 9, 2),
+                                   (4, 2, 20, 20, 2)],
+                         ids=["group3_d12", "group6", "group12_latent_d20_v12", "mha_d9", "group2_d20"])
 def test_decode_attention_odd_groups_and_widths(shape):
     """Head groups that fill no register block (3, 6, 12 = 8 + 4) and widths off the 8-float
-    vectors (9, 12, 20): the blocks' spare lanes and the scalar tails."""
+    vectors (9, 12, 20): the blocks' spare lanes, the scalar tails, and value widths too narrow
+    for a pass of several value vectors (20 columns for 2 heads)."""
     Hq, Hkv, D, Dv, parts = shape
     P, lens = 16, [1, 23, 50]
     kv = _filled_cache("NHD", P, Hkv, D, parts, 12, seed=Hq + D)

@@ -20,6 +20,6 @@ def test_kernels_bench_reports_every_row(tmp_path, capsys):
         assert row["torch_out_in_us"] > 0 and row["torch_in_out_us"] > 0
         assert ("kernel_us" in row) == (cpu_kernels.AVAILABLE and row["rows"] <= cpu_kernels.MAX_ROWS)
     if cpu_kernels.AVAILABLE:
-        assert [(a["heads"], a["context"]) for a in r["attention"]] == [("gqa", 20), ("mla", 20)]
+        assert [(a["heads"], a["context"]) for a in r["attention"]] == [("gqa", 20), ("gqa2", 20), ("mla", 20)]
         assert all(a["torch_us"] > 0 and a["kernel_us"] > 0 for a in r["attention"])
     assert "read bandwidth" in capsys.readouterr().out
