@@ -54,7 +54,7 @@ def _validation(rec: dict) -> str:
 The shipped weights are {how}. The validation prompts come from the held-out files in the
 evaluation prompts' shapes: one-line function headers (`def name(args):`, a method after its
 `class ...:` line), and in 3 of every 8 a function from its header down to a block opener in its
-body (`for`, `while`, `with`, `try`, `if`), half ending where the last line ends and half after
+body (`for`, `while`, `with`, their `async` forms, `try`, `if`), half ending where the last line ends and half after
 its newline; they are listed in `training.json`, and the 16 evaluation prompts play no part in
 the choice. Validation prompts parsing per checkpoint
 (step: line end + after newline, of {n // 2} + {n // 2}): {curve}.
