@@ -17,6 +17,52 @@ ROOT = Path(__file__).resolve().parents[1]
 settings.register_profile("mutants", phases=(Phase.explicit, Phase.generate), database=None)
 
 
+# Each test item gets this many seconds past pytest-timeout's own limit before the watchdog
+# (tests/_watchdog.py) prints every stack, kills the worker's child processes and ends the worker.
+WATCHDOG_MARGIN_S = float(os.environ.get("PDKV_TEST_WATCHDOG_MARGIN_S", "120"))
+_watchdog = None
+
+
+def pytest_configure(config):
+    global _watchdog
+    limit = float(config.getini("timeout") or 0)
+    if config.getoption("timeout", None) is not None:
+        limit = float(config.getoption("timeout"))
+    if limit <= 0:  # --timeout=0: someone is debugging and wants no limit at all
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _watchdog import Watchdog
+
+    # The watchdog writes to this process's real stderr, not to the file pytest captures a test's
+    # output into (which nobody reads once the process has ended).
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=False)
+    try:
+        err = os.fdopen(os.dup(2), "w", buffering=1)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+    _watchdog = Watchdog(limit + WATCHDOG_MARGIN_S, err)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _watchdog is not None:
+        _watchdog.arm(item.nodeid)
+    try:
+        yield
+    finally:
+        if _watchdog is not None:
+            _watchdog.disarm()
+
+
+def pytest_unconfigure(config):
+    # A process that hangs on its way out (a thread an extension joins at exit) is ended too.
+    if _watchdog is not None:
+        _watchdog.arm("the end of the session", WATCHDOG_MARGIN_S)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test`: ``--dist loadfile --no-loadscope-reorder``) hand out the
     files that hold a ``slow`` test first, then the rest with the most tests first (xdist's own
