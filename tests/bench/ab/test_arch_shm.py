@@ -31,29 +31,61 @@ def test_disagg_shm_is_disagg_with_shm_and_shared_weights(tmp_path):
 def test_held_memory_counts_a_held_shm_file_whole_and_once():
     """A /dev/shm file allocated whole but untouched (what the shm transport's registration
     makes) is missing from PSS; held_bytes counts all of it, once, however much of it is mapped
-    and touched, and a file no process holds adds nothing."""
-    import mmap
-    import os
+    and touched, and a file no process holds adds nothing. The file is held by a small quiet
+    child, not by this test's worker: a worker's PSS moves by megabytes between two reads as
+    other processes map and unmap the libraries it shares."""
+    import subprocess
+    import sys
 
-    from pdkv.bench.ab.resources import held_bytes, pss_bytes
+    from pdkv.bench.ab.resources import held_breakdown, held_bytes, pss_bytes
 
     size = 8 << 20
-    fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+    child = subprocess.Popen([sys.executable, "-S", "-c", _HOLDER, str(size)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     try:
+        def step(cmd: str) -> None:
+            child.stdin.write(cmd + "\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == cmd
+
+        step("plain")
+        pid, base = child.pid, pss_bytes(child.pid)
+        assert held_bytes([pid]) - base < (1 << 20)  # nothing held beyond its PSS
+        step("map")
+        assert held_bytes([pid]) - base >= size - (1 << 20)  # untouched: not in PSS, held whole
+        step("touch")  # touched: now half of it is in PSS too
+        assert pss_bytes(pid) - base >= size // 2 - (1 << 20)
+        assert abs(held_bytes([pid]) - (pss_bytes(pid) - size // 2) - size) < (2 << 20)
+        twice = held_breakdown([pid, pid])  # the process counted twice, its file once
+        assert twice["shm_bytes"] == size
+        one = held_bytes([pid])
+        assert abs(twice["held_bytes"] - 2 * one + size) < (2 << 20)
+        step("close")
+        assert held_bytes([pid]) - pss_bytes(pid) < (1 << 20)
+    finally:
+        child.kill()
+        child.wait()
+
+
+# The holder: waits for each command on stdin and echoes it once done, so every measurement
+# sees one settled state.
+_HOLDER = """
+import mmap, os, sys
+size = int(sys.argv[1])
+fd = m = None
+for cmd in sys.stdin:
+    cmd = cmd.strip()
+    if cmd == "map":
+        fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
         os.posix_fallocate(fd, 0, size)
         m = mmap.mmap(fd, size)
-        me = os.getpid()
-        base = pss_bytes(me)
-        assert held_bytes([me]) - base >= size - (1 << 20)  # untouched: not in PSS, held whole
-        m[: size // 2] = b"\1" * (size // 2)  # touched: now half of it is in PSS too
-        assert pss_bytes(me) - base >= size // 2 - (1 << 20)
-        assert abs(held_bytes([me]) - (pss_bytes(me) - size // 2) - size) < (2 << 20)
-        twice = held_bytes([me, me])  # the process counted twice, its file once
-        assert abs(twice - 2 * held_bytes([me]) + size) < (4 << 20)
+    elif cmd == "touch":
+        m[: size // 2] = b"\\1" * (size // 2)
+    elif cmd == "close":
         m.close()
-    finally:
         os.close(fd)
-    assert held_bytes([me]) - pss_bytes(me) < (1 << 20)
+    print(cmd, flush=True)
+"""
 
 
 def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp_path):
