@@ -22,14 +22,15 @@ LONG = 150  # tokens of the request that keeps rank 0 busy
 
 
 def _children(pid: int) -> list[str]:
-    """The command lines of ``pid``'s child processes (from /proc)."""
+    """The command lines of ``pid``'s child processes, found by their parent pid in /proc/*/stat
+    (/proc/PID/task/*/children needs a kernel built with CONFIG_PROC_CHILDREN)."""
     out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                out.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except FileNotFoundError:
-                continue
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
     return out
 
 
