@@ -17,27 +17,7 @@ import signal
 import threading
 import time
 
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` by parent links, deepest first (from /proc/*/stat)."""
-    parent: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out[::-1]
+from pdkv.bench.ab.launch import descendants
 
 
 class Watchdog:
@@ -46,13 +26,13 @@ class Watchdog:
         self.seconds, self.err, self.grace = seconds, err, grace
         self._cv = threading.Condition()
         self._deadline: float | None = None
-        self._what = ""
+        self._what, self._armed_s = "", seconds
         threading.Thread(target=self._run, name="test-watchdog", daemon=True).start()
 
     def arm(self, what: str, seconds: float | None = None) -> None:
         seconds = self.seconds if seconds is None else seconds
         with self._cv:
-            self._deadline, self._what = time.monotonic() + seconds, what
+            self._deadline, self._what, self._armed_s = time.monotonic() + seconds, what, seconds
             self._cv.notify()
         faulthandler.dump_traceback_later(seconds + self.grace, exit=True, file=self.err)
 
@@ -72,15 +52,18 @@ class Watchdog:
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                self._fire(self._what)
+                self._fire(self._what, self._armed_s)
 
-    def _fire(self, what: str) -> None:
+    def _fire(self, what: str, seconds: float) -> None:
         err = self.err
-        print(f"\n[test watchdog] {what} still running after {self.seconds:.0f} s: stacks of every "
+        print(f"\n[test watchdog] {what} still running after {seconds:.0f} s: stacks of every "
               f"thread, then its child processes killed and this pytest process ({os.getpid()}) ended",
               file=err, flush=True)
         faulthandler.dump_traceback(file=err, all_threads=True)
-        for pid in descendants(os.getpid()):
+        me = os.getpid()
+        for pid in descendants(me):
+            if pid == me:
+                continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -18,18 +18,19 @@ from _dp_disagg import PROMPTS, complete, reference  # noqa: F401
 from _cluster import wait_for
 from _procs import NodeProc, free_port, node_dict
 
+from pdkv.bench.ab.launch import descendants
+
 LONG = 150  # tokens of the request that keeps rank 0 busy
 
 
-def _children(pid: int) -> list[str]:
-    """The command lines of ``pid``'s child processes, found by their parent pid in /proc/*/stat
+def _below(pid: int) -> list[str]:
+    """The command lines of the processes below ``pid``, found by parent pid in /proc/*/stat
     (/proc/PID/task/*/children needs a kernel built with CONFIG_PROC_CHILDREN)."""
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for p in descendants(pid)[1:]:
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, IndexError, ValueError):
+            out.append(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
             continue  # gone meanwhile
     return out
 
@@ -63,7 +64,7 @@ def test_prefill_into_dp2_decode_over_verbs(moe_models, reference, tmp_path, loo
         dec.wait_healthy(120)
         name = json.loads(urllib.request.urlopen(dec.url + "/v1/models").read())["data"][0]["id"]
         if prefill == "tp2":  # rank 1 is a process of its own, beside the server's rank 0
-            assert sum("pdkv.tp.worker" in c for c in _children(pre.proc.pid)) == 1, _children(pre.proc.pid)
+            assert sum("pdkv.tp.worker" in c for c in _below(pre.proc.pid)) == 1, _below(pre.proc.pid)
         # a long request keeps rank 0 busy (every tie goes to the lowest rank), so the two after
         # it are placed on rank 1 by load
         busy: dict = {}
