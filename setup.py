@@ -77,7 +77,7 @@ def extensions():
         depends=sorted(os.path.join("pdkv/kernels", f) for f in os.listdir("pdkv/kernels") if f.endswith(".h")),
         # no fused multiply-adds but the kernels' explicit ones: the MoE sums must round like torch's
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off"],
-        libraries=["m", "pthread"],
+        libraries=["m"],
     )
     return cythonize([ext, kernels], language_level=3, compiler_directives={"embedsignature": True})
 

@@ -46,9 +46,8 @@ class _Calls:
         fn = getattr(self.real, name)
 
         def counted(*a):
-            # the sampler's greedy argmax is no model kernel, nor is the runner telling the kernels
-            # its thread count: model.cpu_kernels does not switch them
-            self.n += name not in ("argmax_rows", "set_threads")
+            # the sampler's greedy argmax is no model kernel: model.cpu_kernels does not switch it
+            self.n += name != "argmax_rows"
             return fn(*a)
         return counted
 
