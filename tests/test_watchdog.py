@@ -3,10 +3,13 @@ test started with it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,17 +22,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_test_stuck_in_c_is_ended_with_its_children_and_its_stacks_printed(tmp_path):
+@pytest.mark.parametrize("test", ["test_hangs_in_c_with_a_child", "test_hangs_holding_the_gil"])
+def test_a_test_stuck_in_c_is_ended_with_its_children_and_its_stacks_printed(tmp_path, test):
     pid_file = tmp_path / "child.pid"
     env = dict(os.environ, PDKV_TEST_WATCHDOG_MARGIN_S="2", HANG_CHILD_PID_FILE=str(pid_file))
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--timeout", "1",
-                        "tests/fixtures/hang/test_hang_in_c.py"], cwd=ROOT, env=env,
+                        f"tests/fixtures/hang/test_hang_in_c.py::{test}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
-    assert p.returncode == 3, p.stdout + p.stderr
-    assert "[test watchdog] tests/fixtures/hang/test_hang_in_c.py::test_hangs_in_c_with_a_child" in p.stderr
-    assert "test_hang_in_c.py" in p.stderr.split("[test watchdog]", 1)[1]  # the stuck frame is named
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert f"[test watchdog] tests/fixtures/hang/test_hang_in_c.py::{test} still running" in p.stderr
+    dump = p.stderr.split("[test watchdog]", 1)[1]
+    assert f'test_hang_in_c.py", line' in dump and f"in {test}" in dump  # the stuck frame is named
     assert took < 60
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
