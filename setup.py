@@ -76,7 +76,9 @@ def extensions():
         include_dirs=["pdkv"],
         depends=sorted(os.path.join("pdkv/kernels", f) for f in os.listdir("pdkv/kernels") if f.endswith(".h")),
         # no fused multiply-adds but the kernels' explicit ones: the MoE sums must round like torch's
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off"],
+        # -fopenmp: the kernels split a call over OpenMP threads (pdkv/kernels/pool.c), torch's
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
         libraries=["m"],
     )
     return cythonize([ext, kernels], language_level=3, compiler_directives={"embedsignature": True})

@@ -1,11 +1,12 @@
 """pdkv's CPU kernels (pdkv/kernels/*.c through pdkv._kernels) for the models: the few rows of
 a decode step, float32, on CPUs with AVX2+FMA.
 
-- ``linear`` / ``bmm``: GEMMs of up to MAX_ROWS rows. A decode step multiplies a handful of rows
-  by each weight, so it costs one read of every weight from memory; MKL's GEMV/GEMM for so few
-  rows reads a cold weight at 5-14 GB/s on the machines this runs on, the kernel (one contiguous
-  pass over each weight row, the rows of x in L1) at 19-27 GB/s, about a 1-thread ``sum``.
-  Every result row is the same float operations whatever else is in the batch.
+- ``linear`` / ``bmm``: GEMMs of up to KERNEL_ROWS (``bmm``: MAX_ROWS) rows. A decode step
+  multiplies a handful of rows by each weight, so it costs one read of every weight from memory;
+  MKL's GEMV/GEMM for so few rows reads a cold weight at 5-14 GB/s on the machines this runs on,
+  the kernel (one contiguous pass over each weight row, the rows of x in L1) at 19-27 GB/s, about
+  a 1-thread ``sum``. Every result row is the same float operations whatever else is in the
+  batch. More rows (large decode batches, prefill chunks): oneDNN's GEMM where torch has it.
 - ``gated_mlp``, ``moe_one_token``: the gated MLP, and a one-token MoE step's k experts, each in
   one call; ``route``: MoE routing (softmax, or DeepSeek's grouped sigmoid); ``rms_norm``;
   ``norm_rope``: Qwen3's q/k norm and rope; ``argmax``: the greedy rows' token ids (the
@@ -39,20 +40,60 @@ GEMM_PATH = _k.gemm_path() if AVAILABLE else "none"
 # NOTE: outputs are made with torch.empty(ints..., dtype=...): a torch.Size argument costs ~2 us
 # more per call, and a decode step makes ~100 of them.
 MAX_ROWS = 64 if GEMM_PATH in ("avx512", "avx2") else 16
+
+
+def _onednn_linear():
+    """torch's oneDNN linear over a plain [out, in] weight (the op inductor's CPU fusions call;
+    no packed copy of the weight), or None where this torch build lacks it or it fails."""
+    import os  # noqa: PLC0415
+
+    if os.environ.get("PDKV_LINEAR_ONEDNN", "0") != "1":
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        if not torch.backends.mkldnn.is_available():
+            return None
+        x, w = torch.ones(2, 8), torch.ones(3, 8)
+        with torch.inference_mode():
+            if not torch.equal(op(x, w, None, "none", [], ""), torch.full((2, 3), 8.0)):
+                return None
+        return op
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# PDKV_LINEAR_ONEDNN=1: float32 linears of more than KERNEL_ROWS (16) rows go to oneDNN's GEMM,
+# which beat both the kernel and MKL from 17-24 rows up on 1 and 2 threads (8-64 rows, cold
+# weights of a 144M model's four shapes, AMD EPYC with AVX-512: oneDNN 0.58-0.83x MKL's time,
+# the kernel 0.82-1.0x oneDNN's at 8-16 rows and 1.07-1.41x at 24-64; 512 rows, a prefill chunk:
+# 0.70x MKL). Off by default: oneDNN builds and caches a primitive per row count it meets, so a
+# server's memory grows with every new prompt length (a prefill node's RSS by ~36 MB in 8 s of
+# the soak, against 0.05 MB with MKL); it needs the row counts bucketed first. Off: MKL
+# (F.linear) past the kernel's MAX_ROWS.
+_ONEDNN = _onednn_linear()
+ONEDNN = _ONEDNN is not None
+KERNEL_ROWS = min(16, MAX_ROWS) if ONEDNN else MAX_ROWS
 # bfloat16 weights (model.dtype: bfloat16) on CPUs with AVX512-BF16: float32 sums, one rounding.
 BF16 = AVAILABLE and _k.BF16
 # At 64 rows oneDNN's bf16 GEMM was as fast (1.10 vs 0.97 ms at 3072 x 768, one thread).
 MAX_ROWS_BF16 = 32
 _FP8 = getattr(torch, "float8_e4m3fn", None)  # block-quantized weights: models/fp8.py
-# The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) run on one
-# thread: they take a step only when torch runs it on one thread, and a step on more threads is
-# torch's (MKL's). For small CPU steps the runner measures both and keeps the faster
-# (pdkv/engine/threads.py): one thread and the kernels here, all threads and MKL on a machine
-# with many cores and memory channels. Norms, rope and routing (no threading to lose) always run.
+# The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) split each call
+# across their own threads (pdkv/kernels/pool.h: by output columns, or by sequence and KV head),
+# as many as ``set_threads`` last asked for; the runner asks for the thread count it gives torch
+# for the step (pdkv/engine/threads.py measures one thread against all of them), so the kernels
+# and torch's own ops run on the same cores. Every output is the same float operations whatever
+# the thread count. Norms, rope and routing (no threading to gain) run on the caller.
 
 
-def one_thread() -> bool:
-    return torch.get_num_threads() == 1
+def set_threads(n: int) -> None:
+    """The threads each kernel call may use (the caller's included)."""
+    if AVAILABLE:
+        _k.set_threads(n)
+
+
+def threads() -> int:
+    return _k.threads() if AVAILABLE else 1
 
 
 def _takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
@@ -68,11 +109,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from pdkv.models.fp8 import linear_fp8  # noqa: PLC0415 - it calls back here for the float GEMM
 
         return linear_fp8(x, weight, bias)
-    if not one_thread() or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return F.linear(x, weight, bias)
     # float32 on every kernel path, bfloat16 where the CPU has AVX512-BF16: the same checks
     if AVAILABLE and x.dtype is torch.float32:
-        gemm, max_rows = _k.gemm, MAX_ROWS
+        if x.shape[0] > KERNEL_ROWS:
+            return _large(x, weight, bias)
+        gemm, max_rows = _k.gemm, KERNEL_ROWS
     elif BF16 and x.dtype is torch.bfloat16:
         gemm, max_rows = _k.gemm_bf16, MAX_ROWS_BF16
     else:
@@ -89,9 +132,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 x [M, K] of more than KERNEL_ROWS rows: oneDNN where it takes the tensors, else MKL."""
+    if (ONEDNN and weight.dtype is torch.float32 and x.is_contiguous() and weight.is_contiguous()
+            and x.is_cpu and weight.is_cpu and (bias is None or (bias.dtype is torch.float32 and bias.dim() == 1
+                                                                and bias.is_contiguous()
+                                                                and bias.shape[0] == weight.shape[0]))
+            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())):
+        return _ONEDNN(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torch.bmm(x, w) for x: [B, M, K], w: [B, K, N] stored with K contiguous (w.stride(1) == 1)."""
-    if (AVAILABLE and one_thread() and x.dim() == 3 and w.dim() == 3 and 0 < x.shape[1] <= MAX_ROWS
+    if (AVAILABLE and x.dim() == 3 and w.dim() == 3 and 0 < x.shape[1] <= MAX_ROWS
             and x.shape[0] == w.shape[0] and x.shape[2] == w.shape[1] and w.stride(1) == 1
             and x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
             and x.stride(2) == 1 and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled())):
@@ -106,8 +160,8 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
     """down(silu(x Wg^T) * (x Wu^T)) for x: [M, H], gate_up: [2 * inter, H] (gate rows, then up
-    rows), down: [H, inter], no biases: one kernel call for up to MAX_ROWS rows."""
-    if (AVAILABLE and one_thread() and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and gate_up.dim() == 2 and down.dim() == 2
+    rows), down: [H, inter], no biases: one kernel call for up to KERNEL_ROWS rows."""
+    if (AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_ROWS and gate_up.dim() == 2 and down.dim() == 2
             and gate_up.shape[0] == 2 * inter and gate_up.shape[1] == x.shape[1]
             and down.shape[0] == x.shape[1] and down.shape[1] == inter and _takes(x, gate_up) and _takes(x, down)):
         m, h = x.shape
@@ -125,7 +179,7 @@ def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     gate_up [n, 2I, H] and down [n, H, I] (global ids first .. first + n - 1), ids / weights
     [1, k] → [1, H], the sum in ascending expert order (models/moe.py ``_one_token``); None when
     the kernel does not take these tensors (the caller runs its own loop)."""
-    if not (AVAILABLE and one_thread() and x.dim() == 2 and x.shape[0] == 1 and gate_up.dim() == 3 and down.dim() == 3
+    if not (AVAILABLE and x.dim() == 2 and x.shape[0] == 1 and gate_up.dim() == 3 and down.dim() == 3
             and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == x.shape[1] == down.shape[1]
             and gate_up.shape[0] == down.shape[0] and _takes(x, gate_up[0]) and _takes(x, down[0])
             and ids.dtype is torch.long and weights.dtype is torch.float32 and ids.is_cpu and weights.is_cpu

@@ -13,6 +13,12 @@ cdef extern from "kernels/gemm_small.h":
     void pdkv_gemm_small(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias,
                          float *y, Py_ssize_t ldy, int m, int k, int n) nogil
 
+cdef extern from "kernels/pool.h":
+    void pdkv_pool_set_threads(int n) nogil
+    int pdkv_pool_threads() nogil
+    unsigned long pdkv_pool_split_calls() nogil
+    int PDKV_POOL_MAX_THREADS
+
 cdef extern from "kernels/gemm_bf16.h":
     int pdkv_gemm_bf16_supported() nogil
     void pdkv_gemm_bf16(const unsigned short *x, Py_ssize_t ldx, const unsigned short *w, Py_ssize_t ldw,
@@ -81,6 +87,24 @@ cdef extern from "kernels/mla_decode.h":
 SUPPORTED = bool(pdkv_gemm_small_supported())
 # The CPU has AVX-512F/BW and AVX512-BF16: ``gemm_bf16`` needs it.
 BF16 = bool(pdkv_gemm_bf16_supported())
+
+
+MAX_THREADS = PDKV_POOL_MAX_THREADS
+
+
+def set_threads(int n):
+    """The threads every kernel call may split across, the caller's included (kernels/pool.h;
+    clamped to 1..MAX_THREADS). A call smaller than a worker's wake-up runs on the caller alone."""
+    pdkv_pool_set_threads(n)
+
+
+def threads():
+    return pdkv_pool_threads()
+
+
+def split_calls():
+    """Kernel calls so far that ran on more than one thread."""
+    return pdkv_pool_split_calls()
 
 
 def gemm_path():

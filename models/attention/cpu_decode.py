@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdkv.models.cpu_kernels import AVAILABLE, _k, one_thread  # noqa: F401 - one_thread: the backend's gate
+from pdkv.models.cpu_kernels import AVAILABLE, _k
 
 MAX_GROUP = 128  # query heads per KV head (attention_decode.c MAX_GROUP)
 MAX_VALUE = 1024  # value width (MAX_VALUE)

@@ -79,7 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode_pages = blocked = pad_rows = unpad_rows = decode_lens = None
         decode_kv_len = kv_lens[0] if nd else 0
         masked = False
-        if nd and Q == 1 and self._cpu_kernel and cpu_decode.one_thread():  # (models/cpu_kernels.py one_thread)
+        if nd and Q == 1 and self._cpu_kernel:
             max_pages = max(len(p) for p in batch.page_ids[:nd])
             decode_pages = table[:nd, :max_pages].contiguous()
             decode_lens = torch.tensor(kv_lens[:nd], dtype=torch.long)

@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"model {a.model}: {nparams / 1e6:.1f}M params, {threads} threads, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.1f}, {a.dtype}, GEMM path {cpu_kernels.GEMM_PATH} "
-          f"(up to {cpu_kernels.MAX_ROWS} rows), CPU {_cpu_model()}")
+          f"(up to {cpu_kernels.KERNEL_ROWS} rows, {cpu_kernels.threads()} kernel threads; more rows: "
+          f"{'oneDNN' if cpu_kernels.ONEDNN else 'MKL'}), CPU {_cpu_model()}")
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; decode reads {wbytes / 1e6:.0f} MB of weights "
           f"-> floor {floor_s * 1e3:.2f} ms/step ({1 / floor_s:.1f} steps/s)")
     for b in sizes:

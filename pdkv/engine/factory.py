@@ -193,9 +193,9 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
     if device.type == "cpu":
         from pdkv.models import cpu_kernels  # noqa: PLC0415
 
-        log.info("CPU kernels: %s (GEMM path %s, up to %d rows)",
+        log.info("CPU kernels: %s (GEMM path %s, up to %d rows; more: %s)",
                  "on" if model.cpu_kernels and cpu_kernels.AVAILABLE else "off",
-                 cpu_kernels.GEMM_PATH, cpu_kernels.MAX_ROWS)
+                 cpu_kernels.GEMM_PATH, cpu_kernels.KERNEL_ROWS, "oneDNN" if cpu_kernels.ONEDNN else "MKL")
         want = os.environ.get("PDKV_GEMM_PATH")
         if want and cpu_kernels.AVAILABLE and want != cpu_kernels.GEMM_PATH:
             log.warning("PDKV_GEMM_PATH=%r is not a GEMM path this CPU runs (avx512, avx2, pairs): "

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from pdkv.models import cpu_kernels
 from pdkv.models.attention import AttentionBatch
 from pdkv.engine import logits as proc
 from pdkv.engine.connector import BatchEntry, ForwardBatch, KVConnector
@@ -61,6 +62,7 @@ class ModelRunner:
     def _set_threads(n: int) -> None:
         if torch.get_num_threads() != n:  # asked each step: another user may have changed it
             torch.set_num_threads(n)
+        cpu_kernels.set_threads(n)  # the CPU kernels' own threads: the same cores as torch's
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq], connector: KVConnector) -> dict[str, list[int]]:

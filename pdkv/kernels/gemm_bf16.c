@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "avx2.h"
+#include "pool.h"
 
 #ifdef PDKV_X86
 
@@ -45,9 +46,39 @@ static inline uint16_t f32_to_bf16(float f)
 #define STORE(p, s) (*(p) = f32_to_bf16(s))
 #define MAX_R 4
 #define MAX_C 3
-#define GEMM_NAME pdkv_gemm_bf16
+#define GEMM_NAME pdkv_gemm_bf16_one_thread
 
 #include "gemm_tile.h"
+
+struct bf16_call {
+    const uint16_t *x, *w, *bias;
+    uint16_t *y;
+    ptrdiff_t ldx, ldw, ldy;
+    int m, k, n;
+};
+
+/* columns split as gemm_small.c splits them (pool.h) */
+static void bf16_part(void *ctx, int part, int parts)
+{
+    const struct bf16_call *c = ctx;
+    int o0, o1;
+    pdkv_split_rows(c->n, part, parts, &o0, &o1);
+    if (o0 < o1)
+        pdkv_gemm_bf16_one_thread(c->x, c->ldx, c->w + (ptrdiff_t)o0 * c->ldw, c->ldw, c->bias ? c->bias + o0 : NULL, c->y + o0,
+                        c->ldy, c->m, c->k, o1 - o0);
+}
+
+void pdkv_gemm_bf16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *w, ptrdiff_t ldw, const uint16_t *bias,
+                    uint16_t *y, ptrdiff_t ldy, int m, int k, int n)
+{
+    int parts = pdkv_split_parts(m, k, n);
+    if (parts <= 1) {
+        pdkv_gemm_bf16_one_thread(x, ldx, w, ldw, bias, y, ldy, m, k, n);
+        return;
+    }
+    struct bf16_call c = {x, w, bias, y, ldx, ldw, ldy, m, k, n};
+    pdkv_pool_run(bf16_part, &c, parts);
+}
 
 int pdkv_gemm_bf16_supported(void)
 {

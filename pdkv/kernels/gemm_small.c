@@ -8,6 +8,7 @@
 
 #include "avx2.h"
 #include "gemm_small_paths.h"
+#include "pool.h"
 
 #ifdef PDKV_X86
 
@@ -149,10 +150,37 @@ int pdkv_gemm_set_path(const char *name)
     return -1;
 }
 
+/* One call split by output columns (weight rows) for the pool (pool.h): part p takes a run of
+ * whole 16-row blocks, so every tile of every part is a tile the one-thread call makes too. */
+struct gemm_call {
+    pdkv_gemm_fn fn;
+    const float *x, *w, *bias;
+    float *y;
+    ptrdiff_t ldx, ldw, ldy;
+    int m, k, n;
+};
+
+static void gemm_part(void *ctx, int part, int parts)
+{
+    const struct gemm_call *c = ctx;
+    int o0, o1;
+    pdkv_split_rows(c->n, part, parts, &o0, &o1);
+    if (o0 < o1)
+        c->fn(c->x, c->ldx, c->w + (ptrdiff_t)o0 * c->ldw, c->ldw, c->bias ? c->bias + o0 : NULL, c->y + o0, c->ldy,
+              c->m, c->k, o1 - o0);
+}
+
 void pdkv_gemm_small(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw, const float *bias,
                      float *y, ptrdiff_t ldy, int m, int k, int n)
 {
-    paths[choose()].fn(x, ldx, w, ldw, bias, y, ldy, m, k, n);
+    pdkv_gemm_fn fn = paths[choose()].fn;
+    int parts = pdkv_split_parts(m, k, n);
+    if (parts <= 1) {
+        fn(x, ldx, w, ldw, bias, y, ldy, m, k, n);
+        return;
+    }
+    struct gemm_call c = {fn, x, w, bias, y, ldx, ldw, ldy, m, k, n};
+    pdkv_pool_run(gemm_part, &c, parts);
 }
 
 #else  /* not x86-64: no kernel; callers keep torch's GEMM */

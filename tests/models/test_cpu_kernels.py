@@ -72,8 +72,8 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=g)
     with torch.inference_mode():
-        big = torch.randn(cpu_kernels.MAX_ROWS + 1, 64, generator=g)  # more rows: MKL
-        assert torch.equal(cpu_kernels.linear(big, w), F.linear(big, w))
+        big = torch.randn(cpu_kernels.MAX_ROWS + 1, 64, generator=g)  # more rows: oneDNN or MKL
+        assert _rel(cpu_kernels.linear(big, w), big.double() @ w.double().T) < 1e-5
         wt = w.t().contiguous().t()  # stored [in, out]: the layout MKL's GEMV prefers
         x = torch.randn(1, 64, generator=g)
         assert torch.equal(cpu_kernels.linear(x, wt), F.linear(x, wt))
@@ -164,13 +164,41 @@ def test_every_path_is_batch_invariant(gemm_path):
     assert torch.equal(_gemm(gemm_path, x[5:6], w[3:40]), full[5:6, 3:40])  # another tile phase
 
 
-def test_linear_takes_the_blocked_path_up_to_max_rows(gemm_path):
+def test_linear_takes_the_blocked_path_up_to_kernel_rows(gemm_path):
     g = torch.Generator().manual_seed(10)
-    x, w = torch.randn(cpu_kernels.MAX_ROWS, 96, generator=g), torch.randn(50, 96, generator=g)
+    x, w = torch.randn(cpu_kernels.KERNEL_ROWS, 96, generator=g), torch.randn(50, 96, generator=g)
     with torch.inference_mode():
         y = cpu_kernels.linear(x, w)
     assert torch.equal(y, _gemm(gemm_path, x, w))  # the kernel's bits, not MKL's
     assert _rel(y, x.double() @ w.double().T) < 1e-5
+
+
+def test_more_rows_go_to_mkl_and_with_onednn_asked_for_to_onednn():
+    """Past KERNEL_ROWS a float32 linear is MKL's F.linear by default; PDKV_LINEAR_ONEDNN=1 (a
+    fresh interpreter: read at import) gives oneDNN's bits there (bias included) and the kernel
+    up to 16 rows only."""
+    import os
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(12)
+    x, w, b = torch.randn(70, 300, generator=g), torch.randn(700, 300, generator=g), torch.randn(700, generator=g)
+    if not cpu_kernels.ONEDNN:
+        assert cpu_kernels.KERNEL_ROWS == cpu_kernels.MAX_ROWS
+        with torch.inference_mode():
+            assert torch.equal(cpu_kernels.linear(x, w, b), F.linear(x, w, b))
+    code = ("import torch, torch.nn.functional as F; from pdkv.models import cpu_kernels as c; "
+            "g = torch.Generator().manual_seed(12); "
+            "x, w, b = torch.randn(40, 300, generator=g), torch.randn(700, 300, generator=g), torch.randn(700, generator=g); "
+            "y = c.linear(x, w, b); "
+            "print(c.ONEDNN, c.KERNEL_ROWS, torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, 'none', [], '')), "
+            "((y.double() - torch.addmm(b.double(), x.double(), w.double().T)).abs().max() < 1e-3).item(), "
+            "torch.equal(c.linear(x[:, ::2], w[:, ::2]), F.linear(x[:, ::2], w[:, ::2])))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDKV_LINEAR_ONEDNN": "1"},
+                         capture_output=True, text=True, timeout=120)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert out.stdout.split() == ["True", "16", "True", "True", "True"], out.stderr[-2000:]
 
 
 def test_set_gemm_path_refuses_unknown_names():
@@ -375,34 +403,6 @@ def test_backend_decode_step_kernel_equals_torch_path(latent):
         assert outs[0].shape == outs[1].shape == (B, Hq * Dv)
         assert _rel(outs[0], outs[1].double()) < 1e-5
         assert not math.isnan(outs[0].sum().item())
-
-
-def test_on_more_threads_the_gemm_kernels_leave_the_step_to_torch(monkeypatch):
-    """One-thread kernels only take one-thread steps: on more, MKL's threads (and the runner's
-    thread tuner measures the two against each other, pdkv/engine/threads.py)."""
-    calls = []
-    real = cpu_kernels._k
-
-    class Spy:
-        SUPPORTED = True
-
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(cpu_kernels, "_k", Spy())
-    g = torch.Generator().manual_seed(11)
-    x, w = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g)
-    torch.set_num_threads(2)
-    with torch.inference_mode():
-        y = cpu_kernels.linear(x, w)
-        assert cpu_kernels.moe_one_token(x, torch.randn(2, 16, 64), torch.randn(2, 64, 8), torch.tensor([[1]]),
-                                      torch.tensor([[1.0]]), 2, 0) is None
-    assert calls == [] and torch.equal(y, F.linear(x, w))
-    torch.set_num_threads(1)
-    with torch.inference_mode():
-        cpu_kernels.linear(x, w)
-    assert calls == ["gemm"]
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 3])

@@ -46,8 +46,9 @@ class _Calls:
         fn = getattr(self.real, name)
 
         def counted(*a):
-            # the sampler's greedy argmax is no model kernel: model.cpu_kernels does not switch it
-            self.n += name != "argmax_rows"
+            # the sampler's greedy argmax is no model kernel, nor is the runner telling the kernels
+            # its thread count: model.cpu_kernels does not switch them
+            self.n += name not in ("argmax_rows", "set_threads")
             return fn(*a)
         return counted
 
