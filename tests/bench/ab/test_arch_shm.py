@@ -91,8 +91,8 @@ for cmd in sys.stdin:
 def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp_path):
     """Two real processes mapping one /dev/shm file: the breakdown lists both, the file once (its
     whole allocation), and its parts add up to held_bytes; the report's memory table prints them
-    with the ratio against colocated's held bytes."""
-    import mmap
+    with the ratio against colocated's held bytes. Both are small quiet children (as above): the
+    test's worker's own PSS moves by megabytes between two reads."""
     import os
     import subprocess
     import sys
@@ -103,16 +103,17 @@ def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp
 
     size = 16 << 20
     fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
-    child = None
+    children = []
     try:
         os.posix_fallocate(fd, 0, size)
-        m = mmap.mmap(fd, size)
-        m[: size // 4] = b"\2" * (size // 4)
-        child = subprocess.Popen([sys.executable, "-c", f"import mmap,os,sys,time; m=mmap.mmap({fd}, 0); "
-                                  "m[:len(m)//4]; sys.stdout.write('ok\\n'); sys.stdout.flush(); time.sleep(60)"],
-                                 pass_fds=(fd,), stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline() == "ok\n"
-        pids = [os.getpid(), child.pid]
+        for touch in (1, 0):  # the first writes a quarter of the file, the second reads that quarter
+            child = subprocess.Popen([sys.executable, "-S", "-c", f"import mmap,sys,time\nm = mmap.mmap({fd}, 0)\n"
+                                      f"if {touch}:\n    m[:len(m)//4] = b'\\2' * (len(m)//4)\nm[:len(m)//4]\n"
+                                      "sys.stdout.write('ok\\n'); sys.stdout.flush(); time.sleep(60)"],
+                                     pass_fds=(fd,), stdout=subprocess.PIPE, text=True)
+            children.append(child)
+            assert child.stdout.readline() == "ok\n"
+        pids = [c.pid for c in children]
         parts = held_breakdown(pids)
         assert [v["pid"] for v in parts["procs"]] == pids
         assert parts["shm_bytes"] >= size  # the file once, whole, though both map it
@@ -121,19 +122,19 @@ def test_the_peak_breakdown_names_each_process_and_counts_a_shared_file_once(tmp
         assert abs(held_bytes(pids) - parts["held_bytes"]) < (2 << 20)
         for v in parts["procs"]:
             assert 0 < v["private_bytes"] <= v["pss_bytes"] + (1 << 20)
-        s = Sampler(lambda: pids, period=0.05, names=lambda: {os.getpid(): "me", child.pid: "child"}).start()
+        s = Sampler(lambda: pids, period=0.05, names=lambda: dict(zip(pids, ("writer", "reader")))).start()
         time.sleep(0.2)
         res = s.stop()
         pm = res["peak_memory"]
-        assert sorted(p["name"] for p in pm["procs"]) == ["child", "me"] and pm["held_bytes"] == res["peak_held_bytes"]
+        assert sorted(p["name"] for p in pm["procs"]) == ["reader", "writer"]
+        assert pm["held_bytes"] == res["peak_held_bytes"]
         half = {**pm, "held_bytes": pm["held_bytes"] // 2}
         lines = _memory_table([{"arch": "colocated", "resources": {"peak_memory": half}},
                                {"arch": "pair", "resources": {"peak_memory": pm}}])
         row = next(line for line in "\n".join(lines).splitlines() if line.startswith("| pair "))
-        assert f"| {pm['held_bytes'] / half['held_bytes']:.2f}x |" in row and "child " in row and "me " in row
-        m.close()
+        assert f"| {pm['held_bytes'] / half['held_bytes']:.2f}x |" in row and "writer " in row and "reader " in row
     finally:
-        if child is not None:
+        for child in children:
             child.kill()
             child.wait()
         os.close(fd)
