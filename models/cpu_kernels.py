@@ -22,6 +22,8 @@ path); `python -m pdkv.bench kernels` measures the kernels against torch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +88,34 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)  # block-quantized weights: models/
 # the thread count. Norms, rope and routing (no threading to gain) run on the caller.
 
 
+# (op, n, k, rows bucket, threads) that torch ran faster than the kernel on this machine
+# (models/gemm_tuner.py measures them at load); a set lookup per call, none while it is empty.
+_TORCH: frozenset = frozenset()
+
+
+def prefer_torch(keys: set[tuple[str, int, int, int]], threads: int) -> None:
+    """Send these (op, n, k, rows bucket) to torch at ``threads``, replacing that thread count's
+    earlier choice (op: "linear" for a weight [n, k], "mlp" for a gated MLP of intermediate
+    size n over k inputs; the bucket: the row count rounded up to a power of two)."""
+    global _TORCH
+    _TORCH = frozenset({t for t in _TORCH if t[4] != threads} | {(*key, threads) for key in keys})
+
+
+@contextlib.contextmanager
+def untuned():
+    """Every call on the kernel while the tuner times it against torch."""
+    global _TORCH
+    saved, _TORCH = _TORCH, frozenset()
+    try:
+        yield
+    finally:
+        _TORCH = saved
+
+
+def _torch_wins(op: str, n: int, k: int, m: int) -> bool:
+    return (op, n, k, 1 << (m - 1).bit_length(), _k.threads()) in _TORCH
+
+
 def set_threads(n: int) -> None:
     """The threads each kernel call may use (the caller's included)."""
     if AVAILABLE:
@@ -115,6 +145,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if AVAILABLE and x.dtype is torch.float32:
         if x.shape[0] > KERNEL_ROWS:
             return _large(x, weight, bias)
+        if _TORCH and x.shape[0] > 0 and _torch_wins("linear", weight.shape[0], x.shape[1], x.shape[0]):
+            return F.linear(x, weight, bias)
         gemm, max_rows = _k.gemm, KERNEL_ROWS
     elif BF16 and x.dtype is torch.bfloat16:
         gemm, max_rows = _k.gemm_bf16, MAX_ROWS_BF16
@@ -165,12 +197,20 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter:
             and gate_up.shape[0] == 2 * inter and gate_up.shape[1] == x.shape[1]
             and down.shape[0] == x.shape[1] and down.shape[1] == inter and _takes(x, gate_up) and _takes(x, down)):
         m, h = x.shape
+        if _TORCH and _torch_wins("mlp", inter, h, m):
+            return torch_gated_mlp(x, gate_up, down, inter)
         y = torch.empty(m, h, dtype=torch.float32)
         _k.gated_mlp(x.data_ptr(), x.stride(0), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
                         down.stride(0), y.data_ptr(), h, m, h, inter)
         return y
     gu = linear(x, gate_up)  # [M, 2 * inter]
     return linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+
+
+def torch_gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
+    """gated_mlp on torch's GEMMs alone."""
+    gu = F.linear(x, gate_up)
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
 
 
 def moe_one_token(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,

@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="pdkv's model dtype (Hugging Face's stays float32)")
     ap.add_argument("--profile", action="store_true",
                     help="print where each batch size's decode steps spent their time (cProfile)")
+    ap.add_argument("--gemm-choice", default="kernel", choices=("kernel", "measure"),
+                    help="model.gemm_choice: every small GEMM on pdkv's kernel, or the faster of it and "
+                         "torch's per shape, timed at load (models/gemm_tuner.py)")
     ap.add_argument("--out", default="bench-results/engine.json")
     ap.add_argument("--dp", type=int, default=1,
                     help="with --ep: a DP-EP group of this many ranks vs TP of as many vs as many TP1 engines "
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     max_b = max(sizes)
     num_pages = max_b * (-(-(a.prompt_len + a.new_tokens) // a.page_size)) + 8
     # NOTE: no prefix cache: the repeats must compute every prompt, not find the last round's pages
-    engine = LLMEngine(ModelConfig(path=a.model, dtype=a.dtype),
+    engine = LLMEngine(ModelConfig(path=a.model, dtype=a.dtype, gemm_choice=a.gemm_choice),
                        KVCacheConfig(page_size=a.page_size, num_pages=num_pages, layout=a.layout,
                                      prefix_caching=False),
                        SchedulerConfig(max_num_batched_tokens=max_b * a.prompt_len, chunk_size=a.prompt_len,

@@ -45,6 +45,12 @@ class ModelConfig:
     # kernels (models/cpu_kernels.py, models/attention/cpu_decode.py) where the CPU has AVX2+FMA;
     # false: torch's GEMMs and attention for every step. No effect on a GPU.
     cpu_kernels: bool = True
+    # CPU, float32, more than one thread: "kernel": every GEMM of up to 64 rows on pdkv's kernel
+    # (the same bits on any thread count and in every process); "measure": per weight shape and
+    # row count, pdkv's kernel or torch's, whichever was faster when timed at load
+    # (models/gemm_tuner.py) -- faster where MKL wins on this CPU, but two processes may choose
+    # differently, so their outputs may differ in the last bits.
+    gemm_choice: str = "kernel"  # kernel | measure
     # One copy of the weights per host (pdkv/shared_weights.py): "auto": a CPU process attaches to
     # the copy another process on this host serves for the same model (checked: fingerprint, sizes,
     # index checksum), else loads its own and serves it; "on": the same on a GPU too (CUDA IPC,

@@ -100,6 +100,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None, *, check_paths:
     need(sv.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024", sv.max_body_bytes)
     one_of("messenger.transport", ms.transport, TRANSPORTS)
     one_of("model.share_weights", m.share_weights, ("auto", "on", "off"))
+    one_of("model.gemm_choice", m.gemm_choice, ("kernel", "measure"))
     # what the transport can do (pdkv/transports.py), not its name, decides the checks below
     caps = capabilities(ms.transport, ms) if ms.transport in TRANSPORTS else Capability.NONE
     need(0 <= ms.port <= 65535, "messenger.port", "a TCP port in 0..65535", ms.port)

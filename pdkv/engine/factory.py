@@ -200,6 +200,10 @@ def build_parts(model: ModelConfig, kv_cache: KVCacheConfig, scheduler: Schedule
         if want and cpu_kernels.AVAILABLE and want != cpu_kernels.GEMM_PATH:
             log.warning("PDKV_GEMM_PATH=%r is not a GEMM path this CPU runs (avx512, avx2, pairs): "
                         "using %s", want, cpu_kernels.GEMM_PATH)
+        if model.cpu_kernels and model.gemm_choice == "measure" and loaded.dtype is torch.float32:
+            from pdkv.models.gemm_tuner import tune  # noqa: PLC0415
+
+            tune(loaded.model, num_threads)
     tokenizer = Tokenizer(path, arch.eos_token_id)
     runner = ModelRunner(loaded.model, backend, device, Sampler(model.seed, tokenizer.eos_token_ids), num_threads,
                          followers=ep if ep is not None else tp)
