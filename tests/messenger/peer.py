@@ -111,6 +111,11 @@ class Agent:
         old = sys.getswitchinterval()
         sys.setswitchinterval(100.0)
         try:
+            # A thread already waiting for the GIL keeps the interval it read when it began to
+            # wait, and asks for the GIL after it: let the canary start two fresh waits first.
+            mark = ticks[0]
+            while ticks[0] < mark + 2:
+                time.sleep(0.001)
             polls_before = m.polls()
             ticks_before = ticks[0]
             ctr[0] = value  # the "layer done" store, made while this thread holds the GIL
