@@ -77,8 +77,25 @@ ONEDNN = _ONEDNN is not None
 KERNEL_ROWS = min(16, MAX_ROWS) if ONEDNN else MAX_ROWS
 # bfloat16 weights (model.dtype: bfloat16) on CPUs with AVX512-BF16: float32 sums, one rounding.
 BF16 = AVAILABLE and _k.BF16
-# At 64 rows oneDNN's bf16 GEMM was as fast (1.10 vs 0.97 ms at 3072 x 768, one thread).
-MAX_ROWS_BF16 = 32
+# The most rows the bf16 kernel takes: at 64 oneDNN's bf16 GEMM was as fast on AVX512-BF16 alone
+# (1.10 vs 0.97 ms at 3072 x 768, one thread).
+BF16_KERNEL_ROWS = 32
+
+
+def _amx_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Where the CPU has AMX tiles, torch's bf16 GEMM (oneDNN) runs on them and reads a weight as fast
+# for 32 rows as for one: a 144M layer's four weights on 2 threads took 1.43-1.61 ms at 1-32
+# rows, the kernel 0.77-0.80x that at 1-4 rows, 1.08x at 8, 1.79x at 16, 2.72x at 32 (Sapphire
+# Rapids). There the kernel takes up to 4 rows; the choice follows the CPU, so it is the same in
+# every process on it.
+AMX_BF16 = BF16 and _amx_bf16()
+MAX_ROWS_BF16 = 4 if AMX_BF16 else BF16_KERNEL_ROWS
 _FP8 = getattr(torch, "float8_e4m3fn", None)  # block-quantized weights: models/fp8.py
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) split each call
 # across their own threads (pdkv/kernels/pool.h: by output columns, or by sequence and KV head),

@@ -218,9 +218,11 @@ needs_bf16 = pytest.mark.skipif(not cpu_kernels.BF16, reason="this CPU lacks AVX
 
 @needs_bf16
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 63, 520])
-def test_bf16_linear_matches_float64(k):
+def test_bf16_linear_matches_float64(k, monkeypatch):
     """Float32 sums of exact bf16 products, one rounding to bf16 at the end: within half a bf16
-    ulp (2^-9 relative) of the float64 result of the same bf16 inputs, plus float32's sum error."""
+    ulp (2^-9 relative) of the float64 result of the same bf16 inputs, plus float32's sum error.
+    Every row count the kernel can take, also where AMX leaves it only a few (MAX_ROWS_BF16)."""
+    monkeypatch.setattr(cpu_kernels, "MAX_ROWS_BF16", cpu_kernels.BF16_KERNEL_ROWS)
     g = torch.Generator().manual_seed(100 + k)
     n = 37
     x, w = torch.randn(64, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
@@ -238,13 +240,36 @@ def test_bf16_linear_matches_float64(k):
 
 
 @needs_bf16
-def test_bf16_rows_are_batch_invariant():
+def test_bf16_rows_are_batch_invariant(monkeypatch):
+    """Within the kernel's rows (where AMX sends more than a few to oneDNN, a row's bits depend
+    on which of the two its step's row count chose)."""
+    monkeypatch.setattr(cpu_kernels, "MAX_ROWS_BF16", cpu_kernels.BF16_KERNEL_ROWS)
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(32, 300, generator=g).bfloat16(), torch.randn(70, 300, generator=g).bfloat16()
     with torch.inference_mode():
         full = cpu_kernels.linear(x, w)
         for m in (1, 2, 5, 8, 13, 31):
             assert torch.equal(cpu_kernels.linear(x[32 - m:], w), full[32 - m:]), m
+
+
+@needs_bf16
+def test_bf16_rows_past_the_kernel_s_share_go_to_torch(monkeypatch):
+    """MAX_ROWS_BF16 (4 where the CPU has AMX tiles, else the kernel's 32): up to it the kernel
+    (its rows are the same bits whatever the batch), past it torch's GEMM, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(40, 512, generator=g).bfloat16(), torch.randn(96, 512, generator=g).bfloat16()
+    assert cpu_kernels.MAX_ROWS_BF16 == (4 if cpu_kernels.AMX_BF16 else cpu_kernels.BF16_KERNEL_ROWS)
+    calls = []
+    real = cpu_kernels._k.gemm_bf16
+    monkeypatch.setattr(cpu_kernels._k, "gemm_bf16", lambda *a: (calls.append(a[7]), real(*a))[1])
+    with torch.inference_mode():
+        for m in (1, cpu_kernels.MAX_ROWS_BF16, cpu_kernels.MAX_ROWS_BF16 + 1, 33):
+            before = len(calls)
+            y = cpu_kernels.linear(x[:m], w)
+            if m <= cpu_kernels.MAX_ROWS_BF16:
+                assert calls[before:] == [m]
+            else:
+                assert calls[before:] == [] and torch.equal(y, F.linear(x[:m], w))
 
 
 @pytest.mark.parametrize("m", [1, 4])
