@@ -98,7 +98,7 @@ AMX_BF16 = BF16 and _amx_bf16()
 MAX_ROWS_BF16 = 4 if AMX_BF16 else BF16_KERNEL_ROWS
 _FP8 = getattr(torch, "float8_e4m3fn", None)  # block-quantized weights: models/fp8.py
 # The GEMM-type kernels (linear, bmm, gated_mlp, moe_one_token, decode attention) split each call
-# across their own threads (pdkv/kernels/pool.h: by output columns, or by sequence and KV head),
+# across OpenMP threads (pdkv/kernels/pool.h: by output columns, or by sequence and KV head),
 # as many as ``set_threads`` last asked for; the runner asks for the thread count it gives torch
 # for the step (pdkv/engine/threads.py measures one thread against all of them), so the kernels
 # and torch's own ops run on the same cores. Every output is the same float operations whatever
