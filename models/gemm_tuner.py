@@ -4,7 +4,8 @@ shape and row count, chosen by timing both at load over the model's own weights.
 A GEMM of a few rows is bound by reading the weight, and which implementation reads it faster
 depends on the CPU, its caches and the thread count: on an AMD EPYC (AVX2 or AVX-512) the kernel
 was ahead of MKL at every row count to 64 on one thread; on a Xeon with AVX-512, on two
-threads, MKL read a weight faster for one row and for 64, the kernel in between. No fixed rule
+threads, MKL was ahead at 33-64 rows and level at one, the kernel ahead in between. Only the
+engine that builds the model measures (a tensor-parallel follower keeps the kernel). No fixed rule
 holds on every machine, so the engine measures: for each weight shape of the model's linears
 (and each gated MLP's pair), for rows 1, 2, 4, ... up to the kernel's limit, the kernel and
 torch alternate over the same weights (as many as a step would read in a row, so each timing
